@@ -1,0 +1,226 @@
+"""Plain-torch references for every kernel, optionally upcast to fp32.
+
+These are the specification: tests compare the kernels against them (STYLE.md rule 3: kernel in low precision,
+reference in the same precision, reference in fp32), benchmarks use them as the eager baseline. They favour
+clarity over memory: ``logprobs_ref`` and ``linear_logprobs_ref`` materialise the full logits.
+
+Shape legend: N packed tokens, B sequences, T padded length, V vocabulary, H hidden size, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._utils import pad_packed
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+def _maybe_upcast(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:
+    return t.float() if (upcast and t is not None and t.is_floating_point()) else t
+
+
+def logprobs_ref(logits, targets, *, temperature=1.0, return_entropy=False, upcast=True):
+    """``logp[i] = z[i, y_i] − logsumexp_v z[i, v]`` with ``z = logits / temperature``.
+
+    Entropy ``H[i] = −Σ_v p[i, v] log p[i, v]`` with ``p = softmax(z)``. Inputs ``[..., V]`` and ``[...]``;
+    returns fp32 when ``upcast`` (else the logits' dtype) of shape ``[...]``.
+    """
+    z = _maybe_upcast(logits, upcast) / temperature  # [..., V]
+    logp_all = torch.log_softmax(z, dim=-1)  # [..., V]
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]
+    if not return_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
+    return logp, entropy
+
+
+def linear_logprobs_ref(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False, upcast=True):
+    """``logits = hidden @ weightᵀ (+ bias)``, then :func:`logprobs_ref`. hidden ``[..., H]``, weight ``[V, H]``."""
+    h, w, b = (_maybe_upcast(x, upcast) for x in (hidden, weight, bias))
+    logits = h @ w.t()  # [..., V]
+    if b is not None:
+        logits = logits + b
+    return logprobs_ref(logits, targets, temperature=temperature, return_entropy=return_entropy, upcast=upcast)
+
+
+def cross_entropy_ref(hidden, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", upcast=True):
+    """SFT loss: ``−logp`` of the targets, averaged over tokens whose target is not ``ignore_index``."""
+    keep = targets != ignore_index
+    safe = torch.where(keep, targets, torch.zeros_like(targets))
+    nll = -linear_logprobs_ref(hidden, weight, safe, bias=bias, upcast=upcast) * keep  # [...]
+    if reduction == "none":
+        return nll
+    if reduction == "sum":
+        return nll.sum()
+    return nll.sum() / keep.sum().clamp(min=1)
+
+
+def grpo_loss_ref(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    *,
+    ref_logprobs=None,
+    beta=0.0,
+    epsilon_low=0.2,
+    epsilon_high=None,
+    delta=None,
+    dual_clip_c=None,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    max_completion_length=None,
+    num_items_in_batch=None,
+    cu_seqlens=None,
+    upcast=True,
+):
+    """GRPO-family loss, written the way TRL 1.16's ``GRPOTrainer._compute_loss`` computes it.
+
+    Padded inputs are ``[B, T]`` with ``mask`` ``[B, T]``; packed inputs are ``[N]`` with ``cu_seqlens``
+    ``[B + 1]`` and are padded here first. ``advantages`` is ``[B]`` (one per sequence) or per token.
+
+    With ``r = exp(logp − old)`` per token (``importance_sampling_level="token"``) or
+    ``r_b = exp(Σ_t m (logp − old) / max(Σ_t m, 1))`` per sequence (``"sequence"``, GSPO)::
+
+        r1   = min(r, delta)                    if delta is given (TRL's two-sided clipping)
+        r2   = clamp(r, 1 − ε_low, 1 + ε_high)  (ε_high defaults to ε_low)
+        ℓ    = −min(r1 · A, r2 · A)
+        ℓ    = min(ℓ, −c · A) where A < 0       if dual_clip_c = c is given (NeMo-RL / veRL dual clip)
+        ℓ   += β · (exp(ref − logp) − (ref − logp) − 1)   (k3 estimator) if β ≠ 0
+
+    Reductions over the mask ``m``:
+        grpo     mean_b [ Σ_t m ℓ / max(Σ_t m, 1) ]
+        bnpo     Σ m ℓ / max(Σ m, 1)
+        dr_grpo  Σ m ℓ / (B · max_completion_length)      (max_completion_length defaults to T)
+        dapo     Σ m ℓ / max(num_items_in_batch, 1)        (num_items_in_batch defaults to Σ m)
+
+    Metrics (detached, fp32 scalars): ``kl`` (when β ≠ 0), ``clip_ratio/low_mean`` (r < 1 − ε_low and A < 0),
+    ``clip_ratio/high_mean`` (r > 1 + ε_high and A > 0), ``clip_ratio/region_mean`` (either); token means over
+    the mask, or means over sequences at the sequence level. As in TRL, ``r`` in the metrics is after the
+    ``delta`` clamp.
+    """
+    if epsilon_high is None:
+        epsilon_high = epsilon_low
+    if cu_seqlens is not None:
+        per_token_adv = advantages.dim() == 1 and advantages.numel() == logprobs.numel() != cu_seqlens.numel() - 1
+        logprobs, old_logprobs, mask = (pad_packed(x, cu_seqlens) for x in (logprobs, old_logprobs, mask))
+        ref_logprobs = None if ref_logprobs is None else pad_packed(ref_logprobs, cu_seqlens)
+        if per_token_adv:
+            advantages = pad_packed(advantages, cu_seqlens)
+    logp, old, ref, adv = (_maybe_upcast(x, upcast) for x in (logprobs, old_logprobs, ref_logprobs, advantages))
+    m = mask.to(logp.dtype)  # [B, T]
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)  # [B, 1]
+
+    log_ratio = logp - old  # [B, T]
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    elif importance_sampling_level == "sequence":
+        log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    else:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    if dual_clip_c is not None:
+        per_token_loss = torch.where(adv < 0, torch.min(per_token_loss, -dual_clip_c * adv), per_token_loss)
+    if beta != 0.0:
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token_loss = per_token_loss + beta * per_token_kl
+
+    B, T = logp.shape
+    if loss_type == "grpo":
+        loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * m).sum() / (B * (max_completion_length or T))
+    elif loss_type == "dapo":
+        normalizer = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
+        loss = (per_token_loss * m).sum() / normalizer.clamp(min=1.0)
+    else:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+    def masked_mean(x):
+        if x.shape[1] == 1:  # sequence level: one value per sequence
+            return x.mean()
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+
+    with torch.no_grad():
+        is_low = ((coef_1 < 1 - epsilon_low) & (adv < 0)).float()
+        is_high = ((coef_1 > 1 + epsilon_high) & (adv > 0)).float()
+        metrics = {
+            "clip_ratio/low_mean": masked_mean(is_low),
+            "clip_ratio/high_mean": masked_mean(is_high),
+            "clip_ratio/region_mean": masked_mean(torch.maximum(is_low, is_high)),
+        }
+        if beta != 0.0:
+            metrics["kl"] = masked_mean(per_token_kl)
+    return loss, metrics
+
+
+def dpo_loss_ref(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    *,
+    beta=0.1,
+    loss_type="sigmoid",
+    label_smoothing=0.0,
+    upcast=True,
+):
+    """DPO family on sequence log-probs ``[B]``, as TRL's ``DPOTrainer`` defines them.
+
+    ``h = (π_c − π_r) − (ref_c − ref_r)``;
+    sigmoid: ``−(1 − ls) log σ(βh) − ls log σ(−βh)``; ipo: ``(h − 1/(2β))²``; hinge: ``relu(1 − βh)``;
+    loss = mean over pairs. Metrics: ``rewards/chosen = β(π_c − ref_c)``, ``rewards/rejected = β(π_r − ref_r)``
+    (means), ``rewards/accuracies`` (chosen reward > rejected reward), ``rewards/margins`` (mean difference).
+    """
+    pc, pr, rc, rr = (_maybe_upcast(x, upcast) for x in (policy_chosen_logps, policy_rejected_logps,
+                                                         ref_chosen_logps, ref_rejected_logps))
+    h = (pc - pr) - (rc - rr)  # [B]
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    with torch.no_grad():
+        chosen_rewards = beta * (pc - rc)
+        rejected_rewards = beta * (pr - rr)
+        metrics = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        }
+    return losses.mean(), metrics
+
+
+def varlen_attention_ref(q, k, v, cu_seqlens, *, causal=True, softmax_scale=None, upcast=True):
+    """Per-sequence ``softmax(q kᵀ · scale + causal mask) v`` on packed ``[T, H, D]`` tensors.
+
+    GQA: query head ``h`` reads key/value head ``h // (Hq // Hkv)``. Returns ``[T, Hq, D]`` (fp32 when upcast).
+    """
+    q, k, v = (_maybe_upcast(x, upcast) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)  # [Hq, L, D]
+        ks = k[start:end].transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
+        vs = v[start:end].transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, L, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)  # [Hq, L, D]
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)  # [T, Hq, D]

@@ -1,0 +1,34 @@
+"""fastgrpo: a kernel-centric, single-node GRPO trainer.
+
+The top-level ``kernels/`` folder is installed as ``fastgrpo.kernels`` (never as a top-level ``kernels``
+package: another PyPI distribution owns that name and transformers probes for it).
+"""
+
+from setuptools import setup
+
+setup(
+    name="fastgrpo",
+    version="0.1.0",
+    description="Kernel-centric single-node GRPO trainer: fused Triton losses, packed attention, co-located generation",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["fastgrpo", "fastgrpo.kernels"],
+    package_dir={"fastgrpo": "fastgrpo", "fastgrpo.kernels": "kernels"},
+    package_data={"fastgrpo": ["recipes/*.yaml"]},
+    install_requires=[
+        "torch>=2.6",
+        "triton>=3.2; platform_system == 'Linux'",
+        "transformers>=5.0",
+        "safetensors",
+        "tokenizers",
+        "numpy",
+        "pyyaml",
+        "math-verify>=0.7",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
+        "plot": ["matplotlib"],
+    },
+)
