@@ -26,9 +26,9 @@ setup(
         "pyyaml",
         "math-verify>=0.7",
         "tqdm",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
-        "plot": ["matplotlib"],
     },
 )
