@@ -1,0 +1,461 @@
+"""Log-probs (and entropy) of target tokens straight from hidden states, never materialising the logits.
+
+Math, per token ``i`` with hidden row ``h_i`` ``[H]``, LM head ``W`` ``[V, H]``, optional bias ``b`` ``[V]``::
+
+    z_iv   = (h_i · W_v + b_v) / T                     (T = temperature)
+    lse_i  = log Σ_v exp(z_iv)
+    logp_i = z_{i, y_i} − lse_i
+    H_i    = −Σ_v p_iv log p_iv = lse_i − Σ_v p_iv z_iv,   p_iv = exp(z_iv − lse_i)
+
+Backward, with upstream gradients ``g_i`` (of ``logp_i``) and ``e_i`` (of ``H_i``)::
+
+    dz_iv  = [g_i (1[v = y_i] − p_iv) − e_i p_iv (log p_iv + H_i)] / T
+    grad_h = dz @ W,   grad_W = dzᵀ @ h,   grad_b = Σ_i dz_i
+
+Neither the ``[N, V]`` logits nor ``dz`` ever exist in memory: the forward streams vocabulary tiles with an online
+log-sum-exp and keeps O(N) per-token state (the LSE, and the entropy when asked); the backward recomputes each tile's
+logits from ``h`` and ``W`` (Cut Cross-Entropy, Wijmans et al. 2024).
+
+Masking and packing: this op is per token, so it needs no ``cu_seqlens``. Pass only the rows you need (packed
+``[N, H]``), or pass padded ``[B, T, H]`` (just reshaped to ``[B·T, H]``) and apply the mask to the result.
+
+Paths (``kernels/_utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path
+chunked over tokens and vocabulary with the same memory promise (nothing ``[N, V]``; the only ``[V, H]`` buffer is
+the one fp32 gradient accumulator).
+
+Shape legend: N tokens, H hidden size, V vocabulary, S vocabulary splits of the forward grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._utils import FLOAT_DTYPES, HAS_TRITON, check_shape, check_targets, check_tensor, dot_in_fp32, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are a few [TORCH_CHUNK_N, TORCH_CHUNK_V] fp32
+# tensors (2 MiB each), small next to the [V, H] gradient; the matmuls stay large enough to run at full speed.
+TORCH_CHUNK_N = 512
+TORCH_CHUNK_V = 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
+                     stride_wk, inv_temp, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """``z = (h[offs_n] @ W[offs_v]ᵀ + b[offs_v]) / T`` for one tile, ``[BLOCK_N, BLOCK_V]`` fp32.
+
+        Reads ``BLOCK_N·H + BLOCK_V·H`` elements; the K loop masks ``H`` that is not a multiple of ``BLOCK_K``.
+        """
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < H
+            h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk,
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wk,
+                        mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            if DOT_FP32:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)  # [BLOCK_V]
+            acc += b[None, :]
+        return acc * inv_temp
+
+    @triton.jit
+    def _linear_logprobs_fwd_kernel(
+        h_ptr, w_ptr, b_ptr, y_ptr,  # [N, H], [V, H], [V], [N]
+        m_ptr, s_ptr, t_ptr, zy_ptr,  # partial states [S, N] fp32
+        N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_temp, tiles_per_split,
+        HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """Program (token tile, vocabulary split): online LSE over the split's vocabulary tiles.
+
+        Per token row, over the split: reads its hidden row once per vocabulary tile (``V_split/BLOCK_V · H``
+        elements, from L2) and ``V_split · H / N_tile`` of ``W`` amortised over the tile; writes 4 fp32 partials
+        (running max ``m``, ``s = Σ exp(z − m)``, ``t = Σ exp(z − m)·z``, target logit ``z_y`` when in range).
+        FLOPs: 2·H per (token, vocabulary) pair.
+        """
+        pid_n = tl.program_id(0).to(tl.int64)
+        pid_s = tl.program_id(1).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        y = tl.load(y_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)  # [BLOCK_N]
+        m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+        s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        v_start = pid_s * tiles_per_split * BLOCK_V
+        v_end = tl.minimum(v_start + tiles_per_split * BLOCK_V, V)
+        for v0 in range(v_start, v_end, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < V
+            z = _tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk,
+                             stride_wv, stride_wk, inv_temp, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
+                             BLOCK_K)  # [BLOCK_N, BLOCK_V]
+            z = tl.where(mask_v[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: every tile holds a valid column
+            alpha = tl.exp(m - m_new)
+            e = tl.exp(z - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 on masked columns
+            s = s * alpha + tl.sum(e, axis=1)
+            if ENTROPY:
+                t = t * alpha + tl.sum(e * tl.where(mask_v[None, :], z, 0.0), axis=1)
+            zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z, 0.0), axis=1)
+            m = m_new
+        out = pid_s * N + offs_n
+        tl.store(m_ptr + out, m, mask=mask_n)
+        tl.store(s_ptr + out, s, mask=mask_n)
+        tl.store(zy_ptr + out, zy, mask=mask_n)
+        if ENTROPY:
+            tl.store(t_ptr + out, t, mask=mask_n)
+
+    @triton.jit
+    def _linear_logprobs_bwd_kernel(
+        h_ptr, w_ptr, b_ptr, y_ptr,  # [N, H], [V, H], [V], [N]
+        lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N] fp32
+        gh_ptr, gw_ptr, gb_ptr,  # fp32 accumulators [N, H], [V, H], [V] (contiguous, zero-initialised)
+        N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_temp, filter_eps,
+        HAS_BIAS: tl.constexpr, ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, DOT_FP32: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_N: tl.constexpr,
+    ):
+        """Program (token tile, vocabulary tile): recompute the tile's logits, form ``dz``, accumulate the grads.
+
+        Design: one kernel over the 2-D grid with fp32 atomics into ``grad_h`` and ``grad_W`` (as Cut Cross-Entropy),
+        so each tile's logits are recomputed once. FLOPs per tile: 3 matmuls of ``2·BLOCK_N·BLOCK_V·H``
+        (recompute, ``dz @ W``, ``dzᵀ @ h``) → with the forward, the 4 N×H×V matmuls of the issue's count.
+        Bytes per tile: reads ``(BLOCK_N + BLOCK_V)·H`` inputs twice (mostly L2 hits), atomically adds
+        ``(BLOCK_N + BLOCK_V)·H`` fp32: ``6·BN·BV·H / (4·(BN + BV)·H)`` = 24 FLOP per atomic byte at 128×128.
+        Programs run grouped (``GROUP_N`` token tiles × all vocabulary tiles) so the ones in flight share ``W``
+        and ``h`` tiles in L2 and spread their atomics over different rows.
+
+        With ``FILTER``, a tile whose probabilities are all below ``filter_eps`` and which holds no target skips the
+        two gradient matmuls (its ``dz`` entries are each at most ``(|g| + |e|·(|log eps| + H)) · eps / T``).
+        """
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_v = tl.cdiv(V, BLOCK_V)
+        group_size = GROUP_N * num_pid_v
+        first_n = (pid // group_size) * GROUP_N
+        rows = tl.minimum(num_pid_n - first_n, GROUP_N)
+        pid_n = (first_n + (pid % group_size) % rows).to(tl.int64)
+        pid_v = ((pid % group_size) // rows).to(tl.int64)
+
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_n = offs_n < N
+        mask_v = offs_v < V
+        z = _tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
+                         stride_wk, inv_temp, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
+                         BLOCK_K)  # [BLOCK_N, BLOCK_V]
+        y = tl.load(y_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
+        lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
+        g = tl.load(g_logp_ptr + offs_n, mask=mask_n, other=0.0)
+        valid = mask_n[:, None] & mask_v[None, :]
+        logp = z - lse[:, None]  # [BLOCK_N, BLOCK_V] log p
+        p = tl.where(valid, tl.exp(logp), 0.0)
+        is_y = (offs_v[None, :] == y[:, None]) & valid
+        dz = g[:, None] * (is_y.to(tl.float32) - p)
+        if ENTROPY_GRAD:
+            ent = tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
+            ge = tl.load(g_ent_ptr + offs_n, mask=mask_n, other=0.0)
+            dz -= ge[:, None] * p * (logp + ent[:, None])
+        dz = tl.where(valid, dz * inv_temp, 0.0)
+
+        keep = True
+        if FILTER:
+            keep = (tl.max(tl.max(p, axis=1), axis=0) >= filter_eps) | (tl.max(tl.max(is_y.to(tl.int32), axis=1),
+                                                                               axis=0) > 0)
+        if keep:
+            if HAS_BIAS:
+                tl.atomic_add(gb_ptr + offs_v, tl.sum(dz, axis=0), mask=mask_v, sem="relaxed")
+            if DOT_FP32:
+                dz_op = dz
+            else:
+                dz_op = dz.to(w_ptr.dtype.element_ty)  # bf16/fp16 operands for the tensor cores
+            for k0 in range(0, H, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < H
+                w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wk,
+                            mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+                h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk,
+                            mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+                if DOT_FP32:
+                    w = w.to(tl.float32)
+                    h = h.to(tl.float32)
+                gh = tl.dot(dz_op, w, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_K]
+                tl.atomic_add(gh_ptr + offs_n[:, None] * H + offs_k[None, :], gh,
+                              mask=mask_n[:, None] & mask_k[None, :], sem="relaxed")
+                gw = tl.dot(tl.trans(dz_op), h, input_precision=INPUT_PRECISION)  # [BLOCK_V, BLOCK_K]
+                tl.atomic_add(gw_ptr + offs_v[:, None] * H + offs_k[None, :], gw,
+                              mask=mask_v[:, None] & mask_k[None, :], sem="relaxed")
+
+
+def _kernel_config(t: torch.Tensor) -> dict:
+    """Block sizes and warps, from one place. Under the interpreter: few, large tiles (it runs per operation)."""
+    if not t.is_cuda:
+        return dict(fwd=dict(BLOCK_N=16, BLOCK_V=128, BLOCK_K=64), bwd=dict(BLOCK_N=16, BLOCK_V=128, BLOCK_K=64),
+                    target_programs=8)
+    sms = torch.cuda.get_device_properties(t.device).multi_processor_count
+    return dict(fwd=dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3),
+                bwd=dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=2),
+                target_programs=2 * sms)
+
+
+def _input_precision(t: torch.Tensor) -> str:
+    """fp32 inputs on a GPU use 3xTF32 (≈ fp32 accuracy); bf16/fp16 use the tensor cores directly."""
+    return "tf32x3" if (t.is_cuda and t.dtype == torch.float32) else "ieee"
+
+
+def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    cfg = _kernel_config(h_NH)
+    blk = cfg["fwd"]
+    n_tiles = triton.cdiv(N, blk["BLOCK_N"])
+    v_tiles = triton.cdiv(V, blk["BLOCK_V"])
+    splits = min(v_tiles, max(1, triton.cdiv(cfg["target_programs"], n_tiles)))
+    tiles_per_split = triton.cdiv(v_tiles, splits)
+    splits = triton.cdiv(v_tiles, tiles_per_split)  # every split holds at least one tile
+    m_SN, s_SN, t_SN, zy_SN = (torch.empty(splits, N, device=h_NH.device, dtype=torch.float32) for _ in range(4))
+    _linear_logprobs_fwd_kernel[(n_tiles, splits)](
+        h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, m_SN, s_SN, t_SN, zy_SN,
+        N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp, tiles_per_split,
+        HAS_BIAS=b_V is not None, ENTROPY=entropy, DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH),
+        **blk,
+    )
+    # Combine the splits' partial log-sum-exps: O(S·N).
+    m_N = m_SN.max(0).values
+    scale_SN = torch.exp(m_SN - m_N)
+    sum_N = (s_SN * scale_SN).sum(0)
+    lse_N = m_N + torch.log(sum_N)
+    logp_N = zy_SN.sum(0) - lse_N
+    ent_N = lse_N - (t_SN * scale_SN).sum(0) / sum_N if entropy else None
+    return logp_N, lse_N, ent_N
+
+
+def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps):
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    blk = _kernel_config(h_NH)["bwd"]
+    gh_NH = torch.zeros(N, H, device=h_NH.device, dtype=torch.float32)
+    gw_VH = torch.zeros(V, H, device=h_NH.device, dtype=torch.float32)  # the one fp32 [V, H] accumulator
+    gb_V = torch.zeros(V, device=h_NH.device, dtype=torch.float32) if b_V is not None else gh_NH
+    grid = (triton.cdiv(N, blk["BLOCK_N"]) * triton.cdiv(V, blk["BLOCK_V"]),)
+    _linear_logprobs_bwd_kernel[grid](
+        h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, lse_N,
+        ent_N if g_ent_N is not None else lse_N, g_logp_N, g_ent_N if g_ent_N is not None else g_logp_N,
+        gh_NH, gw_VH, gb_V,
+        N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp,
+        filter_eps if filter_eps is not None else 0.0,
+        HAS_BIAS=b_V is not None, ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
+        DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH), GROUP_N=16, **blk,
+    )
+    return gh_NH, gw_VH, (gb_V if b_V is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Plain-torch path (CPU without the interpreter): chunked, same memory promise
+# ----------------------------------------------------------------------------------------------------------------------
+def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp):
+    """``z = (h @ W[v0:v1]ᵀ + b[v0:v1]) / T`` in fp32, ``[n, v1 − v0]``."""
+    z_nv = h_nH @ w_VH[v0:v1].float().t()
+    if b_V is not None:
+        z_nv += b_V[v0:v1].float()
+    return z_nv.mul_(inv_temp)
+
+
+def _target_in_chunk(y_n, v0, v1):
+    """Rows whose target lies in ``[v0, v1)`` and the column of that target inside the chunk."""
+    inside_n = (y_n >= v0) & (y_n < v1)
+    return inside_n, (y_n - v0).clamp(0, v1 - v0 - 1)
+
+
+def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
+    N = h_NH.shape[0]
+    V = w_VH.shape[0]
+    f32 = dict(dtype=torch.float32, device=h_NH.device)
+    lse_N, zy_N = torch.empty(N, **f32), torch.empty(N, **f32)
+    ent_N = torch.empty(N, **f32) if entropy else None
+    for n0 in range(0, N, TORCH_CHUNK_N):
+        n1 = min(n0 + TORCH_CHUNK_N, N)
+        h_nH, y_n = h_NH[n0:n1].float(), y_N[n0:n1]
+        m_n = torch.full((n1 - n0,), float("-inf"), **f32)
+        s_n, t_n, zy_n = (torch.zeros(n1 - n0, **f32) for _ in range(3))
+        for v0 in range(0, V, TORCH_CHUNK_V):
+            v1 = min(v0 + TORCH_CHUNK_V, V)
+            z_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp)
+            inside_n, col_n = _target_in_chunk(y_n, v0, v1)
+            zy_n += torch.where(inside_n, z_nv.gather(1, col_n[:, None]).squeeze(1), 0.0)
+            m_new = torch.maximum(m_n, z_nv.amax(1))
+            alpha_n = torch.exp(m_n - m_new)
+            e_nv = torch.sub(z_nv, m_new[:, None]).exp_()
+            s_n = s_n * alpha_n + e_nv.sum(1)
+            if entropy:
+                t_n = t_n * alpha_n + e_nv.mul_(z_nv).sum(1)
+            m_n = m_new
+        lse_N[n0:n1] = m_n + torch.log(s_n)
+        zy_N[n0:n1] = zy_n
+        if entropy:
+            ent_N[n0:n1] = lse_N[n0:n1] - t_n / s_n
+    return zy_N - lse_N, lse_N, ent_N
+
+
+def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps):
+    N, H = h_NH.shape
+    V = w_VH.shape[0]
+    f32 = dict(dtype=torch.float32, device=h_NH.device)
+    gh_NH = torch.empty(N, H, **f32)
+    gw_VH = torch.zeros(V, H, **f32)  # the one fp32 [V, H] accumulator, added to in place
+    gb_V = torch.zeros(V, **f32) if b_V is not None else None
+    for n0 in range(0, N, TORCH_CHUNK_N):
+        n1 = min(n0 + TORCH_CHUNK_N, N)
+        h_nH, y_n, lse_n, g_n = h_NH[n0:n1].float(), y_N[n0:n1], lse_N[n0:n1], g_logp_N[n0:n1]
+        gh_nH = torch.zeros(n1 - n0, H, **f32)
+        rows_n = torch.arange(n1 - n0, device=h_NH.device)
+        for v0 in range(0, V, TORCH_CHUNK_V):
+            v1 = min(v0 + TORCH_CHUNK_V, V)
+            logp_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp).sub_(lse_n[:, None])
+            p_nv = logp_nv.exp()
+            inside_n, col_n = _target_in_chunk(y_n, v0, v1)
+            if filter_eps is not None and float(p_nv.max()) < filter_eps and not bool(inside_n.any()):
+                continue  # host read: CPU tensors, no device sync
+            if g_ent_N is not None:
+                # −e p (log p + H), built in the logp buffer
+                ent_term = logp_nv.add_(ent_N[n0:n1, None]).mul_(p_nv).mul_(g_ent_N[n0:n1, None])
+                dz_nv = p_nv.mul_(g_n[:, None]).add_(ent_term).neg_()
+            else:
+                dz_nv = p_nv.mul_(-g_n[:, None])
+            dz_nv.index_put_((rows_n[inside_n], col_n[inside_n]), g_n[inside_n], accumulate=True)
+            dz_nv.mul_(inv_temp)
+            gh_nH.addmm_(dz_nv, w_VH[v0:v1].float())
+            gw_VH[v0:v1].addmm_(dz_nv.t(), h_nH)
+            if gb_V is not None:
+                gb_V[v0:v1] += dz_nv.sum(0)
+        gh_NH[n0:n1] = gh_nH
+    return gh_NH, gw_VH, gb_V
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# autograd and the functional API
+# ----------------------------------------------------------------------------------------------------------------------
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_NH, w_VH, b_V, y_N, temperature, return_entropy, grad_filter_eps):
+        kernel = use_triton(h_NH)
+        inv_temp = 1.0 / temperature
+        fwd = _forward_triton if kernel else _forward_torch
+        logp_N, lse_N, ent_N = fwd(h_NH, w_VH, b_V, y_N, inv_temp, return_entropy)
+        ctx.save_for_backward(h_NH, w_VH, b_V, y_N, lse_N, ent_N)
+        ctx.kernel, ctx.inv_temp, ctx.grad_filter_eps = kernel, inv_temp, grad_filter_eps
+        ctx.set_materialize_grads(False)
+        if return_entropy:
+            return logp_N, ent_N
+        return logp_N
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_ent_N=None):
+        h_NH, w_VH, b_V, y_N, lse_N, ent_N = ctx.saved_tensors
+        if g_logp_N is None and g_ent_N is None:
+            return None, None, None, None, None, None, None
+        if g_logp_N is None:
+            g_logp_N = torch.zeros_like(lse_N)
+        bwd = _backward_triton if ctx.kernel else _backward_torch
+        gh_NH, gw_VH, gb_V = bwd(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N.float().contiguous(),
+                                 None if g_ent_N is None else g_ent_N.float().contiguous(), ctx.inv_temp,
+                                 ctx.grad_filter_eps)
+        gb_V = None if gb_V is None else gb_V.to(b_V.dtype)
+        return gh_NH.to(h_NH.dtype), gw_VH.to(w_VH.dtype), gb_V, None, None, None, None
+
+
+def _check_inputs(hidden, weight, targets, bias, temperature, grad_filter_eps, ignore_index=None):
+    check_tensor("hidden", hidden, ndim=(2, 3), dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
+    check_tensor("targets", targets, device=hidden.device)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}: its dim 1 must equal hidden's last dim "
+                         f"{hidden.shape[-1]}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(hidden.dtype,), device=hidden.device)
+        check_shape("bias", bias, (weight.shape[0],), "weight's vocabulary dim")
+    check_shape("targets", targets, tuple(hidden.shape[:-1]), "hidden's leading dims")
+    check_targets("targets", targets, weight.shape[0], ignore_index)
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if grad_filter_eps is not None and not (isinstance(grad_filter_eps, float) and 0.0 < grad_filter_eps < 1.0):
+        raise ValueError(f"grad_filter_eps must be None or a float in (0, 1), got {grad_filter_eps!r}")
+
+
+def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False,
+                          grad_filter_eps=None):
+    """Log-prob of ``targets`` under ``softmax((hidden @ weightᵀ + bias) / temperature)``, without the logits.
+
+    Args:
+        hidden: ``[N, H]`` (packed) or ``[B, T, H]`` (padded; reshaped, masking is the caller's) fp32/bf16/fp16.
+            Any strides: the kernel reads through them (a 3-D input is reshaped, which copies only when its
+            layout requires).
+        weight: ``[V, H]`` LM head, same dtype and device; any strides. Tied embeddings need nothing special:
+            autograd adds this op's gradient to the embedding's.
+        targets: int64/int32 token ids in ``[0, V)``, shape ``hidden.shape[:-1]``.
+        bias: optional ``[V]``, same dtype.
+        temperature: ``T > 0``; the logits are divided by it.
+        return_entropy: also return the entropy ``H = −Σ_v p_v log p_v`` of the same distribution (differentiable).
+        grad_filter_eps: off (``None``) by default. When set, the backward skips vocabulary tiles (chunks on the
+            torch path) whose probabilities are all below it and that hold no target. The dropped gradient entries
+            are each bounded by ``(|∂/∂logp| + |∂/∂H|·(|log eps| + H)) · eps / T``; the forward is exact.
+
+    Returns:
+        fp32 ``logp`` with ``targets``' shape, or ``(logp, entropy)``. No ``cu_seqlens`` is needed: the op is per
+        token. Memory: O(N) per-token state; nothing of size N×V in the forward or the backward; the backward
+        allocates one fp32 ``[V, H]`` gradient accumulator (and fp32 ``[N, H]``).
+    """
+    _check_inputs(hidden, weight, targets, bias, temperature, grad_filter_eps)
+    h_NH = hidden.reshape(-1, hidden.shape[-1])
+    y_N = targets.reshape(-1)
+    out = _LinearLogprobs.apply(h_NH, weight, bias, y_N, float(temperature), bool(return_entropy), grad_filter_eps)
+    if return_entropy:
+        return out[0].view(targets.shape), out[1].view(targets.shape)
+    return out.view(targets.shape)
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, reduction="mean",
+                               grad_filter_eps=None):
+    """SFT loss ``−logp(y)`` from hidden states without logits; tokens whose target is ``ignore_index`` count 0.
+
+    ``reduction``: ``"mean"`` = Σ over kept tokens / number of kept tokens (0 when none is kept), ``"sum"``, or
+    ``"none"`` (fp32, ``targets``' shape, 0 at ignored tokens). Ignored rows are dropped before the vocabulary
+    work, so prompt tokens cost nothing. Other arguments as :func:`fused_linear_logprobs`.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    _check_inputs(hidden, weight, targets, bias, 1.0, grad_filter_eps, ignore_index=ignore_index)
+    keep = targets != ignore_index  # [...]
+    h_NH = hidden.reshape(-1, hidden.shape[-1])
+    keep_N = keep.reshape(-1)
+    # a zero that still reaches hidden and weight, so backward works when every token is ignored
+    nll_N = (h_NH[:1, :1].float().sum() + weight[:1, :1].float().sum()) * torch.zeros(keep_N.shape,
+                                                                                       device=hidden.device)
+    if bool(keep_N.any()):  # host read: the kept rows' count sets the shape of the work
+        kept = keep_N.nonzero().squeeze(1)
+        logp_K = fused_linear_logprobs(h_NH.index_select(0, kept), weight, targets.reshape(-1)[kept], bias=bias,
+                                       grad_filter_eps=grad_filter_eps)
+        nll_N = nll_N.index_put((kept,), -logp_K)
+    if reduction == "none":
+        return nll_N.view(targets.shape)
+    if reduction == "sum":
+        return nll_N.sum()
+    return nll_N.sum() / keep_N.sum().clamp(min=1)
