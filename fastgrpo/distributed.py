@@ -1,0 +1,368 @@
+"""torch.distributed plumbing for ``torchrun``: process-group start-up, model wrapping, collectives.
+
+fastgrpo scales out with torchrun only. One process (plain ``python fastgrpo/train.py``) needs no process group
+and every function here is then a no-op or the identity, so the trainer calls them unconditionally::
+
+    state = init_distributed()                       # reads RANK / LOCAL_RANK / WORLD_SIZE set by torchrun
+    model = wrap_model(model, state, "ddp")          # DDP (gloo on CPU, nccl on CUDA) or FSDP2 ("fsdp2")
+    ...
+    metrics = reduce_metrics(local_metrics)          # one collective for the whole dict
+    print0(f"step {step}: reward {metrics['reward/mean']:.3f}")
+    destroy()
+
+Launch::
+
+    torchrun --standalone --nproc_per_node 2 fastgrpo/train.py     # 2 processes (CPU: gloo, GPU: nccl)
+
+Parameter sharing with the co-located generation engine: DDP keeps the module's ``Parameter`` objects (it copies
+rank 0's values into them at construction), so an engine built on ``unwrap_model(model)`` sees every optimizer
+update. FSDP2 (``fully_shard``) replaces each parameter by a sharded ``DTensor`` parameter; the engine must be built
+after wrapping and read full weights inside ``model.unshard()`` / ``reshard()``.
+
+Host↔device synchronisations are marked ``# sync:`` with the reason.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp2", "none")
+REDUCE_OPS = ("sum", "mean", "max", "min")
+# Metric-name suffixes that choose their own reduction in ``reduce_metrics`` (a per-rank max stays a max).
+SUFFIX_OPS = {"/max": "max", "/min": "min", "/sum": "sum"}
+
+
+@dataclass
+class DistState:
+    """Where this process sits in the torchrun job."""
+
+    rank: int
+    """Global rank, 0 … world_size-1 (``RANK``)."""
+    local_rank: int
+    """Rank on this node (``LOCAL_RANK``): picks the GPU, ``cuda:{local_rank}``."""
+    world_size: int
+    """Number of processes (``WORLD_SIZE``)."""
+    device: torch.device
+    """The device this rank computes on."""
+    backend: str | None
+    """``"gloo"`` (CPU), ``"nccl"`` (CUDA), or ``None`` for one process without a process group."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that prints and writes files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is running (more than one process)."""
+        return self.backend is not None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer (set by torchrun)") from None
+
+
+def _resolve_device(device: str | torch.device, local_rank: int) -> torch.device:
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available (use device='cpu' or 'auto')")
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return dev
+
+
+def init_distributed(device: str | torch.device = "auto", *, timeout_s: float | None = None) -> DistState:
+    """Start the process group from torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``).
+
+    ``device``: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` (→ ``cuda:{local_rank}``) or
+    ``"cuda:N"``. With ``WORLD_SIZE`` unset or 1 no process group is created (``backend=None``). Otherwise the
+    backend is nccl on CUDA (the device is bound to the group, so barriers know their GPU) and gloo on CPU.
+    ``timeout_s`` sets the collective timeout (torch's default when None). Calling it again returns the state
+    of the running group.
+    """
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise ValueError(f"inconsistent torchrun environment: RANK={rank} LOCAL_RANK={local_rank} "
+                         f"WORLD_SIZE={world_size}")
+    dev = _resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world_size == 1:
+        return DistState(rank=0, local_rank=local_rank, world_size=1, device=dev, backend=None)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        running = dist.get_backend()
+        if running != backend:
+            raise ValueError(f"a {running} process group is already running; device={device!r} needs {backend}")
+    else:
+        kwargs = {}
+        if timeout_s is not None:
+            import datetime
+
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    return DistState(rank=rank, local_rank=local_rank, world_size=world_size, device=dev, backend=backend)
+
+
+def _running() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    """Global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and for a single process)."""
+    return get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only (flushed, so torchrun's interleaved output stays in order)."""
+    if is_main_process():
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op for one process)."""
+    if _running():
+        dist.barrier()
+
+
+def _collective_device() -> torch.device:
+    # nccl only moves CUDA tensors; gloo only CPU ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_op(op: str, name: str = "op") -> str:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{name} must be one of {REDUCE_OPS}, got {op!r}")
+    return op
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place and return it: ``op`` in sum / mean / max / min.
+
+    ``mean`` is a sum divided by the world size (gloo has no AVG). No-op for one process. The tensor must live on
+    the backend's device (CUDA for nccl, CPU for gloo).
+    """
+    _check_op(op)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not _running():
+        return tensor
+    red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(tensor, op=red[op])
+    if op == "mean":
+        tensor.div_(dist.get_world_size())
+    return tensor
+
+
+def _key_op(key: str, default: str, ops: Mapping[str, str] | None) -> str:
+    if ops is not None and key in ops:
+        return _check_op(ops[key], f"ops[{key!r}]")
+    for suffix, suffix_op in SUFFIX_OPS.items():
+        if key.endswith(suffix):
+            return suffix_op
+    return default
+
+
+def reduce_metrics(
+    metrics: Mapping[str, float | int | torch.Tensor], *, op: str = "mean", ops: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Reduce a dict of scalars across ranks with one collective; returns python floats in sorted key order.
+
+    Each key is reduced with ``ops[key]`` when given, else by its suffix (``/max`` → max, ``/min`` → min,
+    ``/sum`` → sum), else with ``op``. ``mean`` is the unweighted mean of the per-rank values (give counts as
+    ``/sum`` keys and divide yourself when ranks hold different numbers of items). Every rank must pass the same
+    keys. Implementation: all ranks' values are all-gathered as one ``[world, K]`` float64 tensor and reduced
+    locally, so mixed ops cost a single collective. Values may be python numbers or 0-d tensors on any device.
+    """
+    _check_op(op)
+    keys = sorted(metrics)
+    key_ops = [_key_op(k, op, ops) for k in keys]
+    values = []
+    for k in keys:
+        v = metrics[k]
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"metrics[{k!r}] must be a scalar, got a tensor of shape {tuple(v.shape)}")
+            v = v.detach().reshape(())
+        elif not isinstance(v, (int, float)):
+            raise ValueError(f"metrics[{k!r}] must be a number or a 0-d tensor, got {type(v).__name__}")
+        values.append(v)
+    if not _running():
+        # sync: one read-back of all tensor values together (the caller wants floats for logging).
+        local = _stack(values, torch.device("cpu"))
+        return dict(zip(keys, local.tolist()))
+    device = _collective_device()
+    local = _stack(values, device)  # [K]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    table = torch.stack(gathered)  # [world, K]
+    reducers = {"sum": lambda c: c.sum(), "mean": lambda c: c.mean(), "max": lambda c: c.max(),
+                "min": lambda c: c.min()}
+    out = torch.stack([reducers[o](table[:, j]) for j, o in enumerate(key_ops)]) if keys else table.new_zeros(0)
+    # sync: the reduced metrics are read back once per call, for logging.
+    return dict(zip(keys, out.tolist()))
+
+
+def _stack(values: list, device: torch.device) -> torch.Tensor:
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([
+        v.to(device=device, dtype=torch.float64) if isinstance(v, torch.Tensor)
+        else torch.tensor(float(v), dtype=torch.float64, device=device)
+        for v in values
+    ])
+
+
+def broadcast_object(obj, src: int = 0):
+    """Return rank ``src``'s picklable ``obj`` on every rank (identity for one process)."""
+    if not _running():
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: HF's ``_no_split_modules`` classes, else ``*.layers`` lists."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names] if names else []
+    if not layers:
+        for name, m in model.named_modules():
+            if isinstance(m, nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks"):
+                layers.extend(m)
+    return layers
+
+
+def wrap_model(
+    model: nn.Module,
+    state: DistState,
+    strategy: str = "ddp",
+    *,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    find_unused_parameters: bool = False,
+) -> nn.Module:
+    """Wrap ``model`` (already on ``state.device``) for data-parallel training.
+
+    - ``"ddp"``: ``DistributedDataParallel`` (``device_ids=[local_rank]`` on CUDA); gradients are averaged over
+      ranks during backward, so a per-rank mean loss on equal shards gives the full-batch mean's gradient.
+      Rank 0's parameter values are copied into the other ranks' parameters (same objects) at construction.
+    - ``"fsdp2"``: ``fully_shard`` on every decoder layer, then on the root; ``mp_policy`` is an optional
+      ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 gradient reduction),
+      ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
+    - ``"none"``: the model unchanged.
+
+    With one process the model is returned unchanged whatever the strategy (there is nothing to synchronise).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if p.device != state.device:
+            raise ValueError(f"model parameter {name} is on {p.device}, expected {state.device} "
+                             f"(move the model before wrapping it)")
+        break
+    if strategy == "none" or state.world_size == 1:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [state.device.index] if state.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(state.device.type, (state.world_size,))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+              "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under DDP / ``torch.compile`` wrappers (FSDP2 modules are their own root)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """True when ``model`` (after unwrapping) is an FSDP2 ``fully_shard`` root."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(unwrap_model(model), FSDPModule)
+
+
+def full_state_dict(model: nn.Module, state: DistState | None = None) -> dict[str, torch.Tensor] | None:
+    """The unsharded model state dict on rank 0 (``None`` on other ranks); every rank must call it.
+
+    FSDP2: gathered to CPU with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (a collective).
+    Otherwise the unwrapped module's own ``state_dict()`` (tensors on the model's device, no copy).
+    """
+    rank = state.rank if state is not None else get_rank()
+    inner = unwrap_model(model)
+    if is_fsdp(inner):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if rank == 0 else None
+    return inner.state_dict() if rank == 0 else None
+
+
+def destroy() -> None:
+    """Tear the process group down (no-op when none is running)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
