@@ -41,10 +41,9 @@ import numbers
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, seq_index, use_triton
+from ._utils import FLOAT_DTYPES, HAS_TRITON, check_cu_seqlens, check_shape, check_tensor, seq_index, use_triton
+from .linear_logprobs import fused_linear_logprobs
 from .reference import LOSS_TYPES
 
 LEVELS = ("token", "sequence")
@@ -53,247 +52,252 @@ N_PARTS = 7  # Σ m ℓ, Σ m, Σ m·kl, Σ m·low, Σ m·high, Σ m·region, S_
 METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
-@triton.jit
-def _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
-    """Per-token policy loss ``ℓ``, ``∂ℓ/∂r`` (torch's tie rules) and ``r1`` (the ratio the metrics use)."""
-    lo = 1.0 - eps_low
-    hi = 1.0 + eps_high
-    r2 = tl.minimum(tl.maximum(r, lo), hi)
-    dr2 = ((r >= lo) & (r <= hi)).to(tl.float32)
-    if HAS_DELTA:
-        r1 = tl.minimum(r, delta)
-        dr1 = (r <= delta).to(tl.float32)
-    else:
-        r1 = r
-        dr1 = tl.full(r.shape, 1.0, tl.float32)
-    x1 = r1 * a
-    x2 = r2 * a
-    loss = -tl.minimum(x1, x2)
-    dloss = -a * tl.where(x1 < x2, dr1, tl.where(x1 > x2, dr2, 0.5 * (dr1 + dr2)))
-    if HAS_DUAL:
-        cap = -dual_c * a
-        neg = a < 0
-        keep = tl.where(loss < cap, 1.0, tl.where(loss == cap, 0.5, 0.0))
-        dloss = tl.where(neg, dloss * keep, dloss)
-        loss = tl.where(neg, tl.minimum(loss, cap), loss)
-    return loss, dloss, r1
+if HAS_TRITON:  # absent on some platforms: the plain-torch path still works there
+    import triton
+    import triton.language as tl
 
-
-@triton.jit
-def _seq_bounds(cu_ptr, b, c, T, chunk_len, PACKED: tl.constexpr):
-    """First token offset of sequence ``b``, its length, and the [lo, hi) token range of chunk ``c``."""
-    if PACKED:
-        start = tl.load(cu_ptr + b).to(tl.int64)
-        length = tl.load(cu_ptr + b + 1).to(tl.int64) - start
-    else:
-        start = b * T
-        length = b * 0 + T
-    lo = c * chunk_len
-    hi = tl.minimum(lo + chunk_len, length)
-    return start, length, lo, hi
-
-
-# Reads per token: logp, old, mask (+ ref when HAS_KL, + adv when ADV_PER_TOKEN); twice at SEQ_LEVEL.
-# Writes N_PARTS fp32 per program.
-@triton.jit
-def _grpo_loss_fwd_kernel(
-    logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, cu_ptr, part_ptr,
-    T, n_chunks, chunk_len, n_progs,
-    eps_low, eps_high, delta, dual_c, beta,
-    PACKED: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    start, length, lo, hi = _seq_bounds(cu_ptr, b, c, T, chunk_len, PACKED)
-    offs = tl.arange(0, BLOCK)
-    zero = tl.zeros([BLOCK], tl.float32)
-
-    log_w = 0.0
-    cnt_seq = 0.0
-    if SEQ_LEVEL:  # first pass over the whole sequence (C = 1): log r_b = Σ m (logp − old) / max(Σ m, 1)
-        acc_lr = zero
-        acc_m = zero
-        for off in range(0, length, BLOCK):
-            idx = start + off + offs
-            inb = off + offs < length
-            m = tl.load(mask_ptr + idx, mask=inb, other=0).to(tl.float32)
-            lp = tl.load(logp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-            od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-            acc_lr += tl.where(m != 0, m * (lp - od), 0.0)
-            acc_m += m
-        cnt_seq = tl.sum(acc_m, axis=0)
-        log_w = tl.sum(acc_lr, axis=0) / tl.maximum(cnt_seq, 1.0)
-
-    if not ADV_PER_TOKEN:
-        a_seq = tl.load(adv_ptr + b).to(tl.float32)
-    acc_loss = zero
-    acc_cnt = zero
-    acc_kl = zero
-    acc_low = zero
-    acc_high = zero
-    acc_reg = zero
-    acc_s = zero
-    for off in range(lo, hi, BLOCK):
-        idx = start + off + offs
-        inb = off + offs < hi
-        m = tl.load(mask_ptr + idx, mask=inb, other=0).to(tl.float32)
-        valid = m != 0
-        lp = tl.load(logp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-        if ADV_PER_TOKEN:
-            a = tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-        else:
-            a = zero + a_seq
-        if SEQ_LEVEL:
-            r = zero + tl.exp(log_w)
-        else:
-            od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-            r = tl.exp(tl.where(valid, lp - od, 0.0))
-        loss, dloss, r1 = _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA, HAS_DUAL)
-        if HAS_KL:
-            rf = tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-            d = tl.where(valid, rf - lp, 0.0)
-            kl = tl.exp(d) - d - 1.0
-            loss += beta * kl
-            acc_kl += m * kl
-        low = ((r1 < 1.0 - eps_low) & (a < 0)).to(tl.float32)
-        high = ((r1 > 1.0 + eps_high) & (a > 0)).to(tl.float32)
-        acc_loss += tl.where(valid, m * loss, 0.0)
-        acc_cnt += m
-        acc_low += m * low
-        acc_high += m * high
-        acc_reg += m * tl.maximum(low, high)
-        acc_s += tl.where(valid, m * dloss * r, 0.0)
-
-    p = b * n_chunks + c
-    tl.store(part_ptr + p, tl.sum(acc_loss, axis=0))
-    tl.store(part_ptr + n_progs + p, tl.sum(acc_cnt, axis=0))
-    tl.store(part_ptr + 2 * n_progs + p, tl.sum(acc_kl, axis=0))
-    if SEQ_LEVEL and not ADV_PER_TOKEN:  # one clip flag per sequence, TRL's mean over sequences
-        r1_seq = tl.exp(log_w)
+    @triton.jit
+    def _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+        """Per-token policy loss ``ℓ``, ``∂ℓ/∂r`` (torch's tie rules) and ``r1`` (the ratio the metrics use)."""
+        lo = 1.0 - eps_low
+        hi = 1.0 + eps_high
+        r2 = tl.minimum(tl.maximum(r, lo), hi)
+        dr2 = ((r >= lo) & (r <= hi)).to(tl.float32)
         if HAS_DELTA:
-            r1_seq = tl.minimum(r1_seq, delta)
-        low_s = ((r1_seq < 1.0 - eps_low) & (a_seq < 0)).to(tl.float32)
-        high_s = ((r1_seq > 1.0 + eps_high) & (a_seq > 0)).to(tl.float32)
-        tl.store(part_ptr + 3 * n_progs + p, low_s)
-        tl.store(part_ptr + 4 * n_progs + p, high_s)
-        tl.store(part_ptr + 5 * n_progs + p, tl.maximum(low_s, high_s))
-    else:
-        tl.store(part_ptr + 3 * n_progs + p, tl.sum(acc_low, axis=0))
-        tl.store(part_ptr + 4 * n_progs + p, tl.sum(acc_high, axis=0))
-        tl.store(part_ptr + 5 * n_progs + p, tl.sum(acc_reg, axis=0))
-    tl.store(part_ptr + 6 * n_progs + p, tl.sum(acc_s, axis=0))
-
-
-# Reads part [N_PARTS, B·C] (twice: totals, then per-sequence coefficients); writes loss, 4 metrics, w [B], g [B].
-@triton.jit
-def _grpo_loss_finalize_kernel(
-    part_ptr, loss_ptr, metrics_ptr, wseq_ptr, gseq_ptr, num_items_ptr,
-    B, n_chunks, n_progs, num_items, dr_denom,
-    LOSS_TYPE: tl.constexpr, NUM_ITEMS: tl.constexpr, SEQ_LEVEL: tl.constexpr, CLIP_PER_SEQ: tl.constexpr,
-    BLOCK_B: tl.constexpr, C_PAD: tl.constexpr,
-):
-    rows = tl.arange(0, BLOCK_B)
-    cols = tl.arange(0, C_PAD)[None, :]
-    acc = tl.zeros([BLOCK_B], tl.float32)
-    acc_num, acc_cnt, acc_seq, acc_kl, acc_low, acc_high, acc_reg = acc, acc, acc, acc, acc, acc, acc
-    for b0 in range(0, B, BLOCK_B):
-        bb = (b0 + rows)[:, None]
-        ok = (bb < B) & (cols < n_chunks)
-        p = part_ptr + bb * n_chunks + cols
-        num_b = tl.sum(tl.load(p, mask=ok, other=0.0), axis=1)
-        cnt_b = tl.sum(tl.load(p + n_progs, mask=ok, other=0.0), axis=1)
-        acc_num += num_b
-        acc_cnt += cnt_b
-        acc_seq += num_b / tl.maximum(cnt_b, 1.0)
-        acc_kl += tl.sum(tl.load(p + 2 * n_progs, mask=ok, other=0.0), axis=1)
-        acc_low += tl.sum(tl.load(p + 3 * n_progs, mask=ok, other=0.0), axis=1)
-        acc_high += tl.sum(tl.load(p + 4 * n_progs, mask=ok, other=0.0), axis=1)
-        acc_reg += tl.sum(tl.load(p + 5 * n_progs, mask=ok, other=0.0), axis=1)
-    total_num = tl.sum(acc_num, axis=0)
-    total_cnt = tl.sum(acc_cnt, axis=0)
-    tok_denom = tl.maximum(total_cnt, 1.0)
-    if LOSS_TYPE == 0:  # grpo
-        loss = tl.sum(acc_seq, axis=0) / B
-    elif LOSS_TYPE == 1:  # bnpo
-        denom = tok_denom
-        loss = total_num / denom
-    elif LOSS_TYPE == 2:  # dr_grpo
-        denom = total_cnt * 0.0 + dr_denom
-        loss = total_num / denom
-    else:  # dapo
-        if NUM_ITEMS == 2:
-            denom = tl.maximum(tl.load(num_items_ptr).to(tl.float32), 1.0)
-        elif NUM_ITEMS == 1:
-            denom = tl.maximum(total_cnt * 0.0 + num_items, 1.0)
+            r1 = tl.minimum(r, delta)
+            dr1 = (r <= delta).to(tl.float32)
         else:
-            denom = tok_denom
-        loss = total_num / denom
-    tl.store(loss_ptr, loss)
-    clip_denom = tok_denom
-    if CLIP_PER_SEQ:
-        clip_denom = total_cnt * 0.0 + B
-    tl.store(metrics_ptr, tl.sum(acc_kl, axis=0) / tok_denom)
-    tl.store(metrics_ptr + 1, tl.sum(acc_low, axis=0) / clip_denom)
-    tl.store(metrics_ptr + 2, tl.sum(acc_high, axis=0) / clip_denom)
-    tl.store(metrics_ptr + 3, tl.sum(acc_reg, axis=0) / clip_denom)
+            r1 = r
+            dr1 = tl.full(r.shape, 1.0, tl.float32)
+        x1 = r1 * a
+        x2 = r2 * a
+        loss = -tl.minimum(x1, x2)
+        dloss = -a * tl.where(x1 < x2, dr1, tl.where(x1 > x2, dr2, 0.5 * (dr1 + dr2)))
+        if HAS_DUAL:
+            cap = -dual_c * a
+            neg = a < 0
+            keep = tl.where(loss < cap, 1.0, tl.where(loss == cap, 0.5, 0.0))
+            dloss = tl.where(neg, dloss * keep, dloss)
+            loss = tl.where(neg, tl.minimum(loss, cap), loss)
+        return loss, dloss, r1
 
-    for b0 in range(0, B, BLOCK_B):
-        b1 = b0 + rows
-        bb = b1[:, None]
-        ok = (bb < B) & (cols < n_chunks)
-        cnt_b = tl.maximum(tl.sum(tl.load(part_ptr + n_progs + bb * n_chunks + cols, mask=ok, other=0.0), axis=1), 1.0)
-        if LOSS_TYPE == 0:
-            w_b = 1.0 / (B * cnt_b)
+
+    @triton.jit
+    def _seq_bounds(cu_ptr, b, c, T, chunk_len, PACKED: tl.constexpr):
+        """First token offset of sequence ``b``, its length, and the [lo, hi) token range of chunk ``c``."""
+        if PACKED:
+            start = tl.load(cu_ptr + b).to(tl.int64)
+            length = tl.load(cu_ptr + b + 1).to(tl.int64) - start
         else:
-            w_b = tl.zeros([BLOCK_B], tl.float32) + 1.0 / denom
-        tl.store(wseq_ptr + b1, w_b, mask=b1 < B)
-        if SEQ_LEVEL:  # C = 1: S_b sits at column 0
-            s_b = tl.load(part_ptr + 6 * n_progs + b1, mask=b1 < B, other=0.0)
-            tl.store(gseq_ptr + b1, w_b * s_b / cnt_b, mask=b1 < B)
+            start = b * T
+            length = b * 0 + T
+        lo = c * chunk_len
+        hi = tl.minimum(lo + chunk_len, length)
+        return start, length, lo, hi
 
 
-# Reads per token: mask, logp (+ old and adv unless SEQ_LEVEL, + ref when HAS_KL); writes dlogp once.
-@triton.jit
-def _grpo_loss_bwd_kernel(
-    grad_ptr, logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, cu_ptr, wseq_ptr, gseq_ptr, dlogp_ptr,
-    T, chunk_len,
-    eps_low, eps_high, delta, dual_c, beta,
-    PACKED: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    start, length, lo, hi = _seq_bounds(cu_ptr, b, c, T, chunk_len, PACKED)
-    offs = tl.arange(0, BLOCK)
-    g = tl.load(grad_ptr).to(tl.float32)
-    w = tl.load(wseq_ptr + b)
-    if SEQ_LEVEL:
-        gs = tl.load(gseq_ptr + b)
-    if not ADV_PER_TOKEN:
-        a_seq = tl.load(adv_ptr + b).to(tl.float32)
-    for off in range(lo, hi, BLOCK):
-        idx = start + off + offs
-        inb = off + offs < hi
-        m = tl.load(mask_ptr + idx, mask=inb, other=0).to(tl.float32)
-        valid = m != 0
-        lp = tl.load(logp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-        if SEQ_LEVEL:
-            d = m * gs
-        else:
-            od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+    # Reads per token: logp, old, mask (+ ref when HAS_KL, + adv when ADV_PER_TOKEN); twice at SEQ_LEVEL.
+    # Writes N_PARTS fp32 per program.
+    @triton.jit
+    def _grpo_loss_fwd_kernel(
+        logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, cu_ptr, part_ptr,
+        T, n_chunks, chunk_len, n_progs,
+        eps_low, eps_high, delta, dual_c, beta,
+        PACKED: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_KL: tl.constexpr,
+        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)
+        start, length, lo, hi = _seq_bounds(cu_ptr, b, c, T, chunk_len, PACKED)
+        offs = tl.arange(0, BLOCK)
+        zero = tl.zeros([BLOCK], tl.float32)
+
+        log_w = 0.0
+        cnt_seq = 0.0
+        if SEQ_LEVEL:  # first pass over the whole sequence (C = 1): log r_b = Σ m (logp − old) / max(Σ m, 1)
+            acc_lr = zero
+            acc_m = zero
+            for off in range(0, length, BLOCK):
+                idx = start + off + offs
+                inb = off + offs < length
+                m = tl.load(mask_ptr + idx, mask=inb, other=0).to(tl.float32)
+                lp = tl.load(logp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                acc_lr += tl.where(m != 0, m * (lp - od), 0.0)
+                acc_m += m
+            cnt_seq = tl.sum(acc_m, axis=0)
+            log_w = tl.sum(acc_lr, axis=0) / tl.maximum(cnt_seq, 1.0)
+
+        if not ADV_PER_TOKEN:
+            a_seq = tl.load(adv_ptr + b).to(tl.float32)
+        acc_loss = zero
+        acc_cnt = zero
+        acc_kl = zero
+        acc_low = zero
+        acc_high = zero
+        acc_reg = zero
+        acc_s = zero
+        for off in range(lo, hi, BLOCK):
+            idx = start + off + offs
+            inb = off + offs < hi
+            m = tl.load(mask_ptr + idx, mask=inb, other=0).to(tl.float32)
+            valid = m != 0
+            lp = tl.load(logp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
             if ADV_PER_TOKEN:
                 a = tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32)
             else:
-                a = tl.zeros([BLOCK], tl.float32) + a_seq
-            r = tl.exp(tl.where(valid, lp - od, 0.0))
-            _, dloss, _ = _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA, HAS_DUAL)
-            d = w * m * dloss * r
-        if HAS_KL:
-            rf = tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-            d += w * m * beta * (1.0 - tl.exp(tl.where(valid, rf - lp, 0.0)))
-        d = tl.where(valid, g * d, 0.0)
-        tl.store(dlogp_ptr + idx, d.to(dlogp_ptr.dtype.element_ty), mask=inb)
+                a = zero + a_seq
+            if SEQ_LEVEL:
+                r = zero + tl.exp(log_w)
+            else:
+                od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                r = tl.exp(tl.where(valid, lp - od, 0.0))
+            loss, dloss, r1 = _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA, HAS_DUAL)
+            if HAS_KL:
+                rf = tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                d = tl.where(valid, rf - lp, 0.0)
+                kl = tl.exp(d) - d - 1.0
+                loss += beta * kl
+                acc_kl += m * kl
+            low = ((r1 < 1.0 - eps_low) & (a < 0)).to(tl.float32)
+            high = ((r1 > 1.0 + eps_high) & (a > 0)).to(tl.float32)
+            acc_loss += tl.where(valid, m * loss, 0.0)
+            acc_cnt += m
+            acc_low += m * low
+            acc_high += m * high
+            acc_reg += m * tl.maximum(low, high)
+            acc_s += tl.where(valid, m * dloss * r, 0.0)
+
+        p = b * n_chunks + c
+        tl.store(part_ptr + p, tl.sum(acc_loss, axis=0))
+        tl.store(part_ptr + n_progs + p, tl.sum(acc_cnt, axis=0))
+        tl.store(part_ptr + 2 * n_progs + p, tl.sum(acc_kl, axis=0))
+        if SEQ_LEVEL and not ADV_PER_TOKEN:  # one clip flag per sequence, TRL's mean over sequences
+            r1_seq = tl.exp(log_w)
+            if HAS_DELTA:
+                r1_seq = tl.minimum(r1_seq, delta)
+            low_s = ((r1_seq < 1.0 - eps_low) & (a_seq < 0)).to(tl.float32)
+            high_s = ((r1_seq > 1.0 + eps_high) & (a_seq > 0)).to(tl.float32)
+            tl.store(part_ptr + 3 * n_progs + p, low_s)
+            tl.store(part_ptr + 4 * n_progs + p, high_s)
+            tl.store(part_ptr + 5 * n_progs + p, tl.maximum(low_s, high_s))
+        else:
+            tl.store(part_ptr + 3 * n_progs + p, tl.sum(acc_low, axis=0))
+            tl.store(part_ptr + 4 * n_progs + p, tl.sum(acc_high, axis=0))
+            tl.store(part_ptr + 5 * n_progs + p, tl.sum(acc_reg, axis=0))
+        tl.store(part_ptr + 6 * n_progs + p, tl.sum(acc_s, axis=0))
+
+
+    # Reads part [N_PARTS, B·C] (twice: totals, then per-sequence coefficients); writes loss, 4 metrics, w [B], g [B].
+    @triton.jit
+    def _grpo_loss_finalize_kernel(
+        part_ptr, loss_ptr, metrics_ptr, wseq_ptr, gseq_ptr, num_items_ptr,
+        B, n_chunks, n_progs, num_items, dr_denom,
+        LOSS_TYPE: tl.constexpr, NUM_ITEMS: tl.constexpr, SEQ_LEVEL: tl.constexpr, CLIP_PER_SEQ: tl.constexpr,
+        BLOCK_B: tl.constexpr, C_PAD: tl.constexpr,
+    ):
+        rows = tl.arange(0, BLOCK_B)
+        cols = tl.arange(0, C_PAD)[None, :]
+        acc = tl.zeros([BLOCK_B], tl.float32)
+        acc_num, acc_cnt, acc_seq, acc_kl, acc_low, acc_high, acc_reg = acc, acc, acc, acc, acc, acc, acc
+        for b0 in range(0, B, BLOCK_B):
+            bb = (b0 + rows)[:, None]
+            ok = (bb < B) & (cols < n_chunks)
+            p = part_ptr + bb * n_chunks + cols
+            num_b = tl.sum(tl.load(p, mask=ok, other=0.0), axis=1)
+            cnt_b = tl.sum(tl.load(p + n_progs, mask=ok, other=0.0), axis=1)
+            acc_num += num_b
+            acc_cnt += cnt_b
+            acc_seq += num_b / tl.maximum(cnt_b, 1.0)
+            acc_kl += tl.sum(tl.load(p + 2 * n_progs, mask=ok, other=0.0), axis=1)
+            acc_low += tl.sum(tl.load(p + 3 * n_progs, mask=ok, other=0.0), axis=1)
+            acc_high += tl.sum(tl.load(p + 4 * n_progs, mask=ok, other=0.0), axis=1)
+            acc_reg += tl.sum(tl.load(p + 5 * n_progs, mask=ok, other=0.0), axis=1)
+        total_num = tl.sum(acc_num, axis=0)
+        total_cnt = tl.sum(acc_cnt, axis=0)
+        tok_denom = tl.maximum(total_cnt, 1.0)
+        if LOSS_TYPE == 0:  # grpo
+            loss = tl.sum(acc_seq, axis=0) / B
+        elif LOSS_TYPE == 1:  # bnpo
+            denom = tok_denom
+            loss = total_num / denom
+        elif LOSS_TYPE == 2:  # dr_grpo
+            denom = total_cnt * 0.0 + dr_denom
+            loss = total_num / denom
+        else:  # dapo
+            if NUM_ITEMS == 2:
+                denom = tl.maximum(tl.load(num_items_ptr).to(tl.float32), 1.0)
+            elif NUM_ITEMS == 1:
+                denom = tl.maximum(total_cnt * 0.0 + num_items, 1.0)
+            else:
+                denom = tok_denom
+            loss = total_num / denom
+        tl.store(loss_ptr, loss)
+        clip_denom = tok_denom
+        if CLIP_PER_SEQ:
+            clip_denom = total_cnt * 0.0 + B
+        tl.store(metrics_ptr, tl.sum(acc_kl, axis=0) / tok_denom)
+        tl.store(metrics_ptr + 1, tl.sum(acc_low, axis=0) / clip_denom)
+        tl.store(metrics_ptr + 2, tl.sum(acc_high, axis=0) / clip_denom)
+        tl.store(metrics_ptr + 3, tl.sum(acc_reg, axis=0) / clip_denom)
+
+        for b0 in range(0, B, BLOCK_B):
+            b1 = b0 + rows
+            bb = b1[:, None]
+            ok = (bb < B) & (cols < n_chunks)
+            cnt_b = tl.sum(tl.load(part_ptr + n_progs + bb * n_chunks + cols, mask=ok, other=0.0), axis=1)
+            cnt_b = tl.maximum(cnt_b, 1.0)
+            if LOSS_TYPE == 0:
+                w_b = 1.0 / (B * cnt_b)
+            else:
+                w_b = tl.zeros([BLOCK_B], tl.float32) + 1.0 / denom
+            tl.store(wseq_ptr + b1, w_b, mask=b1 < B)
+            if SEQ_LEVEL:  # C = 1: S_b sits at column 0
+                s_b = tl.load(part_ptr + 6 * n_progs + b1, mask=b1 < B, other=0.0)
+                tl.store(gseq_ptr + b1, w_b * s_b / cnt_b, mask=b1 < B)
+
+
+    # Reads per token: mask, logp (+ old and adv unless SEQ_LEVEL, + ref when HAS_KL); writes dlogp once.
+    @triton.jit
+    def _grpo_loss_bwd_kernel(
+        grad_ptr, logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, cu_ptr, wseq_ptr, gseq_ptr, dlogp_ptr,
+        T, chunk_len,
+        eps_low, eps_high, delta, dual_c, beta,
+        PACKED: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_KL: tl.constexpr,
+        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)
+        start, length, lo, hi = _seq_bounds(cu_ptr, b, c, T, chunk_len, PACKED)
+        offs = tl.arange(0, BLOCK)
+        g = tl.load(grad_ptr).to(tl.float32)
+        w = tl.load(wseq_ptr + b)
+        if SEQ_LEVEL:
+            gs = tl.load(gseq_ptr + b)
+        if not ADV_PER_TOKEN:
+            a_seq = tl.load(adv_ptr + b).to(tl.float32)
+        for off in range(lo, hi, BLOCK):
+            idx = start + off + offs
+            inb = off + offs < hi
+            m = tl.load(mask_ptr + idx, mask=inb, other=0).to(tl.float32)
+            valid = m != 0
+            lp = tl.load(logp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+            if SEQ_LEVEL:
+                d = m * gs
+            else:
+                od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                if ADV_PER_TOKEN:
+                    a = tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                else:
+                    a = tl.zeros([BLOCK], tl.float32) + a_seq
+                r = tl.exp(tl.where(valid, lp - od, 0.0))
+                _, dloss, _ = _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA, HAS_DUAL)
+                d = w * m * dloss * r
+            if HAS_KL:
+                rf = tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32)
+                d += w * m * beta * (1.0 - tl.exp(tl.where(valid, rf - lp, 0.0)))
+            d = tl.where(valid, g * d, 0.0)
+            tl.store(dlogp_ptr + idx, d.to(dlogp_ptr.dtype.element_ty), mask=inb)
 
 
 @dataclass(frozen=True)
@@ -595,3 +599,58 @@ def grpo_loss(
         loss, metrics = _torch_loss(flat[0], flat[1], flat[2], adv.reshape(-1), flat[3], sid_N, o)
     names = METRIC_NAMES if o.beta != 0.0 else METRIC_NAMES[1:]
     return loss, {name: metrics[METRIC_NAMES.index(name)].detach() for name in names}
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    dual_clip_c: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    per_token_advantages: bool | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`grpo_loss` on ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, no logits.
+
+    ``hidden`` is padded ``[B, T, H]`` (per-token inputs ``[B, T]``) or packed ``[N, H]`` (``[N]`` with
+    ``cu_seqlens``); ``weight [V, H]``. The log-probs come from ``fused_linear_logprobs`` (nothing of size N×V in
+    memory, forward or backward); the loss's backward hands ``dlogp`` to its one backward pass over the vocabulary.
+    Targets at masked-out positions are not read (``-100`` is fine there). With ``return_entropy`` the metrics also
+    hold ``entropy``: the masked token mean ``Σ m H / max(Σ m, 1)`` of the same distribution (as TRL logs it;
+    detached, no gradient). Other keywords as :func:`grpo_loss`; gradients reach ``hidden``, ``weight``, ``bias``.
+    """
+    check_tensor("hidden", hidden, ndim=(2, 3), dtypes=FLOAT_DTYPES)
+    check_tensor("mask", mask, dtypes=MASK_DTYPES, device=hidden.device)
+    check_shape("mask", mask, tuple(hidden.shape[:-1]), "hidden's leading dims")
+    check_tensor("targets", targets, device=hidden.device)
+    check_shape("targets", targets, tuple(hidden.shape[:-1]), "hidden's leading dims")
+    keep = mask != 0
+    out = fused_linear_logprobs(hidden, weight, targets.masked_fill(~keep, 0), bias=bias, temperature=temperature,
+                                return_entropy=return_entropy)
+    logp = out[0] if return_entropy else out  # [B, T] or [N] fp32
+    loss, metrics = grpo_loss(
+        logp, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, beta=beta, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, delta=delta, dual_clip_c=dual_clip_c, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, per_token_advantages=per_token_advantages,
+    )
+    if return_entropy:
+        with torch.no_grad():
+            m = mask.float()
+            metrics["entropy"] = (torch.where(keep, out[1] * m, 0.0)).sum() / m.sum().clamp(min=1.0)
+    return loss, metrics

@@ -1,0 +1,147 @@
+"""DPO-family losses on sequence log-probs, and the fused version that starts from the last hidden state.
+
+Math (``kernels/reference.py::dpo_loss_ref`` is the spec), per pair ``i`` of a chosen and a rejected completion::
+
+    h_i     = (π_c − π_r) − (ref_c − ref_r)                 (π: policy sequence log-prob, ref: reference's)
+    sigmoid −(1 − ls)·log σ(β h) − ls·log σ(−β h)          (ls = label_smoothing, conservative DPO)
+    ipo     (h − 1/(2β))²
+    hinge   relu(1 − β h)
+    loss    = mean_i
+
+Metrics (detached fp32 0-d tensors): ``rewards/chosen = mean β(π_c − ref_c)``, ``rewards/rejected = mean
+β(π_r − ref_r)``, ``rewards/accuracies`` (share of pairs whose chosen reward beats the rejected one),
+``rewards/margins`` (mean difference).
+
+Departures from TRL 1.16's ``DPOTrainer`` (kept to match the reference): its ``sigmoid`` ignores ``label_smoothing``
+(smoothing lives in its ``robust``/``exo_pair`` types), and its ``ipo`` divides each sequence's log-ratio by the
+number of completion tokens before the square; here both take the sums as given.
+
+Plain torch on purpose: ``dpo_loss`` is a handful of elementwise ops on ``[B]`` values; one kernel launch would cost
+more than the arithmetic, and autograd's few tiny kernels are not worth fusing. The expensive part of DPO is the
+sequence log-probs, which :func:`fused_linear_dpo_loss` takes from ``fused_linear_logprobs`` (no logits in memory).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, seq_index
+from .linear_logprobs import fused_linear_logprobs
+from .reference import DPO_LOSS_TYPES
+
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
+
+
+def _check_options(beta, loss_type, label_smoothing) -> None:
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta <= 0:
+        raise ValueError(f"beta must be a finite number > 0, got {beta!r}")
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real)
+            or not 0.0 <= label_smoothing <= 0.5):
+        raise ValueError(f"label_smoothing must be a number in [0, 0.5], got {label_smoothing!r}")
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO loss (module docstring) on ``[B]`` sequence log-probs; returns ``(loss, metrics)``, loss 0-d fp32.
+
+    Computed in fp32 whatever the inputs' dtype. Gradients reach the two policy inputs; the reference log-probs
+    are constants (detached), as in TRL.
+    """
+    names = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+    tensors = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    check_tensor(names[0], tensors[0], ndim=1, dtypes=FLOAT_DTYPES)
+    for name, t in zip(names[1:], tensors[1:]):
+        check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, device=tensors[0].device)
+        check_shape(name, t, tuple(tensors[0].shape), f"{names[0]} {tuple(tensors[0].shape)}")
+    _check_options(beta, loss_type, label_smoothing)
+    pc, pr = policy_chosen_logps.float(), policy_rejected_logps.float()  # [B]
+    rc, rr = ref_chosen_logps.detach().float(), ref_rejected_logps.detach().float()  # [B]
+    h = (pc - pr) - (rc - rr)  # [B]
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # hinge
+        losses = torch.relu(1 - beta * h)
+    with torch.no_grad():
+        chosen = beta * (pc - rc)  # [B]
+        rejected = beta * (pr - rr)  # [B]
+        metrics = {
+            "rewards/chosen": chosen.mean(),
+            "rewards/rejected": rejected.mean(),
+            "rewards/accuracies": (chosen > rejected).float().mean(),
+            "rewards/margins": (chosen - rejected).mean(),
+        }
+    return losses.mean(), metrics
+
+
+def fused_linear_dpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`dpo_loss` on sequence log-probs computed from the last hidden state without logits.
+
+    The batch holds 2B sequences, the B chosen ones first, then the B rejected ones in the same pair order (TRL's
+    layout): padded ``hidden [2B, T, H]``, ``targets``/``mask`` ``[2B, T]``; or packed ``hidden [N, H]``,
+    ``targets``/``mask`` ``[N]`` with ``cu_seqlens [2B + 1]``. The sequence log-prob is the masked sum
+    ``Σ_t m_t logp_t`` with ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``; targets at
+    masked-out positions are not read (``-100`` is fine there). ``ref_chosen_logps`` / ``ref_rejected_logps``:
+    ``[B]`` constants. Metrics: those of :func:`dpo_loss` plus ``logps/chosen`` / ``logps/rejected`` (means of the
+    policy's sequence log-probs, as TRL logs them). Gradients reach ``hidden``, ``weight`` and ``bias``.
+    """
+    packed = cu_seqlens is not None
+    check_tensor("hidden", hidden, ndim=2 if packed else 3, dtypes=FLOAT_DTYPES)
+    check_tensor("mask", mask, dtypes=MASK_DTYPES, device=hidden.device)
+    check_shape("mask", mask, tuple(hidden.shape[:-1]), "hidden's leading dims")
+    check_tensor("targets", targets, device=hidden.device)
+    check_shape("targets", targets, tuple(hidden.shape[:-1]), "hidden's leading dims")
+    if packed:
+        check_tensor("cu_seqlens", cu_seqlens, device=hidden.device)
+        check_cu_seqlens(cu_seqlens, hidden.shape[0])
+    n_seqs = cu_seqlens.numel() - 1 if packed else hidden.shape[0]
+    if n_seqs % 2:
+        raise ValueError(f"hidden must hold an even number of sequences (chosen then rejected), got {n_seqs}")
+    for name, t in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+        check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, device=hidden.device)
+        check_shape(name, t, (n_seqs // 2,), f"{n_seqs} sequences = {n_seqs // 2} pairs")
+    _check_options(beta, loss_type, label_smoothing)
+    keep = mask != 0
+    logp = fused_linear_logprobs(hidden, weight, targets.masked_fill(~keep, 0), bias=bias,
+                                 temperature=temperature)  # [2B, T] or [N] fp32
+    weighted = torch.where(keep, logp * mask.float(), 0.0)
+    if packed:
+        seq_logps = torch.zeros(n_seqs, device=hidden.device, dtype=torch.float32)
+        seq_logps = seq_logps.index_add(0, seq_index(cu_seqlens, hidden.shape[0]), weighted)  # [2B]
+    else:
+        seq_logps = weighted.sum(-1)  # [2B]
+    chosen, rejected = seq_logps.chunk(2)  # [B], [B]
+    loss, metrics = dpo_loss(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
+                             label_smoothing=label_smoothing)
+    metrics["logps/chosen"] = chosen.detach().mean()
+    metrics["logps/rejected"] = rejected.detach().mean()
+    return loss, metrics
