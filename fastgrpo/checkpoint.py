@@ -1,0 +1,355 @@
+"""Checkpoints: Hugging Face-format weights plus the trainer's state, written atomically, resumed in place.
+
+Layout of ``run_dir/checkpoints/step_{step:08d}/``::
+
+    config.json, generation_config.json   the model config (HF ``save_pretrained``)
+    model.safetensors                     the full weights (sharded files + index for very large models)
+    tokenizer.json, tokenizer_config.json …
+    trainer_state.pt                      {"step", "world_size", "trainer_state", "optimizer", "scheduler"}
+    rng_rank{r}.pt                        python / numpy / torch CPU / CUDA RNG states of rank r
+    COMPLETE                              marker, written last (JSON: step, world size, time)
+
+so ``AutoModelForCausalLM.from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)`` load it directly.
+
+Atomicity: everything is written into ``checkpoints/.tmp-step_{step:08d}/``, fsynced, the marker written last,
+then the directory is renamed (``os.replace``, atomic on POSIX). A crash at any point leaves the previous complete
+checkpoint as ``latest_checkpoint``; stale temporary directories are removed by the next save.
+
+Distributed: every rank must call ``save_checkpoint`` / ``load_checkpoint`` (FSDP2 gathers are collectives).
+Rank 0 writes the model, tokenizer and ``trainer_state.pt``; each rank writes its own ``rng_rank{r}.pt``. Under
+FSDP2 the model and optimizer state are gathered *full* on rank 0's CPU (``get_model_state_dict`` /
+``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True``) and scattered back on load with
+``broadcast_from_rank0=True``: one format for every strategy and world size, at the cost of rank 0 holding the
+full state in host memory while saving. The run directory must be on a file system every rank sees (one node).
+
+Loading copies values into the existing parameters (``load_state_dict`` copies in place): the co-located
+generation engine holds those very tensors, so no ``Parameter`` is ever replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from fastgrpo.distributed import DistState, barrier, full_state_dict, get_rank, get_world_size, is_fsdp, unwrap_model
+
+CHECKPOINT_DIR = "checkpoints"
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.pt"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint at ``step``: ``step_00000042``."""
+    return f"step_{step:08d}"
+
+
+def _rank_world(state: DistState | None) -> tuple[int, int]:
+    if state is not None:
+        return state.rank, state.world_size
+    return get_rank(), get_world_size()
+
+
+def _check_plain(obj, where: str) -> None:
+    """Raise ``ValueError`` unless ``obj`` reloads with ``torch.load(weights_only=True)``."""
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise ValueError(f"{where} has a key of type {type(k).__name__}; use str or int keys")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    raise ValueError(f"{where} is a {type(obj).__name__}; trainer_state holds only python numbers, strings, "
+                     f"None, tensors, lists, tuples and dicts (convert numpy values with float()/int())")
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state(legacy=False)
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"], "key": np_state["state"]["key"].tolist(),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": cuda,  # the current device's generator (each rank drives one GPU)
+    }
+
+
+def _set_rng_state(rng: dict) -> None:
+    random.setstate(rng["python"])
+    n = rng["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"], "has_gauss": n["has_gauss"], "gauss": n["gauss"],
+                         "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]}})
+    torch.set_rng_state(rng["torch_cpu"])
+    if rng["torch_cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["torch_cuda"])
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_model(model: nn.Module, out: Path, sd: dict | None) -> None:
+    """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone."""
+    inner = unwrap_model(model)
+    if hasattr(inner, "save_pretrained"):
+        inner.save_pretrained(out, state_dict=sd)
+        return
+    import safetensors.torch
+
+    sd = dict(sd if sd is not None else inner.state_dict())
+    seen: dict[int, str] = {}
+    for k in list(sd):  # safetensors refuses aliased tensors: keep one name per storage (tied weights)
+        ptr = sd[k].untyped_storage().data_ptr()
+        if ptr in seen:
+            del sd[k]
+        else:
+            seen[ptr] = k
+    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()},
+                                str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    model: nn.Module,
+    tokenizer=None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler=None,
+    trainer_state: Mapping | None = None,
+    keep_last: int | None = 3,
+    state: DistState | None = None,
+) -> Path:
+    """Write ``run_dir/checkpoints/step_{step:08d}/`` atomically and return its path (on every rank).
+
+    ``trainer_state``: the trainer's own resumable state (step, data position, counters …) as python numbers,
+    strings, tensors, lists and dicts; it comes back from ``load_checkpoint``. ``keep_last``: how many complete
+    checkpoints to keep (older ones are deleted, never the one just written); ``None`` keeps all. A checkpoint
+    already at this step is replaced. Every rank must call this (FSDP2 gathers are collectives).
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    trainer_state = dict(trainer_state or {})
+    _check_plain(trainer_state, "trainer_state")
+    rank, world = _rank_world(state)
+    root = Path(run_dir) / CHECKPOINT_DIR
+    final = root / checkpoint_name(step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}"
+
+    # Collectives first, on every rank: the full weights and optimizer state (FSDP2 gathers; else local views).
+    fsdp = is_fsdp(model)
+    model_sd = full_state_dict(model, state) if fsdp else None
+    optim_sd = None
+    if optimizer is not None:
+        if fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            optim_sd = get_optimizer_state_dict(unwrap_model(model), optimizer,
+                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        elif rank == 0:
+            optim_sd = optimizer.state_dict()
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.iterdir():  # leftovers of a crashed save
+            if stale.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    barrier()  # the temporary directory exists before any rank writes into it
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        _save_model(model, tmp, model_sd)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world,
+            "trainer_state": {**trainer_state, "step": step},
+            "optimizer": optim_sd,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        }
+        torch.save(payload, tmp / TRAINER_STATE)
+    barrier()  # every rank's RNG file is on disk
+    if rank == 0:
+        _fsync_tree(tmp)
+        marker = {"step": step, "world_size": world, "time": time.time()}
+        with open(tmp / MARKER, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # re-saving a step: move the old one aside, never leave no checkpoint at all
+            trash = root / f"{_TRASH_PREFIX}{final.name}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        if keep_last is not None:
+            _prune(root, keep_last, keep=final)
+    barrier()  # the checkpoint is visible to every rank before anyone returns
+    return final
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    complete = _complete_checkpoints(root)
+    for _, path in complete[:-keep_last]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``run_dir/checkpoints``, oldest step first."""
+    return [p for _, p in _complete_checkpoints(Path(run_dir) / CHECKPOINT_DIR)]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step (temporary and unmarked directories ignored), or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    import safetensors.torch
+
+    single = path / "model.safetensors"
+    if single.is_file():
+        return safetensors.torch.load_file(str(single), device="cpu")
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        raise ValueError(f"path {path} has no model.safetensors (nor a sharded index)")
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        sd.update(safetensors.torch.load_file(str(path / name), device="cpu"))
+    return sd
+
+
+def _complete_tied(sd: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """Add entries for tied parameters (one tensor, several names) that the file stores once."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    for names in by_param.values():
+        present = [n for n in names if n in sd]
+        if present:
+            for n in names:
+                sd.setdefault(n, sd[present[0]])
+    return sd
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler=None,
+    state: DistState | None = None,
+    restore_rng: bool = True,
+) -> dict:
+    """Load a checkpoint into the existing ``model`` (in place), ``optimizer`` and ``scheduler``; return the
+    trainer state saved with it (it includes ``"step"``).
+
+    The weights are copied into the current parameters (never replaced); the model may be wrapped (DDP, FSDP2,
+    compiled) and must have the saved architecture (missing or unexpected weights raise ``ValueError``). With
+    ``restore_rng`` each rank restores the RNG states it saved; a rank absent from the checkpoint (the world size
+    changed) keeps its current RNG state, with a warning. Every rank must call this.
+    """
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise ValueError(f"path {path} is not a complete checkpoint (no {MARKER} marker)")
+    rank, _ = _rank_world(state)
+    inner = unwrap_model(model)
+    fsdp = is_fsdp(inner)
+    # mmap: ranks other than 0 under FSDP2 never touch the optimizer tensors, so they cost no memory.
+    payload = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True, mmap=True)
+
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        sd = _complete_tied(_read_safetensors(path), inner) if rank == 0 else {}
+        set_model_state_dict(inner, sd, options=opts)
+        if optimizer is not None:
+            osd = payload["optimizer"] if rank == 0 else {}
+            set_optimizer_state_dict(inner, optimizer, optim_state_dict=osd, options=opts)
+    else:
+        sd = _complete_tied(_read_safetensors(path), inner)
+        result = inner.load_state_dict(sd, strict=False)  # copies into the existing tensors
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(f"path {path} does not match the model: missing {result.missing_keys[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}")
+        if optimizer is not None:
+            if payload["optimizer"] is None:
+                raise ValueError(f"path {path} holds no optimizer state (saved with optimizer=None)")
+            optimizer.load_state_dict(payload["optimizer"])
+    if scheduler is not None:
+        if payload["scheduler"] is None:
+            raise ValueError(f"path {path} holds no scheduler state (saved with scheduler=None)")
+        scheduler.load_state_dict(payload["scheduler"])
+    if restore_rng:
+        rng_file = path / f"rng_rank{rank}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        else:
+            warnings.warn(f"{rng_file.name} not in {path} (saved with world size {payload['world_size']}): "
+                          f"rank {rank} keeps its current RNG state", stacklevel=2)
+    barrier()
+    return dict(payload["trainer_state"])

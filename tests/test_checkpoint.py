@@ -1,0 +1,273 @@
+"""fastgrpo.checkpoint: round trip, HF loading, atomicity under a crash, pruning, bad input; 2-process resume.
+
+The round trip is checked against the saved objects themselves (weights, optimizer and scheduler state, the
+next random numbers of every generator) and against an uninterrupted run: a model resumed from a checkpoint
+takes the same next optimizer step, bit for bit, as the model that kept going.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastgrpo import checkpoint as C
+from fastgrpo import distributed as D
+
+VOCAB = ["<pad>", "<unk>", "<eos>", *"0123456789+=ab"]
+
+
+def tiny_config(layers: int = 2):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+def tiny_model(seed: int, layers: int = 2):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(tiny_config(layers))
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def train_step(model, optimizer, scheduler, ids_BT) -> float:
+    loss = model(input_ids=ids_BT, labels=ids_BT).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+    return loss.item()
+
+
+def make_optim(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def batch(step: int, rows: int = 4):
+    return torch.randint(0, len(VOCAB), (rows, 7), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def draws() -> list[float]:
+    return [random.random(), float(np.random.rand()), float(np.random.randn()), torch.rand(()).item()]
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def optim_tensors(opt) -> dict:
+    return {f"{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_round_trip_and_resume(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = tiny_model(0), tiny_tokenizer()
+    opt, sched = make_optim(model)
+    for s in range(2):
+        train_step(model, opt, sched, batch(s))
+    seed_all(7)
+    torch.randn(5)  # advance the streams off their seed
+    path = C.save_checkpoint(tmp_path, 2, model=model, tokenizer=tok, optimizer=opt, scheduler=sched,
+                             trainer_state={"data_pos": 8, "history": [0.5, 0.25], "name": "tiny"})
+    assert path == tmp_path / "checkpoints" / "step_00000002" and C.latest_checkpoint(tmp_path) == path
+    expected_draws = draws()
+    saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_optim = {k: v.clone() for k, v in optim_tensors(opt).items()}
+    saved_sched = copy.deepcopy(sched.state_dict())
+    loss3 = train_step(model, opt, sched, batch(2))  # the uninterrupted run's next step
+
+    fresh = tiny_model(1)
+    fresh_opt, fresh_sched = make_optim(fresh)
+    params_before = {n: (p, p.data_ptr()) for n, p in fresh.named_parameters()}
+    seed_all(99)
+    trainer = C.load_checkpoint(path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert trainer == {"data_pos": 8, "history": [0.5, 0.25], "name": "tiny", "step": 2}
+    assert draws() == expected_draws
+    assert_same_tensors(fresh.state_dict(), saved_weights)
+    assert_same_tensors(optim_tensors(fresh_opt), saved_optim)
+    assert fresh_sched.state_dict() == saved_sched
+    assert fresh_sched.get_last_lr() == pytest.approx([1e-2 / 3])
+    # In place: the same Parameter objects and storages (a generation engine holding them sees the weights).
+    for n, p in fresh.named_parameters():
+        assert p is params_before[n][0] and p.data_ptr() == params_before[n][1]
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    # Resumed = uninterrupted, bit for bit.
+    assert train_step(fresh, fresh_opt, fresh_sched, batch(2)) == loss3
+    assert_same_tensors(fresh.state_dict(), model.state_dict())
+
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    assert_same_tensors(hf.state_dict(), saved_weights)
+    assert AutoTokenizer.from_pretrained(path)("1+2=3").input_ids == tok("1+2=3").input_ids
+
+
+def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
+    model = tiny_model(0)
+    opt, _ = make_optim(model)
+    first = C.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, trainer_state={})
+
+    def crash(model, out, sd):
+        (out / "model.safetensors").write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(C, "_save_model", crash)
+    with pytest.raises(OSError, match="disk full"):
+        C.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, trainer_state={})
+    assert C.latest_checkpoint(tmp_path) == first
+    assert (tmp_path / "checkpoints" / ".tmp-step_00000002").is_dir()  # the half-written one, not picked
+    monkeypatch.undo()
+    second = C.save_checkpoint(tmp_path, 3, model=model, optimizer=opt, trainer_state={})
+    assert C.latest_checkpoint(tmp_path) == second
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000003"]
+    # A directory without the marker (e.g. copied by hand, half done) is never "latest".
+    (tmp_path / "checkpoints" / "step_00000009").mkdir()
+    assert C.latest_checkpoint(tmp_path) == second
+
+
+def test_prune_and_resave(tmp_path):
+    model = nn.Linear(3, 2)
+    for step in (1, 2, 3, 4):
+        C.save_checkpoint(tmp_path, step, model=model, keep_last=2)
+    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    # The checkpoint just written survives even when it is older than keep_last newer ones.
+    C.save_checkpoint(tmp_path, 2, model=model, keep_last=2)
+    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003", "step_00000004"]
+    # Re-saving a step replaces it.
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    C.save_checkpoint(tmp_path, 4, model=model, keep_last=None)
+    other = nn.Linear(3, 2)
+    C.load_checkpoint(C.latest_checkpoint(tmp_path), model=other)
+    assert torch.equal(other.weight, model.weight)
+    assert C.latest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_plain_module_with_tied_weights(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    path = C.save_checkpoint(tmp_path, 0, model=model)
+    other = Tied()
+    C.load_checkpoint(path, model=other)
+    assert torch.equal(other.embed.weight, model.embed.weight) and other.head.weight is other.embed.weight
+
+
+def test_bad_input(tmp_path):
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="step"):
+        C.save_checkpoint(tmp_path, -1, model=model)
+    with pytest.raises(ValueError, match="keep_last"):
+        C.save_checkpoint(tmp_path, 1, model=model, keep_last=0)
+    with pytest.raises(ValueError, match="model"):
+        C.save_checkpoint(tmp_path, 1, model={"w": 1})
+    with pytest.raises(ValueError, match=r"trainer_state\['pos'\]"):
+        C.save_checkpoint(tmp_path, 1, model=model, trainer_state={"pos": np.int64(3)})
+    assert C.latest_checkpoint(tmp_path) is None
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        C.load_checkpoint(tmp_path, model=model)
+    path = C.save_checkpoint(tmp_path, 1, model=model)
+    with pytest.raises(ValueError, match="missing"):
+        C.load_checkpoint(path, model=nn.Sequential(nn.Linear(3, 2)))
+    with pytest.raises(ValueError, match="no optimizer state"):
+        C.load_checkpoint(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (path / "rng_rank0.pt").unlink()  # as if saved by a different world size
+    with pytest.warns(UserWarning, match="rng_rank0.pt"):
+        C.load_checkpoint(path, model=model)
+
+
+# ---------------------------------------------------------------- two processes (torchrun, gloo)
+
+
+def clone(sd: dict | None) -> dict | None:
+    return None if sd is None else {k: v.detach().clone() for k, v in sd.items()}
+
+
+def _worker(out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    state = D.init_distributed("cpu")
+    r, report = state.rank, {}
+    for strategy in ("ddp", "fsdp2"):
+        model = D.wrap_model(tiny_model(0), state, strategy)
+        opt, sched = make_optim(model)
+        for s in range(2):
+            train_step(model, opt, sched, batch(s, 4)[2 * r: 2 * r + 2])
+        seed_all(100 + r)  # a different stream on each rank: each must get its own back
+        path = C.save_checkpoint(out_dir / strategy, 2, model=model, optimizer=opt, scheduler=sched,
+                                 trainer_state={"data_pos": 16}, state=state)
+        expected = draws()
+        saved = clone(D.full_state_dict(model, state))
+        loss3 = train_step(model, opt, sched, batch(2, 4)[2 * r: 2 * r + 2])
+        after3 = D.full_state_dict(model, state)
+
+        fresh = D.wrap_model(tiny_model(1), state, strategy)
+        fresh_opt, fresh_sched = make_optim(fresh)
+        seed_all(0)
+        trainer = C.load_checkpoint(path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, state=state)
+        rep = {"path": str(path.relative_to(out_dir)), "trainer": trainer, "rng_equal": draws() == expected,
+               "rng_files": sorted(p.name for p in path.glob("rng_rank*.pt"))}
+        loaded = clone(D.full_state_dict(fresh, state))  # DDP's is a live view: copy before training
+        rep["loss3_equal"] = train_step(fresh, fresh_opt, fresh_sched, batch(2, 4)[2 * r: 2 * r + 2]) == loss3
+        resumed3 = D.full_state_dict(fresh, state)
+        if r == 0:
+            rep["weights_equal"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
+            rep["resumed_equal"] = all(torch.equal(resumed3[k], v) for k, v in after3.items())
+            hf = AutoModelForCausalLM.from_pretrained(path).state_dict()
+            rep["hf_equal"] = all(torch.equal(hf[k], v) for k, v in saved.items())
+        report[strategy] = rep
+    (out_dir / f"rank{r}.json").write_text(json.dumps(report))
+    D.destroy()
+
+
+def test_two_processes_save_and_resume(tmp_path):
+    from test_distributed import run_torchrun
+
+    run_torchrun(__file__, "worker", str(tmp_path))
+    for r in range(2):
+        report = json.loads((tmp_path / f"rank{r}.json").read_text())
+        for strategy, rep in report.items():
+            assert rep["path"] == f"{strategy}/checkpoints/step_00000002"
+            assert rep["trainer"] == {"data_pos": 16, "step": 2}
+            assert rep["rng_files"] == ["rng_rank0.pt", "rng_rank1.pt"]
+            assert rep["rng_equal"] and rep["loss3_equal"], (strategy, r)
+            if r == 0:
+                assert rep["weights_equal"] and rep["resumed_equal"] and rep["hf_equal"], strategy
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":
+    _worker(Path(sys.argv[2]))
