@@ -9,7 +9,9 @@ A packed forward is one row of N tokens holding B sequences: per-sequence ``posi
 and ``cu_seqlens`` passed as transformers' flash-attention keyword arguments (``cu_seq_lens_q``,
 ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``). Every attention layer then runs
 :func:`fastgrpo.kernels.varlen_attention.varlen_attention` on ``[N, H, D]`` — no mask, no padding — so each
-sequence sees only itself and the result equals running every sequence alone. :func:`packed_hidden_states`
+sequence sees only itself and the result equals running every sequence alone. CUDA tensors go through the Triton
+kernel; CPU tensors through its per-sequence SDPA path (also under ``TRITON_INTERPRET=1``, which is for the
+kernel's own tests). :func:`packed_hidden_states`
 does all of this for a :class:`~fastgrpo.packing.PackedBatch`.
 
 Calls that are not packed training forwards still work: without ``cu_seq_lens_*`` the offsets come from
@@ -25,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from fastgrpo.kernels.varlen_attention import varlen_attention_unchecked
+from fastgrpo.kernels.varlen_attention import varlen_attention_torch, varlen_attention_unchecked
 from fastgrpo.packing import PackedBatch
 
 ATTN_IMPLEMENTATION = "fastgrpo_varlen"
@@ -91,7 +93,8 @@ def fastgrpo_varlen_attention_forward(
     k = key.transpose(1, 2).reshape(B * S, key.shape[1], D)  # [N, Hkv, D]
     v = value.transpose(1, 2).reshape(B * S, value.shape[1], D)  # [N, Hkv, D]
     causal = getattr(module, "is_causal", True)
-    out = varlen_attention_unchecked(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scaling)
+    attend = varlen_attention_unchecked if query.is_cuda else varlen_attention_torch  # CPU: torch path, see there
+    out = attend(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scaling)
     return out.view(B, S, Hq, D), None
 
 

@@ -17,9 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_tensor
+from ._utils import FLOAT_DTYPES, HAS_TRITON, INTERPRET, check_cu_seqlens, check_tensor, dot_in_fp32, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
 MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x · log2 e)
 
 
 def _check_inputs(q, k, v, cu_seqlens, max_seqlen, *, check_offsets: bool) -> None:
@@ -44,6 +49,361 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen, *, check_offsets: bool) -> No
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         if longest > max_seqlen:
             raise ValueError(f"max_seqlen={max_seqlen} is smaller than the longest sequence ({longest} tokens)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels. Layout: q/o/dq [T, Hq, D], k/v/dk/dv [T, Hkv, D] (last dim contiguous), lse/delta [Hq, T] fp32.
+# Every grid is (blocks of the longest sequence, heads, sequences): program (i, h, b) handles block i of sequence b
+# and exits at once when that block starts past the sequence's end. Scores live in base 2: s2 = q·k · scale · log2 e,
+# lse2 = log2 Σ exp2(s2), so p = exp2(s2 − lse2).
+# ----------------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_rows(ptrs, rows_ok, d_ok, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+        """Load a [rows, BLOCK_D] tile; masked rows/columns read 0."""
+        if ROW_MASK:
+            if EVEN_D:
+                x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            if EVEN_D:
+                x = tl.load(ptrs)
+            else:
+                x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+        return x
+
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, lo, hi, offs_m, offs_n, offs_d, L, qk_scale,
+                   HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PREC: tl.constexpr):
+        """Online softmax over key blocks [lo, hi); MASKED blocks apply the end-of-sequence and causal masks."""
+        d_ok = offs_d < HEAD_DIM
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + offs_n  # [BLOCK_N]
+            k = _load_rows(k_base + cols[:, None] * stride_kt + offs_d[None, :], cols < L, d_ok, MASKED, EVEN_D)
+            v = _load_rows(v_base + cols[:, None] * stride_kt + offs_d[None, :], cols < L, d_ok, MASKED, EVEN_D)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if MASKED:
+                keep = (cols < L)[None, :]
+                if CAUSAL:
+                    keep = keep & (offs_m[:, None] >= cols[None, :])
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row has a visible key in its first block
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _varlen_fwd_kernel(Q, K, V, O, LSE, CU, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_lh,
+                           HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           DOT_FP32: tl.constexpr, PREC: tl.constexpr):
+        """One query block of one head: reads its q rows once and the k/v rows up to the diagonal (causal) or
+        the sequence end; writes o [BLOCK_M, D] and lse2 [BLOCK_M]. Heavier (later) blocks launch first."""
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2)
+        seq_start = tl.load(CU + b).to(tl.int64)
+        L = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        start_m = m_block * BLOCK_M
+        if start_m >= L:
+            return
+        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        rows_ok = offs_m < L
+        q_base = Q + seq_start * stride_qt + h * stride_qh
+        q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], rows_ok, d_ok, True, EVEN_D)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        kv_off = seq_start * stride_kt + (h // GROUP) * stride_kh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if CAUSAL:
+            full_end = start_m  # key blocks entirely left of the diagonal need no mask
+            hi = tl.minimum(start_m + BLOCK_M, L)
+        else:
+            full_end = (L // BLOCK_N) * BLOCK_N
+            hi = L
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K + kv_off, V + kv_off, stride_kt, 0, full_end, offs_m, offs_n,
+                                   offs_d, L, qk_scale, HEAD_DIM, False, CAUSAL, EVEN_D, BLOCK_N, DOT_FP32, PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K + kv_off, V + kv_off, stride_kt, full_end, hi, offs_m, offs_n,
+                                   offs_d, L, qk_scale, HEAD_DIM, True, CAUSAL, EVEN_D, BLOCK_N, DOT_FP32, PREC)
+        o = acc / l_i[:, None]
+        o_ptrs = O + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + h * stride_lh + seq_start + offs_m, m_i + tl.log2(l_i), mask=rows_ok)
+
+    @triton.jit
+    def _varlen_bwd_delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
+                                 HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """delta[h, t] = Σ_d o[t, h, d] · do[t, h, d]: reads two [BLOCK_T, D] tiles, writes BLOCK_T floats."""
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        h = tl.program_id(1).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_t < T)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        rows = offs_t.to(tl.int64)[:, None]
+        o = tl.load(O + rows * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        do = tl.load(DO + rows * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DELTA + h * stride_lh + offs_t, tl.sum(o * do, 1), mask=offs_t < T)
+
+    @triton.jit
+    def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi,
+                        offs_n, offs_m, offs_d, L, qk_scale,
+                        HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, PREC: tl.constexpr):
+        """dV += Pᵀ dO and dK += dSᵀ Q over query blocks [lo, hi) of one query head (the tile is transposed:
+        keys on rows)."""
+        d_ok = offs_d < HEAD_DIM
+        for start_m in range(lo, hi, BLOCK_M):
+            rows = start_m + offs_m  # [BLOCK_M]
+            rows_ok = rows < L
+            q = _load_rows(q_base + rows[:, None] * stride_qt + offs_d[None, :], rows_ok, d_ok, MASKED, EVEN_D)
+            do = _load_rows(do_base + rows[:, None] * stride_dot + offs_d[None, :], rows_ok, d_ok, MASKED, EVEN_D)
+            if MASKED:
+                lse = tl.load(lse_base + rows, mask=rows_ok, other=0.0)
+                delta = tl.load(delta_base + rows, mask=rows_ok, other=0.0)
+            else:
+                lse = tl.load(lse_base + rows)
+                delta = tl.load(delta_base + rows)
+            if DOT_FP32:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            p_T = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            if MASKED:
+                keep = rows_ok[None, :]
+                if CAUSAL:
+                    keep = keep & (rows[None, :] >= offs_n[:, None])
+                p_T = tl.where(keep, p_T, 0.0)
+            dv = tl.dot(p_T.to(do.dtype), do, dv, input_precision=PREC)
+            dp_T = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+            ds_T = p_T * (dp_T - delta[None, :])
+            dk = tl.dot(ds_T.to(q.dtype), q, dk, input_precision=PREC)
+        return dk, dv
+
+    @triton.jit
+    def _varlen_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, CU, qk_scale, sm_scale,
+                                stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh, stride_lh,
+                                HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                DOT_FP32: tl.constexpr, PREC: tl.constexpr):
+        """One key block of one kv head: reads its k/v rows once, then q/do/lse/delta of every query head of the
+        GQA group from the diagonal (causal) to the sequence end; writes dk, dv [BLOCK_N, D] (no atomics)."""
+        n_block = tl.program_id(0)  # causal: early key blocks see the most queries and launch first
+        kvh = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2)
+        seq_start = tl.load(CU + b).to(tl.int64)
+        L = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        start_n = n_block * BLOCK_N
+        if start_n >= L:
+            return
+        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        cols_ok = offs_n < L
+        kv_off = seq_start * stride_kt + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+        k = _load_rows(K + kv_off, cols_ok, d_ok, True, EVEN_D)
+        v = _load_rows(V + kv_off, cols_ok, d_ok, True, EVEN_D)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        if CAUSAL:
+            diag_end = tl.minimum(start_n + BLOCK_N, L)  # query blocks crossing the diagonal need the causal mask
+        else:
+            diag_end = 0
+        full_end = diag_end + ((L - diag_end) // BLOCK_M) * BLOCK_M
+        for g in range(GROUP):
+            h = kvh * GROUP + g
+            q_base = Q + seq_start * stride_qt + h * stride_qh
+            do_base = DO + seq_start * stride_dot + h * stride_doh
+            lse_base = LSE + h * stride_lh + seq_start
+            delta_base = DELTA + h * stride_lh + seq_start
+            if CAUSAL:
+                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                         start_n, diag_end, offs_n, offs_m, offs_d, L, qk_scale,
+                                         HEAD_DIM, True, CAUSAL, EVEN_D, BLOCK_M, DOT_FP32, PREC)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                     diag_end, full_end, offs_n, offs_m, offs_d, L, qk_scale,
+                                     HEAD_DIM, False, CAUSAL, EVEN_D, BLOCK_M, DOT_FP32, PREC)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+                                     full_end, L, offs_n, offs_m, offs_d, L, qk_scale,
+                                     HEAD_DIM, True, CAUSAL, EVEN_D, BLOCK_M, DOT_FP32, PREC)
+        store_mask = cols_ok[:, None] & d_ok[None, :]
+        tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=store_mask)
+        tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=store_mask)
+
+    @triton.jit
+    def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kt, lo, hi, offs_m, offs_n, offs_d, L, qk_scale,
+                      HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PREC: tl.constexpr):
+        """dQ += dS K over key blocks [lo, hi)."""
+        d_ok = offs_d < HEAD_DIM
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + offs_n  # [BLOCK_N]
+            k = _load_rows(k_base + cols[:, None] * stride_kt + offs_d[None, :], cols < L, d_ok, MASKED, EVEN_D)
+            v = _load_rows(v_base + cols[:, None] * stride_kt + offs_d[None, :], cols < L, d_ok, MASKED, EVEN_D)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
+            if MASKED:
+                keep = (cols < L)[None, :]
+                if CAUSAL:
+                    keep = keep & (offs_m[:, None] >= cols[None, :])
+                p = tl.where(keep, p, 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [BLOCK_M, BLOCK_N]
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        return dq
+
+    @triton.jit
+    def _varlen_bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, CU, qk_scale, sm_scale,
+                              stride_qt, stride_qh, stride_kt, stride_kh, stride_dot, stride_doh, stride_lh,
+                              HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                              DOT_FP32: tl.constexpr, PREC: tl.constexpr):
+        """One query block of one head: reads q/do/lse/delta once and k/v up to the diagonal; writes dq."""
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2)
+        seq_start = tl.load(CU + b).to(tl.int64)
+        L = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        start_m = m_block * BLOCK_M
+        if start_m >= L:
+            return
+        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        rows_ok = offs_m < L
+        q_ptrs = Q + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = DO + seq_start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :]
+        q = _load_rows(q_ptrs, rows_ok, d_ok, True, EVEN_D)
+        do = _load_rows(do_ptrs, rows_ok, d_ok, True, EVEN_D)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + h * stride_lh + seq_start + offs_m, mask=rows_ok, other=0.0)
+        delta = tl.load(DELTA + h * stride_lh + seq_start + offs_m, mask=rows_ok, other=0.0)
+        kv_off = seq_start * stride_kt + (h // GROUP) * stride_kh
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if CAUSAL:
+            full_end = start_m
+            hi = tl.minimum(start_m + BLOCK_M, L)
+        else:
+            full_end = (L // BLOCK_N) * BLOCK_N
+            hi = L
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, stride_kt, 0, full_end, offs_m, offs_n,
+                           offs_d, L, qk_scale, HEAD_DIM, False, CAUSAL, EVEN_D, BLOCK_N, DOT_FP32, PREC)
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, stride_kt, full_end, hi, offs_m, offs_n,
+                           offs_d, L, qk_scale, HEAD_DIM, True, CAUSAL, EVEN_D, BLOCK_N, DOT_FP32, PREC)
+        tl.store(DQ + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
+
+    def _configs(pairs, num_warps, num_stages):
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                for m, n in pairs for w in num_warps for s in num_stages]
+
+    # GPU: autotuned per (head dim, GQA group, causal, dtype); configs that do not fit are skipped by the tuner.
+    # Every kernel only stores (no accumulation into outputs), so re-running it while tuning is harmless.
+    _TUNE_KEY = ["HEAD_DIM", "GROUP", "CAUSAL"]
+    _fwd_tuned = triton.autotune(_configs([(128, 64), (128, 32), (64, 64)], [4, 8], [2, 3]), key=_TUNE_KEY)(
+        _varlen_fwd_kernel)
+    _dkdv_tuned = triton.autotune(_configs([(32, 128), (64, 128), (32, 64)], [4, 8], [2, 3]), key=_TUNE_KEY)(
+        _varlen_bwd_dkdv_kernel)
+    _dq_tuned = triton.autotune(_configs([(128, 32), (128, 64), (64, 32)], [4, 8], [2, 3]), key=_TUNE_KEY)(
+        _varlen_bwd_dq_kernel)
+
+# Interpreter (CPU) block sizes: small tiles keep the numpy emulation quick and still cross block boundaries.
+_INTERP_FWD = {"BLOCK_M": 64, "BLOCK_N": 32}
+_INTERP_DKDV = {"BLOCK_M": 32, "BLOCK_N": 64}
+_INTERP_DQ = {"BLOCK_M": 64, "BLOCK_N": 32}
+
+
+def _launch(tuned, raw, interp_blocks, grid_block, grid_len, heads, num_seqs, args, consts):
+    """Run the autotuned kernel on a GPU, the plain one with fixed blocks under the interpreter.
+
+    The grid is (blocks of ``grid_len`` tokens, ``heads``, ``num_seqs``), with blocks of size ``grid_block``.
+    """
+    if INTERPRET and not args[0].is_cuda:
+        raw[(triton.cdiv(grid_len, interp_blocks[grid_block]), heads, num_seqs)](*args, **consts, **interp_blocks)
+    else:
+        tuned[lambda meta: (triton.cdiv(grid_len, meta[grid_block]), heads, num_seqs)](*args, **consts)
+
+
+def _common_consts(q, k):
+    D = q.shape[-1]
+    return {
+        "HEAD_DIM": D,
+        "GROUP": q.shape[1] // k.shape[1],
+        "BLOCK_D": max(16, triton.next_power_of_2(D)),
+        "DOT_FP32": dot_in_fp32(q),
+        "PREC": "ieee" if q.dtype == torch.float32 or dot_in_fp32(q) else "tf32",  # tf32 is unused on bf16/fp16
+    }
+
+
+def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    """o [T, Hq, D] and lse2 [Hq, T] (base-2 log-sum-exp of the scaled scores)."""
+    T, Hq, _ = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+    args = (q, k, v, o, lse, cu_seqlens, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            lse.stride(0))
+    consts = {**_common_consts(q, k), "CAUSAL": causal}
+    num_seqs = cu_seqlens.numel() - 1
+    _launch(_fwd_tuned, _varlen_fwd_kernel, _INTERP_FWD, "BLOCK_M", max_seqlen, Hq, num_seqs, args, consts)
+    return o, lse
+
+
+def _varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale):
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    do = do.contiguous()
+    delta = torch.empty_like(lse)  # [Hq, T]
+    block_t = 64
+    _varlen_bwd_delta_kernel[(triton.cdiv(T, block_t), Hq)](
+        o, do, delta, T, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+        HEAD_DIM=D, BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(D)))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), lse.stride(0))
+    consts = {**_common_consts(q, k), "CAUSAL": causal}
+    num_seqs = cu_seqlens.numel() - 1
+    _launch(_dkdv_tuned, _varlen_bwd_dkdv_kernel, _INTERP_DKDV, "BLOCK_N", max_seqlen, Hkv, num_seqs,
+            (q, k, v, do, dk, dv, lse, delta, cu_seqlens, scale * LOG2E, scale, *strides), consts)
+    _launch(_dq_tuned, _varlen_bwd_dq_kernel, _INTERP_DQ, "BLOCK_M", max_seqlen, Hq, num_seqs,
+            (q, k, v, do, dq, lse, delta, cu_seqlens, scale * LOG2E, scale, *strides), consts)
+    return dq, dk, dv
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, causal, scale):
+        o, lse = _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = _varlen_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 def _varlen_attention_torch(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
@@ -95,6 +455,22 @@ def varlen_attention_unchecked(q, k, v, cu_seqlens, max_seqlen, *, causal=True, 
     return _dispatch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale)
 
 
+def varlen_attention_torch(q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None):
+    """The plain-torch path of :func:`varlen_attention` on any device, offsets trusted as in the unchecked one.
+
+    The Hugging Face integration runs it for CPU tensors even under ``TRITON_INTERPRET=1``: model-level forwards
+    on CPU (the trainer, its tests) take the fast path; the kernel's own tests run the interpreter.
+    """
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen, check_offsets=False)
+    return _varlen_attention_torch(q, k, v, cu_seqlens, bool(causal), _scale(q, softmax_scale))
+
+
+def _scale(q, softmax_scale):
+    return float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+
+
 def _dispatch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _varlen_attention_torch(q, k, v, cu_seqlens, bool(causal), scale)
+    if use_triton(q):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        return _VarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, bool(causal), _scale(q, softmax_scale))
+    return _varlen_attention_torch(q, k, v, cu_seqlens, bool(causal), _scale(q, softmax_scale))

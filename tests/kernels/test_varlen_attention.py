@@ -1,0 +1,126 @@
+"""varlen_attention against per-sequence SDPA (``varlen_attention_ref``): forward and backward, flash-attn's rule.
+
+Kernel (Triton under the interpreter on CPU, compiled on GPU) in the test dtype, reference in the same dtype,
+reference in fp32: pass when ``max|kernel − ref32| ≤ 2 · max|ref_lowp − ref32| + atol`` for the output and for
+dq/dk/dv with a random upstream gradient.
+"""
+
+import pytest
+import torch
+from fastgrpo.kernels.reference import varlen_attention_ref
+from fastgrpo.kernels.varlen_attention import varlen_attention, varlen_attention_torch
+
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
+
+
+def _offsets(lengths, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _inputs(lengths, Hq, Hkv, D, dtype, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, D, generator=g, device=device, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    do = torch.randn(T, Hq, D, generator=g, device=device, dtype=dtype)
+    return q, k, v, do
+
+
+def _run(fn, q, k, v, do, **kw):
+    """Output and (dq, dk, dv) of ``fn`` on fresh leaves made from q, k, v."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    o = fn(*leaves, **kw)
+    o.backward(do.to(o.dtype))
+    return o.detach(), [x.grad for x in leaves]
+
+
+def _check(lengths, Hq, Hkv, D, dtype, *, causal=True, device="cpu", fn=varlen_attention, seed=0):
+    q, k, v, do = _inputs(lengths, Hq, Hkv, D, dtype, device, seed)
+    cu = _offsets(lengths, device)
+    o, grads = _run(fn, q, k, v, do, cu_seqlens=cu, max_seqlen=max(lengths), causal=causal)
+    o32, grads32 = _run(varlen_attention_ref, q.float(), k.float(), v.float(), do, cu_seqlens=cu, causal=causal)
+    olp, gradslp = _run(varlen_attention_ref, q, k, v, do, cu_seqlens=cu, causal=causal, upcast=False)
+    assert o.dtype == dtype and o.shape == q.shape
+    for name, got, ref32, lowp in zip(("o", "dq", "dk", "dv"), [o, *grads], [o32, *grads32], [olp, *gradslp]):
+        err = (got.float() - ref32).abs().max().item()
+        bound = 2 * (lowp.float() - ref32).abs().max().item() + ATOL[dtype]
+        assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("Hq", "Hkv"), [(2, 2), (4, 2), (6, 1)], ids=["mha", "gqa2", "gqa6"])
+def test_matches_reference_d64(Hq, Hkv, dtype):
+    _check([1, 17, 129], Hq, Hkv, 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_reference_d128(dtype):
+    _check([129, 1, 17], 4, 2, 128, dtype, seed=1)
+
+
+@pytest.mark.parametrize(("D", "causal"), [(16, True), (48, False)])
+def test_small_and_odd_head_dims_empty_sequence(D, causal):
+    """Head dims below 64 and not a power of two; a zero-length sequence in the pack; non-causal."""
+    _check([5, 0, 40, 1], 4, 2, D, torch.float16, causal=causal, seed=2)
+
+
+def test_torch_path_matches_reference():
+    """The CPU path: equal-length sequences batched together, GQA, fp32 and bf16."""
+    _check([3, 7, 3, 0, 1, 7, 7], 6, 2, 32, torch.float32, fn=varlen_attention_torch)
+    _check([3, 7, 3, 0, 1, 7, 7], 6, 2, 32, torch.bfloat16, fn=varlen_attention_torch, causal=False)
+
+
+def test_sequences_do_not_see_each_other():
+    """Changing one sequence leaves every other sequence's output unchanged (exactly)."""
+    lengths = [9, 30, 4]
+    q, k, v, _ = _inputs(lengths, 2, 1, 16, torch.float32)
+    cu = _offsets(lengths)
+    o = varlen_attention(q, k, v, cu, 30)
+    k2, v2 = k.clone(), v.clone()
+    k2[9:39] += 1.0
+    v2[9:39] -= 2.0
+    o2 = varlen_attention(q, k2, v2, cu, 30)
+    assert torch.equal(o[:9], o2[:9]) and torch.equal(o[39:], o2[39:])
+    assert not torch.allclose(o[9:39], o2[9:39])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_sequence(dtype):
+    _check([1000, 17, 1, 129], 4, 2, 64, dtype, seed=3)
+
+
+def test_bad_input():
+    q, k, v, _ = _inputs([3, 5], 4, 2, 16, torch.float32)
+    cu = _offsets([3, 5])
+    cases = [
+        (dict(cu_seqlens=cu.long()), "cu_seqlens"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32)), "non-decreasing"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32)), "end at the number of tokens 8"),
+        (dict(cu_seqlens=torch.tensor([1, 3, 8], dtype=torch.int32)), "start at 0"),
+        (dict(k=torch.randn(8, 3, 16), v=torch.randn(8, 3, 16)), "multiple of k's head count"),
+        (dict(q=torch.randn(8, 4, 300), k=torch.randn(8, 2, 300), v=torch.randn(8, 2, 300)), "head dim"),
+        (dict(k=k.double()), "k must have dtype"),
+        (dict(q=q.to(torch.int64)), "q must have dtype"),
+        (dict(v=v[:, :1]), "same shape"),
+        (dict(q=q[:, :, 0]), "q must have 3 dimensions"),
+        (dict(k=k[:7], v=v[:7]), "expected"),
+        (dict(max_seqlen=4), "max_seqlen=4 is smaller than the longest sequence"),
+        (dict(max_seqlen=0), "max_seqlen"),
+    ]
+    for override, match in cases:
+        args = {"q": q, "k": k, "v": v, "cu_seqlens": cu, "max_seqlen": 5, **override}
+        with pytest.raises(ValueError, match=match):
+            varlen_attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("Hq", "Hkv", "D", "dtype"), [
+    (12, 2, 128, torch.bfloat16), (32, 8, 128, torch.bfloat16), (8, 8, 64, torch.float16), (4, 2, 128, torch.float32),
+])
+def test_gpu_realistic_sizes(Hq, Hkv, D, dtype):
+    _check([512, 1, 3000, 17, 4103, 129], Hq, Hkv, D, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_non_causal():
+    _check([700, 33, 1], 8, 2, 64, torch.bfloat16, causal=False, device="cuda")
