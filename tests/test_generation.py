@@ -1,0 +1,386 @@
+"""GenerationEngine against independent references: Hugging Face greedy ``generate``, a teacher-forced full forward,
+the closed-form sampling distribution softmax(logits / T) with top-k/top-p, and the model's own parameter storage.
+
+Tiny random models (fp32, ``initializer_range=0.3`` so greedy output varies, DESIGN.md). The matmuls are a few
+dozen elements wide, so the tests run on one intra-op thread (threads only add latency at this size, and the
+machine is shared); the previous setting is restored afterwards.
+"""
+
+import weakref
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import fastgrpo.generation as generation
+from fastgrpo.generation import Completion, GenerationEngine, SamplingParams
+
+VOCAB = 96
+MAX_POS = 64
+ARCHS = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+LOGPROB_ATOL = 1e-4  # fp32: engine vs teacher-forced forward differ only by summation order (~1e-6 seen)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=MAX_POS,
+        initializer_range=0.3,
+        attention_bias=arch == "llama",  # exercise the optional biases where the architecture allows them
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def random_prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos):
+    """HF greedy continuation of one prompt (batch 1: no padding; explicit mask so no id is taken for padding)."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def teacher_forced_logp(model, prompt, completion, temperature=1.0):
+    """log_softmax(logits / T) of the completion's tokens under one full forward of prompt + completion."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [len(completion), V]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+# ---------------------------------------------------------------- greedy == Hugging Face
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize(
+    "max_batch_size,max_total_tokens",
+    [(64, None), (3, None), (4, 70)],  # all at once; slots refilled from the queue; several waves of prompts
+    ids=["one-batch", "refill", "waves"],
+)
+def test_greedy_matches_hf(arch, max_batch_size, max_total_tokens):
+    model = tiny_model(arch)
+    prompts = random_prompts([5, 11, 3, 11, 8])
+    max_new = 10
+    free_run = [hf_greedy(model, p, max_new, None) for p in prompts]
+    # an eos that greedy emits mid-way for some prompt and never for another: both finish reasons get exercised
+    eos = next(
+        t
+        for out in free_run
+        for t in out[1:-2]
+        if t not in out[:1] and any(t not in other for other in free_run)
+    )
+    expected = [hf_greedy(model, p, max_new, eos) for p in prompts]
+
+    engine = GenerationEngine(
+        model, eos_token_ids=eos, max_batch_size=max_batch_size, max_total_tokens=max_total_tokens
+    )
+    results = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=max_new))
+
+    assert len(results) == len(prompts)
+    reasons = set()
+    for want, comps in zip(expected, results):
+        assert len(comps) == 2
+        for c in comps:
+            assert isinstance(c, Completion)
+            assert c.token_ids == want
+            assert len(c.logprobs) == len(c.token_ids)
+            assert c.finish_reason == ("stop" if want[-1] == eos else "length")
+            reasons.add(c.finish_reason)
+    assert reasons == {"stop", "length"}
+
+
+def test_stop_token_ids_and_eos_are_both_honoured():
+    model = tiny_model("qwen2")
+    prompts = random_prompts([6, 4, 9], seed=2)
+    free_runs = [hf_greedy(model, p, 8, None) for p in prompts]
+    eos, stop = free_runs[0][5], free_runs[1][2]
+    engine = GenerationEngine(model, eos_token_ids=eos)
+    results = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
+    for free_run, [c] in zip(free_runs, results):
+        ends = [i for i, t in enumerate(free_run) if t in (eos, stop)]
+        want = free_run[: ends[0] + 1] if ends else free_run  # the stop token is included
+        assert c.token_ids == want
+        assert c.finish_reason == ("stop" if ends else "length")
+    [[c]] = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=1))
+    assert c.token_ids == free_runs[0][:1] and c.finish_reason == ("stop" if c.token_ids[0] == eos else "length")
+
+
+# ---------------------------------------------------------------- log-probs == teacher-forced forward
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, temperature=0.0, max_new_tokens=9),
+        SamplingParams(n=3, temperature=0.7, top_k=12, top_p=0.9, max_new_tokens=9, seed=3),
+        SamplingParams(n=3, temperature=1.3, max_new_tokens=9, seed=4),
+    ],
+    ids=["greedy", "T0.7-topk-topp", "T1.3"],
+)
+def test_logprobs_match_teacher_forced_forward(params):
+    model = tiny_model("qwen3")
+    prompts = random_prompts([4, 9, 6], seed=5)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4)
+    temperature = params.temperature or 1.0
+    for prompt, comps in zip(prompts, engine.generate(prompts, params)):
+        for c in comps:
+            ref = teacher_forced_logp(model, prompt, c.token_ids, temperature)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- the sampling distribution
+
+
+def truncated_distribution(logits_V, temperature, top_k, top_p):
+    """Closed form of the sampled distribution: softmax(logits / T), top-k, then top-p on the renormalised rest."""
+    probs = torch.softmax(logits_V.double() / temperature, dim=-1)
+    if top_k:
+        probs[probs < probs.topk(top_k).values[-1]] = 0
+        probs /= probs.sum()
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        probs /= probs.sum()
+    return probs
+
+
+def total_variation(samples, want_V):
+    """TV distance between the empirical distribution of ``samples`` and ``want_V``, and its expectation under
+    ``want_V``: E[TV] ≈ ½ Σ sqrt(2 p (1 - p) / (π N)) (each count ≈ normal). The tests allow 4 × E[TV]: over
+    4 standard deviations of TV even when only two tokens carry the mass, and with a fixed seed.
+    """
+    N = samples.numel()
+    got = torch.bincount(samples, minlength=want_V.numel()).double() / N
+    expected_tv = 0.5 * (2 * want_V * (1 - want_V) / (torch.pi * N)).sqrt().sum()
+    return 0.5 * (got - want_V).abs().sum(), expected_tv
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 6, 1.0), (0.8, 0, 0.7), (1.2, 10, 0.8)],
+)
+def test_sampled_steps_match_closed_form(temperature, top_k, top_p):
+    """8 000 samples of two tokens: the first (sampled from the prefill's logits) against the closed form; the
+    second (sampled in a decode step) against its closed-form marginal Σ_t1 p(t1) p(t2 | t1), and every second
+    token inside the top-k/top-p support given its first token.
+    """
+    model = tiny_model("qwen2", seed=7)
+    prompt = random_prompts([5], seed=8)[0]
+    N = 8_000
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=1024)
+    params = SamplingParams(n=N, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=2, seed=11)
+    [comps] = engine.generate([prompt], params)
+    first = torch.tensor([c.token_ids[0] for c in comps])
+    second = torch.tensor([c.token_ids[1] for c in comps])
+
+    with torch.no_grad():
+        logits_V = model(torch.tensor([prompt])).logits[0, -1]
+        # every possible first token appended: the next-token logits of all VOCAB continuations in one forward
+        extended = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        logits_VV = model(extended).logits[:, -1]
+    want1 = truncated_distribution(logits_V, temperature, top_k, top_p)
+    want2_given1 = torch.stack([truncated_distribution(row, temperature, top_k, top_p) for row in logits_VV])
+
+    assert (want1[first] > 0).all(), "a first token outside top-k/top-p was sampled"
+    assert (want2_given1[first, second] > 0).all(), "a second token outside top-k/top-p was sampled"
+    tv, expected_tv = total_variation(first, want1)
+    assert tv < 4 * expected_tv
+    tv, expected_tv = total_variation(second, want1 @ want2_given1)
+    assert tv < 4 * expected_tv
+
+
+def test_seed_reproduces_and_varies():
+    model = tiny_model("llama")
+    prompts = random_prompts([4, 7])
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=3)
+
+    def run(seed):
+        out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8, seed=seed))
+        return [[c.token_ids for c in comps] for comps in out]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+    torch.manual_seed(0)
+    a = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8))
+    torch.manual_seed(0)
+    b = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8))
+    assert a == b  # seed=None draws from torch's default generator
+
+
+# ---------------------------------------------------------------- prefix sharing, co-location, memory
+
+
+def test_group_shares_one_prefill(monkeypatch):
+    model = tiny_model("qwen2")
+    prompts = random_prompts([6, 9, 6])
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=5)
+    prefilled = []
+    real_prefill = engine._prefill
+
+    def counting_prefill(tokens_N, *args, **kwargs):
+        prefilled.append(tokens_N.numel())
+        return real_prefill(tokens_N, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_prefill", counting_prefill)
+    results = engine.generate(prompts, SamplingParams(n=4, temperature=0.0, max_new_tokens=6))
+    assert sum(prefilled) == sum(len(p) for p in prompts)  # each prompt once, not once per sample
+    for prompt, comps in zip(prompts, results):
+        assert all(c.token_ids == comps[0].token_ids for c in comps)
+        assert comps[0].token_ids == hf_greedy(model, prompt, 6, None)
+
+
+def test_reads_the_live_parameters():
+    model = tiny_model("qwen2")
+    model.train()
+    prompts = random_prompts([5, 8])
+    engine = GenerationEngine(model, eos_token_ids=[])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
+
+    before = engine.generate(prompts, greedy)
+    assert model.training  # mode restored
+    assert all(p.grad is None for p in model.parameters())  # generation ran without autograd
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ids = torch.tensor([prompts[1]])
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    after = engine.generate(prompts, greedy)
+    assert not model.training
+
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == ptrs
+    assert [c[0].token_ids for c in after] != [c[0].token_ids for c in before]
+    assert [c[0].token_ids for c in after] == [hf_greedy(model, p, 8, None) for p in prompts]
+
+
+def test_cache_is_freed_after_generate(monkeypatch):
+    caches = []
+
+    class TrackedCache(generation._KVCache):
+        def __init__(self, **tensors):
+            super().__init__(**tensors)
+            caches.extend(weakref.ref(t) for t in (self, self.k, self.v, self.store_k, self.store_v))
+
+    monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    model = tiny_model("qwen2")
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=2, max_total_tokens=40)
+    engine.generate(random_prompts([5, 8, 3]), SamplingParams(n=2, max_new_tokens=6, seed=0))
+    assert len(caches) >= 2 * 5  # several waves under this budget
+    assert all(ref() is None for ref in caches)  # no reference cycle or lingering attribute keeps the cache
+
+
+def test_autocast_dtype_runs_close_to_fp32():
+    model = tiny_model("qwen2")
+    prompts = random_prompts([5, 8])
+    engine = GenerationEngine(model, eos_token_ids=[], dtype=torch.bfloat16)
+    for prompt, [c] in zip(prompts, engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=1))):
+        ref = teacher_forced_logp(model, prompt, c.token_ids)
+        # bf16 activations: ~3 significant digits through two layers of logits of size ~5
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=0.15, rtol=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,match",
+    [
+        ([[]], {}, r"prompt_token_ids\[0\] is empty"),
+        ([[1, 2], [VOCAB]], {}, r"prompt_token_ids\[1\].*outside the vocabulary"),
+        ([[-1, 2]], {}, r"prompt_token_ids\[0\].*outside the vocabulary"),
+        ([[1] * (MAX_POS - 3)], {"max_new_tokens": 4}, r"exceeds the model's context"),
+        ([[1, 2]], {"stop_token_ids": (VOCAB + 5,)}, r"stop_token_ids"),
+        (torch.ones(2, 3, dtype=torch.long), {}, r"prompt_token_ids must be a list"),
+    ],
+)
+def test_bad_prompts_raise(prompts, kwargs, match):
+    engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[0])
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, SamplingParams(**{"max_new_tokens": 4, **kwargs}))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"n": 0}, "n must"),
+        ({"max_new_tokens": 0}, "max_new_tokens must"),
+        ({"temperature": -0.5}, "temperature must"),
+        ({"temperature": float("nan")}, "temperature must"),
+        ({"top_p": 0.0}, "top_p must"),
+        ({"top_p": 1.5}, "top_p must"),
+        ({"top_k": -1}, "top_k must"),
+        ({"stop_token_ids": (-2,)}, "stop_token_ids must"),
+        ({"seed": 1.5}, "seed must"),
+    ],
+)
+def test_bad_sampling_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_arguments_raise():
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        GenerationEngine(model, eos_token_ids=[VOCAB])
+    with pytest.raises(ValueError, match="max_batch_size"):
+        GenerationEngine(model, eos_token_ids=[0], max_batch_size=0)
+    with pytest.raises(ValueError, match="max_total_tokens=10 cannot hold"):
+        GenerationEngine(model, eos_token_ids=[0], max_total_tokens=10).generate(
+            [[1] * 4], SamplingParams(max_new_tokens=8)
+        )
+    gpt2 = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        GenerationEngine(gpt2, eos_token_ids=[0])
+
+
+# ---------------------------------------------------------------- GPU tier (bench/gpu_check.sh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_cuda_graph_greedy_matches_hf_and_frees_memory(arch):
+    model = tiny_model(arch).cuda()
+    prompts = random_prompts([5, 11, 3, 11, 8])
+    expected = [hf_greedy(model, p, 40, None) for p in prompts]
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    results = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_new_tokens=40))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    for want, comps in zip(expected, results):
+        assert all(c.token_ids == want for c in comps)
