@@ -22,6 +22,7 @@ from ._utils import FLOAT_DTYPES, HAS_TRITON, INTERPRET, check_cu_seqlens, check
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x · log2 e)
@@ -316,35 +317,41 @@ if HAS_TRITON:
         tl.store(DQ + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
 
-    def _configs(pairs, num_warps, num_stages):
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                for m, n in pairs for w in num_warps for s in num_stages]
-
-    # GPU: autotuned per (head dim, GQA group, causal, dtype); configs that do not fit are skipped by the tuner.
-    # Every kernel only stores (no accumulation into outputs), so re-running it while tuning is harmless.
-    _TUNE_KEY = ["HEAD_DIM", "GROUP", "CAUSAL"]
-    _fwd_tuned = triton.autotune(_configs([(128, 64), (128, 32), (64, 64)], [4, 8], [2, 3]), key=_TUNE_KEY)(
-        _varlen_fwd_kernel)
-    _dkdv_tuned = triton.autotune(_configs([(32, 128), (64, 128), (32, 64)], [4, 8], [2, 3]), key=_TUNE_KEY)(
-        _varlen_bwd_dkdv_kernel)
-    _dq_tuned = triton.autotune(_configs([(128, 32), (128, 64), (64, 32)], [4, 8], [2, 3]), key=_TUNE_KEY)(
-        _varlen_bwd_dq_kernel)
-
-# Interpreter (CPU) block sizes: small tiles keep the numpy emulation quick and still cross block boundaries.
-_INTERP_FWD = {"BLOCK_M": 64, "BLOCK_N": 32}
-_INTERP_DKDV = {"BLOCK_M": 32, "BLOCK_N": 64}
-_INTERP_DQ = {"BLOCK_M": 64, "BLOCK_N": 32}
+# Block sizes (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages), tried in order on a GPU until one fits the
+# shared memory (bigger head dims and fp32 need the smaller ones); the choice is remembered per kernel, head dim and
+# dtype. The first entries follow the Triton fused-attention tutorial's Hopper settings. The interpreter takes the
+# last but one entry: small tiles keep the numpy emulation quick and still cross block boundaries.
+# The causal loop split needs BLOCK_M % BLOCK_N == 0 for fwd and dq, BLOCK_N % BLOCK_M == 0 for dkdv.
+_BLOCKS = {
+    "fwd": [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 1)],
+    "dkdv": [(32, 128, 4, 3), (32, 64, 4, 2), (16, 32, 4, 1)],
+    "dq": [(128, 32, 4, 3), (64, 32, 4, 2), (32, 16, 4, 1)],
+}
+_chosen: dict[tuple, int] = {}
 
 
-def _launch(tuned, raw, interp_blocks, grid_block, grid_len, heads, num_seqs, args, consts):
-    """Run the autotuned kernel on a GPU, the plain one with fixed blocks under the interpreter.
+def _launch(name, kernel, grid_block, grid_len, heads, num_seqs, args, consts):
+    """Launch ``kernel`` on the grid (blocks of ``grid_len`` tokens, ``heads``, ``num_seqs``).
 
-    The grid is (blocks of ``grid_len`` tokens, ``heads``, ``num_seqs``), with blocks of size ``grid_block``.
+    ``grid_block`` names the block (BLOCK_M or BLOCK_N) that tiles the grid's first axis.
     """
     if INTERPRET and not args[0].is_cuda:
-        raw[(triton.cdiv(grid_len, interp_blocks[grid_block]), heads, num_seqs)](*args, **consts, **interp_blocks)
-    else:
-        tuned[lambda meta: (triton.cdiv(grid_len, meta[grid_block]), heads, num_seqs)](*args, **consts)
+        m, n, _, _ = _BLOCKS[name][-2]
+        kernel[(triton.cdiv(grid_len, {"BLOCK_M": m, "BLOCK_N": n}[grid_block]), heads, num_seqs)](
+            *args, **consts, BLOCK_M=m, BLOCK_N=n)
+        return
+    key = (name, consts["HEAD_DIM"], args[0].dtype, args[0].device.index)
+    for i in range(_chosen.get(key, 0), len(_BLOCKS[name])):
+        m, n, warps, stages = _BLOCKS[name][i]
+        grid = (triton.cdiv(grid_len, {"BLOCK_M": m, "BLOCK_N": n}[grid_block]), heads, num_seqs)
+        try:
+            kernel[grid](*args, **consts, BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+        except OutOfResources:
+            if i == len(_BLOCKS[name]) - 1:
+                raise
+            continue
+        _chosen[key] = i
+        return
 
 
 def _common_consts(q, k):
@@ -367,7 +374,7 @@ def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale):
             lse.stride(0))
     consts = {**_common_consts(q, k), "CAUSAL": causal}
     num_seqs = cu_seqlens.numel() - 1
-    _launch(_fwd_tuned, _varlen_fwd_kernel, _INTERP_FWD, "BLOCK_M", max_seqlen, Hq, num_seqs, args, consts)
+    _launch("fwd", _varlen_fwd_kernel, "BLOCK_M", max_seqlen, Hq, num_seqs, args, consts)
     return o, lse
 
 
@@ -384,9 +391,9 @@ def _varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale):
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), lse.stride(0))
     consts = {**_common_consts(q, k), "CAUSAL": causal}
     num_seqs = cu_seqlens.numel() - 1
-    _launch(_dkdv_tuned, _varlen_bwd_dkdv_kernel, _INTERP_DKDV, "BLOCK_N", max_seqlen, Hkv, num_seqs,
+    _launch("dkdv", _varlen_bwd_dkdv_kernel, "BLOCK_N", max_seqlen, Hkv, num_seqs,
             (q, k, v, do, dk, dv, lse, delta, cu_seqlens, scale * LOG2E, scale, *strides), consts)
-    _launch(_dq_tuned, _varlen_bwd_dq_kernel, _INTERP_DQ, "BLOCK_M", max_seqlen, Hq, num_seqs,
+    _launch("dq", _varlen_bwd_dq_kernel, "BLOCK_M", max_seqlen, Hq, num_seqs,
             (q, k, v, do, dq, lse, delta, cu_seqlens, scale * LOG2E, scale, *strides), consts)
     return dq, dk, dv
 

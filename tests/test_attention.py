@@ -108,3 +108,15 @@ def test_attention_function_rejects_unsupported_options():
     with pytest.raises(ValueError, match="one row"):
         fastgrpo_varlen_attention_forward(module, q.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1),
                                           kv.expand(2, -1, -1, -1), None, cu_seq_lens_q=cu)
+
+
+@pytest.mark.gpu
+def test_packed_forward_on_gpu_uses_the_kernel():
+    """On CUDA the packed forward runs the Triton kernel; it must still match the per-sequence SDPA forwards."""
+    seqs = [s.cuda() for s in _sequences()]
+    batch = pack(seqs)
+    model, ref = _model("qwen2").cuda(), _model("qwen2", attn="sdpa").cuda()
+    with torch.no_grad():
+        hidden_NH = packed_hidden_states(model, batch)
+        alone = torch.cat([ref.get_decoder()(input_ids=s[None]).last_hidden_state[0] for s in seqs])
+    torch.testing.assert_close(hidden_NH, alone, atol=1e-4, rtol=1e-4)
