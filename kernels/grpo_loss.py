@@ -49,6 +49,9 @@ from .reference import LOSS_TYPES
 LEVELS = ("token", "sequence")
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
 N_PARTS = 7  # Σ m ℓ, Σ m, Σ m·kl, Σ m·low, Σ m·high, Σ m·region, S_b
+MAX_BLOCK = 1024  # tokens per loop step of a program
+CHUNK_BLOCKS = 4  # token level: one program per (sequence, chunk of CHUNK_BLOCKS · block tokens)
+FINALIZE_BLOCK_B = 128  # sequences per loop step of the one-program finaliser
 METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -321,8 +324,8 @@ class _Options:
 
 def _launch_config(max_len: int) -> tuple[int, int, int, int]:
     """Block size, chunk length, chunks per sequence (token level) and warps, from the longest sequence."""
-    block = min(1024, max(16, triton.next_power_of_2(max(max_len, 1))))
-    chunk = 4 * block
+    block = min(MAX_BLOCK, max(16, triton.next_power_of_2(max(max_len, 1))))
+    chunk = CHUNK_BLOCKS * block
     n_chunks = max(1, triton.cdiv(max_len, chunk))
     return block, chunk, n_chunks, 4 if block >= 512 else 2
 
@@ -360,7 +363,7 @@ def _triton_forward(logp, old, ref, adv, mask, cu, o: _Options):
     _grpo_loss_finalize_kernel[(1,)](
         part, loss, metrics, wseq, gseq, num_ptr, B, n_chunks, n_progs, num_val, float(B * o.max_completion_length),
         LOSS_TYPE=LOSS_TYPES.index(o.loss_type), NUM_ITEMS=num_mode, SEQ_LEVEL=o.seq_level,
-        CLIP_PER_SEQ=o.seq_level and not o.adv_per_token, BLOCK_B=min(128, triton.next_power_of_2(B)),
+        CLIP_PER_SEQ=o.seq_level and not o.adv_per_token, BLOCK_B=min(FINALIZE_BLOCK_B, triton.next_power_of_2(B)),
         C_PAD=triton.next_power_of_2(n_chunks), num_warps=4,
     )
     return loss, metrics, wseq, gseq

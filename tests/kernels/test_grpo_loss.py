@@ -1,0 +1,359 @@
+"""grpo_loss / fused_linear_grpo_loss against the fp32 torch reference (``grpo_loss_ref``, TRL 1.16's math).
+
+Two paths on CPU: the Triton kernels under the interpreter (``kernel``) and the plain-torch path (``torch``, forced by
+patching ``use_triton``). Tolerance (flash-attn's rule, max over elements): ``|out − ref_fp32| ≤ 2·|ref_lowp −
+ref_fp32| + atol`` with ``ref_lowp`` the reference computed in the inputs' dtype. For fp32 inputs only ``atol``
+remains: the sums run in a different order (fp32, ~1e-7 relative over ≤ 1e4 terms), so ``atol = 1e-5·max(1, |ref|)``.
+The clip-ratio metrics count threshold crossings: on random data no ratio lies within rounding of a threshold, so
+they must agree exactly in fp32. Every check uses a random upstream gradient on the loss.
+"""
+
+import itertools
+
+import pytest
+import torch
+from fastgrpo.kernels import grpo_loss as G
+from fastgrpo.kernels._utils import pad_packed, unpad_padded
+from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, grpo_loss
+from fastgrpo.kernels.reference import grpo_loss_ref, linear_logprobs_ref
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+OPTIONS = {"plain": {}, "delta": {"delta": 1.4}, "dual": {"dual_clip_c": 1.5}}
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(G, "use_triton", lambda t: False)
+    return request.param
+
+
+def _lengths_to_mask(lengths, T):
+    return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T] bool, right padding
+
+
+def _inputs(B, T, *, dtype=torch.float32, per_token_adv=False, lengths=None, seed=0, spread=0.4):
+    """Random log-probs with ratios spread around 1 (so every clip region is hit), one empty sequence."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g) * 3  # [B, T]
+    old = logp + torch.randn(B, T, generator=g) * spread
+    ref = logp + torch.randn(B, T, generator=g) * spread
+    adv = torch.randn(B, T, generator=g) if per_token_adv else torch.randn(B, generator=g)
+    if lengths is None:
+        lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+        lengths[min(1, B - 1)] = 0
+    mask = _lengths_to_mask(lengths, T)
+    return [x.to(dtype) for x in (logp, old, ref, adv)] + [mask]
+
+
+def _run(fn, logp, upstream, **kw):
+    """Loss, metrics and d(loss·upstream)/d logp (fp32) of ``fn(logp, ...)``."""
+    x = logp.detach().clone().requires_grad_()
+    loss, metrics = fn(x, **kw)
+    (loss * upstream).backward()
+    return loss.detach().float(), {k: v.float() for k, v in metrics.items()}, x.grad.float()
+
+
+def _assert_close(got, ref32, reflow=None, *, atol_rel=1e-5, what=""):
+    atol = atol_rel * max(1.0, ref32.abs().max().item())
+    bound = atol if reflow is None else 2 * (reflow - ref32).abs().max().item() + atol
+    err = (got - ref32).abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def _compare(got, want, what=""):
+    (l1, m1, g1), (l2, m2, g2) = got, want
+    assert set(m1) == set(m2), what
+    _assert_close(l1, l2, what=f"{what} loss")
+    _assert_close(g1, g2, what=f"{what} grad")
+    for k in m2:
+        _assert_close(m1[k], m2[k], what=f"{what} {k}")
+
+
+@pytest.mark.parametrize("loss_type, level", list(itertools.product(G.LOSS_TYPES, G.LEVELS)))
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_matches_reference(loss_type, level, beta, option):
+    logp, old, ref, adv, mask = _inputs(3, 37, seed=len(loss_type))
+    up = torch.randn(())
+    kw = dict(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, beta=beta, loss_type=loss_type,
+              importance_sampling_level=level, epsilon_high=0.28, **OPTIONS[option])
+    _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"{loss_type}/{level}")
+
+
+@pytest.mark.parametrize("level", G.LEVELS)
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_torch_path_matches_reference(path, level, per_token_adv):
+    logp, old, ref, adv, mask = _inputs(4, 29, per_token_adv=per_token_adv, seed=3)
+    up = torch.randn(())
+    for loss_type, option in [("grpo", "dual"), ("dapo", "delta"), ("bnpo", "plain"), ("dr_grpo", "plain")]:
+        kw = dict(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, beta=0.1, loss_type=loss_type,
+                  importance_sampling_level=level, **OPTIONS[option])
+        _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"{path} {loss_type}")
+
+
+@pytest.mark.parametrize("level", G.LEVELS)
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_packed_equals_padded(path, level, per_token_adv):
+    lengths = [5, 0, 17, 1, 9, 13]
+    B, T = len(lengths), max(lengths)
+    logp, old, ref, adv, mask = _inputs(B, T, per_token_adv=per_token_adv, lengths=lengths, seed=5)
+    mask[2, 3] = False  # a hole inside a packed sequence
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    packed = [unpad_padded(x, cu) for x in (logp, old, ref, mask)]
+    adv_packed = unpad_padded(adv, cu) if per_token_adv else adv
+    up = torch.randn(())
+    for loss_type in ("grpo", "dr_grpo"):  # per-sequence and global normalisers; the others share their code
+        kw = dict(ref_logprobs=ref, beta=0.05, loss_type=loss_type, importance_sampling_level=level, dual_clip_c=2.0,
+                  max_completion_length=20)
+        l1, m1, g1 = _run(grpo_loss, logp, up, old_logprobs=old, advantages=adv, mask=mask, **kw)
+        kw["ref_logprobs"] = packed[2]
+        l2, m2, g2 = _run(grpo_loss, packed[0], up, old_logprobs=packed[1], advantages=adv_packed, mask=packed[3],
+                          cu_seqlens=cu, **kw)
+        _compare((l2, m2, pad_packed(g2, cu)), (l1, m1, g1), f"packed {loss_type}")
+        assert (g1[~_lengths_to_mask(lengths, T)] == 0).all()  # padding receives no gradient
+
+
+def test_ambiguous_packed_advantages_n_equals_b():
+    lengths = [2, 0, 1]  # N == B == 3
+    cu = torch.tensor([0, 2, 2, 3], dtype=torch.int32)
+    logp, old, ref, adv_b, mask = _inputs(3, 2, lengths=lengths, seed=7)
+    packed = [unpad_padded(x, cu) for x in (logp, old, mask)]
+    adv_n = torch.tensor([0.5, -1.5, 2.0])
+    up = torch.randn(())
+    kw = dict(loss_type="bnpo", cu_seqlens=cu)
+    # default rule: a length-B advantage vector is per sequence
+    got = _run(grpo_loss, packed[0], up, old_logprobs=packed[1], advantages=adv_n, mask=packed[2], **kw)
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv_n, mask=mask, loss_type="bnpo")
+    _compare((got[0], got[1], pad_packed(got[2], cu)), want, "per sequence")
+    # per_token_advantages=True: the same vector is per token
+    got = _run(grpo_loss, packed[0], up, old_logprobs=packed[1], advantages=adv_n, mask=packed[2],
+               per_token_advantages=True, **kw)
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=pad_packed(adv_n, cu), mask=mask,
+                loss_type="bnpo")
+    _compare((got[0], got[1], pad_packed(got[2], cu)), want, "per token")
+    assert not torch.allclose(got[0], _run(grpo_loss, packed[0], up, old_logprobs=packed[1], advantages=adv_n,
+                                           mask=packed[2], **kw)[0])
+
+
+@pytest.mark.parametrize("level", G.LEVELS)
+def test_bf16_inputs_flash_rule(level):
+    logp, old, ref, adv, mask = _inputs(4, 53, seed=11)
+    low = [x.to(torch.bfloat16) for x in (logp, old, ref, adv)]
+    up = torch.randn(())
+    for loss_type in G.LOSS_TYPES:
+        kw = dict(old_logprobs=low[1], advantages=low[3], mask=mask, ref_logprobs=low[2], beta=0.04,
+                  loss_type=loss_type, importance_sampling_level=level, delta=1.5)
+        l1, m1, g1 = _run(grpo_loss, low[0], up, **kw)
+        l32, m32, g32 = _run(grpo_loss_ref, low[0], up, **kw)  # upcast: fp32 math on the bf16 values
+        llo, mlo, glo = _run(grpo_loss_ref, low[0], up, upcast=False, **kw)
+        _assert_close(l1, l32, llo, atol_rel=1e-5, what=f"{loss_type} loss")
+        _assert_close(g1, g32, glo, atol_rel=1e-5, what=f"{loss_type} grad")
+        _assert_close(m1["kl"], m32["kl"], mlo["kl"], what="kl")
+
+
+def test_many_chunks_and_sequences(monkeypatch):
+    """Token level splits sequences into several chunks and the finaliser loops over several blocks of sequences
+    (block sizes shrunk so that small inputs exercise the loops that real sizes (T > 4096, B > 128) take)."""
+    monkeypatch.setattr(G, "MAX_BLOCK", 16)
+    monkeypatch.setattr(G, "FINALIZE_BLOCK_B", 2)
+    up = torch.randn(())
+    logp, old, ref, adv, mask = _inputs(5, 150, per_token_adv=True, lengths=[150, 0, 70, 64, 129], seed=13)
+    for loss_type in ("grpo", "bnpo"):
+        kw = dict(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, beta=0.1, loss_type=loss_type)
+        _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"chunks {loss_type}")
+    logp, old, ref, adv, mask = _inputs(5, 40, seed=17)
+    for loss_type, level in (("grpo", "token"), ("dapo", "sequence")):
+        kw = dict(old_logprobs=old, advantages=adv, mask=mask, loss_type=loss_type, importance_sampling_level=level)
+        _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"B=200 {loss_type}")
+
+
+@pytest.mark.parametrize("num_items", [7, 1000.0, torch.tensor(123.0), torch.tensor([0])])
+def test_dapo_num_items_in_batch(num_items):
+    logp, old, _, adv, mask = _inputs(3, 20, seed=19)
+    up = torch.randn(())
+    kw = dict(old_logprobs=old, advantages=adv, mask=mask, loss_type="dapo", num_items_in_batch=num_items)
+    _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), "num_items")
+
+
+def test_metrics_are_detached_fp32_scalars():
+    logp, old, ref, adv, mask = _inputs(3, 16, seed=23)
+    x = logp.clone().requires_grad_()
+    loss, metrics = grpo_loss(x, old, adv, mask)
+    assert set(metrics) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    loss, metrics = grpo_loss(x, old, adv, mask, ref_logprobs=ref, beta=0.1)
+    assert "kl" in metrics and loss.dim() == 0 and loss.dtype == torch.float32 and loss.requires_grad
+    for v in metrics.values():
+        assert v.dim() == 0 and v.dtype == torch.float32 and not v.requires_grad
+    assert metrics["clip_ratio/region_mean"] > 0  # the random ratios do cross the thresholds
+
+
+def test_garbage_in_padding_is_ignored(path):
+    logp, old, ref, adv, mask = _inputs(3, 21, seed=29)
+    dirty = [x.masked_fill(~mask, v) for x, v in ((logp, -1e4), (old, 1e4), (ref, 1e4))]
+    up = torch.randn(())
+    kw = dict(advantages=adv, mask=mask, beta=0.1, loss_type="grpo")
+    got = _run(grpo_loss, dirty[0], up, old_logprobs=dirty[1], ref_logprobs=dirty[2], **kw)
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, ref_logprobs=ref, **kw)
+    _compare(got, want, "dirty padding")
+
+
+def test_length_one_completions_use_the_mask():
+    """T == 1: TRL (and the reference) read a ``[B, 1]`` tensor as "one value per sequence" and drop the mask from
+    the kl and clip-ratio means; here the mask always applies. Expected: the reference on the same data padded to
+    T = 2 with a masked-out column, where its shape test takes the token path."""
+    logp, old, ref, adv, mask = _inputs(4, 1, lengths=[1, 0, 1, 0], seed=47)
+    pad = [torch.cat([x, torch.zeros_like(x)], dim=1) for x in (logp, old, ref, mask)]
+    up = torch.randn(())
+    kw = dict(advantages=adv, beta=0.2, loss_type="bnpo")
+    got = _run(grpo_loss, logp, up, old_logprobs=old, mask=mask, ref_logprobs=ref, **kw)
+    want = _run(grpo_loss_ref, pad[0], up, old_logprobs=pad[1], mask=pad[3], ref_logprobs=pad[2], **kw)
+    _compare((got[0], got[1], torch.cat([got[2], torch.zeros_like(got[2])], 1)), want, "T=1")
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    B=st.integers(1, 5), T=st.integers(2, 40), seed=st.integers(0, 2**16), per_token=st.booleans(),
+    loss_type=st.sampled_from(G.LOSS_TYPES), level=st.sampled_from(G.LEVELS), beta=st.sampled_from([0.0, 0.3]),
+    option=st.sampled_from(sorted(OPTIONS)), eps=st.floats(0.0, 0.5),
+)
+def test_property_random_shapes(B, T, seed, per_token, loss_type, level, beta, option, eps):
+    logp, old, ref, adv, mask = _inputs(B, T, per_token_adv=per_token, seed=seed)
+    up = torch.randn(())
+    opts = dict(OPTIONS[option])
+    if "delta" in opts:
+        opts["delta"] = 1.0 + eps + 0.5
+    kw = dict(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, beta=beta, loss_type=loss_type,
+              importance_sampling_level=level, epsilon_low=eps, **opts)
+    _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), "property")
+
+
+def _bad_cases():
+    logp, old, ref, adv, mask = _inputs(2, 5, seed=31)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    flat = logp[0].repeat(1)
+    base = dict(logprobs=logp, old_logprobs=old, advantages=adv, mask=mask)
+    return [
+        ("logprobs", dict(base, logprobs=logp.long())),
+        ("logprobs", dict(base, logprobs=logp[None])),
+        ("logprobs", dict(base, logprobs=flat)),
+        ("old_logprobs", dict(base, old_logprobs=old[:, :4])),
+        ("mask", dict(base, mask=mask[:1])),
+        ("mask", dict(base, mask=mask.to(torch.complex64))),
+        ("advantages", dict(base, advantages=adv[:1])),
+        ("advantages", dict(base, advantages=adv.long())),
+        ("ref_logprobs", dict(base, beta=0.1)),
+        ("ref_logprobs", dict(base, beta=0.1, ref_logprobs=ref[:, :2])),
+        ("epsilon_low", dict(base, epsilon_low=-0.1)),
+        ("epsilon_high", dict(base, epsilon_high=-0.1)),
+        ("delta", dict(base, delta=1.1)),
+        ("dual_clip_c", dict(base, dual_clip_c=1.0)),
+        ("loss_type", dict(base, loss_type="ppo")),
+        ("importance_sampling_level", dict(base, importance_sampling_level="group")),
+        ("max_completion_length", dict(base, loss_type="dr_grpo", max_completion_length=0)),
+        ("max_completion_length", dict(logprobs=logp[0], old_logprobs=old[0], advantages=adv, mask=mask[0],
+                                       cu_seqlens=cu, loss_type="dr_grpo")),
+        ("cu_seqlens", dict(logprobs=logp[0], old_logprobs=old[0], advantages=adv, mask=mask[0],
+                            cu_seqlens=cu.long())),
+        ("cu_seqlens", dict(logprobs=logp[0], old_logprobs=old[0], advantages=adv, mask=mask[0],
+                            cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))),
+        ("logprobs", dict(base, cu_seqlens=cu)),
+        ("advantages", dict(logprobs=logp[0], old_logprobs=old[0], advantages=adv[:1], mask=mask[0], cu_seqlens=cu)),
+        ("per_token_advantages", dict(logprobs=logp[0], old_logprobs=old[0], advantages=adv, mask=mask[0],
+                                      cu_seqlens=cu, per_token_advantages=True)),
+        ("per_token_advantages", dict(base, per_token_advantages=True)),
+        ("num_items_in_batch", dict(base, num_items_in_batch=torch.ones(2))),
+        ("num_items_in_batch", dict(base, num_items_in_batch=-1)),
+        ("beta", dict(base, beta=float("nan"), ref_logprobs=ref)),
+    ]
+
+
+@pytest.mark.parametrize("name, kwargs", _bad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_input_names_the_argument(name, kwargs):
+    with pytest.raises(ValueError, match=name):
+        grpo_loss(**kwargs)
+
+
+# ---- fused_linear_grpo_loss: against linear_logprobs_ref (fp32 logits) → grpo_loss_ref ----------------------------
+
+def _fused_inputs(B, T, H, V, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+    bias = torch.randn(V, generator=g).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    return hidden, weight, bias, targets
+
+
+def _fused_value_and_grads(fn, leaves, up):
+    leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    loss, metrics = fn(*leaves)
+    (loss * up).backward()
+    return [loss.detach().float(), *(x.grad.float() for x in leaves)], {k: v.float() for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_grpo_loss(packed, dtype):
+    B, T, H, V = 3, 11, 24, 67
+    hidden, weight, bias, targets = _fused_inputs(B, T, H, V, dtype, seed=37)
+    with torch.no_grad():
+        logp0 = linear_logprobs_ref(hidden, weight, targets, bias=bias, temperature=0.7)  # [B, T]
+    g = torch.Generator().manual_seed(41)
+    old = logp0 + torch.randn(B, T, generator=g) * 0.3  # [B, T]
+    ref = logp0 + torch.randn(B, T, generator=g) * 0.3  # [B, T]
+    adv = torch.randn(B, generator=g)
+    lengths = [T, 0, 6]
+    mask = _lengths_to_mask(lengths, T)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    targets_masked = targets.masked_fill(~mask, -100)  # masked-out targets are never read
+    kw = dict(beta=0.05, loss_type="grpo", importance_sampling_level="token", delta=1.5)
+    up = torch.randn(())
+
+    def ref_fn(h, w, b, upcast=True):
+        lp = linear_logprobs_ref(h, w, targets, bias=b, temperature=0.7, return_entropy=True, upcast=upcast)
+        loss, metrics = grpo_loss_ref(lp[0], old, adv, mask, ref_logprobs=ref, upcast=upcast, **kw)
+        metrics["entropy"] = (lp[1].float() * mask).sum() / mask.sum()
+        return loss, metrics
+
+    def fused_fn(h, w, b):
+        if packed:
+            return fused_linear_grpo_loss(unpad_padded(h, cu), w, unpad_padded(targets, cu), unpad_padded(old, cu),
+                                          adv, unpad_padded(mask, cu), bias=b, temperature=0.7, return_entropy=True,
+                                          ref_logprobs=unpad_padded(ref, cu), cu_seqlens=cu, **kw)
+        return fused_linear_grpo_loss(h, w, targets_masked, old, adv, mask, bias=b, temperature=0.7,
+                                      return_entropy=True, ref_logprobs=ref, **kw)
+
+    got, m_got = _fused_value_and_grads(fused_fn, (hidden, weight, bias), up)
+    want, m_want = _fused_value_and_grads(ref_fn, (hidden, weight, bias), up)
+    low, _ = _fused_value_and_grads(lambda h, w, b: ref_fn(h, w, b, upcast=False), (hidden, weight, bias), up)
+    reflow = low if dtype != torch.float32 else [None] * 4
+    atol_rel = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, a, r, lo in zip(("loss", "hidden", "weight", "bias"), got, want, reflow):
+        _assert_close(a, r, lo, atol_rel=atol_rel, what=name)
+    assert set(m_got) == set(m_want)
+    for k in ("kl", "entropy"):
+        _assert_close(m_got[k], m_want[k], atol_rel=1e-4 if dtype == torch.float32 else 2e-2, what=k)
+
+
+# ---- GPU tier (bench/gpu_check.sh): compiled kernels at realistic sizes ---------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", G.LEVELS)
+def test_gpu_matches_reference(dtype, level):
+    logp, old, ref, adv, mask = (x.cuda() for x in _inputs(64, 3000, per_token_adv=True, seed=43))
+    low = [x.to(dtype) for x in (logp, old, ref, adv)]
+    up = torch.randn((), device="cuda")
+    for loss_type in G.LOSS_TYPES:
+        kw = dict(old_logprobs=low[1], advantages=low[3], mask=mask, ref_logprobs=low[2], beta=0.04,
+                  loss_type=loss_type, importance_sampling_level=level, dual_clip_c=3.0)
+        l1, m1, g1 = _run(grpo_loss, low[0], up, **kw)
+        l32, m32, g32 = _run(grpo_loss_ref, low[0], up, **kw)
+        llo, _, glo = _run(grpo_loss_ref, low[0], up, upcast=False, **kw)
+        reflow = (llo, glo) if dtype != torch.float32 else (None, None)
+        _assert_close(l1, l32, reflow[0], atol_rel=1e-4, what=f"{loss_type} loss")
+        _assert_close(g1, g32, reflow[1], atol_rel=1e-4, what=f"{loss_type} grad")
+        for k in m32:
+            _assert_close(m1[k], m32[k], atol_rel=1e-4, what=k)
