@@ -414,25 +414,28 @@ class _VarlenAttention(torch.autograd.Function):
 
 
 def _varlen_attention_torch(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
-    """Per-sequence SDPA; sequences of the same length go through one batched call (q/k/v gathered)."""
-    T, Hq, D = q.shape
-    bounds = cu_seqlens.tolist()
+    """Per-sequence SDPA; sequences of the same length go through one batched call.
+
+    Built from split / stack / unbind / cat only, whose backwards are one concatenation or views: slicing each
+    sequence out of the packed tensors instead would make autograd add one zero-filled ``[T, H, D]`` per sequence.
+    """
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            by_length.setdefault(end - start, []).append(start)
-    gqa = Hq != k.shape[1]
-    out = q.new_empty(T, Hq, D)  # [T, Hq, D]
-    for L, starts in by_length.items():
-        if len(starts) == 1:
-            rows = slice(starts[0], starts[0] + L)
-            qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, L, D]
+    for b, L in enumerate(lengths):
+        if L > 0:
+            by_length.setdefault(L, []).append(b)
+    q_B, k_B, v_B = (torch.split(x, lengths) for x in (q, k, v))  # B pieces [L_b, H, D]
+    gqa = q.shape[1] != k.shape[1]
+    outs: list[torch.Tensor | None] = [None] * len(lengths)
+    for seqs in by_length.values():
+        if len(seqs) == 1:
+            qs, ks, vs = (x[seqs[0]].transpose(0, 1).unsqueeze(0) for x in (q_B, k_B, v_B))  # [1, H, L, D]
         else:
-            rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(L, device=q.device)).flatten()
-            qs, ks, vs = (x[rows].view(len(starts), L, x.shape[1], D).transpose(1, 2) for x in (q, k, v))  # [n,H,L,D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa)  # [n,Hq,L,D]
-        out[rows] = o.transpose(1, 2).reshape(-1, Hq, D)
-    return out
+            qs, ks, vs = (torch.stack([x[b] for b in seqs]).transpose(1, 2) for x in (q_B, k_B, v_B))  # [n, H, L, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa)  # [n, Hq, L, D]
+        for b, o_b in zip(seqs, o.transpose(1, 2).unbind(0)):
+            outs[b] = o_b  # [L, Hq, D]
+    return torch.cat([o for o in outs if o is not None])  # [T, Hq, D]
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None):
