@@ -116,7 +116,6 @@ if HAS_TRITON:  # absent on some platforms: the plain-torch path still works the
         zero = tl.zeros([BLOCK], tl.float32)
 
         log_w = 0.0
-        cnt_seq = 0.0
         if SEQ_LEVEL:  # first pass over the whole sequence (C = 1): log r_b = Σ m (logp − old) / max(Σ m, 1)
             acc_lr = zero
             acc_m = zero
@@ -400,31 +399,47 @@ class _GRPOLossFunction(torch.autograd.Function):
 
 
 def _torch_loss(logp, old, ref, adv, mask, sid_N, o: _Options):
-    """Plain-torch path on flat ``[N]`` tokens with sequence ids ``sid_N``: the same math, autograd for gradients."""
+    """Plain-torch path: the same math, autograd for the gradient.
+
+    Token tensors are padded ``[B, T]`` (``sid_N`` None: per-sequence sums are row sums, per-sequence values
+    broadcast as ``[B, 1]``) or packed ``[N]`` (``sid_N`` the sequence of each token: sums by ``index_add``,
+    per-sequence values gathered). ``[*]`` below is either token shape.
+    """
     B = o.n_seqs
-    lp = logp.float()  # [N]
-    m = mask.float()  # [N]
+    if sid_N is None:
+        def seq_sum(x):
+            return x.sum(-1)  # [B, T] -> [B]
+
+        def per_token(x_B):
+            return x_B[:, None]  # [B, 1], broadcasts over T
+    else:
+        def seq_sum(x):
+            return torch.zeros(B, dtype=x.dtype, device=x.device).index_add(0, sid_N, x)  # [N] -> [B]
+
+        def per_token(x_B):
+            return x_B[sid_N]  # [N]
+
+    lp = logp.float()  # [*]
+    m = mask.float()  # [*]
     valid = m != 0
-    cnt_B = torch.zeros(B, dtype=torch.float32, device=lp.device).index_add_(0, sid_N, m)  # [B]
-    a_N = adv.float() if o.adv_per_token else adv.float()[sid_N]  # [N]
-    log_ratio = torch.where(valid, lp - old.float(), 0.0)  # [N]
+    cnt_B = seq_sum(m)  # [B]
+    a = adv.float() if o.adv_per_token else per_token(adv.float())  # [*] or [B, 1]
+    log_ratio = torch.where(valid, lp - old.float(), 0.0)  # [*]
     if o.seq_level:
-        log_w_B = torch.zeros(B, dtype=torch.float32, device=lp.device).index_add(0, sid_N, m * log_ratio)
-        r_B = torch.exp(log_w_B / cnt_B.clamp(min=1.0))  # [B]
-        r = r_B[sid_N]  # [N]
+        r_B = torch.exp(seq_sum(m * log_ratio) / cnt_B.clamp(min=1.0))  # [B]
+        r = per_token(r_B)
     else:
         r = torch.exp(log_ratio)
     r2 = torch.clamp(r, 1 - o.eps_low, 1 + o.eps_high)
     r1 = r if o.delta is None else torch.clamp(r, max=o.delta)
-    loss_N = -torch.min(r1 * a_N, r2 * a_N)
+    loss_tok = -torch.min(r1 * a, r2 * a)
     if o.dual_c is not None:
-        loss_N = torch.where(a_N < 0, torch.min(loss_N, -o.dual_c * a_N), loss_N)
+        loss_tok = torch.where(a < 0, torch.min(loss_tok, -o.dual_c * a), loss_tok)
     if o.beta != 0.0:
         d = torch.where(valid, ref.float() - lp, 0.0)
-        kl_N = torch.exp(d) - d - 1
-        loss_N = loss_N + o.beta * kl_N
-    num_B = torch.zeros(B, dtype=torch.float32, device=lp.device)
-    num_B = num_B.index_add(0, sid_N, torch.where(valid, m * loss_N, 0.0))  # [B]
+        kl = torch.exp(d) - d - 1  # [*]
+        loss_tok = loss_tok + o.beta * kl
+    num_B = seq_sum(torch.where(valid, m * loss_tok, 0.0))  # [B]
     total_cnt = cnt_B.sum()
     if o.loss_type == "grpo":
         loss = (num_B / cnt_B.clamp(min=1.0)).mean()
@@ -443,10 +458,10 @@ def _torch_loss(logp, old, ref, adv, mask, sid_N, o: _Options):
             low, high = ((r1_B < lo) & (a_B < 0)).float(), ((r1_B > hi) & (a_B > 0)).float()
             clip = [x.mean() for x in (low, high, torch.maximum(low, high))]
         else:
-            low, high = ((r1 < lo) & (a_N < 0)).float(), ((r1 > hi) & (a_N > 0)).float()
+            low, high = ((r1 < lo) & (a < 0)).float(), ((r1 > hi) & (a > 0)).float()
             clip = [(m * x).sum() / total_cnt.clamp(min=1.0) for x in (low, high, torch.maximum(low, high))]
-        kl = (m * kl_N).sum() / total_cnt.clamp(min=1.0) if o.beta != 0.0 else torch.zeros((), device=lp.device)
-        metrics = torch.stack([kl, *clip])
+        kl_mean = (m * kl).sum() / total_cnt.clamp(min=1.0) if o.beta != 0.0 else torch.zeros((), device=lp.device)
+        metrics = torch.stack([kl_mean, *clip])
     return loss, metrics
 
 
@@ -594,12 +609,8 @@ def grpo_loss(
         cu = cu_seqlens.contiguous() if o.packed else None
         loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, adv, mask, cu, o)
     else:
-        if o.packed:
-            sid_N = seq_index(cu_seqlens, logprobs.shape[0])
-        else:
-            sid_N = torch.arange(o.n_seqs, device=logprobs.device).repeat_interleave(o.max_len)
-        flat = [None if x is None else x.reshape(-1) for x in (logprobs, old, ref, mask)]
-        loss, metrics = _torch_loss(flat[0], flat[1], flat[2], adv.reshape(-1), flat[3], sid_N, o)
+        sid_N = seq_index(cu_seqlens, logprobs.shape[0]) if o.packed else None
+        loss, metrics = _torch_loss(logprobs, old, ref, adv, mask, sid_N, o)
     names = METRIC_NAMES if o.beta != 0.0 else METRIC_NAMES[1:]
     return loss, {name: metrics[METRIC_NAMES.index(name)].detach() for name in names}
 

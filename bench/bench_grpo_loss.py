@@ -1,0 +1,124 @@
+"""grpo_loss against the eager torch composition (reference-style ops), side by side in one run.
+
+    python bench/bench_grpo_loss.py            # CPU: B=64, T=4096 fp32; GPU: B=256, T=8192
+    python bench/bench_grpo_loss.py --quick    # smaller shapes, for a smoke run
+
+Inputs as a trainer has them: fp32 ``logprobs`` (what ``fused_linear_logprobs`` returns, requiring grad), fp32
+``old_logprobs`` and ``ref_logprobs``, bool ``mask`` with random completion lengths, per-sequence advantages.
+Two configurations: token level ``dapo`` with β = 0.04 and clip-higher (DAPO/DeepScaleR), and sequence level
+``grpo`` with β = 0.04 (GSPO: the kernel reads each sequence twice). "fwd" is the forward of a training step
+(grad enabled, so the eager composition keeps what its backward needs); "fwd+bwd" adds ``backward()``.
+Baselines: ``grpo_loss_ref`` run eagerly and, on GPU, ``torch.compile`` of it (compiled once per configuration,
+before timing). GPU figures in GB/s: the bytes the fused kernels must move (forward: read logp, old, ref (4 B each)
+and mask (1 B) per token; backward: read them again and write the fp32 gradient; the sequence level reads logp, old
+and mask twice in the forward) against the copy bandwidth measured in this run. Peak extra memory includes the
+loss, the saved tensors and, for fwd+bwd, the gradient. Rows go to ``bench/results/grpo_loss.csv``.
+CPU: the plain-torch path of ``grpo_loss`` (no Triton on CPU outside the interpreter) against the same eager ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from common import append_rows, copy_bandwidth_gbps, device_name, median_ms, peak_extra_bytes, print_table, sync
+
+os.environ.pop("TRITON_INTERPRET", None)  # on CPU this benchmark measures the plain-torch path
+
+from bench_linear_logprobs import exact_cpu_peaks  # noqa: E402
+from fastgrpo.kernels.grpo_loss import grpo_loss  # noqa: E402
+from fastgrpo.kernels.reference import grpo_loss_ref  # noqa: E402
+
+CONFIGS = {
+    "dapo/token": dict(loss_type="dapo", importance_sampling_level="token", beta=0.04, epsilon_high=0.28),
+    "grpo/sequence": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+}
+
+
+def make_inputs(B, T, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    logp = -torch.rand(B, T, device=device, generator=g) * 3  # [B, T]
+    old = logp + 0.3 * torch.randn(B, T, device=device, generator=g)
+    ref = logp + 0.3 * torch.randn(B, T, device=device, generator=g)
+    adv = torch.randn(B, device=device, generator=g)
+    lengths = torch.randint(T // 4, T + 1, (B,), device=device, generator=g)
+    mask = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [B, T] bool
+    return logp.requires_grad_(), old, ref, adv, mask
+
+
+def bytes_moved(B, T, level):
+    per_token_fwd = 4 + 4 + 4 + 1 + (4 + 4 + 1 if level == "sequence" else 0)
+    per_token_bwd = 4 + 4 + 4 + 1 + 4
+    return B * T * per_token_fwd, B * T * (per_token_fwd + per_token_bwd)
+
+
+def run(B, T, device, compile_baseline):
+    logp, old, ref, adv, mask = make_inputs(B, T, device)
+    bw = copy_bandwidth_gbps() if device == "cuda" else None
+    rows = []
+    for cname, cfg in CONFIGS.items():
+        def fused(cfg=cfg):
+            return grpo_loss(logp, old, adv, mask, ref_logprobs=ref, **cfg)[0]
+
+        def eager(cfg=cfg):
+            return grpo_loss_ref(logp, old, adv, mask, ref_logprobs=ref, **cfg)[0]
+
+        variants = {"fused": fused, "eager": eager}
+        if compile_baseline:
+            variants["compiled"] = torch.compile(eager, dynamic=False)
+        for fn in variants.values():  # compile, autotune and warm up outside the timing
+            fn().backward()
+        sync(device)
+        fwd_bytes, total_bytes = bytes_moved(B, T, cfg["importance_sampling_level"])
+        for mode in ("fwd", "fwd+bwd"):
+            res = {}
+            for name, fn in variants.items():
+                if mode == "fwd":
+                    call = fn
+                else:
+                    def call(fn=fn):
+                        loss = fn()
+                        loss.backward()
+                        return loss
+                ms = median_ms(call, device)
+                logp.grad = None  # so that every peak counts allocating the gradient, none accumulates into it
+                res[name] = (ms, peak_extra_bytes(call, device))
+                logp.grad = None
+            tf, mf = res["fused"]
+            row = dict(B=B, T=T, config=cname, mode=mode, fused_ms=tf, fused_peak_mib=mf / 2**20)
+            if bw is not None:
+                gbps = (fwd_bytes if mode == "fwd" else total_bytes) / tf / 1e6
+                row.update(fused_gbps=gbps, copy_gbps=bw, frac_of_copy=gbps / bw)
+            for name in variants.keys() - {"fused"}:
+                t, m = res[name]
+                row.update({f"{name}_ms": t, f"speedup_vs_{name}": t / tf, f"{name}_peak_mib": m / 2**20,
+                            f"peak_ratio_vs_{name}": mf / m if m else float("nan")})
+            rows.append(row)
+        with torch.no_grad():
+            err = (grpo_loss(logp, old, adv, mask, ref_logprobs=ref, **cfg)[0]
+                   - grpo_loss_ref(logp, old, adv, mask, ref_logprobs=ref, **cfg)[0]).abs().item()
+        rows[-1]["max_abs_err_loss"] = err
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller shapes for a smoke run")
+    args = ap.parse_args()
+    if torch.cuda.is_available():
+        device = "cuda"
+        B, T = (64, 2048) if args.quick else (256, 8192)
+        rows = run(B, T, device, compile_baseline=True)
+    else:
+        device = "cpu"
+        exact_cpu_peaks()
+        B, T = (16, 1024) if args.quick else (64, 4096)
+        rows = run(B, T, device, compile_baseline=False)
+    print_table(rows, f"grpo_loss on {device_name(device)}")
+    path = append_rows("grpo_loss", rows, device)
+    print(f"rows appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
