@@ -5,7 +5,8 @@ Layout of ``run_dir/checkpoints/step_{step:08d}/``::
     config.json, generation_config.json   the model config (HF ``save_pretrained``)
     model.safetensors                     the full weights (sharded files + index for very large models)
     tokenizer.json, tokenizer_config.json …
-    trainer_state.pt                      {"step", "world_size", "trainer_state", "optimizer", "scheduler"}
+    trainer_state.pt                      {"step", "world_size", "trainer_state", "optimizer", "scheduler"};
+                                          the optimizer state keyed by parameter name (see below)
     rng_rank{r}.pt                        python / numpy / torch CPU / CUDA RNG states of rank r
     COMPLETE                              marker, written last (JSON: step, world size, time)
 
@@ -19,8 +20,10 @@ Distributed: every rank must call ``save_checkpoint`` / ``load_checkpoint`` (FSD
 Rank 0 writes the model, tokenizer and ``trainer_state.pt``; each rank writes its own ``rng_rank{r}.pt``. Under
 FSDP2 the model and optimizer state are gathered *full* on rank 0's CPU (``get_model_state_dict`` /
 ``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True``) and scattered back on load with
-``broadcast_from_rank0=True``: one format for every strategy and world size, at the cost of rank 0 holding the
-full state in host memory while saving. The run directory must be on a file system every rank sees (one node).
+``broadcast_from_rank0=True``. The optimizer state is always stored in that full, name-keyed form
+(``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``, names from the user's module), so a
+checkpoint resumes under any strategy (DDP ↔ FSDP2) and world size, at the cost of rank 0 holding the full state in
+host memory while saving. The run directory must be on a file system every rank sees (one node).
 
 Loading copies values into the existing parameters (``load_state_dict`` copies in place): the co-located
 generation engine holds those very tensors, so no ``Parameter`` is ever replaced.
@@ -42,7 +45,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastgrpo.distributed import DistState, barrier, full_state_dict, get_rank, get_world_size, is_fsdp, unwrap_model
+from fastgrpo.distributed import (
+    DistState,
+    barrier,
+    fqn_prefix,
+    fsdp_root,
+    full_state_dict,
+    get_rank,
+    get_world_size,
+    unwrap_model,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -124,6 +136,55 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _param_names(optimizer: torch.optim.Optimizer, inner: nn.Module) -> list[list[str]]:
+    """The parameter names (``inner.named_parameters()``) of every optimizer param group, in order."""
+    names = {id(p): n for n, p in inner.named_parameters()}
+    groups = []
+    for g in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in g["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(f"optimizer holds parameters that are not in model (shapes {missing[:3]})")
+        groups.append([names[id(p)] for p in g["params"]])
+    return groups
+
+
+def _optimizer_to_named(optimizer: torch.optim.Optimizer, inner: nn.Module) -> dict:
+    """``optimizer.state_dict()`` with parameter names instead of positions (the format of
+    ``get_optimizer_state_dict(full_state_dict=True)``): resumable under any strategy and world size."""
+    sd = optimizer.state_dict()
+    flat = [n for group in _param_names(optimizer, inner) for n in group]
+    return {"state": {flat[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [flat[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def _named_to_optimizer(named: dict, optimizer: torch.optim.Optimizer, inner: nn.Module, path: Path) -> dict:
+    """The inverse of ``_optimizer_to_named`` for ``optimizer``'s own param order (positions are per group)."""
+    current = _param_names(optimizer, inner)
+    saved = named["param_groups"]
+    if len(saved) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved, current)):
+        raise ValueError(f"path {path}: the optimizer's parameter groups differ from the saved ones")
+    state, groups, pos = {}, [], 0
+    for s, names in zip(saved, current):
+        ids = list(range(pos, pos + len(names)))
+        for i, n in zip(ids, names):
+            if n in named["state"]:
+                state[i] = named["state"][n]
+        groups.append({**s, "params": ids})
+        pos += len(names)
+    return {"state": state, "param_groups": groups}
+
+
+def _prefixed(named: dict, prefix: str) -> dict:
+    return {"state": {prefix + k: v for k, v in named["state"].items()},
+            "param_groups": [{**g, "params": [prefix + n for n in g["params"]]} for g in named["param_groups"]]}
+
+
+def _unprefixed(named: dict, prefix: str) -> dict:
+    n = len(prefix)
+    return {"state": {k[n:]: v for k, v in named["state"].items()},
+            "param_groups": [{**g, "params": [p[n:] for p in g["params"]]} for g in named["param_groups"]]}
+
+
 def _save_model(model: nn.Module, out: Path, sd: dict | None) -> None:
     """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone."""
     inner = unwrap_model(model)
@@ -172,26 +233,27 @@ def save_checkpoint(
     trainer_state = dict(trainer_state or {})
     _check_plain(trainer_state, "trainer_state")
     rank, world = _rank_world(state)
-    root = Path(run_dir) / CHECKPOINT_DIR
-    final = root / checkpoint_name(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}"
+    ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
+    final = ckpt_dir / checkpoint_name(step)
+    tmp = ckpt_dir / f"{_TMP_PREFIX}{final.name}"
 
     # Collectives first, on every rank: the full weights and optimizer state (FSDP2 gathers; else local views).
-    fsdp = is_fsdp(model)
-    model_sd = full_state_dict(model, state) if fsdp else None
+    inner, fsdp = unwrap_model(model), fsdp_root(model)
+    model_sd = full_state_dict(model, state) if fsdp is not None else None
     optim_sd = None
     if optimizer is not None:
-        if fsdp:
+        if fsdp is not None and optimizer.state:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            optim_sd = get_optimizer_state_dict(unwrap_model(model), optimizer,
+            optim_sd = get_optimizer_state_dict(fsdp, optimizer,
                                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        elif rank == 0:
-            optim_sd = optimizer.state_dict()
+            optim_sd = _unprefixed(optim_sd, fqn_prefix(fsdp, inner)) if rank == 0 else None
+        elif rank == 0:  # not sharded, or no step taken yet (the DCP helper would take a fake one)
+            optim_sd = _optimizer_to_named(optimizer, inner)
 
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.iterdir():  # leftovers of a crashed save
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.iterdir():  # leftovers of a crashed save
             if stale.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
@@ -219,15 +281,15 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         if final.exists():  # re-saving a step: move the old one aside, never leave no checkpoint at all
-            trash = root / f"{_TRASH_PREFIX}{final.name}"
+            trash = ckpt_dir / f"{_TRASH_PREFIX}{final.name}"
             os.replace(final, trash)
             os.replace(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        _fsync_dir(ckpt_dir)
         if keep_last is not None:
-            _prune(root, keep_last, keep=final)
+            _prune(ckpt_dir, keep_last, keep=final)
     barrier()  # the checkpoint is visible to every rank before anyone returns
     return final
 
@@ -312,24 +374,29 @@ def load_checkpoint(
     if not (path / MARKER).is_file():
         raise ValueError(f"path {path} is not a complete checkpoint (no {MARKER} marker)")
     rank, _ = _rank_world(state)
-    inner = unwrap_model(model)
-    fsdp = is_fsdp(inner)
+    inner, fsdp = unwrap_model(model), fsdp_root(model)
     # mmap: ranks other than 0 under FSDP2 never touch the optimizer tensors, so they cost no memory.
     payload = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True, mmap=True)
+    saved_optim = payload["optimizer"]
+    if optimizer is not None and saved_optim is None:
+        raise ValueError(f"path {path} holds no optimizer state (saved with optimizer=None)")
 
-    if fsdp:
+    if fsdp is not None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
+        prefix = fqn_prefix(fsdp, inner)
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        sd = _complete_tied(_read_safetensors(path), inner) if rank == 0 else {}
-        set_model_state_dict(inner, sd, options=opts)
-        if optimizer is not None:
-            osd = payload["optimizer"] if rank == 0 else {}
-            set_optimizer_state_dict(inner, optimizer, optim_state_dict=osd, options=opts)
+        sd = {prefix + k: v for k, v in _complete_tied(_read_safetensors(path), inner).items()} if rank == 0 else {}
+        set_model_state_dict(fsdp, sd, options=opts)
+        if optimizer is not None and saved_optim["state"]:
+            osd = _prefixed(saved_optim, prefix) if rank == 0 else {}
+            set_optimizer_state_dict(fsdp, optimizer, optim_state_dict=osd, options=opts)
+        elif optimizer is not None:  # saved before any step: hyper-parameters only, no tensors to scatter
+            optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))
     else:
         sd = _complete_tied(_read_safetensors(path), inner)
         result = inner.load_state_dict(sd, strict=False)  # copies into the existing tensors
@@ -337,9 +404,7 @@ def load_checkpoint(
             raise ValueError(f"path {path} does not match the model: missing {result.missing_keys[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}")
         if optimizer is not None:
-            if payload["optimizer"] is None:
-                raise ValueError(f"path {path} holds no optimizer state (saved with optimizer=None)")
-            optimizer.load_state_dict(payload["optimizer"])
+            optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))
     if scheduler is not None:
         if payload["scheduler"] is None:
             raise ValueError(f"path {path} holds no scheduler state (saved with scheduler=None)")

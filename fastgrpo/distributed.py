@@ -4,8 +4,10 @@ fastgrpo scales out with torchrun only. One process (plain ``python fastgrpo/tra
 and every function here is then a no-op or the identity, so the trainer calls them unconditionally::
 
     state = init_distributed()                       # reads RANK / LOCAL_RANK / WORLD_SIZE set by torchrun
-    model = wrap_model(model, state, "ddp")          # DDP (gloo on CPU, nccl on CUDA) or FSDP2 ("fsdp2")
-    ...
+    model = wrap_model(model, state, "ddp", forward=packed_forward)   # DDP (gloo / nccl) or FSDP2 ("fsdp2")
+    for i, mb in enumerate(microbatches):
+        with gradient_sync(model, enabled=i == len(microbatches) - 1):  # one all-reduce per step
+            loss_fn(model(mb)).backward()
     metrics = reduce_metrics(local_metrics)          # one collective for the whole dict
     print0(f"step {step}: reward {metrics['reward/mean']:.3f}")
     destroy()
@@ -14,10 +16,14 @@ Launch::
 
     torchrun --standalone --nproc_per_node 2 fastgrpo/train.py     # 2 processes (CPU: gloo, GPU: nccl)
 
+Training computation must go through the wrapped model's call (DDP arms its all-reduce and FSDP2 gathers the root's
+weights there): give a custom training forward as ``wrap_model(..., forward=fn)`` rather than calling submodules
+of the inner model.
+
 Parameter sharing with the co-located generation engine: DDP keeps the module's ``Parameter`` objects (it copies
 rank 0's values into them at construction), so an engine built on ``unwrap_model(model)`` sees every optimizer
 update. FSDP2 (``fully_shard``) replaces each parameter by a sharded ``DTensor`` parameter; the engine must be built
-after wrapping and read full weights inside ``model.unshard()`` / ``reshard()``.
+after wrapping and read full weights inside ``unshard()`` / ``reshard()`` of the FSDP modules.
 
 Host↔device synchronisations are marked ``# sync:`` with the reason.
 """
@@ -26,8 +32,10 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -262,6 +270,7 @@ def broadcast_object(obj, src: int = 0):
     if not _running():
         return obj
     box = [obj if dist.get_rank() == src else None]
+    # sync: pickled bytes travel through a device tensor under nccl; called at set-up and per-step decisions only.
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
@@ -277,11 +286,30 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+class ForwardWrapper(nn.Module):
+    """Runs ``fn(module, *args, **kwargs)`` as its forward, so DDP / FSDP2 see a custom training forward.
+
+    DDP arms its gradient all-reduce, and FSDP2 gathers the root's parameters, only in the wrapped module's
+    ``forward``: a training step that calls submodules directly (``model.get_decoder()(...)`` for the last hidden
+    state, then the LM head weight in a fused loss) would silently skip the all-reduce under DDP and read sharded
+    weights under FSDP2. Wrapping that computation as ``fn`` makes it the forward.
+    """
+
+    def __init__(self, module: nn.Module, fn: Callable[..., Any]):
+        super().__init__()
+        self.module = module
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
 def wrap_model(
     model: nn.Module,
     state: DistState,
     strategy: str = "ddp",
     *,
+    forward: Callable[..., Any] | None = None,
     mp_policy=None,
     reshard_after_forward: bool = True,
     find_unused_parameters: bool = False,
@@ -294,19 +322,29 @@ def wrap_model(
     - ``"fsdp2"``: ``fully_shard`` on every decoder layer, then on the root; ``mp_policy`` is an optional
       ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 gradient reduction),
       ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
+      Every forward all-gathers, so all ranks must run the same number of forwards per step.
     - ``"none"``: the model unchanged.
 
-    With one process the model is returned unchanged whatever the strategy (there is nothing to synchronise).
+    ``forward``: ``fn(model, *args, **kwargs)`` to run when the wrapped model is called, instead of
+    ``model.forward`` (see :class:`ForwardWrapper`); the trainer passes its packed hidden-state forward and
+    returns the LM head weight from it. Gradients are synchronised only for work done through this call.
+    With one process the model is returned unchanged (apart from ``forward``) whatever the strategy.
+    ``unwrap_model`` gives ``model`` back in every case.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if forward is not None and not callable(forward):
+        raise ValueError(f"forward must be callable, got {type(forward).__name__}")
     for name, p in model.named_parameters():
         if p.device != state.device:
             raise ValueError(f"model parameter {name} is on {p.device}, expected {state.device} "
                              f"(move the model before wrapping it)")
         break
+    layers = _decoder_layers(model)
+    if forward is not None:
+        model = ForwardWrapper(model, forward)
     if strategy == "none" or state.world_size == 1:
         return model
     if strategy == "ddp":
@@ -320,46 +358,104 @@ def wrap_model(
     mesh = init_device_mesh(state.device.type, (state.world_size,))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
               "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
-    for layer in _decoder_layers(model):
+    for layer in layers:
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, LM head) stays gathered from forward to backward: backward needs it at
+    # once, and a fused loss reads the LM head weight outside the forward.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module under DDP / ``torch.compile`` wrappers (FSDP2 modules are their own root)."""
+def _chain(model: nn.Module) -> list[nn.Module]:
+    """``model`` and the modules it wraps, outermost first (DDP, torch.compile, ForwardWrapper)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    chain = [model]
     while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):  # torch.compile
-            model = model._orig_mod
+        m = chain[-1]
+        if isinstance(m, (DistributedDataParallel, ForwardWrapper)):
+            chain.append(m.module)
+        elif hasattr(m, "_orig_mod") and isinstance(m._orig_mod, nn.Module):  # torch.compile
+            chain.append(m._orig_mod)
         else:
-            return model
+            return chain
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under the DDP / ``torch.compile`` / ``ForwardWrapper`` layers (FSDP2 shards in place)."""
+    return _chain(model)[-1]
+
+
+def fsdp_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP2 ``fully_shard`` module in ``model``'s wrapper chain, or None (not FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next((m for m in _chain(model) if isinstance(m, FSDPModule)), None)
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    """True when ``model`` (after unwrapping) is an FSDP2 ``fully_shard`` root."""
-    from torch.distributed.fsdp import FSDPModule
+    """True when ``model`` is (or wraps) an FSDP2 ``fully_shard`` root."""
+    return fsdp_root(model) is not None
 
-    return isinstance(unwrap_model(model), FSDPModule)
+
+def fqn_prefix(root: nn.Module, inner: nn.Module) -> str:
+    """The name prefix of ``inner``'s parameters inside ``root`` (``"module."`` under a ForwardWrapper)."""
+    for name, m in root.named_modules():
+        if m is inner:
+            return f"{name}." if name else ""
+    raise ValueError("inner is not a submodule of root")
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool = True):
+    """Context in which backward passes synchronise gradients (``enabled``) or only accumulate them locally.
+
+    For gradient accumulation over micro-batches: run every micro-batch's forward *and backward* inside
+    ``gradient_sync(model, enabled=is_last_microbatch)``. DDP (``no_sync``) then communicates once per step, so
+    ranks may hold different numbers of micro-batches; FSDP2 (``set_requires_gradient_sync``) skips the
+    reduce-scatter but still all-gathers in every forward, so there the counts must agree (take the max with
+    ``all_reduce(n, "max")`` and run empty micro-batches). A no-op for unwrapped models.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if enabled:
+        yield
+        return
+    chain = _chain(model)
+    ddp = next((m for m in chain if isinstance(m, DistributedDataParallel)), None)
+    root = fsdp_root(model)
+    if ddp is not None:
+        with ddp.no_sync():
+            yield
+    elif root is not None:
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def full_state_dict(model: nn.Module, state: DistState | None = None) -> dict[str, torch.Tensor] | None:
-    """The unsharded model state dict on rank 0 (``None`` on other ranks); every rank must call it.
+    """The unsharded state dict of ``unwrap_model(model)`` on rank 0 (``None`` elsewhere); every rank must call it.
 
-    FSDP2: gathered to CPU with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (a collective).
-    Otherwise the unwrapped module's own ``state_dict()`` (tensors on the model's device, no copy).
+    FSDP2: gathered to CPU with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (a collective),
+    keys relative to the user's module. Otherwise its own ``state_dict()``: live views of the parameters on
+    their device, no copy (clone before changing the weights if you keep it).
     """
     rank = state.rank if state is not None else get_rank()
     inner = unwrap_model(model)
-    if is_fsdp(inner):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    root = fsdp_root(model)
+    if root is None:
+        return inner.state_dict() if rank == 0 else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if rank == 0 else None
-    return inner.state_dict() if rank == 0 else None
+    sd = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    prefix = fqn_prefix(root, inner)
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
 
 
 def destroy() -> None:

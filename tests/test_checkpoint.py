@@ -217,56 +217,83 @@ def clone(sd: dict | None) -> dict | None:
     return None if sd is None else {k: v.detach().clone() for k, v in sd.items()}
 
 
+
+def hidden_and_head(model, ids_BT):
+    """The trainer's pattern: the decoder's last hidden state, the LM head weight for a fused loss."""
+    return model.get_decoder()(input_ids=ids_BT).last_hidden_state, model.lm_head.weight
+
+
+def dp_train_step(model, optimizer, scheduler, ids_BT) -> float:
+    hidden_BTH, weight_VH = model(ids_BT)
+    logits_BTV = hidden_BTH[:, :-1] @ weight_VH.T
+    loss = nn.functional.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss.item()
+
+
 def _worker(out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    state = D.init_distributed("cpu")
+    state = D.init_distributed("cpu", timeout_s=120)  # a hang fails fast instead of in 30 minutes
     r, report = state.rank, {}
-    for strategy in ("ddp", "fsdp2"):
-        model = D.wrap_model(tiny_model(0), state, strategy)
-        opt, sched = make_optim(model)
+    shard = slice(2 * r, 2 * r + 2)  # this rank's half of the global batch of 4
+
+    def fresh(strategy, seed):
+        model = D.wrap_model(tiny_model(seed), state, strategy, forward=hidden_and_head)
+        return (model, *make_optim(model))
+
+    for saved_by in ("ddp", "fsdp2"):
+        model, opt, sched = fresh(saved_by, 0)
         for s in range(2):
-            train_step(model, opt, sched, batch(s, 4)[2 * r: 2 * r + 2])
+            dp_train_step(model, opt, sched, batch(s)[shard])
         seed_all(100 + r)  # a different stream on each rank: each must get its own back
-        path = C.save_checkpoint(out_dir / strategy, 2, model=model, optimizer=opt, scheduler=sched,
+        path = C.save_checkpoint(out_dir / saved_by, 2, model=model, optimizer=opt, scheduler=sched,
                                  trainer_state={"data_pos": 16}, state=state)
         expected = draws()
         saved = clone(D.full_state_dict(model, state))
-        loss3 = train_step(model, opt, sched, batch(2, 4)[2 * r: 2 * r + 2])
+        loss3 = dp_train_step(model, opt, sched, batch(2)[shard])
         after3 = D.full_state_dict(model, state)
-
-        fresh = D.wrap_model(tiny_model(1), state, strategy)
-        fresh_opt, fresh_sched = make_optim(fresh)
-        seed_all(0)
-        trainer = C.load_checkpoint(path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, state=state)
-        rep = {"path": str(path.relative_to(out_dir)), "trainer": trainer, "rng_equal": draws() == expected,
-               "rng_files": sorted(p.name for p in path.glob("rng_rank*.pt"))}
-        loaded = clone(D.full_state_dict(fresh, state))  # DDP's is a live view: copy before training
-        rep["loss3_equal"] = train_step(fresh, fresh_opt, fresh_sched, batch(2, 4)[2 * r: 2 * r + 2]) == loss3
-        resumed3 = D.full_state_dict(fresh, state)
-        if r == 0:
-            rep["weights_equal"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
-            rep["resumed_equal"] = all(torch.equal(resumed3[k], v) for k, v in after3.items())
-            hf = AutoModelForCausalLM.from_pretrained(path).state_dict()
-            rep["hf_equal"] = all(torch.equal(hf[k], v) for k, v in saved.items())
-        report[strategy] = rep
+        for resumed_by in ("ddp", "fsdp2"):
+            model2, opt2, sched2 = fresh(resumed_by, 1)
+            seed_all(0)
+            trainer = C.load_checkpoint(path, model=model2, optimizer=opt2, scheduler=sched2, state=state)
+            rep = {"path": str(path.relative_to(out_dir)), "trainer": trainer, "rng_equal": draws() == expected,
+                   "rng_files": sorted(p.name for p in path.glob("rng_rank*.pt"))}
+            loaded = clone(D.full_state_dict(model2, state))  # DDP's is a live view: copy before training
+            rep["loss3_diff"] = abs(dp_train_step(model2, opt2, sched2, batch(2)[shard]) - loss3)
+            resumed3 = D.full_state_dict(model2, state)
+            if r == 0:
+                rep["weights_equal"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
+                rep["resumed_maxdiff"] = max((resumed3[k] - v).abs().max().item() for k, v in after3.items())
+                hf = AutoModelForCausalLM.from_pretrained(path).state_dict()
+                rep["hf_equal"] = all(torch.equal(hf[k], v) for k, v in saved.items())
+            report[f"{saved_by}->{resumed_by}"] = rep
     (out_dir / f"rank{r}.json").write_text(json.dumps(report))
     D.destroy()
 
 
 def test_two_processes_save_and_resume(tmp_path):
+    """DDP and FSDP2 checkpoints, each resumed under DDP and under FSDP2: same weights, RNG streams per rank,
+    and the same next step as the run that kept going."""
     from test_distributed import run_torchrun
 
     run_torchrun(__file__, "worker", str(tmp_path))
     for r in range(2):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())
-        for strategy, rep in report.items():
-            assert rep["path"] == f"{strategy}/checkpoints/step_00000002"
+        assert sorted(report) == ["ddp->ddp", "ddp->fsdp2", "fsdp2->ddp", "fsdp2->fsdp2"]
+        for case, rep in report.items():
+            assert rep["path"] == f"{case.split('->')[0]}/checkpoints/step_00000002"
             assert rep["trainer"] == {"data_pos": 16, "step": 2}
             assert rep["rng_files"] == ["rng_rank0.pt", "rng_rank1.pt"]
-            assert rep["rng_equal"] and rep["loss3_equal"], (strategy, r)
+            assert rep["rng_equal"], (case, r)
+            # Bit for bit, across strategies too: with 2 ranks the all-reduce and the reduce-scatter both compute
+            # (a + b) / 2 per gradient element, and AdamW is elementwise.
+            assert rep["loss3_diff"] == 0.0, (case, r)
             if r == 0:
-                assert rep["weights_equal"] and rep["resumed_equal"] and rep["hf_equal"], strategy
+                assert rep["weights_equal"] and rep["hf_equal"] and rep["resumed_maxdiff"] == 0.0, case
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":

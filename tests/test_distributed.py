@@ -108,6 +108,22 @@ def test_wrap_single_process_returns_the_model(no_torchrun_env):
         D.wrap_model("model", state, "ddp")
 
 
+def test_forward_wrapper_and_gradient_sync_single_process(no_torchrun_env):
+    state = D.init_distributed("cpu")
+    model = Tiny()
+    wrapped = D.wrap_model(model, state, "ddp", forward=hidden_and_head)
+    assert isinstance(wrapped, D.ForwardWrapper) and D.unwrap_model(wrapped) is model
+    ids_BT = torch.randint(0, 11, (2, 5))
+    h_BTD, weight, bias = wrapped(ids_BT)
+    assert torch.equal(h_BTD @ weight.T + bias, model(ids_BT)) and weight is model.head.weight
+    with D.gradient_sync(wrapped, enabled=False):
+        _summed_loss(wrapped, ids_BT, 1.0).backward()
+    assert model.head.weight.grad is not None
+    assert not D.is_fsdp(wrapped) and D.fsdp_root(wrapped) is None
+    with pytest.raises(ValueError, match="forward"):
+        D.wrap_model(model, state, "ddp", forward="body")
+
+
 def test_decoder_layers_found():
     assert len(D._decoder_layers(Tiny())) == 2
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -131,16 +147,30 @@ class Tiny(nn.Module):
                                     for _ in range(2))
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, ids_BT):
+    def body(self, ids_BT):
         h_BTD = self.embed(ids_BT)
         for layer in self.layers:
             h_BTD = h_BTD + layer(h_BTD)
-        return self.head(h_BTD)  # [B, T, V]
+        return h_BTD
+
+    def forward(self, ids_BT):
+        return self.head(self.body(ids_BT))  # [B, T, V]
+
+
+def hidden_and_head(model: Tiny, ids_BT):
+    """The trainer's pattern: hidden states from the body, the head's weights for a loss computed outside."""
+    return model.body(ids_BT), model.head.weight, model.head.bias
 
 
 def _loss(model, ids_BT):
     logits_BTV = model(ids_BT[:, :-1])
     return nn.functional.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
+
+
+def _summed_loss(wrapped, ids_BT, scale: float):
+    h_BTD, weight_VD, bias_V = wrapped(ids_BT[:, :-1])
+    logits_BTV = h_BTD @ weight_VD.T + bias_V
+    return nn.functional.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten(), reduction="sum") * scale
 
 
 def _reference_grads(ids_BT):
@@ -157,8 +187,20 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _accumulate(wrapped, microbatches, global_tokens: int, world: int) -> None:
+    """Sum-of-token-losses / global tokens × world per micro-batch: the ranks' gradient average is then the
+    gradient of the global token mean, however the rows are split. Sync only on the last backward."""
+    for i, mb in enumerate(microbatches):
+        with D.gradient_sync(wrapped, enabled=i == len(microbatches) - 1):
+            _summed_loss(wrapped, mb, world / global_tokens).backward()
+
+
+def _max_grad_diff(model, ref_grads) -> float:
+    return max((_full(p.grad) - ref_grads[n]).abs().max().item() for n, p in D.unwrap_model(model).named_parameters())
+
+
 def _worker(out_dir: Path) -> None:
-    state = D.init_distributed("cpu")
+    state = D.init_distributed("cpu", timeout_s=120)  # a hang fails fast instead of in 30 minutes
     r, report = state.rank, {}
     report["state"] = [state.rank, state.local_rank, state.world_size, state.backend, state.is_main]
 
@@ -176,6 +218,7 @@ def _worker(out_dir: Path) -> None:
     report["broadcast_src1"] = D.broadcast_object(f"from {r}", src=1)
 
     ids_BT = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(123))  # the global batch
+    tokens = ids_BT[:, 1:].numel()
     init, ref_grads = _reference_grads(ids_BT)
     shard_BT = ids_BT[4 * r: 4 * (r + 1)]  # equal halves: the mean of per-rank means is the global mean
 
@@ -184,20 +227,31 @@ def _worker(out_dir: Path) -> None:
     report["ddp_unwrap_type"] = type(D.unwrap_model(ddp)).__name__
     report["ddp_init_equal"] = all(torch.equal(v, init[k]) for k, v in D.unwrap_model(ddp).state_dict().items())
     _loss(ddp, shard_BT).backward()
-    report["ddp_grad_maxdiff"] = max((p.grad - ref_grads[n]).abs().max().item()
-                                     for n, p in D.unwrap_model(ddp).named_parameters())
+    report["ddp_grad_maxdiff"] = _max_grad_diff(ddp, ref_grads)
     sd = D.full_state_dict(ddp, state)
     report["ddp_state_dict"] = None if sd is None else sorted(sd)
+
+    # The trainer's pattern: a custom forward, the head used outside it, uneven micro-batch counts per rank.
+    torch.manual_seed(0)
+    ddp = D.wrap_model(Tiny(), state, "ddp", forward=hidden_and_head)
+    _accumulate(ddp, [ids_BT[:4]] if r == 0 else [ids_BT[4:6], ids_BT[6:]], tokens, state.world_size)
+    report["ddp_accum_grad_maxdiff"] = _max_grad_diff(ddp, ref_grads)
 
     torch.manual_seed(0)
     fsdp = D.wrap_model(Tiny(), state, "fsdp2")
     report["is_fsdp"] = D.is_fsdp(fsdp)
     _loss(fsdp, shard_BT).backward()
-    report["fsdp_grad_maxdiff"] = max((_full(p.grad) - ref_grads[n]).abs().max().item()
-                                      for n, p in fsdp.named_parameters())
+    report["fsdp_grad_maxdiff"] = _max_grad_diff(fsdp, ref_grads)
     sd = D.full_state_dict(fsdp, state)
     report["fsdp_state_dict_maxdiff"] = None if sd is None else max((sd[k] - v).abs().max().item()
                                                                     for k, v in init.items())
+
+    torch.manual_seed(0)
+    fsdp = D.wrap_model(Tiny(), state, "fsdp2", forward=hidden_and_head)
+    _accumulate(fsdp, [shard_BT[:2], shard_BT[2:]], tokens, state.world_size)
+    report["fsdp_accum_grad_maxdiff"] = _max_grad_diff(fsdp, ref_grads)
+    sd = D.full_state_dict(fsdp, state)
+    report["fsdp_wrapped_keys"] = None if sd is None else sorted(sd)
     D.barrier()
     (out_dir / f"rank{r}.json").write_text(json.dumps(report))
     D.destroy()
@@ -225,10 +279,13 @@ def test_two_processes_gloo(tmp_path):
         assert rep["broadcast_src1"] == "from 1"
         assert rep["ddp_unwrap_type"] == "Tiny" and rep["ddp_init_equal"]
         assert rep["is_fsdp"]
-        # fp32, same math, only the reduction order differs (two half-batch means averaged vs one mean).
-        assert rep["ddp_grad_maxdiff"] < 1e-6
-        assert rep["fsdp_grad_maxdiff"] < 1e-6
-    assert reports[0]["ddp_state_dict"] == sorted(Tiny().state_dict()) and reports[1]["ddp_state_dict"] is None
+        # fp32, same math, only the summation order differs (per-rank partial sums vs one full-batch sum); a
+        # missing all-reduce would leave each rank with its half-batch gradient, off by O(1e-2).
+        for case in ("ddp", "ddp_accum", "fsdp", "fsdp_accum"):
+            assert rep[f"{case}_grad_maxdiff"] < 1e-6, (case, r)
+    keys = sorted(Tiny().state_dict())
+    assert reports[0]["ddp_state_dict"] == keys and reports[1]["ddp_state_dict"] is None
+    assert reports[0]["fsdp_wrapped_keys"] == keys and reports[1]["fsdp_wrapped_keys"] is None
     assert reports[0]["fsdp_state_dict_maxdiff"] == 0.0 and reports[1]["fsdp_state_dict_maxdiff"] is None
 
 
