@@ -52,6 +52,7 @@ N_PARTS = 7  # Σ m ℓ, Σ m, Σ m·kl, Σ m·low, Σ m·high, Σ m·region, S_
 MAX_BLOCK = 1024  # tokens per loop step of a program
 CHUNK_BLOCKS = 4  # token level: one program per (sequence, chunk of CHUNK_BLOCKS · block tokens)
 FINALIZE_BLOCK_B = 128  # sequences per loop step of the one-program finaliser
+TORCH_CHUNK = 65536  # plain-torch path: tokens per chunk (a few fp32 temporaries of this size)
 METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -382,87 +383,159 @@ def _triton_backward(grad, logp, old, ref, adv, mask, cu, wseq, gseq, o: _Option
 
 
 class _GRPOLossFunction(torch.autograd.Function):
+    """``seq`` is ``cu_seqlens`` on the Triton path, the packed tokens' sequence ids on the torch path (None when
+    padded). Both paths save only the inputs and two ``[B]`` vectors for backward."""
+
     @staticmethod
-    def forward(ctx, logp, old, ref, adv, mask, cu, o: _Options):
-        loss, metrics, wseq, gseq = _triton_forward(logp, old, ref, adv, mask, cu, o)
-        ctx.save_for_backward(logp, old, ref, adv, mask, cu, wseq, gseq)
-        ctx.options = o
+    def forward(ctx, logp, old, ref, adv, mask, seq, o: _Options, triton_path: bool):
+        fwd = _triton_forward if triton_path else _torch_forward
+        loss, metrics, wseq, gseq = fwd(logp, old, ref, adv, mask, seq, o)
+        ctx.save_for_backward(logp, old, ref, adv, mask, seq, wseq, gseq)
+        ctx.options, ctx.triton_path = o, triton_path
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):
-        logp, old, ref, adv, mask, cu, wseq, gseq = ctx.saved_tensors
+        logp, old, ref, adv, mask, seq, wseq, gseq = ctx.saved_tensors
         grad = grad_loss.to(torch.float32).contiguous()
-        dlogp = _triton_backward(grad, logp, old, ref, adv, mask, cu, wseq, gseq, ctx.options)
-        return dlogp, None, None, None, None, None, None
+        bwd = _triton_backward if ctx.triton_path else _torch_backward
+        dlogp = bwd(grad, logp, old, ref, adv, mask, seq, wseq, gseq, ctx.options)
+        return dlogp, None, None, None, None, None, None, None
 
 
-def _torch_loss(logp, old, ref, adv, mask, sid_N, o: _Options):
-    """Plain-torch path: the same math, autograd for the gradient.
-
-    Token tensors are padded ``[B, T]`` (``sid_N`` None: per-sequence sums are row sums, per-sequence values
-    broadcast as ``[B, 1]``) or packed ``[N]`` (``sid_N`` the sequence of each token: sums by ``index_add``,
-    per-sequence values gathered). ``[*]`` below is either token shape.
-    """
-    B = o.n_seqs
-    if sid_N is None:
-        def seq_sum(x):
-            return x.sum(-1)  # [B, T] -> [B]
-
-        def per_token(x_B):
-            return x_B[:, None]  # [B, 1], broadcasts over T
-    else:
-        def seq_sum(x):
-            return torch.zeros(B, dtype=x.dtype, device=x.device).index_add(0, sid_N, x)  # [N] -> [B]
-
-        def per_token(x_B):
-            return x_B[sid_N]  # [N]
-
-    lp = logp.float()  # [*]
-    m = mask.float()  # [*]
-    valid = m != 0
-    cnt_B = seq_sum(m)  # [B]
-    a = adv.float() if o.adv_per_token else per_token(adv.float())  # [*] or [B, 1]
-    log_ratio = torch.where(valid, lp - old.float(), 0.0)  # [*]
-    if o.seq_level:
-        r_B = torch.exp(seq_sum(m * log_ratio) / cnt_B.clamp(min=1.0))  # [B]
-        r = per_token(r_B)
-    else:
-        r = torch.exp(log_ratio)
-    r2 = torch.clamp(r, 1 - o.eps_low, 1 + o.eps_high)
-    r1 = r if o.delta is None else torch.clamp(r, max=o.delta)
-    loss_tok = -torch.min(r1 * a, r2 * a)
+def _clipped_pg_torch(r, a, o: _Options, *, with_grad: bool = True):
+    """:func:`_clipped_pg` in torch: ``ℓ``, ``∂ℓ/∂r`` (torch's tie rules; None unless ``with_grad``) and ``r1``."""
+    lo, hi = 1.0 - o.eps_low, 1.0 + o.eps_high
+    r2 = r.clamp(lo, hi)
+    r1 = r if o.delta is None else r.clamp(max=o.delta)
+    if with_grad:
+        dr2 = ((r >= lo) & (r <= hi)).float()
+        dr1 = torch.ones_like(r) if o.delta is None else (r <= o.delta).float()
+    x1, x2 = r1 * a, r2 * a
+    loss = -torch.minimum(x1, x2)
+    dloss = -a * torch.where(x1 < x2, dr1, torch.where(x1 > x2, dr2, 0.5 * (dr1 + dr2))) if with_grad else None
     if o.dual_c is not None:
-        loss_tok = torch.where(a < 0, torch.min(loss_tok, -o.dual_c * a), loss_tok)
-    if o.beta != 0.0:
-        d = torch.where(valid, ref.float() - lp, 0.0)
-        kl = torch.exp(d) - d - 1  # [*]
-        loss_tok = loss_tok + o.beta * kl
-    num_B = seq_sum(torch.where(valid, m * loss_tok, 0.0))  # [B]
-    total_cnt = cnt_B.sum()
-    if o.loss_type == "grpo":
-        loss = (num_B / cnt_B.clamp(min=1.0)).mean()
-    elif o.loss_type == "bnpo":
-        loss = num_B.sum() / total_cnt.clamp(min=1.0)
-    elif o.loss_type == "dr_grpo":
-        loss = num_B.sum() / (B * o.max_completion_length)
+        cap = -o.dual_c * a
+        neg = a < 0
+        if with_grad:
+            keep = torch.where(loss < cap, 1.0, torch.where(loss == cap, 0.5, 0.0))
+            dloss = torch.where(neg, dloss * keep, dloss)
+        loss = torch.where(neg, torch.minimum(loss, cap), loss)
+    return loss, dloss, r1
+
+
+def _torch_chunks(sid_N, o: _Options, n_tok: int):
+    """Chunks of about ``TORCH_CHUNK`` tokens: ``(index, seq_add, per_token)`` with ``seq_add(acc_B, x)`` adding the
+    chunk's per-sequence sums of ``x`` into ``acc_B`` and ``per_token(x_B)`` spreading per-sequence values over
+    the chunk's tokens. Padded ``[B, T]``: chunks of rows; packed ``[N]``: token ranges with their sequence ids."""
+    if sid_N is None:
+        rows = max(1, TORCH_CHUNK // max(o.max_len, 1))
+        for b0 in range(0, o.n_seqs, rows):
+            sl = slice(b0, min(b0 + rows, o.n_seqs))
+            yield sl, (lambda acc, x, sl=sl: acc[sl].add_(x.sum(-1))), (lambda x_B, sl=sl: x_B[sl, None])
     else:
-        denom = total_cnt if o.num_items is None else torch.as_tensor(o.num_items, dtype=torch.float32)
-        loss = num_B.sum() / denom.to(lp.device).clamp(min=1.0)
-    with torch.no_grad():
-        lo, hi = 1 - o.eps_low, 1 + o.eps_high
-        if o.seq_level and not o.adv_per_token:  # one flag per sequence, mean over sequences
-            r1_B = r_B if o.delta is None else r_B.clamp(max=o.delta)
-            a_B = adv.float()
-            low, high = ((r1_B < lo) & (a_B < 0)).float(), ((r1_B > hi) & (a_B > 0)).float()
-            clip = [x.mean() for x in (low, high, torch.maximum(low, high))]
+        for n0 in range(0, n_tok, TORCH_CHUNK):
+            sl = slice(n0, min(n0 + TORCH_CHUNK, n_tok))
+            sid = sid_N[sl]
+            yield sl, (lambda acc, x, sid=sid: acc.index_add_(0, sid, x)), (lambda x_B, sid=sid: x_B[sid])
+
+
+def _torch_forward(logp, old, ref, adv, mask, sid_N, o: _Options):
+    """The kernels' algorithm in torch, chunk by chunk: per-sequence sums, then the finaliser's formulas.
+
+    Temporaries are a few chunk-sized fp32 tensors; what backward needs is two ``[B]`` vectors."""
+    B, dev = o.n_seqs, logp.device
+    zeros = lambda: torch.zeros(B, dtype=torch.float32, device=dev)  # noqa: E731
+    num_B, cnt_B, kl_B, low_B, high_B, reg_B, s_B = (zeros() for _ in range(N_PARTS))
+    chunks = list(_torch_chunks(sid_N, o, logp.shape[0]))
+    if o.seq_level:  # first pass: log r_b = Σ m (logp − old) / max(Σ m, 1)
+        lr_B = zeros()
+        for sl, seq_add, _ in chunks:
+            m = mask[sl].float()
+            seq_add(lr_B, torch.where(m != 0, m * (logp[sl].float() - old[sl].float()), 0.0))
+            seq_add(cnt_B, m)
+        r_B = torch.exp(lr_B / cnt_B.clamp(min=1.0))  # [B]
+    adv_f = adv.float()
+    pg_per_seq = o.seq_level and not o.adv_per_token  # the policy term is one value per sequence: done on [B]
+    for sl, seq_add, per_token in chunks:
+        m = mask[sl].float()
+        valid = m != 0
+        lp = logp[sl].float()
+        if o.beta != 0.0:
+            d = torch.where(valid, ref[sl].float() - lp, 0.0)
+            kl = torch.exp(d) - d - 1
+            seq_add(kl_B, m * kl)
+            seq_add(num_B, torch.where(valid, m * (o.beta * kl), 0.0))
+        if not o.seq_level:  # the sequence level counted in its first pass
+            seq_add(cnt_B, m)
+        if pg_per_seq:
+            continue
+        a = adv_f[sl] if o.adv_per_token else per_token(adv_f)
+        if o.seq_level:
+            r = per_token(r_B).expand(m.shape)
         else:
-            low, high = ((r1 < lo) & (a < 0)).float(), ((r1 > hi) & (a > 0)).float()
-            clip = [(m * x).sum() / total_cnt.clamp(min=1.0) for x in (low, high, torch.maximum(low, high))]
-        kl_mean = (m * kl).sum() / total_cnt.clamp(min=1.0) if o.beta != 0.0 else torch.zeros((), device=lp.device)
-        metrics = torch.stack([kl_mean, *clip])
-    return loss, metrics
+            r = torch.exp(torch.where(valid, lp - old[sl].float(), 0.0))
+        loss, dloss, r1 = _clipped_pg_torch(r, a, o, with_grad=o.seq_level)
+        seq_add(num_B, torch.where(valid, m * loss, 0.0))
+        low, high = ((r1 < 1.0 - o.eps_low) & (a < 0)).float(), ((r1 > 1.0 + o.eps_high) & (a > 0)).float()
+        seq_add(low_B, m * low)
+        seq_add(high_B, m * high)
+        seq_add(reg_B, m * torch.maximum(low, high))
+        if o.seq_level:
+            seq_add(s_B, torch.where(valid, m * dloss * r, 0.0))
+    if pg_per_seq:
+        pg_B, dpg_B, _ = _clipped_pg_torch(r_B, adv_f, o, with_grad=True)  # [B]
+        num_B += pg_B * cnt_B
+        s_B = dpg_B * r_B * cnt_B
+    total_cnt = cnt_B.sum()
+    tok_denom = total_cnt.clamp(min=1.0)
+    cnt_c = cnt_B.clamp(min=1.0)
+    if o.loss_type == "grpo":
+        loss = (num_B / cnt_c).sum() / B
+        w_B = 1.0 / (B * cnt_c)
+    else:
+        if o.loss_type == "bnpo":
+            denom = tok_denom
+        elif o.loss_type == "dr_grpo":
+            denom = torch.tensor(float(B * o.max_completion_length), device=dev)
+        elif o.num_items is None:
+            denom = tok_denom
+        else:
+            denom = torch.as_tensor(o.num_items, dtype=torch.float32, device=dev).clamp(min=1.0)
+        loss = num_B.sum() / denom
+        w_B = (1.0 / denom).expand(B)
+    if o.seq_level and not o.adv_per_token:  # one clip flag per sequence, mean over sequences
+        r1_B = r_B if o.delta is None else r_B.clamp(max=o.delta)
+        low_B = ((r1_B < 1.0 - o.eps_low) & (adv_f < 0)).float()
+        high_B = ((r1_B > 1.0 + o.eps_high) & (adv_f > 0)).float()
+        clip = [x.sum() / B for x in (low_B, high_B, torch.maximum(low_B, high_B))]
+    else:
+        clip = [x.sum() / tok_denom for x in (low_B, high_B, reg_B)]
+    metrics = torch.stack([kl_B.sum() / tok_denom, *clip])
+    g_B = w_B * s_B / cnt_c if o.seq_level else w_B
+    return loss, metrics, w_B.contiguous(), g_B
+
+
+def _torch_backward(grad, logp, old, ref, adv, mask, sid_N, w_B, g_B, o: _Options):
+    """``dlogp`` chunk by chunk, from the per-sequence coefficients of :func:`_torch_forward`."""
+    dlogp = torch.empty_like(logp)
+    adv_f = adv.float()
+    for sl, _, per_token in _torch_chunks(sid_N, o, logp.shape[0]):
+        m = mask[sl].float()
+        valid = m != 0
+        lp = logp[sl].float()
+        w = per_token(w_B)
+        if o.seq_level:
+            d = m * per_token(g_B)
+        else:
+            a = adv_f[sl] if o.adv_per_token else per_token(adv_f)
+            r = torch.exp(torch.where(valid, lp - old[sl].float(), 0.0))
+            d = w * m * _clipped_pg_torch(r, a, o)[1] * r
+        if o.beta != 0.0:
+            d = d + w * m * o.beta * (1.0 - torch.exp(torch.where(valid, ref[sl].float() - lp, 0.0)))
+        dlogp[sl] = torch.where(valid, grad * d, 0.0).to(logp.dtype)
+    return dlogp
 
 
 def _check_scalar(name: str, value, *, low: float | None = None, strict: bool = False, allow_none=True) -> None:
@@ -605,12 +678,12 @@ def grpo_loss(
     adv = adv.contiguous()
     mask = mask.contiguous()
     logprobs = logprobs.contiguous()
-    if use_triton(logprobs):
-        cu = cu_seqlens.contiguous() if o.packed else None
-        loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, adv, mask, cu, o)
+    triton_path = use_triton(logprobs)
+    if triton_path:
+        seq = cu_seqlens.contiguous() if o.packed else None
     else:
-        sid_N = seq_index(cu_seqlens, logprobs.shape[0]) if o.packed else None
-        loss, metrics = _torch_loss(logprobs, old, ref, adv, mask, sid_N, o)
+        seq = seq_index(cu_seqlens, logprobs.shape[0]) if o.packed else None
+    loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, adv, mask, seq, o, triton_path)
     names = METRIC_NAMES if o.beta != 0.0 else METRIC_NAMES[1:]
     return loss, {name: metrics[METRIC_NAMES.index(name)].detach() for name in names}
 
