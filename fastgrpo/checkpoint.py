@@ -189,7 +189,15 @@ def _save_model(model: nn.Module, out: Path, sd: dict | None) -> None:
     """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone."""
     inner = unwrap_model(model)
     if hasattr(inner, "save_pretrained"):
-        inner.save_pretrained(out, state_dict=sd)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a "Writing model shards" bar at every checkpoint is noise in run logs
+        try:
+            inner.save_pretrained(out, state_dict=sd)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         return
     import safetensors.torch
 
@@ -280,7 +288,7 @@ def save_checkpoint(
             json.dump(marker, f)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # re-saving a step: move the old one aside, never leave no checkpoint at all
+        if final.exists():  # re-saving a step (a crash between the renames leaves the older checkpoints)
             trash = ckpt_dir / f"{_TRASH_PREFIX}{final.name}"
             os.replace(final, trash)
             os.replace(tmp, final)
@@ -375,8 +383,9 @@ def load_checkpoint(
         raise ValueError(f"path {path} is not a complete checkpoint (no {MARKER} marker)")
     rank, _ = _rank_world(state)
     inner, fsdp = unwrap_model(model), fsdp_root(model)
-    # mmap: ranks other than 0 under FSDP2 never touch the optimizer tensors, so they cost no memory.
-    payload = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True, mmap=True)
+    # Under FSDP2 only rank 0 reads the optimizer tensors: the others map the file and never touch them.
+    payload = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True,
+                         mmap=fsdp is not None and rank != 0)
     saved_optim = payload["optimizer"]
     if optimizer is not None and saved_optim is None:
         raise ValueError(f"path {path} holds no optimizer state (saved with optimizer=None)")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import zlib
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -223,7 +224,8 @@ def reduce_metrics(
     Each key is reduced with ``ops[key]`` when given, else by its suffix (``/max`` → max, ``/min`` → min,
     ``/sum`` → sum), else with ``op``. ``mean`` is the unweighted mean of the per-rank values (give counts as
     ``/sum`` keys and divide yourself when ranks hold different numbers of items). Every rank must pass the same
-    keys. Implementation: all ranks' values are all-gathered as one ``[world, K]`` float64 tensor and reduced
+    keys (checked: a mismatch raises ``ValueError`` on every rank). Implementation: all ranks' values are
+    all-gathered as one ``[world, 1 + K]`` float64 tensor (column 0: a checksum of the key names) and reduced
     locally, so mixed ops cost a single collective. Values may be python numbers or 0-d tensors on any device.
     """
     _check_op(op)
@@ -240,19 +242,24 @@ def reduce_metrics(
             raise ValueError(f"metrics[{k!r}] must be a number or a 0-d tensor, got {type(v).__name__}")
         values.append(v)
     if not _running():
-        # sync: one read-back of all tensor values together (the caller wants floats for logging).
-        local = _stack(values, torch.device("cpu"))
-        return dict(zip(keys, local.tolist()))
-    device = _collective_device()
-    local = _stack(values, device)  # [K]
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        # sync: one read-back of all the values together (the caller wants floats for logging).
+        return dict(zip(keys, _stack(values, device).tolist()))
+    # Column 0 is a checksum of the key names, so ranks that disagree on the keys fail loudly, not silently.
+    checksum = float(zlib.crc32("\0".join(keys).encode()))
+    local = _stack([checksum, *values], _collective_device())  # [1 + K]
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    table = torch.stack(gathered)  # [world, K]
+    table = torch.stack(gathered)  # [world, 1 + K]
     reducers = {"sum": lambda c: c.sum(), "mean": lambda c: c.mean(), "max": lambda c: c.max(),
                 "min": lambda c: c.min()}
-    out = torch.stack([reducers[o](table[:, j]) for j, o in enumerate(key_ops)]) if keys else table.new_zeros(0)
+    out = torch.stack([table[:, 0].min(), table[:, 0].max(),
+                       *[reducers[o](table[:, 1 + j]) for j, o in enumerate(key_ops)]])
     # sync: the reduced metrics are read back once per call, for logging.
-    return dict(zip(keys, out.tolist()))
+    lo, hi, *reduced = out.tolist()
+    if lo != hi:
+        raise ValueError(f"metrics must have the same keys on every rank; rank {dist.get_rank()} has {keys}")
+    return dict(zip(keys, reduced))
 
 
 def _stack(values: list, device: torch.device) -> torch.Tensor:

@@ -214,6 +214,11 @@ def _worker(out_dir: Path) -> None:
         local = dict(reversed(local.items()))
     report["metrics"] = D.reduce_metrics(local)
     report["metrics_ops"] = D.reduce_metrics({"a": float(r), "b": float(r)}, ops={"a": "min"}, op="sum")
+    try:
+        D.reduce_metrics({"a": 1.0, f"rank{r}": 2.0})
+        report["mismatch"] = "no error"
+    except ValueError as e:
+        report["mismatch"] = str(e)
     report["broadcast"] = D.broadcast_object({"seed": 1234, "rows": [1, 2]} if r == 0 else None)
     report["broadcast_src1"] = D.broadcast_object(f"from {r}", src=1)
 
@@ -275,6 +280,7 @@ def test_two_processes_gloo(tmp_path):
         assert rep["metrics"] == {"a": 0.5, "b": 1.5, "c/max": 10.0, "d/min": 4.0, "n/sum": 2.0}
         assert list(rep["metrics"]) == sorted(rep["metrics"])
         assert rep["metrics_ops"] == {"a": 0.0, "b": 1.0}
+        assert rep["mismatch"].startswith("metrics must have the same keys on every rank")
         assert rep["broadcast"] == {"seed": 1234, "rows": [1, 2]}
         assert rep["broadcast_src1"] == "from 1"
         assert rep["ddp_unwrap_type"] == "Tiny" and rep["ddp_init_equal"]
