@@ -39,9 +39,9 @@ if HAS_TRITON:
     import triton.language as tl
 
 # Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are a few [TORCH_CHUNK_N, TORCH_CHUNK_V] fp32
-# tensors (2 MiB each), small next to the [V, H] gradient; the matmuls stay large enough to run at full speed.
-TORCH_CHUNK_N = 512
-TORCH_CHUNK_V = 1024
+# tensors (8 MiB each), small next to the [V, H] gradient; the matmuls stay large enough to run at full speed.
+TORCH_CHUNK_N = 1024
+TORCH_CHUNK_V = 2048
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -87,7 +87,8 @@ if HAS_TRITON:
 
         Per token row, over the split: reads its hidden row once per vocabulary tile (``V_split/BLOCK_V · H``
         elements, from L2) and ``V_split · H / N_tile`` of ``W`` amortised over the tile; writes 4 fp32 partials
-        (running max ``m``, ``s = Σ exp(z − m)``, ``t = Σ exp(z − m)·z``, target logit ``z_y`` when in range).
+        (running max ``m``, ``s = Σ exp(z − m)``, ``t = Σ exp(z − m)·(z − m)``, target logit ``z_y`` when in
+        range). Entropy = ``log s − t / s``: small terms, no cancellation against ``lse``.
         FLOPs: 2·H per (token, vocabulary) pair.
         """
         pid_n = tl.program_id(0).to(tl.int64)
@@ -111,9 +112,10 @@ if HAS_TRITON:
             m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: every tile holds a valid column
             alpha = tl.exp(m - m_new)
             e = tl.exp(z - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 on masked columns
+            if ENTROPY:  # t = Σ exp(z − m)·(z − m), re-centred on the new max (s = 0 while m = −inf)
+                shift = s * (tl.where(s > 0, m, m_new) - m_new)
+                t = alpha * (t + shift) + tl.sum(e * tl.where(mask_v[None, :], z - m_new[:, None], 0.0), axis=1)
             s = s * alpha + tl.sum(e, axis=1)
-            if ENTROPY:
-                t = t * alpha + tl.sum(e * tl.where(mask_v[None, :], z, 0.0), axis=1)
             zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z, 0.0), axis=1)
             m = m_new
         out = pid_s * N + offs_n
@@ -238,13 +240,16 @@ def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
         HAS_BIAS=b_V is not None, ENTROPY=entropy, DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH),
         **blk,
     )
-    # Combine the splits' partial log-sum-exps: O(S·N).
+    # Combine the splits' partials: O(S·N). Re-centred on the global max m_N: s_s → s_s·a_s,
+    # t_s → a_s·(t_s + s_s·(m_s − m_N)) with a_s = exp(m_s − m_N).
     m_N = m_SN.max(0).values
     scale_SN = torch.exp(m_SN - m_N)
     sum_N = (s_SN * scale_SN).sum(0)
     lse_N = m_N + torch.log(sum_N)
     logp_N = zy_SN.sum(0) - lse_N
-    ent_N = lse_N - (t_SN * scale_SN).sum(0) / sum_N if entropy else None
+    ent_N = None
+    if entropy:
+        ent_N = torch.log(sum_N) - (scale_SN * (t_SN + s_SN * (m_SN - m_N))).sum(0) / sum_N
     return logp_N, lse_N, ent_N
 
 
@@ -271,12 +276,19 @@ def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_
 # ----------------------------------------------------------------------------------------------------------------------
 # Plain-torch path (CPU without the interpreter): chunked, same memory promise
 # ----------------------------------------------------------------------------------------------------------------------
-def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp):
-    """``z = (h @ W[v0:v1]ᵀ + b[v0:v1]) / T`` in fp32, ``[n, v1 − v0]``."""
-    z_nv = h_nH @ w_VH[v0:v1].float().t()
+def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, lse_n=None):
+    """``z = (h @ W[v0:v1]ᵀ + b[v0:v1]) / T`` in fp32, ``[n, v1 − v0]``, minus ``lse_n`` per row when given.
+
+    One ``addmm`` where it can (bias, temperature and the LSE folded into it): each pass over a chunk costs.
+    """
+    w_vH = w_VH[v0:v1].float()
     if b_V is not None:
-        z_nv += b_V[v0:v1].float()
-    return z_nv.mul_(inv_temp)
+        z_nv = torch.addmm(b_V[v0:v1].float(), h_nH, w_vH.t(), beta=inv_temp, alpha=inv_temp)
+        return z_nv if lse_n is None else z_nv.sub_(lse_n[:, None])
+    if lse_n is not None:
+        return torch.addmm(-lse_n[:, None], h_nH, w_vH.t(), alpha=inv_temp)
+    z_nv = h_nH @ w_vH.t()
+    return z_nv if inv_temp == 1.0 else z_nv.mul_(inv_temp)
 
 
 def _target_in_chunk(y_n, v0, v1):
@@ -286,6 +298,11 @@ def _target_in_chunk(y_n, v0, v1):
 
 
 def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
+    """Per token chunk, stream vocabulary chunks. Each chunk's own log-softmax (one fused pass) gives its LSE
+    ``lse_c = max z − max log_softmax(z)`` (exact to rounding: read where ``log p_c ≈ 0``) and its entropy
+    ``H_c = −Σ p_c log p_c``. Merging parts with weights ``w_c = exp(lse_c − lse)``:
+    ``lse = logaddexp(lse_a, lse_b)``, ``H = Σ_c w_c (H_c − log w_c)`` (all terms ≥ 0: no cancellation, unlike
+    ``lse − E[z]``). Chunk buffers: ``z``, its log-softmax (and ``p_c`` for the entropy)."""
     N = h_NH.shape[0]
     V = w_VH.shape[0]
     f32 = dict(dtype=torch.float32, device=h_NH.device)
@@ -294,28 +311,33 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
         h_nH, y_n = h_NH[n0:n1].float(), y_N[n0:n1]
-        m_n = torch.full((n1 - n0,), float("-inf"), **f32)
-        s_n, t_n, zy_n = (torch.zeros(n1 - n0, **f32) for _ in range(3))
+        zy_n = torch.zeros(n1 - n0, **f32)
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
             z_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp)
             inside_n, col_n = _target_in_chunk(y_n, v0, v1)
             zy_n += torch.where(inside_n, z_nv.gather(1, col_n[:, None]).squeeze(1), 0.0)
-            m_new = torch.maximum(m_n, z_nv.amax(1))
-            alpha_n = torch.exp(m_n - m_new)
-            e_nv = torch.sub(z_nv, m_new[:, None]).exp_()
-            s_n = s_n * alpha_n + e_nv.sum(1)
+            logp_c_nv = torch.log_softmax(z_nv, dim=1)
+            lse_c_n = z_nv.amax(1) - logp_c_nv.amax(1)
+            ent_c_n = -torch.linalg.vecdot(logp_c_nv.exp(), logp_c_nv) if entropy else None
+            if v0 == 0:
+                lse_n, ent_n = lse_c_n, ent_c_n
+                continue
+            lse_new = torch.logaddexp(lse_n, lse_c_n)
             if entropy:
-                t_n = t_n * alpha_n + e_nv.mul_(z_nv).sum(1)
-            m_n = m_new
-        lse_N[n0:n1] = m_n + torch.log(s_n)
+                log_wa_n, log_wc_n = lse_n - lse_new, lse_c_n - lse_new
+                ent_n = log_wa_n.exp() * (ent_n - log_wa_n) + log_wc_n.exp() * (ent_c_n - log_wc_n)
+            lse_n = lse_new
+        lse_N[n0:n1] = lse_n
         zy_N[n0:n1] = zy_n
         if entropy:
-            ent_N[n0:n1] = lse_N[n0:n1] - t_n / s_n
+            ent_N[n0:n1] = ent_n
     return zy_N - lse_N, lse_N, ent_N
 
 
 def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps):
+    """Per (token chunk, vocabulary chunk): ``log p`` from one ``addmm``, ``dz`` in place in its buffers, then
+    ``grad_h_chunk += dz @ W_v`` and ``grad_W[v] += dzᵀ @ h_chunk`` in place. Chunk buffers: ``log p`` and ``p``."""
     N, H = h_NH.shape
     V = w_VH.shape[0]
     f32 = dict(dtype=torch.float32, device=h_NH.device)
@@ -324,24 +346,24 @@ def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_t
     gb_V = torch.zeros(V, **f32) if b_V is not None else None
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
-        h_nH, y_n, lse_n, g_n = h_NH[n0:n1].float(), y_N[n0:n1], lse_N[n0:n1], g_logp_N[n0:n1]
+        h_nH, y_n, lse_n = h_NH[n0:n1].float(), y_N[n0:n1], lse_N[n0:n1]
+        g_n1 = g_logp_N[n0:n1, None] * inv_temp  # [n, 1]
+        if g_ent_N is not None:
+            e_n1, ent_n1 = -g_ent_N[n0:n1, None] * inv_temp, ent_N[n0:n1, None]
         gh_nH = torch.zeros(n1 - n0, H, **f32)
         rows_n = torch.arange(n1 - n0, device=h_NH.device)
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            logp_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp).sub_(lse_n[:, None])
-            p_nv = logp_nv.exp()
+            logp_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, lse_n)
             inside_n, col_n = _target_in_chunk(y_n, v0, v1)
-            if filter_eps is not None and float(p_nv.max()) < filter_eps and not bool(inside_n.any()):
+            if filter_eps is not None and not bool(inside_n.any()) and float(logp_nv.max()) < math.log(filter_eps):
                 continue  # host read: CPU tensors, no device sync
-            if g_ent_N is not None:
-                # −e p (log p + H), built in the logp buffer
-                ent_term = logp_nv.add_(ent_N[n0:n1, None]).mul_(p_nv).mul_(g_ent_N[n0:n1, None])
-                dz_nv = p_nv.mul_(g_n[:, None]).add_(ent_term).neg_()
-            else:
-                dz_nv = p_nv.mul_(-g_n[:, None])
-            dz_nv.index_put_((rows_n[inside_n], col_n[inside_n]), g_n[inside_n], accumulate=True)
-            dz_nv.mul_(inv_temp)
+            if g_ent_N is None:
+                dz_nv = logp_nv.exp_().mul_(-g_n1)  # −g p / T
+            else:  # −p (g + e (log p + H)) / T
+                p_nv = logp_nv.exp()
+                dz_nv = logp_nv.add_(ent_n1).mul_(e_n1).sub_(g_n1).mul_(p_nv)
+            dz_nv.index_put_((rows_n[inside_n], col_n[inside_n]), g_n1[inside_n, 0], accumulate=True)  # + g 1[v=y]/T
             gh_nH.addmm_(dz_nv, w_VH[v0:v1].float())
             gw_VH[v0:v1].addmm_(dz_nv.t(), h_nH)
             if gb_V is not None:
