@@ -41,7 +41,7 @@ def _varlen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
 
 
-def _offsets_from_positions(position_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, int]:
+def _offsets_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``cu_seqlens`` [B' + 1] int32 and the longest length from ``[B, S]`` positions (new sequence at each 0)."""
     starts_BS = position_ids == 0  # [B, S]
     starts_BS[:, 0] = True  # every batch row starts a sequence
@@ -85,7 +85,7 @@ def fastgrpo_varlen_attention_forward(
         cu_seqlens = cu_seq_lens_q.to(torch.int32)
         max_seqlen = int(max_length_q) if max_length_q is not None else S
     elif position_ids is not None:
-        cu_seqlens, max_seqlen = _offsets_from_positions(position_ids.expand(B, S), S)
+        cu_seqlens, max_seqlen = _offsets_from_positions(position_ids.expand(B, S))
     else:
         cu_seqlens = torch.arange(0, B * S + 1, S, dtype=torch.int32, device=query.device)  # [B + 1]
         max_seqlen = S
@@ -114,6 +114,10 @@ def packed_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
     and ``cu_seqlens``. With the ``fastgrpo_varlen`` attention every sequence attends only to itself, so the
     result equals the per-sequence forwards (up to float rounding). Other implementations get the same inputs:
     flash-attention reads the offsets, SDPA/eager build a block-diagonal mask from the positions (N² memory).
+
+    Under DDP or FSDP, call this inside the forward of the wrapped module (a small ``nn.Module`` holding the
+    model), not on the unwrapped model: the wrapper's forward hooks must run. Activation checkpointing
+    (``model.activation_checkpointing_enable()``) works unchanged.
     """
     decoder = model.get_decoder()
     cu = batch.cu_seqlens

@@ -65,6 +65,21 @@ def test_packed_forward_matches_per_sequence(arch):
         torch.testing.assert_close(packed_grads[name], grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_packed_forward_with_activation_checkpointing():
+    batch = pack(_sequences())
+    model = _model("llama")
+    model.train()
+    hidden = packed_hidden_states(model, batch)
+    hidden.square().sum().backward()
+    plain = _grads(model)
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    torch.testing.assert_close(packed_hidden_states(model, batch), hidden, atol=0, rtol=0)
+    packed_hidden_states(model, batch).square().sum().backward()
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_packed_positions_without_offsets_and_row_batches():
     """Without cu_seq_lens the offsets come from position_ids; unpacked rows are one sequence each."""
     seqs = _sequences()
