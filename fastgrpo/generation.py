@@ -29,8 +29,8 @@ Sampling. With ``temperature == 0`` the token is ``argmax(logits)`` and its log-
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
 kept), then top-p keeps the smallest set of the most likely tokens (of the top-k renormalised distribution)
 whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
-renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(E))``, ``E ~ Exp(1)`` from a seeded
-``torch.Generator``: no host sync, reproducible for a given seed and input). **The returned log-prob is
+renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(-log(U)))``, ``U ~ U[0, 1)`` from a
+seeded ``torch.Generator``: no host sync, reproducible for a given seed and input). **The returned log-prob is
 ``logp[token]``: under the temperature-scaled distribution before top-p/top-k truncation**, which is what the
 training forward computes with the same temperature.
 
@@ -428,8 +428,10 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generato
         mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
         drop = mass_before >= params.top_p  # the first token always stays (mass_before = 0 < top_p)
         kept = kept.scatter(1, order, sorted_lp.masked_fill(drop, -math.inf))
-    gumbel = -torch.empty_like(kept).exponential_(generator=gen).log()  # [S, V], Gumbel(0, 1)
-    tok = (kept + gumbel).argmax(dim=-1)
+    # Gumbel(0, 1) noise -log(-log(u)), u ~ U[0, 1) (u = 0 gives -inf: never picked); a third of the cost of
+    # exponential_ on CPU, and the same code on every device
+    u = torch.rand(kept.shape, generator=gen, device=kept.device)  # [S, V]
+    tok = (kept - (-u.log()).log()).argmax(dim=-1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 

@@ -1,0 +1,171 @@
+"""GenerationEngine vs Hugging Face ``generate`` on the same sampling workload: tokens/s, decode step, roofline.
+
+Run: ``python bench/bench_generation.py`` (CPU sizes without CUDA, the issue's GPU sizes with it; ``--quick``
+shrinks either). Figures:
+
+- tokens/s = generated tokens / wall time of the whole call (prefill included), engine and HF side by side.
+- GPU: time per decode step = (time of the full call − time of the same call with max_new_tokens=1) / the
+  remaining steps, against the memory-bandwidth roofline of one step: every weight read once plus the K/V of
+  every live sequence at its current length, divided by the device-to-device copy bandwidth measured in this
+  run (``common.copy_bandwidth_gbps``). HF runs fewer new tokens on GPU to bound the time; its per-token rate is
+  then an upper bound for the full length (its per-step cost grows with the cache), so the ratio is a lower bound.
+- Peak extra memory of each call (the engine's KV cache is freed when it returns).
+
+Workloads (issue 4): CPU, a ~10M-parameter Qwen2-shaped model, 8 prompts × n=4 of 32–64 tokens, 128 new tokens;
+GPU, a Qwen2.5-1.5B-shaped model with random bf16 weights, 32 prompts × n=8 of 256 tokens, 1024 new tokens.
+Sampling at temperature 1 with no top-k/top-p and no EOS (every completion runs to the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import append_rows, copy_bandwidth_gbps, peak_extra_bytes, print_table, sync
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from fastgrpo.generation import GenerationEngine, SamplingParams
+
+CPU_CONFIG = dict(  # ~10M parameters (tied embeddings: 4.2M embedding + 8 × 0.74M layers)
+    vocab_size=16384,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+QWEN25_15B_CONFIG = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+)
+
+
+def build_model(config: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**config, initializer_range=0.3 if device == "cpu" else 0.02))
+    return model.to(dtype).eval()
+
+
+def make_prompts(num: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def timed(fn, device) -> tuple[float, int, object]:
+    """(seconds, peak extra bytes, result) of one call."""
+    box = {}
+
+    def run():
+        sync(device)
+        t0 = time.perf_counter()
+        box["out"] = fn()
+        sync(device)
+        box["s"] = time.perf_counter() - t0
+
+    peak = peak_extra_bytes(run, device)
+    return box["s"], peak, box.pop("out")
+
+
+def hf_generate(model, prompts, n, max_new_tokens, device):
+    """HF sampling with the same settings: left-padded batch, n return sequences, no EOS."""
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :] = torch.tensor(p, device=device)
+        mask[i, T - len(p) :] = 1
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=n,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def decode_roofline_s(model, prompts, n, max_new_tokens, gbps) -> float:
+    """Bytes one full run must read at least (weights once per step + live K/V at its length), over bandwidth."""
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    elem = next(model.parameters()).element_size()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    kv_per_token *= elem
+    steps = max_new_tokens - 1  # the first token comes from the prefill
+    kv_tokens_read = sum(n * (len(p) + s) for p in prompts for s in range(1, steps + 1))
+    return (steps * weight_bytes + kv_tokens_read * kv_per_token) / (gbps * 1e9)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller workload")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        config, dtype = QWEN25_15B_CONFIG, torch.bfloat16
+        num_prompts, n, lo, hi, new = (8, 8, 256, 256, 256) if args.quick else (32, 8, 256, 256, 1024)
+        hf_new = min(new, 128)
+    else:
+        config, dtype = CPU_CONFIG, torch.float32
+        num_prompts, n, lo, hi, new = (4, 4, 32, 64, 32) if args.quick else (8, 4, 32, 64, 128)
+        hf_new = new
+    model = build_model(config, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    prompts = make_prompts(num_prompts, lo, hi, config["vocab_size"])
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=num_prompts * n)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=0)
+
+    engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, seed=0))  # warm-up (first-call costs)
+    hf_generate(model, prompts[:2], 2, 4, device)
+    eng_s, eng_peak, out = timed(lambda: engine.generate(prompts, params), device)
+    assert all(len(c.token_ids) == new for comps in out for c in comps)
+    hf_s, hf_peak, hf_out = timed(lambda: hf_generate(model, prompts, n, hf_new, device), device)
+    assert hf_out.shape[0] == num_prompts * n
+    eng_tps = num_prompts * n * new / eng_s
+    hf_tps = num_prompts * n * hf_new / hf_s
+
+    shape = f"{num_prompts}x{n} prompts {lo}-{hi} new {new} params {n_params / 1e6:.1f}M {str(dtype).split('.')[-1]}"
+    if not cuda:
+        shape += f" threads {torch.get_num_threads()}"
+    rows = [
+        {"impl": "engine", "shape": shape, "new_tokens": new, "seconds": eng_s, "tokens_per_s": eng_tps,
+         "peak_extra_MiB": eng_peak / 2**20, "speedup_vs_hf": eng_tps / hf_tps},
+        {"impl": "hf_generate", "shape": shape, "new_tokens": hf_new, "seconds": hf_s, "tokens_per_s": hf_tps,
+         "peak_extra_MiB": hf_peak / 2**20, "speedup_vs_hf": 1.0},
+    ]
+    if cuda:
+        one = SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=0)
+        prefill_s, _, _ = timed(lambda: engine.generate(prompts, one), device)
+        step_ms = (eng_s - prefill_s) / (new - 1) * 1e3
+        gbps = copy_bandwidth_gbps()
+        roof_ms = decode_roofline_s(model, prompts, n, new, gbps) / (new - 1) * 1e3
+        rows[0].update(prefill_s=prefill_s, decode_step_ms=step_ms, roofline_step_ms=roof_ms,
+                       roofline_fraction=roof_ms / step_ms, copy_gbps=gbps)
+    print_table(rows, f"generation on {device}")
+    path = append_rows("generation", rows, device)
+    print(f"rows appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
