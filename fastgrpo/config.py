@@ -1,0 +1,556 @@
+"""The trainer's configuration: one tree of dataclasses, YAML recipes, dotted command-line overrides.
+
+A run is configured by a recipe (a YAML file shipped in ``fastgrpo/recipes/``, chosen with ``--recipe NAME``, or
+any file given with ``--config FILE``) and then by ``group.field=value`` overrides, e.g.
+``grpo.num_generations=16 train.lr=1e-5 stages=[]``. Values are parsed as YAML and checked against the field's
+type; an unknown group or field is an error that names it. Every group validates itself at construction, so a bad
+value fails at start-up with the field's dotted name in the message (``grpo.epsilon_low must be >= 0, got -1``).
+
+Groups: ``model``, ``data``, ``reward``, ``grpo``, ``rollout``, ``train``, ``stages`` (a list), ``checkpoint``,
+``logging``, ``eval``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+DEFAULT_RECIPE = "tiny"
+DTYPES = ("float32", "bfloat16")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+BASELINES = ("mean", "leave_one_out")
+SCALINGS = ("group", "batch", "none")
+IS_LEVELS = ("token", "sequence")
+STRATEGIES = ("ddp", "fsdp2", "none")
+SYNTHETIC_TASKS = ("add",)
+
+
+def _fail(name: str, what: str, value) -> None:
+    raise ValueError(f"{name} {what}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        _fail(name, f"must be one of {list(choices)}", value)
+
+
+def _check_min(name: str, value, low, *, strict: bool = False) -> None:
+    bad = value <= low if strict else value < low
+    if bad or (isinstance(value, float) and not math.isfinite(value)):
+        _fail(name, f"must be {'>' if strict else '>='} {low}", value)
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a local Hugging Face causal LM, or the built-in tiny model."""
+
+    path: str = "tiny"
+    """Local directory of a Hugging Face causal LM, or "tiny" for the built-in Qwen2-shaped demo model."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped with the checkpoint (off unless asked)."""
+    tiny_hidden_size: int = 64
+    """Built-in tiny model: hidden size."""
+    tiny_num_layers: int = 2
+    """Built-in tiny model: decoder layers."""
+    tiny_num_heads: int = 4
+    """Built-in tiny model: attention heads."""
+    tiny_num_kv_heads: int = 2
+    """Built-in tiny model: key/value heads (GQA)."""
+    tiny_intermediate_size: int = 256
+    """Built-in tiny model: MLP width."""
+
+    def __post_init__(self):
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        if not self.path:
+            _fail("model.path", "must be a model directory or 'tiny'", self.path)
+        for name in ("tiny_hidden_size", "tiny_num_layers", "tiny_num_heads", "tiny_num_kv_heads",
+                     "tiny_intermediate_size"):
+            _check_min(f"model.{name}", getattr(self, name), 1)
+        if self.tiny_num_heads % self.tiny_num_kv_heads:
+            _fail("model.tiny_num_heads", f"must be a multiple of model.tiny_num_kv_heads={self.tiny_num_kv_heads}",
+                  self.tiny_num_heads)
+        if self.tiny_hidden_size % self.tiny_num_heads:
+            _fail("model.tiny_hidden_size", f"must be a multiple of model.tiny_num_heads={self.tiny_num_heads}",
+                  self.tiny_hidden_size)
+
+
+@dataclass
+class DataConfig:
+    """Training and validation prompts."""
+
+    path: str = "synthetic"
+    """"synthetic" (built-in task), a .jsonl / .parquet file, or a Hugging Face datasets name."""
+    split: str = "train"
+    """Split of a Hugging Face dataset."""
+    eval_path: str = ""
+    """Validation prompts (same formats); empty: the synthetic task's held-out split, or no validation."""
+    eval_split: str = "test"
+    """Split of a Hugging Face validation dataset."""
+    prompt_field: str = "prompt"
+    """Column holding the question text."""
+    answer_field: str = "answer"
+    """Column holding the ground-truth answer."""
+    prompt_template: str = "{prompt}"
+    """Python format string applied to the question ({prompt} is the question)."""
+    system_prompt: str = ""
+    """System message put before the question when the tokenizer has a chat template (empty: none)."""
+    use_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    max_prompt_tokens: int = 1024
+    """Longest prompt in tokens."""
+    drop_long_prompts: bool = True
+    """Drop (and count) prompts longer than max_prompt_tokens; false: raise an error instead."""
+    shuffle: bool = True
+    """Reshuffle the training prompts every epoch (deterministic given train.seed)."""
+    synthetic_task: str = "add"
+    """Built-in task: "add" (sum of small numbers, answer in \\boxed{})."""
+    synthetic_num_terms: int = 2
+    """Built-in task: numbers per question."""
+    synthetic_max_value: int = 9
+    """Built-in task: largest number in a question."""
+    synthetic_eval_size: int = 200
+    """Built-in task: held-out questions (never seen in training)."""
+
+    def __post_init__(self):
+        if not self.path:
+            _fail("data.path", "must be 'synthetic', a .jsonl/.parquet file or a datasets name", self.path)
+        _check_min("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+        if "{prompt}" not in self.prompt_template:
+            _fail("data.prompt_template", "must contain {prompt}", self.prompt_template)
+        _check_choice("data.synthetic_task", self.synthetic_task, SYNTHETIC_TASKS)
+        _check_min("data.synthetic_num_terms", self.synthetic_num_terms, 2)
+        _check_min("data.synthetic_max_value", self.synthetic_max_value, 1)
+        _check_min("data.synthetic_eval_size", self.synthetic_eval_size, 1)
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions ``f(prompts, completions, **columns) -> list[float]`` and their weights."""
+
+    functions: list[str] = field(default_factory=lambda: ["math"])
+    """Built-in names ("math", "format") or "module:function" for your own."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per function (empty: all 1.0); the reward is the weighted sum."""
+    timeout_s: float = 5.0
+    """Seconds one math verification may take before it scores 0."""
+
+    def __post_init__(self):
+        if not self.functions:
+            _fail("reward.functions", "must name at least one reward function", self.functions)
+        if self.weights and len(self.weights) != len(self.functions):
+            _fail("reward.weights", f"must have one weight per function ({len(self.functions)})", self.weights)
+        if any(not math.isfinite(w) for w in self.weights):
+            _fail("reward.weights", "must be finite", self.weights)
+        _check_min("reward.timeout_s", self.timeout_s, 0, strict=True)
+
+
+@dataclass
+class GRPOConfig:
+    """The algorithm: group size, advantages, the clipped surrogate loss."""
+
+    num_prompts_per_step: int = 32
+    """Prompts per rollout (all ranks together; each rank takes its share)."""
+    num_generations: int = 8
+    """Completions per prompt (the group size G)."""
+    loss_type: str = "dapo"
+    """Loss normalisation: grpo, bnpo, dr_grpo or dapo (see fastgrpo.kernels.grpo_loss)."""
+    baseline: str = "mean"
+    """Group baseline: "mean" or "leave_one_out" (mean of the other G-1 rewards)."""
+    scale: str = "group"
+    """Divide advantages by the reward std of the group, the batch, or "none"."""
+    beta: float = 0.0
+    """KL coefficient against the frozen reference model (0: no reference model is loaded)."""
+    epsilon_low: float = 0.2
+    """Lower clip range: ratios below 1 - epsilon_low are clipped."""
+    epsilon_high: float | None = None
+    """Upper clip range (None: epsilon_low); DAPO's clip-higher uses 0.28."""
+    delta: float | None = None
+    """Two-sided clipping bound on the ratio (None: off)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None: off)."""
+    importance_sampling_level: str = "token"
+    """Importance ratio per "token" or per "sequence" (GSPO)."""
+    mask_truncated_completions: bool = False
+    """Completions cut at max_new_tokens get no loss."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (their advantage is 0) before the update."""
+
+    def __post_init__(self):
+        _check_min("grpo.num_prompts_per_step", self.num_prompts_per_step, 1)
+        _check_min("grpo.num_generations", self.num_generations, 2)
+        _check_choice("grpo.loss_type", self.loss_type, LOSS_TYPES)
+        _check_choice("grpo.baseline", self.baseline, BASELINES)
+        _check_choice("grpo.scale", self.scale, SCALINGS)
+        _check_choice("grpo.importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
+        _check_min("grpo.beta", self.beta, 0)
+        _check_min("grpo.epsilon_low", self.epsilon_low, 0)
+        if self.epsilon_high is not None:
+            _check_min("grpo.epsilon_high", self.epsilon_high, 0)
+        if self.delta is not None:
+            _check_min("grpo.delta", self.delta, 1, strict=True)
+        if self.dual_clip_c is not None:
+            _check_min("grpo.dual_clip_c", self.dual_clip_c, 1, strict=True)
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling with the co-located generation engine."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the training forward uses the same one for its log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = 256
+    """Longest completion (stages may raise it)."""
+    max_batch_size: int = 256
+    """Sequences the engine decodes at once."""
+    max_total_tokens: int = 0
+    """KV-cache budget in tokens (0: the engine's default)."""
+
+    def __post_init__(self):
+        _check_min("rollout.temperature", self.temperature, 0, strict=True)
+        if not 0 < self.top_p <= 1:
+            _fail("rollout.top_p", "must be in (0, 1]", self.top_p)
+        _check_min("rollout.top_k", self.top_k, 0)
+        _check_min("rollout.max_new_tokens", self.max_new_tokens, 1)
+        _check_min("rollout.max_batch_size", self.max_batch_size, 1)
+        _check_min("rollout.max_total_tokens", self.max_total_tokens, 0)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, devices, and the optional supervised warm-up."""
+
+    max_steps: int = 100
+    """GRPO steps (one rollout each)."""
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps (then constant)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0: off)."""
+    sequences_per_optimizer_step: int = 0
+    """Sequences per optimizer step, all ranks together (0: the whole rollout, one step per rollout)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed forward/backward."""
+    max_bad_steps: int = 3
+    """Abort (after saving a checkpoint) when this many optimizer steps in a row have a non-finite loss."""
+    seed: int = 0
+    """Seed of the model initialisation, data order and sampling."""
+    device: str = "auto"
+    """"auto" (CUDA when available), "cpu" or "cuda"."""
+    strategy: str = "ddp"
+    """Data parallelism across torchrun processes: ddp, fsdp2 or none."""
+    num_threads: int = 0
+    """CPU threads per process (0: cores / processes)."""
+    sft_warmup_steps: int = 0
+    """Supervised warm-up steps on the task's reference answers before GRPO (0: none)."""
+    sft_lr: float = 1e-3
+    """Learning rate of the supervised warm-up."""
+    sft_batch_size: int = 64
+    """Sequences per supervised warm-up step."""
+    sft_answer_noise: float = 0.0
+    """Probability that a warm-up example's answer is replaced by a random one (teaches the format, not the task)."""
+
+    def __post_init__(self):
+        _check_min("train.max_steps", self.max_steps, 0)
+        _check_min("train.lr", self.lr, 0, strict=True)
+        _check_min("train.weight_decay", self.weight_decay, 0)
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            if not 0 <= v < 1:
+                _fail(f"train.{name}", "must be in [0, 1)", v)
+        _check_min("train.warmup_steps", self.warmup_steps, 0)
+        _check_min("train.max_grad_norm", self.max_grad_norm, 0)
+        _check_min("train.sequences_per_optimizer_step", self.sequences_per_optimizer_step, 0)
+        _check_min("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1)
+        _check_min("train.max_bad_steps", self.max_bad_steps, 1)
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            _fail("train.device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+        _check_choice("train.strategy", self.strategy, STRATEGIES)
+        _check_min("train.num_threads", self.num_threads, 0)
+        _check_min("train.sft_warmup_steps", self.sft_warmup_steps, 0)
+        _check_min("train.sft_lr", self.sft_lr, 0, strict=True)
+        _check_min("train.sft_batch_size", self.sft_batch_size, 1)
+        if not 0 <= self.sft_answer_noise <= 1:
+            _fail("train.sft_answer_noise", "must be in [0, 1]", self.sft_answer_noise)
+
+
+@dataclass
+class StageConfig:
+    """From GRPO step ``at_step`` on: a new maximum response length, and optionally lr / beta / epsilon_high."""
+
+    at_step: int = 0
+    """First GRPO step of the stage."""
+    max_new_tokens: int = 256
+    """rollout.max_new_tokens from this step on."""
+    lr: float | None = None
+    """train.lr from this step on (None: unchanged)."""
+    beta: float | None = None
+    """grpo.beta from this step on (None: unchanged)."""
+    epsilon_high: float | None = None
+    """grpo.epsilon_high from this step on (None: unchanged)."""
+
+    def __post_init__(self):
+        _check_min("stages[].at_step", self.at_step, 0)
+        _check_min("stages[].max_new_tokens", self.max_new_tokens, 1)
+        if self.lr is not None:
+            _check_min("stages[].lr", self.lr, 0, strict=True)
+        if self.beta is not None:
+            _check_min("stages[].beta", self.beta, 0)
+        if self.epsilon_high is not None:
+            _check_min("stages[].epsilon_high", self.epsilon_high, 0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: HF-format weights plus trainer state, under ``<run dir>/checkpoints``."""
+
+    every_steps: int = 50
+    """Save every this many GRPO steps (0: only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept on disk."""
+    resume: str = "auto"
+    """"auto" (continue from the latest checkpoint in the run directory, if any), "never", or a checkpoint path."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+
+    def __post_init__(self):
+        _check_min("checkpoint.every_steps", self.every_steps, 0)
+        _check_min("checkpoint.keep_last", self.keep_last, 1)
+        if not self.resume:
+            _fail("checkpoint.resume", "must be 'auto', 'never' or a checkpoint path", self.resume)
+
+
+@dataclass
+class LoggingConfig:
+    """Where the run writes, and what it logs to."""
+
+    output_dir: str = ""
+    """Run directory (empty: runs/<recipe>-<date>-<time>); metrics.jsonl, config.yaml, plots and checkpoints."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (when installed)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (when installed)."""
+    wandb_project: str = "fastgrpo"
+    """W&B project name."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class EvalConfig:
+    """Validation: avg@k and pass@k on the held-out prompts."""
+
+    every_steps: int = 0
+    """Validate every this many GRPO steps (0: only at the start and the end)."""
+    k: int = 1
+    """Samples per prompt (avg@k, pass@k)."""
+    temperature: float = 1.0
+    """Sampling temperature of validation (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of validation."""
+    max_new_tokens: int = 0
+    """Longest validation completion (0: rollout.max_new_tokens)."""
+    num_prompts: int = 0
+    """Validation prompts used (0: all)."""
+    at_start: bool = True
+    """Validate before the first GRPO step."""
+    at_end: bool = True
+    """Validate after the last GRPO step."""
+
+    def __post_init__(self):
+        _check_min("eval.every_steps", self.every_steps, 0)
+        _check_min("eval.k", self.k, 1)
+        _check_min("eval.temperature", self.temperature, 0)
+        if not 0 < self.top_p <= 1:
+            _fail("eval.top_p", "must be in (0, 1]", self.top_p)
+        _check_min("eval.max_new_tokens", self.max_new_tokens, 0)
+        _check_min("eval.num_prompts", self.num_prompts, 0)
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    name: str = "tiny"
+    """Run name (the recipe's name by default); used in the run directory's name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        steps = [s.at_step for s in self.stages]
+        if steps != sorted(steps) or len(set(steps)) != len(steps):
+            _fail("stages", "must have strictly increasing at_step values", steps)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------- building from dicts
+
+
+def _coerce(value, tp, name: str):
+    """Check ``value`` against the annotation ``tp`` (ints widen to floats); build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            _fail(name, "must be a list", value)
+        return [_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            _fail(name, "must be a mapping of fields", value)
+        return _build(tp, value, name)
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(name, "must be true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(name, "must be an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                _fail(name, "must be a number", value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(name, "must be a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(name, "must be a string", value)
+        return value
+    raise TypeError(f"unsupported config type {tp} for {name}")
+
+
+def _build(cls, values: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(f"unknown config key(s) {[where + k for k in unknown]}; "
+                         f"{prefix or 'the config'} has {sorted(names)}")
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def recipe_names() -> list[str]:
+    """Names of the recipes shipped in ``fastgrpo/recipes``."""
+    root = resources.files("fastgrpo") / "recipes"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def read_recipe(name: str) -> dict:
+    """The raw YAML mapping of a shipped recipe."""
+    path = resources.files("fastgrpo") / "recipes" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"--recipe {name!r} does not exist; shipped recipes: {recipe_names()}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _read_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {path!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path!r} must hold a YAML mapping of config groups")
+    return data
+
+
+def parse_override(text: str) -> dict:
+    """``"grpo.beta=0.01"`` → ``{"grpo": {"beta": 0.01}}`` (the value is parsed as YAML)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} must look like group.field=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ValueError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {text!r}: cannot parse the value ({e})") from None
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(recipe: str | None = None, config_file: str | None = None, overrides: list[str] = ()) -> Config:
+    """Recipe (or file) → overrides → validated :class:`Config`. ``recipe`` defaults to ``tiny``."""
+    if recipe is not None and config_file is not None:
+        raise ValueError("give --recipe or --config, not both")
+    if config_file is not None:
+        data = _read_file(config_file)
+        data.setdefault("name", Path(config_file).stem)
+    else:
+        name = recipe or DEFAULT_RECIPE
+        data = read_recipe(name)
+        data.setdefault("name", name)
+    for text in overrides:
+        data = _merge(data, parse_override(text))
+    return _build(Config, data, "")
+
+
+def stage_settings(cfg: Config, step: int) -> dict:
+    """The settings in force at (0-based) GRPO step ``step``: ``max_new_tokens``, ``lr``, ``beta``,
+    ``epsilon_high``. Stages apply in order from their ``at_step`` on; an override a stage leaves unset (None)
+    keeps the previous stage's value (or the base config's)."""
+    out = {"max_new_tokens": cfg.rollout.max_new_tokens, "lr": cfg.train.lr, "beta": cfg.grpo.beta,
+           "epsilon_high": cfg.grpo.epsilon_high}
+    for s in cfg.stages:
+        if s.at_step > step:
+            break
+        out["max_new_tokens"] = s.max_new_tokens
+        for key in ("lr", "beta", "epsilon_high"):
+            if getattr(s, key) is not None:
+                out[key] = getattr(s, key)
+    return out

@@ -1,0 +1,219 @@
+"""Prompt datasets with verifiable answers: JSONL, Parquet, Hugging Face ``datasets``, and a built-in task.
+
+Every source becomes a :class:`PromptDataset`: rows (dicts holding at least ``prompt``, the question as given,
+and ``answer``, the ground truth as a string, plus every other column of the source, handed to reward functions
+as keyword arguments) and their tokenised prompts. A question becomes a prompt by
+``data.prompt_template.format(prompt=question)``, then the tokenizer's chat template (with ``data.system_prompt``
+as a system message when set) when the tokenizer has one and ``data.use_chat_template`` is on.
+
+The built-in task ``add``: ``"3+7+2="`` → ``\\boxed{12}``, every combination of ``data.synthetic_num_terms``
+numbers in ``[0, data.synthetic_max_value]``, split once with a fixed seed into a held-out set of
+``data.synthetic_eval_size`` questions and a disjoint training set.
+
+:class:`PromptSampler` walks the training set in a deterministic shuffled order per epoch; its position (epoch,
+index) is what a checkpoint saves, so a resumed run sees the same prompts as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastgrpo.config import DataConfig
+
+SYNTHETIC = "synthetic"
+SYNTHETIC_SPLIT_SEED = 1234  # fixed: the held-out split never changes with train.seed
+
+
+@dataclass
+class PromptDataset:
+    """Rows with ``prompt``/``answer`` (+ extra columns) and their prompt token ids."""
+
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    num_dropped: int = 0
+    """Prompts dropped for being longer than data.max_prompt_tokens."""
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def columns(self, indices: list[int]) -> dict[str, list]:
+        """Column-wise view of ``rows[indices]`` (the reward functions' keyword arguments), without ``prompt``."""
+        keys = [k for k in self.rows[indices[0]] if k != "prompt"] if indices else []
+        return {k: [self.rows[i].get(k) for i in indices] for k in keys}
+
+
+@dataclass
+class PromptSampler:
+    """Deterministic epoch-wise shuffled order over ``n`` items; ``state_dict`` is the data position."""
+
+    n: int
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    index: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError("the training dataset is empty (after dropping long prompts)")
+        self._order = self._make_order(self.epoch)
+
+    def _make_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        """The next ``k`` indices, crossing into the next epoch (a new order) when the current one runs out."""
+        out = []
+        while len(out) < k:
+            if self.index >= self.n:
+                self.epoch += 1
+                self.index = 0
+                self._order = self._make_order(self.epoch)
+            take = min(k - len(out), self.n - self.index)
+            out.extend(self._order[self.index : self.index + take])
+            self.index += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._make_order(self.epoch)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def synthetic_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """``(train, held_out)`` rows of the built-in task (disjoint; the split is fixed by SYNTHETIC_SPLIT_SEED)."""
+    values = range(cfg.synthetic_max_value + 1)
+    combos = list(itertools.product(values, repeat=cfg.synthetic_num_terms))
+    if len(combos) < 2 * cfg.synthetic_eval_size:
+        raise ValueError(f"data.synthetic_eval_size={cfg.synthetic_eval_size} leaves too few training questions: "
+                         f"the task has only {len(combos)} (raise data.synthetic_num_terms or synthetic_max_value)")
+    random.Random(SYNTHETIC_SPLIT_SEED).shuffle(combos)
+    rows = [{"prompt": "+".join(map(str, c)) + "=", "answer": str(sum(c))} for c in combos]
+    return rows[cfg.synthetic_eval_size :], rows[: cfg.synthetic_eval_size]
+
+
+def _check_fields(rows: list[dict], cfg: DataConfig, source: str) -> list[dict]:
+    if not rows:
+        raise ValueError(f"data source {source} holds no rows")
+    out = []
+    for i, row in enumerate(rows):
+        for name, key in (("data.prompt_field", cfg.prompt_field), ("data.answer_field", cfg.answer_field)):
+            if key not in row:
+                raise ValueError(f"{source}: row {i} has no field {key!r} ({name}); its fields are {sorted(row)}")
+        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field)}
+        out.append({**extra, "prompt": str(row[cfg.prompt_field]), "answer": str(row[cfg.answer_field])})
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i + 1} must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"reading {path} needs pyarrow, which is not installed: pip install pyarrow "
+                         "(or convert the file to JSONL)") from None
+    return pq.read_table(path).to_pylist()
+
+
+def read_hf_dataset(name: str, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"data path {name!r} is not a file; loading it as a Hugging Face dataset needs the "
+                         "datasets package, which is not installed (pip install datasets)") from None
+    return [dict(r) for r in datasets.load_dataset(name, split=split)]
+
+
+def read_rows(path: str, split: str, cfg: DataConfig) -> list[dict]:
+    """Rows of a .jsonl / .parquet file or a Hugging Face dataset name, with the prompt/answer fields checked."""
+    p = Path(path)
+    if p.suffix in (".jsonl", ".json", ".parquet") or p.exists() or "/" in path and p.parent.exists():
+        if not p.is_file():
+            raise ValueError(f"data file {path!r} does not exist")
+        rows = read_parquet(p) if p.suffix == ".parquet" else read_jsonl(p)
+        return _check_fields(rows, cfg, str(p))
+    return _check_fields(read_hf_dataset(path, split), cfg, f"dataset {path!r} ({split})")
+
+
+# ---------------------------------------------------------------------------------------------- tokenising
+
+
+def format_prompt(question: str, tokenizer, cfg: DataConfig) -> str:
+    """The prompt text: the template, then the chat template (with the system prompt) when there is one."""
+    text = cfg.prompt_template.format(prompt=question)
+    if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        messages.append({"role": "user", "content": text})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if cfg.system_prompt:
+        return f"{cfg.system_prompt}\n{text}"
+    return text
+
+
+def build_dataset(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> PromptDataset:
+    """Tokenise every prompt; prompts over ``data.max_prompt_tokens`` are dropped and counted, or raise."""
+    kept_rows, kept_ids, dropped = [], [], 0
+    for i, row in enumerate(rows):
+        ids = tokenizer(format_prompt(row["prompt"], tokenizer, cfg), add_special_tokens=False)["input_ids"]
+        if len(ids) > cfg.max_prompt_tokens:
+            if not cfg.drop_long_prompts:
+                raise ValueError(f"{source}: prompt {i} has {len(ids)} tokens, more than data.max_prompt_tokens="
+                                 f"{cfg.max_prompt_tokens} (raise it, or set data.drop_long_prompts=true)")
+            dropped += 1
+            continue
+        if not ids:
+            raise ValueError(f"{source}: prompt {i} is empty after tokenisation")
+        kept_rows.append(row)
+        kept_ids.append(ids)
+    return PromptDataset(rows=kept_rows, prompt_ids=kept_ids, num_dropped=dropped, source=source)
+
+
+def load_datasets(cfg: DataConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+    """``(train, validation)``; validation is the synthetic held-out split, ``data.eval_path``, or None."""
+    if cfg.path == SYNTHETIC:
+        train_rows, eval_rows = synthetic_rows(cfg)
+        train = build_dataset(train_rows, tokenizer, cfg, "synthetic train")
+        held_out = build_dataset(eval_rows, tokenizer, cfg, "synthetic held-out")
+    else:
+        train = build_dataset(read_rows(cfg.path, cfg.split, cfg), tokenizer, cfg, cfg.path)
+        held_out = None
+    if cfg.eval_path:
+        held_out = build_dataset(read_rows(cfg.eval_path, cfg.eval_split, cfg), tokenizer, cfg, cfg.eval_path)
+    if len(train) == 0:
+        raise ValueError(f"{train.source}: every prompt is longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
+    return train, held_out
+
+
+def sft_completion(answer: str) -> str:
+    """The reference completion of the supervised warm-up: the answer in ``\\boxed{}``."""
+    return f"\\boxed{{{answer}}}"

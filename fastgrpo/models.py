@@ -1,0 +1,131 @@
+"""Policy models: any local Hugging Face causal LM, or the built-in tiny model for the demo.
+
+The training forward never runs the LM head as a module: :func:`fastgrpo.attention.packed_hidden_states` gives the
+final hidden states ``[N, H]`` of a packed batch and :func:`lm_head_params` hands the head's weight ``[V, H]`` (tied
+to the embedding or not) and bias to the fused loss kernels.
+
+The built-in tiny model is a Qwen2 architecture built from a config (random weights), with a character-level
+tokenizer built locally with ``tokenizers`` for the synthetic tasks' alphabet (digits, lower-case letters,
+arithmetic signs) plus ``\\boxed{`` as one token, wrapped as a ``PreTrainedTokenizerFast`` with eos/pad tokens and
+a small chat template, so it saves and loads with ``save_pretrained`` / ``from_pretrained`` like any HF model.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import torch
+
+from fastgrpo.attention import enable_packed_attention
+from fastgrpo.config import ModelConfig
+
+EOS_TOKEN = "<|endoftext|>"
+UNK_TOKEN = "<|unk|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+BOXED_TOKEN = "\\boxed{"
+TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=?:,.()[]{}\\\n"
+TINY_MAX_POSITIONS = 256
+# The tiny model's chat template: role markers, no extra text (every character is a token).
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_tiny_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast``: one token per character of ``TINY_ALPHABET``, plus
+    ``<|endoftext|>`` (eos and pad), ``<|unk|>``, the chat role markers and ``\\boxed{``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS]
+    vocab = {tok: i for i, tok in enumerate([*specials, BOXED_TOKEN, *TINY_ALPHABET])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    tok.add_special_tokens(specials)
+    tok.add_tokens([BOXED_TOKEN])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                   unk_token=UNK_TOKEN, chat_template=TINY_CHAT_TEMPLATE)
+
+
+def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
+    """A randomly initialised Qwen2 causal LM sized by ``cfg.tiny_*`` for ``tokenizer``'s vocabulary (tied head)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.tiny_hidden_size,
+        intermediate_size=cfg.tiny_intermediate_size,
+        num_hidden_layers=cfg.tiny_num_layers,
+        num_attention_heads=cfg.tiny_num_heads,
+        num_key_value_heads=cfg.tiny_num_kv_heads,
+        max_position_embeddings=TINY_MAX_POSITIONS,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # the model's weights depend only on seed, not on the caller's RNG
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model
+
+
+def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0):
+    """``(model, tokenizer)`` on ``device`` in ``cfg.dtype``, with the packed attention enabled.
+
+    ``cfg.path == "tiny"`` builds the built-in model; otherwise ``cfg.path`` must be a local directory holding a
+    Hugging Face causal LM and its tokenizer (Qwen2/2.5/3, Llama, ...).
+    """
+    dtype = DTYPES[cfg.dtype]
+    if cfg.path == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_model(cfg, tokenizer, seed=seed).to(dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(cfg.path)
+        if not path.is_dir():
+            raise ValueError(f"model.path {cfg.path!r} is not a directory (a local Hugging Face model, or 'tiny')")
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    enable_packed_attention(model)
+    return model.to(device), tokenizer
+
+
+def lm_head_params(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's ``weight [V, H]`` (the embedding itself when tied) and ``bias [V]`` or None."""
+    head = model.get_output_embeddings()
+    return head.weight, getattr(head, "bias", None)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a completion: the tokenizer's eos and the generation config's eos id(s)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token and the model's generation_config no eos_token_id")
+    return sorted(ids)
+
+
+def set_cpu_threads(num_threads: int, world_size: int) -> int:
+    """Set torch's intra-op threads on CPU: ``num_threads``, or (0) the visible cores shared by the processes."""
+    if num_threads == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        num_threads = max(1, cores // max(world_size, 1))
+    torch.set_num_threads(num_threads)
+    return num_threads

@@ -1,0 +1,184 @@
+"""Reward functions: the TRL convention ``f(prompts, completions, **dataset_columns) -> list[float]``.
+
+``prompts`` and ``completions`` are the decoded texts (one entry per completion: a prompt is repeated for each of
+its G samples), and every other dataset column (``answer`` at least) comes as a keyword argument holding one value
+per completion. The reward of a completion is ``Σ_i w_i · f_i``.
+
+Built-ins:
+- ``math``: 1 when the last ``\\boxed{...}`` of the completion equals the ground truth, checked first as a plain
+  string match (fast path) and then with ``math-verify`` (``verify(parse(gold), parse(pred))``); else 0.
+- ``format``: 1 when the completion holds a complete ``\\boxed{...}``; else 0.
+
+User functions are named ``"package.module:function"``. A function that raises, returns a non-finite value or the
+wrong number of values, or runs past ``reward.timeout_s`` (per completion; a SIGALRM timer when on the main
+thread) scores 0 for the affected completions and is counted in ``reward/<name>/failures``; a reward never stops
+the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from fastgrpo.config import RewardConfig
+
+BOXED = "\\boxed{"
+# math-verify logs a warning on every call whose own timeout is off; ours (time_limit) bounds the call instead
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+class RewardTimeout(Exception):
+    """A reward function ran past its time limit."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`RewardTimeout` in the block after ``seconds`` (SIGALRM; only on the main thread, else no
+    limit). Yields a dict whose ``"fired"`` is True afterwards when the limit was hit, even when the guarded code
+    swallowed the exception (math-verify catches everything)."""
+    status = {"fired": False}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield status
+        return
+
+    def handler(signum, frame):
+        status["fired"] = True
+        raise RewardTimeout(f"reward function ran longer than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield status
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` in ``text`` (nested braces balanced), or None."""
+    start = text.rfind(BOXED)
+    while start != -1:
+        depth, i = 1, start + len(BOXED)
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start + len(BOXED) : i - 1]
+        start = text.rfind(BOXED, 0, start)
+    return None
+
+
+def _verify(gold: str, pred: str, timeout_s: float) -> float:
+    """1.0 when ``pred`` equals ``gold``: a plain string match, else math-verify within ``timeout_s``."""
+    if pred.strip() == gold.strip():
+        return 1.0
+    from math_verify import parse, verify
+
+    with time_limit(timeout_s) as status:
+        # math-verify's own timeouts use signal.alarm too: off here, the guard above bounds the whole check
+        ok = verify(parse(f"${gold}$", parsing_timeout=None), parse(f"{BOXED}{pred}}}", parsing_timeout=None),
+                    timeout_seconds=None)
+    if status["fired"]:
+        raise RewardTimeout(f"math verification ran longer than {timeout_s} s")
+    return 1.0 if ok else 0.0
+
+
+def math_reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], *,
+                timeout_s: float = 5.0, **_) -> list[float]:
+    """1 when the completion's last ``\\boxed{}`` equals the ground truth ``answer`` (string or math-verify).
+
+    A verification that fails or times out gives NaN for that completion alone (scored 0 and counted).
+    """
+    out = []
+    for completion, gold in zip(completions, answer):
+        pred = last_boxed(completion)
+        try:
+            out.append(0.0 if pred is None else _verify(str(gold), pred, timeout_s))
+        except Exception:  # noqa: BLE001 - one bad verification must not zero the whole batch
+            out.append(math.nan)
+    return out
+
+
+def format_reward(prompts: Sequence[str], completions: Sequence[str], **_) -> list[float]:
+    """1 when the completion holds a complete ``\\boxed{...}``."""
+    return [0.0 if last_boxed(c) is None else 1.0 for c in completions]
+
+
+BUILTINS: dict[str, Callable[..., list[float]]] = {"math": math_reward, "format": format_reward}
+
+
+def resolve(name: str) -> Callable[..., list[float]]:
+    """A built-in name or ``"module:function"`` → the function; a clear ``ValueError`` otherwise."""
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if ":" not in name:
+        raise ValueError(f"reward.functions: {name!r} is neither a built-in ({sorted(BUILTINS)}) nor "
+                         "'module:function'")
+    module_name, attr = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward.functions: cannot import {module_name!r} for {name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward.functions: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+@dataclass
+class RewardResult:
+    """Weighted total per completion, each function's raw scores, and each function's failure count."""
+
+    total: list[float]
+    per_function: dict[str, list[float]]
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for name, scores in self.per_function.items():
+            out[f"reward/{name}/mean"] = sum(scores) / max(len(scores), 1)
+            out[f"reward/{name}/failures/sum"] = float(self.failures.get(name, 0))
+        return out
+
+
+class RewardSet:
+    """The configured reward functions with their weights; :meth:`score` never raises for a function's fault."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.names = [n.split(":")[-1] if n not in BUILTINS else n for n in cfg.functions]
+        self.functions = [resolve(n) for n in cfg.functions]
+        self.weights = list(cfg.weights) or [1.0] * len(self.functions)
+        self.timeout_s = cfg.timeout_s
+
+    def _call(self, name: str, fn, prompts, completions, columns) -> tuple[list[float], int]:
+        n = len(completions)
+        try:
+            if fn is math_reward:
+                scores = fn(prompts, completions, timeout_s=self.timeout_s, **columns)
+            else:
+                with time_limit(self.timeout_s * max(n, 1)) as status:
+                    scores = fn(prompts, completions, **columns)
+                if status["fired"]:
+                    return [0.0] * n, n
+            scores = [float(s) for s in scores]
+        except Exception:  # a reward function's failure scores 0 and is counted, never crashes the run
+            return [0.0] * n, n
+        if len(scores) != n:
+            return [0.0] * n, n
+        bad = sum(not math.isfinite(s) for s in scores)
+        return [s if math.isfinite(s) else 0.0 for s in scores], bad
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], columns: dict[str, list]) -> RewardResult:
+        """Score every completion with every function; ``columns`` holds one value per completion."""
+        per_function, failures = {}, {}
+        for name, fn in zip(self.names, self.functions):
+            per_function[name], failures[name] = self._call(name, fn, list(prompts), list(completions), columns)
+        total = [sum(w * per_function[name][i] for name, w in zip(self.names, self.weights))
+                 for i in range(len(completions))]
+        return RewardResult(total=total, per_function=per_function, failures=failures)

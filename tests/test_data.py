@@ -1,0 +1,102 @@
+"""Data: JSONL / Parquet sources, field and file errors, long prompts, the synthetic task, the sampler position."""
+
+import importlib.util
+import json
+
+import pytest
+
+from fastgrpo.config import DataConfig
+from fastgrpo.data import PromptSampler, build_dataset, format_prompt, load_datasets, read_rows, synthetic_rows
+from fastgrpo.models import build_tiny_tokenizer
+
+HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_with_custom_fields_template_and_extra_columns(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "1+2=", "sol": 3, "level": "easy"},
+                                              {"q": "4+4=", "sol": 8, "level": "hard"}])
+    cfg = DataConfig(path=path, prompt_field="q", answer_field="sol", prompt_template="{prompt}?",
+                     system_prompt="add")
+    train, held_out = load_datasets(cfg, tok)
+    assert held_out is None and len(train) == 2
+    assert train.rows[0] == {"level": "easy", "prompt": "1+2=", "answer": "3"}
+    assert tok.decode(train.prompt_ids[0]) == "<|system|>add<|user|>1+2=?<|assistant|>"
+    assert train.columns([1, 0]) == {"level": ["hard", "easy"], "answer": ["8", "3"]}
+
+
+def test_plain_prompt_without_chat_template(tok):
+    cfg = DataConfig(use_chat_template=False, system_prompt="sys", prompt_template="Q: {prompt}")
+    assert format_prompt("1+1=", tok, cfg) == "sys\nQ: 1+1="
+
+
+def test_missing_file_and_field_errors(tmp_path):
+    with pytest.raises(ValueError, match="data file .*missing.jsonl.* does not exist"):
+        read_rows(str(tmp_path / "missing.jsonl"), "train", DataConfig())
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"row 0 has no field 'prompt' \(data.prompt_field\)"):
+        read_rows(path, "train", DataConfig())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1", "answer": "1"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2 is not valid JSON"):
+        read_rows(str(bad), "train", DataConfig())
+
+
+@pytest.mark.skipif(HAS_PYARROW, reason="pyarrow is installed: the error path cannot be reached")
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match="needs pyarrow, which is not installed: pip install pyarrow"):
+        read_rows(str(tmp_path / "d.parquet"), "train", DataConfig())
+
+
+@pytest.mark.skipif(not HAS_PYARROW, reason="needs pyarrow")
+def test_parquet_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), tmp_path / "d.parquet")
+    rows = read_rows(str(tmp_path / "d.parquet"), "train", DataConfig())
+    assert rows == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+
+
+def test_long_prompts_dropped_and_counted_or_an_error(tok):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+1+1+1+1+1+1+1=", "answer": "8"}]
+    ds = build_dataset(rows, tok, DataConfig(max_prompt_tokens=10), "src")
+    assert len(ds) == 1 and ds.num_dropped == 1 and ds.rows[0]["answer"] == "2"
+    with pytest.raises(ValueError, match="prompt 1 has 18 tokens, more than data.max_prompt_tokens=10"):
+        build_dataset(rows, tok, DataConfig(max_prompt_tokens=10, drop_long_prompts=False), "src")
+
+
+def test_synthetic_split_is_fixed_disjoint_and_verifiable():
+    cfg = DataConfig(synthetic_num_terms=3, synthetic_max_value=9, synthetic_eval_size=200)
+    train, held_out = synthetic_rows(cfg)
+    assert len(held_out) == 200 and len(train) == 800
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    for r in held_out[:20]:
+        assert str(sum(int(x) for x in r["prompt"][:-1].split("+"))) == r["answer"]
+    assert synthetic_rows(DataConfig(synthetic_num_terms=3, synthetic_eval_size=200))[1] == held_out
+    with pytest.raises(ValueError, match="synthetic_eval_size=60 leaves too few"):
+        synthetic_rows(DataConfig(synthetic_num_terms=2, synthetic_eval_size=60))
+
+
+def test_sampler_is_deterministic_per_epoch_and_resumes():
+    a = PromptSampler(10, seed=3)
+    first = a.next(7) + a.next(7)  # crosses into epoch 1
+    assert sorted(first[:10]) == list(range(10)) and a.epoch == 1
+    b = PromptSampler(10, seed=3)
+    b.next(7)
+    state = b.state_dict()
+    c = PromptSampler(10, seed=3)
+    c.load_state_dict(state)
+    assert c.next(7) == first[7:]
+    assert PromptSampler(10, seed=4).next(10) != first[:10]
+    assert PromptSampler(5, shuffle=False).next(7) == [0, 1, 2, 3, 4, 0, 1]

@@ -1,0 +1,113 @@
+"""Rewards: math correctness (fast path and math-verify), format, weights, and failures that score 0 and count."""
+
+import math
+import textwrap
+import time
+
+import pytest
+
+from fastgrpo.config import RewardConfig
+from fastgrpo.rewards import RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{12") is None
+    assert last_boxed("\\boxed{3} then \\boxed{4") == "3"
+    assert last_boxed("no box") is None
+
+
+def test_math_reward_exact_and_equivalent_answers():
+    completions = ["\\boxed{12}", "so \\boxed{ 12 }", "\\boxed{\\frac{24}{2}}", "\\boxed{12.0}", "\\boxed{13}",
+                   "12", "\\boxed{"]
+    scores = math_reward([""] * len(completions), completions, ["12"] * len(completions))
+    assert scores == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert math_reward([""], ["\\boxed{x^2+2x+1}"], ["(x+1)^2"]) == [1.0]
+
+
+def test_format_reward():
+    assert format_reward(["", ""], ["\\boxed{1}", "1"]) == [1.0, 0.0]
+
+
+def test_weighted_total():
+    rs = RewardSet(RewardConfig(functions=["math", "format"], weights=[1.0, 0.5]))
+    res = rs.score(["p"] * 3, ["\\boxed{7}", "\\boxed{8}", "7"], {"answer": ["7", "7", "7"]})
+    assert res.total == [1.5, 0.5, 0.0]
+    assert res.per_function == {"math": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]}
+    assert res.metrics()["reward/format/mean"] == pytest.approx(2 / 3)
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        import math, time
+
+        def raises(prompts, completions, **kw):
+            raise RuntimeError("boom")
+
+        def nan_second(prompts, completions, **kw):
+            return [1.0, math.nan, 2.0][: len(completions)]
+
+        def slow(prompts, completions, **kw):
+            time.sleep(30)
+            return [1.0] * len(completions)
+
+        def wrong_length(prompts, completions, **kw):
+            return [1.0]
+
+        def uses_columns(prompts, completions, answer, level, **kw):
+            return [float(len(c) == int(a) and lv == "easy") for c, a, lv in zip(completions, answer, level)]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_failures_score_zero_and_are_counted(user_rewards):
+    names = ["my_rewards:raises", "my_rewards:nan_second", "my_rewards:slow", "my_rewards:wrong_length", "math"]
+    rs = RewardSet(RewardConfig(functions=names, timeout_s=0.1))
+    start = time.perf_counter()
+    res = rs.score(["p"] * 3, ["\\boxed{1}", "x", "y"], {"answer": ["1", "1", "1"]})
+    assert time.perf_counter() - start < 10  # the 30 s sleep was cut short (a generous bound, not a benchmark)
+    assert res.per_function["raises"] == [0.0, 0.0, 0.0] and res.failures["raises"] == 3
+    assert res.per_function["nan_second"] == [1.0, 0.0, 2.0] and res.failures["nan_second"] == 1
+    assert res.per_function["slow"] == [0.0, 0.0, 0.0] and res.failures["slow"] == 3
+    assert res.failures["wrong_length"] == 3 and res.failures["math"] == 0
+    assert res.total == [1.0 + 1.0, 0.0, 2.0]
+    assert all(math.isfinite(t) for t in res.total)
+    assert res.metrics()["reward/slow/failures/sum"] == 3.0
+
+
+def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
+    import math_verify
+
+    def stuck(*args, **kwargs):
+        time.sleep(30)
+
+    monkeypatch.setattr(math_verify, "verify", stuck)
+    rs = RewardSet(RewardConfig(functions=["math"], timeout_s=0.1))
+    res = rs.score(["p", "p"], ["\\boxed{2}", "\\boxed{1+1}"], {"answer": ["2", "2"]})
+    assert res.per_function["math"] == [1.0, 0.0]  # the exact match never reaches math-verify
+    assert res.failures["math"] == 1
+
+
+def test_dataset_columns_reach_user_functions(user_rewards):
+    rs = RewardSet(RewardConfig(functions=["my_rewards:uses_columns"]))
+    res = rs.score(["p", "p"], ["ab", "abc"], {"answer": ["2", "2"], "level": ["easy", "easy"]})
+    assert res.total == [1.0, 0.0] and res.failures["uses_columns"] == 0
+
+
+def test_resolve_errors():
+    with pytest.raises(ValueError, match="neither a built-in"):
+        resolve("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no callable"):
+        resolve("math:not_there")
+
+
+def test_time_limit_reports_a_swallowed_timeout():
+    with time_limit(0.05) as status:
+        try:
+            time.sleep(5)
+        except Exception:
+            pass
+    assert status["fired"]
