@@ -21,9 +21,11 @@ One call, step by step:
    loop): finished samples are harvested, queued samples take their slots, and when the queue is empty and at
    most half the batch is live the live slots are moved to the front and the batch shrinks to a power of two,
    so finished sequences stop costing compute.
-4. On CUDA the decode forward (embedding → logits) is captured once per ``(batch, T_b)`` shape into a CUDA graph
-   and replayed (no per-kernel launch overhead); the graphs and the cache are dropped when ``generate`` returns.
-   On CPU everything runs eagerly.
+4. On CUDA the elementwise pieces of a layer (RMSNorm fused with the residual add, rotary on q and k, SiLU·up)
+   are fused by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode
+   forward (embedding → logits) is captured once per ``(batch, T_b)`` shape into a CUDA graph and replayed (no
+   per-kernel launch overhead); the graphs and the cache are dropped when ``generate`` returns. On CPU everything
+   runs eagerly.
 
 Sampling. With ``temperature == 0`` the token is ``argmax(logits)`` and its log-prob is ``log_softmax(logits)``.
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
@@ -42,8 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +151,8 @@ class GenerationEngine:
             ``torch.autocast`` (weights cast on the fly, never stored).
         sync_every: decode steps between host reads of the stop flags; None = 8 on CUDA, 1 on CPU.
         cuda_graphs: capture the decode step in CUDA graphs; None = on when the model is on CUDA.
+        compile: fuse the elementwise pieces (RMSNorm, residual add, rotary, SiLU·up) with ``torch.compile``;
+            None = on when the model is on CUDA (the CPU path stays eager).
     """
 
     def __init__(
@@ -160,6 +165,7 @@ class GenerationEngine:
         dtype: torch.dtype | None = None,
         sync_every: int | None = None,
         cuda_graphs: bool | None = None,
+        compile: bool | None = None,
     ):
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
@@ -200,6 +206,8 @@ class GenerationEngine:
         self._dtype = dtype
         self._sync_every = sync_every
         self._cuda_graphs = cuda_graphs
+        self._compile = compile
+        self._compiled_ops: _Ops | None = None
 
         self.layers = list(inner.layers)
         attn = self.layers[0].self_attn
@@ -208,6 +216,14 @@ class GenerationEngine:
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         self.max_positions = config.max_position_embeddings
+        self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
+        self.silu = getattr(config, "hidden_act", None) == "silu"
+        norms = [inner.norm]
+        for layer in self.layers:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm] if self.qk_norm else []
+        if not all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms):
+            raise ValueError("model: unsupported structure, its norms are not RMSNorm(weight, variance_epsilon)")
 
     # ------------------------------------------------------------------ public API
 
@@ -334,33 +350,60 @@ class GenerationEngine:
         cos, sin = self.model.model.rotary_emb(probe, positions)
         return cos[0].to(dtype), sin[0].to(dtype)  # [T, D]
 
-    def _qkv(self, attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype):
-        """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
-        M = h.shape[0]
-        q = attn.q_proj(h).view(M, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(M, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(M, self.num_kv_heads, self.head_dim)
-        if getattr(attn, "q_norm", None) is not None:
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [M, 1, D]
-        return _rope(q, cos, sin).to(dtype), _rope(k, cos, sin).to(dtype), v.to(dtype)
+    def _ops(self, device: torch.device) -> _Ops:
+        """The elementwise helpers: compiled (fused kernels) on CUDA unless ``compile=False``, eager elsewhere."""
+        want = device.type == "cuda" if self._compile is None else self._compile
+        if not want:
+            return _EAGER_OPS
+        if self._compiled_ops is None:
+            self._compiled_ops = _Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in _EAGER_OPS))
+        return self._compiled_ops
 
-    def _prefill(self, tokens_N, pos_N, groups, cos_TD, sin_TD, store_k, store_v, offset, dtype):
-        """Packed prefill of prompts sorted into equal-length groups; returns the final hidden state ``[N, H]``.
+    def _attn_in(self, ops: _Ops, layer, h, cos, sin, dtype):
+        """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
+        attn = layer.self_attn
+        M = h.shape[0]
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(M, self.num_heads, self.head_dim)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(M, self.num_kv_heads, self.head_dim)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(M, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q, k = ops.rope_qk(q, k, cos, sin)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+
+    def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ):
+        """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output)."""
+        attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        o = F.linear(o_MQ, attn.o_proj.weight, attn.o_proj.bias)
+        x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
+        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
+        return x, F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _norm_in(self, ops: _Ops, layer, x, delta):
+        """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
+        ln1 = layer.input_layernorm
+        if delta is None:
+            return x, ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
+        return ops.add_rms_norm(x, delta, ln1.weight, ln1.variance_epsilon)
+
+    def _prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, store_k, store_v, offset, dtype):
+        """Packed prefill of prompts sorted into equal-length groups; returns the last residual stream ``[N, H]``
+        (before the final norm).
 
         ``groups``: ``(start, count, length)`` = ``count`` prompts of ``length`` tokens at ``start`` in the row.
         K/V go to ``store_{k,v}[:, offset : offset + N]``.
         """
-        model = self.model
         N = tokens_N.shape[0]
         G = self.num_heads // self.num_kv_heads
-        cos, sin = cos_TD[pos_N], sin_TD[pos_N]  # [N, D]
-        x = model.model.embed_tokens(tokens_N)  # [N, H]
+        cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
+        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
+        delta = None
         for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(attn, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
+            x, h = self._norm_in(ops, layer, x, delta)
+            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
             store_k[li, offset : offset + N] = k
             store_v[li, offset : offset + N] = v
             out = torch.empty_like(q)  # [N, Hq, D]
@@ -373,27 +416,25 @@ class GenerationEngine:
                     kg, vg = kg.repeat_interleave(G, dim=1), vg.repeat_interleave(G, dim=1)
                 og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale)  # [c, Hq, len, D]
                 out[start:end] = og.transpose(1, 2).reshape(count * length, self.num_heads, self.head_dim)
-            x = x + attn.o_proj(out.view(N, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+            x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
+        return x + delta
 
-    def _decode_forward(self, cache: _KVCache, tok_S, pos_S, cos_TD, sin_TD, T_b: int, dtype) -> torch.Tensor:
+    def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, cos_TD, sin_TD, T_b: int, dtype) -> torch.Tensor:
         """One decode step for slots ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V, return logits ``[S, V]``.
 
         Static shapes and no host synchronisation, so it can be captured in a CUDA graph. The attention reads
         cache positions ``[0, T_b)`` masked to ``<= pos`` (the query's own key included).
         """
-        model = self.model
         S = tok_S.shape[0]
         G = self.num_heads // self.num_kv_heads
         slot_S = torch.arange(S, device=tok_S.device)
         mask_S11T = (torch.arange(T_b, device=tok_S.device) <= pos_S[:, None]).view(S, 1, 1, T_b)
-        cos, sin = cos_TD[pos_S], sin_TD[pos_S]  # [S, D]
-        x = model.model.embed_tokens(tok_S)  # [S, H]
+        cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
+        x = self.model.model.embed_tokens(tok_S)  # [S, H]
+        delta = None
         for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = self._qkv(attn, h, cos, sin, dtype)  # [S, Hq, D], [S, Hkv, D]
+            x, h = self._norm_in(ops, layer, x, delta)
+            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [S, Hq, D], [S, Hkv, D]
             k_cache, v_cache = cache.k[li], cache.v[li]  # [S_max, Hkv, T, D]
             k_cache[slot_S, :, pos_S] = k
             v_cache[slot_S, :, pos_S] = v
@@ -402,13 +443,46 @@ class GenerationEngine:
             o = F.scaled_dot_product_attention(
                 q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], attn_mask=mask_S11T, scale=self.scale
             )  # [S, Hkv, G, D]
-            x = x + attn.o_proj(o.reshape(S, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = model.model.norm(x)
-        return model.lm_head(x).float()  # [S, V]
+            x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1))
+        norm = self.model.model.norm
+        _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+        return self.model.lm_head(h).float()  # [S, V]
 
-    def _logits(self, hidden_PH: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden_PH)).float()  # [P, V]
+    def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
+        norm = self.model.model.norm
+        return self.model.lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon)).float()  # [P, V]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: ``weight · (x / sqrt(mean(x²) + eps))``, normalised in fp32, cast back, then scaled."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Residual add then RMSNorm: returns (x + delta, rms_norm(x + delta))."""
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class _Ops(NamedTuple):
+    """The elementwise pieces of a layer; torch.compile fuses each into one or two kernels on CUDA."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rope_qk: Callable
+    silu_mul: Callable
+
+
+_EAGER_OPS = _Ops(_rms_norm, _add_rms_norm, _rope_qk, _silu_mul)
 
 
 def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generator):
@@ -453,6 +527,7 @@ class _Run:
         self.sync_every = engine._sync_every or (8 if cuda else 1)
         self.t_bucket = 128 if cuda else 1
         self.use_graphs = cuda and engine._cuda_graphs is not False
+        self.ops = engine._ops(device)
         self.stop_set = set(engine.eos_token_ids) | set(params.stop_token_ids)
         self.stop_ids = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=device)
 
@@ -499,6 +574,7 @@ class _Run:
                     groups.append((start, 1, lengths[p]))
                 start += lengths[p]
             x = e._prefill(
+                self.ops,
                 torch.tensor(tokens, device=dev),
                 torch.tensor(positions, device=dev),
                 groups,
@@ -599,7 +675,7 @@ class _Run:
             cache.v[:, idx, :, :n] = cache.store_v[:, None, off : off + n].transpose(2, 3)
         idx = torch.tensor(slots, device=dev)
         prompt_idx = torch.tensor([p for p, _ in samples], device=dev)
-        logits = self.e._logits(last_hidden_PH[prompt_idx])  # [A, V]
+        logits = self.e._logits(self.ops, last_hidden_PH[prompt_idx])  # [A, V]
         tok, lp = _sample(logits, self.params, self.gen)
         tok_S[idx] = tok
         pos_S[idx] = torch.tensor([lengths[p] for p, _ in samples], device=dev)
@@ -629,7 +705,9 @@ class _Run:
     def _step(self, cache: _KVCache, S_b: int, T_b: int) -> torch.Tensor:
         tok_S, pos_S = self.static_in
         if not self.use_graphs:
-            return self.e._decode_forward(cache, tok_S[:S_b], pos_S[:S_b], self.cos_TD, self.sin_TD, T_b, self.dtype)
+            return self.e._decode_forward(
+                self.ops, cache, tok_S[:S_b], pos_S[:S_b], self.cos_TD, self.sin_TD, T_b, self.dtype
+            )
         key = (S_b, T_b)
         if key not in self.graphs:
             self.graphs[key] = self._capture(cache, S_b, T_b)
@@ -642,7 +720,9 @@ class _Run:
         tok_S, pos_S = self.static_in
 
         def forward():
-            return self.e._decode_forward(cache, tok_S[:S_b], pos_S[:S_b], self.cos_TD, self.sin_TD, T_b, self.dtype)
+            return self.e._decode_forward(
+                self.ops, cache, tok_S[:S_b], pos_S[:S_b], self.cos_TD, self.sin_TD, T_b, self.dtype
+            )
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -249,9 +249,9 @@ def test_group_shares_one_prefill(monkeypatch):
     prefilled = []
     real_prefill = engine._prefill
 
-    def counting_prefill(tokens_N, *args, **kwargs):
+    def counting_prefill(ops, tokens_N, *args, **kwargs):
         prefilled.append(tokens_N.numel())
-        return real_prefill(tokens_N, *args, **kwargs)
+        return real_prefill(ops, tokens_N, *args, **kwargs)
 
     monkeypatch.setattr(engine, "_prefill", counting_prefill)
     results = engine.generate(prompts, SamplingParams(n=4, temperature=0.0, max_new_tokens=6))
@@ -388,3 +388,19 @@ def test_cuda_graph_greedy_matches_hf_and_frees_memory(arch):
     assert torch.cuda.memory_allocated() == before
     for want, comps in zip(expected, results):
         assert all(c.token_ids == want for c in comps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_compiled_elementwise_path_matches_hf(arch):
+    """compile=True (the CUDA default) on CPU: the fused RMSNorm/rotary/SiLU pieces give HF's greedy output."""
+    model = tiny_model(arch)
+    prompts = random_prompts([5, 11, 3])
+    expected = [hf_greedy(model, p, 10, None) for p in prompts]
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4, compile=True)
+    results = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    for want, comps in zip(expected, results):
+        assert all(c.token_ids == want for c in comps)
+    for prompt, [c] in zip(prompts, engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=2))):
+        ref = teacher_forced_logp(model, prompt, c.token_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
