@@ -1,0 +1,312 @@
+"""The GRPO algorithm: group advantages, rollout → packed micro-batches, log-prob forwards, the policy update.
+
+Advantages (one per completion, G completions per prompt, rewards ``r``)::
+
+    baseline  b_i = mean_j r_j                      ("mean", GRPO / TRL)
+              b_i = (Σ_j r_j − r_i) / (G − 1)         ("leave_one_out", RLOO / NeMo-RL)
+    A_i = (r_i − b_i) / (σ + ADV_EPS)               σ = std of the group ("group"), of the whole batch over all
+                                                    ranks ("batch"), or no division ("none"); std is unbiased
+
+Sequences (prompt + completion) are packed into micro-batches of at most ``train.max_tokens_per_microbatch``
+tokens. At packed position ``t`` the target is token ``t + 1`` of the same sequence; the loss mask is 1 exactly
+where the target is a completion token (and the completion is trained on: masked truncated completions and, with
+dynamic sampling, zero-variance groups get mask 0).
+
+The update of one optimizer step over the micro-batches ``m`` of every rank: each micro-batch's loss is
+``fused_linear_logprobs`` + ``grpo_loss`` (the composition inside ``fused_linear_grpo_loss``) on its own tokens,
+re-weighted so that the sum over micro-batches and ranks is the loss of the whole optimizer-step batch; DDP then
+averages gradients over ranks, so every loss is also multiplied by ``world_size``::
+
+    dapo      num_items_in_batch = Σ_all m (global completion tokens)     weight 1
+    bnpo      per-micro-batch Σ m ℓ / Σ_mb m                              weight Σ_mb m / Σ_all m
+    grpo      mean over the micro-batch's sequences                       weight B_mb / B_all
+    dr_grpo   Σ m ℓ / (B_mb · L_max)                                      weight B_mb / B_all
+
+so 1 process and W processes on the same global batch give the same loss and gradients (up to float rounding).
+A step whose loss or gradient norm is not finite is skipped (no optimizer step) and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.attention import packed_hidden_states
+from fastgrpo.config import Config
+from fastgrpo.distributed import all_reduce, gradient_sync, unwrap_model
+from fastgrpo.kernels.grpo_loss import grpo_loss
+from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy, fused_linear_logprobs
+from fastgrpo.models import lm_head_params
+from fastgrpo.packing import PackedBatch, pack, plan_microbatches
+
+ADV_EPS = 1e-4  # added to the reward std before dividing (TRL's value): a zero-variance group gets A = 0
+
+
+def compute_advantages(rewards_PG: torch.Tensor, baseline: str = "mean", scale: str = "group",
+                       batch_std: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages ``[P, G]`` and a ``[P]`` bool mask of groups whose rewards are all equal (see module docstring).
+
+    ``batch_std``: the std of every reward in the batch (all ranks) for ``scale="batch"``; computed from
+    ``rewards_PG`` when None.
+    """
+    if rewards_PG.dim() != 2 or rewards_PG.shape[1] < 2:
+        raise ValueError(f"rewards_PG must be [P, G] with G >= 2, got shape {tuple(rewards_PG.shape)}")
+    r = rewards_PG.double()
+    G = r.shape[1]
+    if baseline == "mean":
+        b = r.mean(1, keepdim=True)  # [P, 1]
+    elif baseline == "leave_one_out":
+        b = (r.sum(1, keepdim=True) - r) / (G - 1)  # [P, G]
+    else:
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+    adv = r - b
+    zero_std_P = (r.max(1).values - r.min(1).values) == 0
+    if scale == "group":
+        adv = adv / (r.std(1, keepdim=True) + ADV_EPS)
+    elif scale == "batch":
+        std = r.std() if batch_std is None else torch.tensor(batch_std, dtype=r.dtype)
+        adv = adv / (std + ADV_EPS)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return adv.float(), zero_std_P
+
+
+@dataclass
+class Sample:
+    """One prompt + completion to train on."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sample_logprobs: list[float]
+    """The generation engine's log-probs of the completion tokens."""
+    advantage: float
+    train: bool = True
+    """False: the completion gets no loss (masked truncated completion, filtered group)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return len(self.completion_ids) if self.train else 0
+
+
+@dataclass
+class MicroBatch:
+    """B packed sequences and their per-token training inputs."""
+
+    batch: PackedBatch
+    targets: torch.Tensor  # [N] int64, next token (0 where there is none)
+    mask: torch.Tensor  # [N] float, 1 where the target is a trained completion token
+    advantages: torch.Tensor  # [B] float
+    sample_logprobs: torch.Tensor  # [N] float, the engine's log-probs at masked positions (0 elsewhere)
+    completion_mask: torch.Tensor  # [N] bool, target is a completion token (trained or not)
+    old_logprobs: torch.Tensor | None = None  # [N]
+    ref_logprobs: torch.Tensor | None = None  # [N]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.batch.num_seqs
+
+
+def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
+    """Pack ``samples`` into one row with targets, loss mask and advantages."""
+    batch = pack([s.tokens for s in samples])
+    targets, mask, comp, slp = [], [], [], []
+    for s in samples:
+        toks, p, c = s.tokens, len(s.prompt_ids), len(s.completion_ids)
+        targets += toks[1:] + [0]
+        is_comp = [False] * (p - 1) + [True] * c + [False]
+        comp += is_comp
+        mask += [float(s.train and x) for x in is_comp]
+        slp += [0.0] * (p - 1) + list(s.sample_logprobs) + [0.0]
+    return MicroBatch(
+        batch=batch.to(device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        mask=torch.tensor(mask, dtype=torch.float32, device=device),
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
+        sample_logprobs=torch.tensor(slp, dtype=torch.float32, device=device),
+        completion_mask=torch.tensor(comp, dtype=torch.bool, device=device),
+    )
+
+
+def plan(samples: list[Sample], max_tokens: int, device: torch.device) -> list[MicroBatch]:
+    """Micro-batches of at most ``max_tokens`` tokens (``fastgrpo.packing.plan_microbatches``)."""
+    groups = plan_microbatches([len(s.tokens) for s in samples], max_tokens)
+    return [make_microbatch([samples[i] for i in g], device) for g in groups]
+
+
+def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen):
+    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias."""
+    batch = PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    hidden_NH = packed_hidden_states(model, batch)
+    weight_VH, bias_V = lm_head_params(model)
+    return hidden_NH, weight_VH, bias_V
+
+
+def _call(model, mb: MicroBatch):
+    b = mb.batch
+    return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+
+
+@torch.no_grad()
+def packed_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """``[N]`` log-probs of the targets under ``model`` (no grad, unwrapped model); 0 where the mask is 0."""
+    inner = unwrap_model(model)
+    hidden_NH, weight_VH, bias_V = packed_forward(inner, mb.batch.input_ids, mb.batch.position_ids,
+                                                  mb.batch.cu_seqlens, mb.batch.max_seqlen)
+    logp_N = fused_linear_logprobs(hidden_NH, weight_VH, mb.targets, bias=bias_V, temperature=temperature)
+    return torch.where(mb.completion_mask, logp_N, 0.0)
+
+
+def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_tokens: int,
+             device: torch.device, world_size: int) -> float:
+    """One supervised step (the optional warm-up) through the same packed forward: mean −log p of the
+    completion tokens of ``(prompt_ids, completion_ids)`` pairs over all micro-batches and ranks."""
+    seqs = [Sample(p, c, [0.0] * len(c), 0.0) for p, c in samples]
+    mbs = plan(seqs, max_tokens, device)
+    total = all_reduce(torch.tensor(float(sum(len(c) for _, c in samples)), device=device))
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for i, mb in enumerate(mbs):
+        with gradient_sync(model, enabled=i == len(mbs) - 1):
+            hidden_NH, weight_VH, bias_V = _call(model, mb)
+            targets = torch.where(mb.mask > 0, mb.targets, -100)
+            loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
+            (loss * world_size / total).backward()
+            loss_sum += float(loss.detach())  # sync: one scalar per micro-batch, for the log line
+    optimizer.step()
+    return float(all_reduce(torch.tensor(loss_sum, device=device))) / float(total)
+
+
+class PolicyUpdate:
+    """The optimizer steps of one rollout: old / reference log-probs, then the clipped surrogate update."""
+
+    def __init__(self, cfg: Config, model, optimizer, scheduler, ref_model, device: torch.device, world_size: int):
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.ref_model = ref_model
+        self.device = device
+        self.world_size = world_size
+
+    def _normaliser(self, mbs: list[MicroBatch]) -> tuple[float, float]:
+        """Global (all ranks) loss-token and sequence counts of one optimizer step."""
+        local = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), float(sum(mb.num_seqs for mb in mbs))],
+                             dtype=torch.float64, device=self.device)
+        tokens, seqs = all_reduce(local).tolist()
+        return tokens, seqs
+
+    def run(self, samples: list[Sample], *, beta: float, epsilon_high: float | None,
+            max_new_tokens: int) -> dict[str, float]:
+        """All optimizer steps over this rank's ``samples``; returns local metrics (means over micro-batches)."""
+        cfg = self.cfg
+        temperature = cfg.rollout.temperature
+        per_rank = len(samples)
+        if cfg.train.sequences_per_optimizer_step:
+            chunk = cfg.train.sequences_per_optimizer_step // self.world_size
+        else:
+            chunk = per_rank
+        steps = [samples[i : i + chunk] for i in range(0, per_rank, chunk)]
+        plans = [plan(s, cfg.train.max_tokens_per_microbatch, self.device) for s in steps]
+
+        sums: dict[str, float] = {}
+
+        def add(key, value, weight=1.0):
+            sums[key] = sums.get(key, 0.0) + float(value) * weight
+            sums[key + "#w"] = sums.get(key + "#w", 0.0) + weight
+
+        # Old and reference log-probs: no-grad packed forwards before any update of this rollout.
+        need_old = len(steps) > 1
+        for mbs in plans:
+            for mb in mbs:
+                if need_old:
+                    mb.old_logprobs = packed_logprobs(self.model, mb, temperature)
+                if beta > 0:
+                    mb.ref_logprobs = packed_logprobs(self.ref_model, mb, temperature)
+
+        num_bad, num_skipped = 0, 0
+        for mbs in plans:
+            tokens, seqs = self._normaliser(mbs)
+            if tokens == 0:  # nothing to learn from (every completion masked): no optimizer step
+                num_skipped += 1
+                continue
+            # Every rank runs the same number of micro-batches (FSDP2 gathers in each forward): pad with copies
+            # that carry zero weight.
+            n_mb = int(all_reduce(torch.tensor(len(mbs), device=self.device), "max"))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i in range(n_mb):
+                mb = mbs[min(i, len(mbs) - 1)]
+                weight = 0.0 if i >= len(mbs) else 1.0
+                with gradient_sync(self.model, enabled=i == n_mb - 1):
+                    loss, metrics, logp_N = self._loss(mb, tokens, seqs, beta, epsilon_high, max_new_tokens)
+                    (loss * weight * self.world_size).backward()
+                loss_total += loss.detach().double() * weight
+                if weight:
+                    n_tok = float(mb.mask.sum())
+                    for k, v in metrics.items():
+                        add(k, v, n_tok)
+                    comp = mb.completion_mask
+                    if mb.old_logprobs is None and comp.any():  # the update's own forward is pre-update here
+                        add("mismatch/logprob_abs_diff", (logp_N - mb.sample_logprobs)[comp].abs().mean(),
+                            float(comp.sum()))
+            loss_value = float(all_reduce(loss_total))  # the optimizer step's full loss, all ranks
+            if self.cfg.train.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
+            grad_norm = float(grad_norm)  # sync: the finiteness check decides whether to step
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                num_bad += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            self.optimizer.step()
+            self.scheduler.step()
+            add("loss", loss_value)
+            add("grad_norm", grad_norm)
+
+        for mbs in plans:  # mismatch from the pre-update forward when old log-probs were computed
+            for mb in mbs:
+                comp = mb.completion_mask
+                if mb.old_logprobs is not None and comp.any():
+                    add("mismatch/logprob_abs_diff", (mb.old_logprobs - mb.sample_logprobs)[comp].abs().mean(),
+                        float(comp.sum()))
+
+        out = {k: v / sums[k + "#w"] for k, v in sums.items() if not k.endswith("#w") and sums[k + "#w"] > 0}
+        out["optimizer_steps"] = float(len(plans) - num_bad - num_skipped)
+        out["bad_steps"] = float(num_bad)
+        return out
+
+    def _loss(self, mb: MicroBatch, tokens: float, seqs: float, beta: float, epsilon_high: float | None,
+              max_new_tokens: int):
+        """One micro-batch's re-weighted loss, its metrics, and its detached log-probs ``[N]``.
+
+        ``fused_linear_logprobs`` then ``grpo_loss`` is exactly ``fused_linear_grpo_loss``'s composition, called in
+        two parts because the trainer needs the log-probs themselves: on-policy (one optimizer step per rollout)
+        they are also the old log-probs (ratio 1, as TRL), and they give the training–inference mismatch — one
+        pass over the vocabulary instead of a second no-grad one.
+        """
+        g = self.cfg.grpo
+        hidden_NH, weight_VH, bias_V = _call(self.model, mb)
+        logp_N, entropy_N = fused_linear_logprobs(hidden_NH, weight_VH, mb.targets, bias=bias_V,
+                                                  temperature=self.cfg.rollout.temperature, return_entropy=True)
+        old = mb.old_logprobs if mb.old_logprobs is not None else logp_N.detach()
+        loss, metrics = grpo_loss(
+            logp_N, old, mb.advantages, mb.mask, ref_logprobs=mb.ref_logprobs, beta=beta,
+            epsilon_low=g.epsilon_low, epsilon_high=epsilon_high, delta=g.delta, dual_clip_c=g.dual_clip_c,
+            loss_type=g.loss_type, importance_sampling_level=g.importance_sampling_level,
+            max_completion_length=max_new_tokens, num_items_in_batch=tokens if g.loss_type == "dapo" else None,
+            cu_seqlens=mb.batch.cu_seqlens, per_token_advantages=False,
+        )
+        with torch.no_grad():
+            metrics["entropy"] = (entropy_N * mb.mask).sum() / mb.mask.sum().clamp(min=1.0)
+        if g.loss_type == "bnpo":
+            loss = loss * float(mb.mask.sum()) / tokens
+        elif g.loss_type in ("grpo", "dr_grpo"):
+            loss = loss * mb.num_seqs / seqs
+        return loss, metrics, logp_N.detach()

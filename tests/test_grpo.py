@@ -1,0 +1,173 @@
+"""GRPO: advantages against hand-computed values, packing of rollouts, the update's normalisation across
+micro-batches against an unpacked fp32 reference, skipped non-finite steps, and 1 vs 2 torchrun processes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fastgrpo.kernels.reference import grpo_loss_ref
+
+from fastgrpo.config import load_config
+from fastgrpo.distributed import init_distributed, wrap_model
+from fastgrpo.grpo import ADV_EPS, PolicyUpdate, Sample, compute_advantages, make_microbatch, packed_forward
+from fastgrpo.models import load_model
+
+
+def test_advantages_mean_baseline_group_scale():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    adv, zero = compute_advantages(r, "mean", "group")
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # unbiased: sqrt(1/3)
+    expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    expected[0] /= std + ADV_EPS
+    torch.testing.assert_close(adv, expected)
+    assert zero.tolist() == [False, True]
+
+
+def test_advantages_leave_one_out_and_other_scales():
+    r = torch.tensor([[3.0, 0.0, 0.0], [1.0, 2.0, 6.0]])
+    adv, _ = compute_advantages(r, "leave_one_out", "none")
+    # r_i - mean of the others
+    torch.testing.assert_close(adv, torch.tensor([[3.0, -1.5, -1.5], [-3.0, -1.5, 4.5]]))
+    adv_b, _ = compute_advantages(r, "mean", "batch")
+    centred = r - r.mean(1, keepdim=True)
+    torch.testing.assert_close(adv_b, centred / (r.std() + ADV_EPS))
+    adv_given, _ = compute_advantages(r, "mean", "batch", batch_std=2.0)
+    torch.testing.assert_close(adv_given, centred / (2.0 + ADV_EPS))
+    with pytest.raises(ValueError, match="rewards_PG must be"):
+        compute_advantages(torch.ones(3), "mean", "group")
+
+
+def test_microbatch_targets_and_mask():
+    mb = make_microbatch([Sample([5, 6, 7], [8, 9], [-0.5, -0.25], 1.5),
+                          Sample([5], [4], [-1.0], -1.0, train=False)], torch.device("cpu"))
+    assert mb.batch.input_ids.tolist() == [5, 6, 7, 8, 9, 5, 4]
+    assert mb.targets.tolist() == [6, 7, 8, 9, 0, 4, 0]
+    assert mb.mask.tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert mb.completion_mask.tolist() == [False, False, True, True, False, True, False]
+    assert mb.sample_logprobs.tolist() == [0, 0, -0.5, -0.25, 0, -1.0, 0]
+    assert mb.advantages.tolist() == [1.5, -1.0]
+
+
+def make_samples(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(5, 40, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(5, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(p, c, [-1.0] * len(c), float(torch.randn((), generator=g)), train=i != 3))
+    return out
+
+
+def run_update(cfg, samples, state, *, seed=0):
+    """One rollout's update with SGD(lr=1): returns the metrics and the parameter change (= minus the gradient)."""
+    model, _ = load_model(cfg.model, state.device, seed=seed)
+    wrapped = wrap_model(model, state, "ddp", forward=packed_forward)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    metrics = PolicyUpdate(cfg, wrapped, opt, sched, None, state.device, state.world_size).run(
+        samples, beta=0.0, epsilon_high=cfg.grpo.epsilon_high, max_new_tokens=cfg.rollout.max_new_tokens)
+    delta = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    return metrics, delta, model, before
+
+
+TINY = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "train.max_grad_norm=0",
+        "rollout.max_new_tokens=8"]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
+def test_update_matches_unpacked_reference_across_microbatches(loss_type):
+    state = init_distributed("cpu")
+    samples = make_samples()
+    cfg = load_config(overrides=[*TINY, f"grpo.loss_type={loss_type}", "train.max_tokens_per_microbatch=24"])
+    metrics, delta, model, before = run_update(cfg, samples, state)
+    assert metrics["optimizer_steps"] == 1 and metrics["bad_steps"] == 0
+
+    # reference: the original weights, each sequence alone through the HF forward, padded fp32 loss
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(before[k])
+    model.zero_grad()
+    T = max(len(s.completion_ids) for s in samples)
+    logp = torch.zeros(len(samples), T)
+    mask = torch.zeros(len(samples), T)
+    rows = []
+    for b, s in enumerate(samples):
+        ids = torch.tensor([s.tokens])
+        logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].float()  # [C, V]
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        rows.append(lp)
+        mask[b, : len(lp)] = float(s.train)
+    logp = torch.stack([torch.nn.functional.pad(r, (0, T - len(r))) for r in rows])
+    adv = torch.tensor([s.advantage for s in samples])
+    ref_loss, _ = grpo_loss_ref(logp, logp.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
+    ref_loss.backward()
+    assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-4, abs=1e-6)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(delta[k], p.grad, rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_several_optimizer_steps_per_rollout_use_old_logprobs():
+    state = init_distributed("cpu")
+    cfg = load_config(overrides=[*TINY, "train.sequences_per_optimizer_step=4", "grpo.num_prompts_per_step=4",
+                                 "grpo.num_generations=2"])
+    metrics, delta, _, _ = run_update(cfg, make_samples(), state)
+    assert metrics["optimizer_steps"] == 2
+    assert metrics["mismatch/logprob_abs_diff"] > 0  # the engine log-probs here are fake (-1): a real gap
+    assert any(d.abs().max() > 0 for d in delta.values())
+
+
+def test_non_finite_loss_skips_the_step():
+    state = init_distributed("cpu")
+    samples = make_samples()
+    samples[0].advantage = float("nan")
+    cfg = load_config(overrides=TINY)
+    metrics, delta, _, _ = run_update(cfg, samples, state)
+    assert metrics["bad_steps"] == 1 and metrics["optimizer_steps"] == 0
+    assert all(float(d.abs().max()) == 0 for d in delta.values())
+
+
+def _torchrun(nproc, out, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(Path(__file__).resolve()), str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_two_processes_match_one_process(tmp_path):
+    """The same global batch (8 sequences) on 1 process and split over 2: same loss, same gradients."""
+    one = _torchrun(1, tmp_path / "one.pt", tmp_path)
+    two = _torchrun(2, tmp_path / "two.pt", tmp_path)
+    for loss_type in ("dapo", "grpo"):
+        a, b = one[loss_type], two[loss_type]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        for k in a["delta"]:
+            torch.testing.assert_close(a["delta"][k], b["delta"][k], rtol=1e-4, atol=1e-6)
+
+
+def _worker(out: str) -> None:
+    """torchrun entry of test_two_processes_match_one_process: each rank trains on its share of the batch."""
+    from fastgrpo.distributed import destroy
+
+    state = init_distributed("cpu")
+    torch.set_num_threads(1)
+    samples = make_samples()
+    share = len(samples) // state.world_size
+    mine = samples[state.rank * share : (state.rank + 1) * share]
+    result = {}
+    for loss_type in ("dapo", "grpo"):
+        cfg = load_config(overrides=[*TINY, f"grpo.loss_type={loss_type}", "train.max_tokens_per_microbatch=24"])
+        metrics, delta, _, _ = run_update(cfg, mine, state)
+        result[loss_type] = {"loss": metrics["loss"], "delta": delta}
+    if state.rank == 0:
+        torch.save(result, out)
+    destroy()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
