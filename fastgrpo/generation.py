@@ -55,6 +55,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
 PREFILL_CHUNK_TOKENS = 16384  # prompts are prefilled in packed chunks of at most this many tokens (bounds activations)
+CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
+CUDA_T_BUCKET = 128  # attention length granularity on CUDA: one CUDA graph per multiple, aligned masks
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,8 @@ class GenerationEngine:
         device = param.device
         dtype = self._dtype or param.dtype
         max_len = max(len(p) for p in prompts) + params.max_new_tokens  # T
+        t_bucket = CUDA_T_BUCKET if device.type == "cuda" else 1
+        max_len = -(-max_len // t_bucket) * t_bucket  # attention lengths T_b are multiples of t_bucket
         budget = self._budget_tokens(device, dtype)
         waves = self._plan_waves(prompts, params.n, max_len, budget)
 
@@ -524,8 +528,8 @@ class _Run:
         self.cos_TD, self.sin_TD = cos_TD, sin_TD
         self.max_new = params.max_new_tokens
         cuda = device.type == "cuda"
-        self.sync_every = engine._sync_every or (8 if cuda else 1)
-        self.t_bucket = 128 if cuda else 1
+        self.sync_every = engine._sync_every or (CUDA_SYNC_EVERY if cuda else 1)
+        self.t_bucket = CUDA_T_BUCKET if cuda else 1
         self.use_graphs = cuda and engine._cuda_graphs is not False
         self.ops = engine._ops(device)
         self.stop_set = set(engine.eos_token_ids) | set(params.stop_token_ids)

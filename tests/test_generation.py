@@ -72,11 +72,11 @@ def hf_greedy(model, prompt, max_new_tokens, eos):
 
 def teacher_forced_logp(model, prompt, completion, temperature=1.0):
     """log_softmax(logits / T) of the completion's tokens under one full forward of prompt + completion."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [len(completion), V]
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+    return logp.gather(1, ids[0, len(prompt) :, None]).squeeze(1)
 
 
 # ---------------------------------------------------------------- greedy == Hugging Face
@@ -84,11 +84,13 @@ def teacher_forced_logp(model, prompt, completion, temperature=1.0):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize(
-    "max_batch_size,max_total_tokens",
-    [(64, None), (3, None), (4, 70)],  # all at once; slots refilled from the queue; several waves of prompts
-    ids=["one-batch", "refill", "waves"],
+    "max_batch_size,max_total_tokens,sync_every",
+    # all at once; slots refilled from the queue; several waves of prompts; stop flags read every 5 steps (as on
+    # CUDA: finished slots idle until the next read, their tokens must not be recorded)
+    [(64, None, 1), (3, None, 1), (4, 70, 1), (3, None, 5)],
+    ids=["one-batch", "refill", "waves", "sync5"],
 )
-def test_greedy_matches_hf(arch, max_batch_size, max_total_tokens):
+def test_greedy_matches_hf(arch, max_batch_size, max_total_tokens, sync_every):
     model = tiny_model(arch)
     prompts = random_prompts([5, 11, 3, 11, 8])
     max_new = 10
@@ -103,7 +105,11 @@ def test_greedy_matches_hf(arch, max_batch_size, max_total_tokens):
     expected = [hf_greedy(model, p, max_new, eos) for p in prompts]
 
     engine = GenerationEngine(
-        model, eos_token_ids=eos, max_batch_size=max_batch_size, max_total_tokens=max_total_tokens
+        model,
+        eos_token_ids=eos,
+        max_batch_size=max_batch_size,
+        max_total_tokens=max_total_tokens,
+        sync_every=sync_every,
     )
     results = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=max_new))
 
@@ -376,7 +382,9 @@ def test_bad_engine_arguments_raise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_cuda_graph_greedy_matches_hf_and_frees_memory(arch):
+def test_cuda_graph_path_matches_hf_and_frees_memory(arch):
+    """The CUDA path (compiled elementwise ops, CUDA-graph decode, stop flags read every 8 steps, compaction):
+    greedy == HF, sampled log-probs == a teacher-forced forward (fp32, no TF32), memory back to where it was."""
     model = tiny_model(arch).cuda()
     prompts = random_prompts([5, 11, 3, 11, 8])
     expected = [hf_greedy(model, p, 40, None) for p in prompts]
@@ -388,6 +396,11 @@ def test_cuda_graph_greedy_matches_hf_and_frees_memory(arch):
     assert torch.cuda.memory_allocated() == before
     for want, comps in zip(expected, results):
         assert all(c.token_ids == want for c in comps)
+    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=20, seed=0))
+    for prompt, comps in zip(prompts, sampled):
+        for c in comps:
+            ref = teacher_forced_logp(model, prompt, c.token_ids, 0.8).cpu()
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.slow
