@@ -95,7 +95,7 @@ if HAS_TRITON:
         lse = m + tl.log(s)
         target = tl.load(targets_ptr + row).to(tl.int64)
         z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, z_target - lse)
+        tl.store(logp_ptr + row, (z_target - m) - tl.log(s))  # not z − lse: keeps the rounding of m + log s out
         tl.store(lse_ptr + row, lse)
         if RETURN_ENTROPY:
             tl.store(entropy_ptr + row, tl.log(s) - w / s)
@@ -136,8 +136,8 @@ if HAS_TRITON:
             entropy = tl.load(entropy_ptr + row)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_temperature
-            log_p = z - lse
+            z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            log_p = z - lse  # −inf on masked lanes: p = 0 there, nothing overflows
             p = tl.exp(log_p)
             grad = tl.zeros((BLOCK_V,), tl.float32)
             if HAS_GRAD_LOGP:

@@ -35,17 +35,18 @@ def path(request, monkeypatch):
     return request.param
 
 
-def _make_logits(shape, dtype, *, ramp=0.0, seed=0):
+def _make_logits(shape, dtype, *, ramp=0.0, shift=0.0, seed=0):
     """Random logits ``[..., V]`` (std 3) plus a ramp over the vocabulary so the running max moves across blocks."""
     g = torch.Generator().manual_seed(seed)
     V = shape[-1]
-    x = torch.randn(shape, generator=g) * 3 + torch.linspace(0, ramp, V)
+    x = torch.randn(shape, generator=g) * 3 + torch.linspace(0, ramp, V) + shift
     return x.to(dtype)
 
 
 def _run(fn, logits, targets, g_logp, g_entropy, *, return_entropy=True, **kw):
     """(logp, entropy or None, grad of logits) for ``L = Σ g_logp·logp + Σ g_entropy·H`` (None terms left out)."""
-    x = logits.detach().clone().requires_grad_()
+    x = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype)  # keeps row gaps: clone() drops them
+    x.copy_(logits).requires_grad_()
     out = fn(x, targets, return_entropy=return_entropy, **kw)
     logp, entropy = out if return_entropy else (out, None)
     loss = sum((t * g).sum() for t, g in ((logp, g_logp), (entropy, g_entropy)) if g is not None and t is not None)
@@ -86,19 +87,20 @@ def _check(logits, targets, *, temperature=1.0, entropy=True, upstream=("logp", 
     return logp, ent, grad
 
 
-CASES = {  # name: (shape, temperature, return_entropy, ramp)
-    "41x1271": ((41, 1271), 1.0, True, 0.0),
-    "41x1271-T0.7-noent": ((41, 1271), 0.7, False, 0.0),
-    "multiblock-T1.3": ((3, 2 * BLOCK_V + 37), 1.3, True, 12.0),
-    "padded-3d": ((2, 5, 1000), 0.9, True, 0.0),
+CASES = {  # name: (shape, temperature, return_entropy, ramp, shift)
+    "41x1271": ((41, 1271), 1.0, True, 0.0, 0.0),
+    "41x1271-T0.7-noent": ((41, 1271), 0.7, False, 0.0, 0.0),
+    "multiblock-T1.3": ((3, 2 * BLOCK_V + 37), 1.3, True, 12.0, 0.0),
+    "padded-3d": ((2, 5, 1000), 0.9, True, 0.0, 0.0),
+    "shifted-150": ((5, 3000), 1.0, True, 0.0, -150.0),  # e^z underflows in fp32: only e^{z−max} is safe
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(path, case, dtype):
-    shape, temperature, entropy, ramp = CASES[case]
-    logits = _make_logits(shape, dtype, ramp=ramp)
+    shape, temperature, entropy, ramp, shift = CASES[case]
+    logits = _make_logits(shape, dtype, ramp=ramp, shift=shift)
     targets = torch.randint(0, shape[-1], shape[:-1], generator=torch.Generator().manual_seed(2))
     _check(logits, targets, temperature=temperature, entropy=entropy)
 
@@ -108,6 +110,7 @@ def test_row_strided_3d_and_int32_targets(path):
     full = _make_logits((3, 7, 700), torch.bfloat16)
     logits = full[:, :-1]  # [3, 6, 700], row strides (4900, 700)
     targets = torch.randint(0, 700, (3, 6), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    assert logits.stride() == (4900, 700, 1)
     logp, ent, grad = _check(logits, targets, temperature=0.8)
     flat = _check(logits.reshape(18, 700), targets.reshape(18).long(), temperature=0.8)
     torch.testing.assert_close(logp.reshape(18), flat[0], rtol=0, atol=0)
