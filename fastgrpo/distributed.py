@@ -149,8 +149,10 @@ def _running() -> bool:
 
 
 def get_rank() -> int:
-    """Global rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """Global rank: the process group's, else torchrun's ``RANK`` (before ``init_distributed``), else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0)
 
 
 def get_world_size() -> int:

@@ -210,6 +210,24 @@ def test_bad_input(tmp_path):
         C.load_checkpoint(path, model=model)
 
 
+@pytest.mark.gpu
+def test_round_trip_cuda(tmp_path):
+    model = tiny_model(0).cuda()
+    opt, sched = make_optim(model)
+    train_step(model, opt, sched, batch(0).cuda())
+    torch.cuda.manual_seed(5)
+    path = C.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, scheduler=sched)
+    expected = torch.rand(4, device="cuda")
+    loss2 = train_step(model, opt, sched, batch(1).cuda())
+    fresh = tiny_model(1).cuda()
+    fresh_opt, fresh_sched = make_optim(fresh)
+    torch.cuda.manual_seed(0)
+    C.load_checkpoint(path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)  # the CUDA generator is restored too
+    assert all(v.is_cuda for s in fresh_opt.state.values() for v in s.values() if v.dim())
+    assert train_step(fresh, fresh_opt, fresh_sched, batch(1).cuda()) == loss2
+
+
 # ---------------------------------------------------------------- two processes (torchrun, gloo)
 
 

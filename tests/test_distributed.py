@@ -7,6 +7,8 @@ computed on the full global batch, and writes a JSON report that the test reads 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -61,7 +63,7 @@ def test_init_bad_env(no_torchrun_env, monkeypatch, env):
         D.init_distributed("cpu")
 
 
-def test_print0_prints_on_rank0(capsys):
+def test_print0_prints_on_rank0(no_torchrun_env, capsys):
     D.print0("hello", 3)
     assert capsys.readouterr().out == "hello 3\n"
 
@@ -122,6 +124,18 @@ def test_forward_wrapper_and_gradient_sync_single_process(no_torchrun_env):
     assert not D.is_fsdp(wrapped) and D.fsdp_root(wrapped) is None
     with pytest.raises(ValueError, match="forward"):
         D.wrap_model(model, state, "ddp", forward="body")
+
+
+@pytest.mark.gpu
+def test_cuda_single_process(no_torchrun_env):
+    state = D.init_distributed("cuda")
+    assert state.device == torch.device("cuda", 0) and state.backend is None
+    out = D.reduce_metrics({"a": torch.tensor(2.0, device="cuda"), "b": 1})
+    assert out == {"a": 2.0, "b": 1.0}
+    model = nn.Linear(3, 2, device="cuda")
+    assert D.wrap_model(model, state, "ddp") is model
+    with pytest.raises(ValueError, match="move the model"):
+        D.wrap_model(nn.Linear(3, 2), state, "ddp")
 
 
 def test_decoder_layers_found():
@@ -200,8 +214,12 @@ def _max_grad_diff(model, ref_grads) -> float:
 
 
 def _worker(out_dir: Path) -> None:
-    state = D.init_distributed("cpu", timeout_s=120)  # a hang fails fast instead of in 30 minutes
-    r, report = state.rank, {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        D.print0("before init")  # torchrun's RANK decides already
+        state = D.init_distributed("cpu", timeout_s=120)  # a hang fails fast instead of in 30 minutes
+        D.print0("after init")
+    r, report = state.rank, {"printed": printed.getvalue()}
     report["state"] = [state.rank, state.local_rank, state.world_size, state.backend, state.is_main]
 
     t = torch.tensor([r + 1.0, 10.0 * r])
@@ -276,6 +294,7 @@ def test_two_processes_gloo(tmp_path):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, rep in enumerate(reports):
         assert rep["state"] == [r, r, 2, "gloo", r == 0]
+        assert rep["printed"] == ("before init\nafter init\n" if r == 0 else "")
         assert rep["sum"] == [3.0, 10.0] and rep["mean"] == [1.5, 5.0] and rep["max"] == [2.0, 10.0]
         assert rep["metrics"] == {"a": 0.5, "b": 1.5, "c/max": 10.0, "d/min": 4.0, "n/sum": 2.0}
         assert list(rep["metrics"]) == sorted(rep["metrics"])

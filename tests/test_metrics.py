@@ -150,3 +150,18 @@ def test_timer_accumulates_per_phase(monkeypatch):
     assert timers.totals() == {"generation": 4.5, "update": 0.25}
     assert timers.pop(prefix="time/") == {"time/generation": 4.5, "time/update": 0.25}
     assert timers.pop() == {}
+
+
+@pytest.mark.gpu
+def test_peak_memory_and_timer_cuda():
+    torch.cuda.synchronize()
+    M.reset_peak_memory("cuda")
+    before = M.peak_memory_gib("cuda")
+    block = torch.ones(256 * 2**20 // 4, device="cuda")  # 256 MiB
+    assert M.peak_memory_gib("cuda") - before >= 0.25 - 1e-6
+    timers = M.Timer("cuda")
+    with timers("matmul"):
+        block.view(-1, 4096).sum()
+    del block
+    out = timers.pop()
+    assert list(out) == ["matmul"] and out["matmul"] > 0
