@@ -50,7 +50,8 @@ LEVELS = ("token", "sequence")
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
 N_PARTS = 7  # Σ m ℓ, Σ m, Σ m·kl, Σ m·low, Σ m·high, Σ m·region, S_b
 MAX_BLOCK = 1024  # tokens per loop step of a program
-CHUNK_BLOCKS = 4  # token level: one program per (sequence, chunk of CHUNK_BLOCKS · block tokens)
+TARGET_PROGRAMS = 1024  # token level: split sequences into chunks until about this many programs run (8 per SM)
+MAX_CHUNK_BLOCKS = 8  # ... with at most this many blocks per program
 FINALIZE_BLOCK_B = 128  # sequences per loop step of the one-program finaliser
 TORCH_CHUNK = 65536  # plain-torch path: tokens per chunk (a few fp32 temporaries of this size)
 METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -322,10 +323,14 @@ class _Options:
     packed: bool
 
 
-def _launch_config(max_len: int) -> tuple[int, int, int, int]:
-    """Block size, chunk length, chunks per sequence (token level) and warps, from the longest sequence."""
+def _launch_config(max_len: int, n_seqs: int) -> tuple[int, int, int, int]:
+    """Block size, chunk length, chunks per sequence (token level) and warps.
+
+    One program per (sequence, chunk): chunks hold as many blocks as keep about ``TARGET_PROGRAMS`` programs in
+    flight (enough loads in flight to cover memory latency), between 1 and ``MAX_CHUNK_BLOCKS`` blocks."""
     block = min(MAX_BLOCK, max(16, triton.next_power_of_2(max(max_len, 1))))
-    chunk = CHUNK_BLOCKS * block
+    blocks_per_seq = triton.cdiv(max(max_len, 1), block)
+    chunk = block * max(1, min(MAX_CHUNK_BLOCKS, n_seqs * blocks_per_seq // TARGET_PROGRAMS))
     n_chunks = max(1, triton.cdiv(max_len, chunk))
     return block, chunk, n_chunks, 4 if block >= 512 else 2
 
@@ -336,7 +341,7 @@ def _mask_for_kernel(mask: torch.Tensor) -> torch.Tensor:
 
 def _triton_forward(logp, old, ref, adv, mask, cu, o: _Options):
     B = o.n_seqs
-    block, chunk, n_chunks, warps = _launch_config(o.max_len)
+    block, chunk, n_chunks, warps = _launch_config(o.max_len, o.n_seqs)
     if o.seq_level:
         n_chunks, chunk = 1, max(o.max_len, 1)
     n_progs = B * n_chunks
@@ -370,7 +375,7 @@ def _triton_forward(logp, old, ref, adv, mask, cu, o: _Options):
 
 
 def _triton_backward(grad, logp, old, ref, adv, mask, cu, wseq, gseq, o: _Options):
-    block, chunk, n_chunks, warps = _launch_config(o.max_len)
+    block, chunk, n_chunks, warps = _launch_config(o.max_len, o.n_seqs)
     dlogp = torch.empty_like(logp)
     _grpo_loss_bwd_kernel[(o.n_seqs, n_chunks)](
         grad, logp, old, ref if ref is not None else logp, adv, _mask_for_kernel(mask), cu if o.packed else wseq,
