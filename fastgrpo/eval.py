@@ -1,0 +1,94 @@
+"""Evaluation: avg@k and pass@k of a model on a prompt dataset, sampled with the co-located generation engine.
+
+For P prompts with k samples each and correctness ``c_pj`` (the built-in ``math`` reward: the last ``\\boxed{}``
+equals the ground truth)::
+
+    avg@k  = (1 / P·k) Σ_p Σ_j c_pj          pass@k = (1 / P) Σ_p max_j c_pj
+
+Launch (a checkpoint directory, or any local HF model; the data settings come from the recipe and overrides)::
+
+    python -m fastgrpo.eval runs/tiny-.../checkpoints/step_00000060 --k 4
+    python -m fastgrpo.eval /models/my-model --recipe deepscaler-1.5b data.eval_path=/data/aime24.jsonl --k 16
+
+Under torchrun every rank scores its share of the prompts and the counts are summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from fastgrpo.data import PromptDataset
+from fastgrpo.distributed import all_reduce, get_rank, get_world_size
+from fastgrpo.generation import GenerationEngine, SamplingParams
+from fastgrpo.rewards import math_reward
+
+
+def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
+             max_new_tokens: int = 256, seed: int = 0, num_prompts: int = 0, engine: GenerationEngine | None = None,
+             timeout_s: float = 5.0) -> dict[str, float]:
+    """``{"avg@k", "pass@k", "response_length/mean", "num_prompts"}`` over the first ``num_prompts`` prompts of
+    ``dataset`` (0: all), this rank's share sampled here and the counts summed over ranks."""
+    from fastgrpo.models import eos_token_ids
+
+    n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
+    rank, world = get_rank(), get_world_size()
+    mine = list(range(rank, n, world))
+    if engine is None:
+        engine = GenerationEngine(model, eos_token_ids=eos_token_ids(model, tokenizer))
+    device = next(model.parameters()).device
+    correct = first_correct = length = 0.0
+    if mine:
+        params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                seed=seed * 1000 + rank)
+        outs = engine.generate([dataset.prompt_ids[i] for i in mine], params)
+        texts, answers = [], []
+        for i, group in zip(mine, outs):
+            for c in group:
+                texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                answers.append(dataset.rows[i]["answer"])
+                length += len(c.token_ids)
+        scores = torch.tensor([s == 1.0 for s in math_reward([""] * len(texts), texts, answers, timeout_s=timeout_s)],
+                              dtype=torch.float64).view(len(mine), k)
+        correct = float(scores.sum())
+        first_correct = float(scores.max(1).values.sum())
+    totals = all_reduce(torch.tensor([correct, first_correct, length], dtype=torch.float64,
+                                     device=device if device.type == "cuda" and world > 1 else "cpu")).tolist()
+    return {f"avg@{k}": totals[0] / (n * k), f"pass@{k}": totals[1] / n,
+            "response_length/mean": totals[2] / (n * k), "num_prompts": float(n)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    from fastgrpo.config import load_config
+    from fastgrpo.data import load_datasets
+    from fastgrpo.distributed import destroy, init_distributed, print0
+    from fastgrpo.models import load_model, set_cpu_threads
+
+    parser = argparse.ArgumentParser(description="avg@k / pass@k of a model on the validation prompts")
+    parser.add_argument("model", help="checkpoint directory or local Hugging Face model")
+    parser.add_argument("--recipe", default=None, help="recipe whose data settings to use (default: tiny)")
+    parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
+    parser.add_argument("--k", type=int, default=None, help="samples per prompt (default: eval.k)")
+    parser.add_argument("overrides", nargs="*", help="group.field=value overrides")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.recipe, args.config, [*args.overrides, f"model.path={args.model}"])
+    state = init_distributed(cfg.train.device)
+    if state.device.type == "cpu":
+        set_cpu_threads(cfg.train.num_threads, state.world_size)
+    model, tokenizer = load_model(cfg.model, state.device)
+    _, held_out = load_datasets(cfg.data, tokenizer)
+    if held_out is None:
+        raise ValueError("no validation prompts: set data.eval_path (or use data.path=synthetic)")
+    k = args.k or cfg.eval.k
+    result = evaluate(model, tokenizer, held_out, k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, seed=cfg.train.seed,
+                      num_prompts=cfg.eval.num_prompts, timeout_s=cfg.reward.timeout_s)
+    print0(" ".join(f"{key}={value:.4f}" for key, value in result.items()))
+    destroy()
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

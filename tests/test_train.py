@@ -1,0 +1,96 @@
+"""The trainer end to end: a short tiny run under torchrun (metrics, plot, config, loadable checkpoint), and a
+resumed run that continues with the same metrics as an uninterrupted one."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.metrics import read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "fastgrpo" / "train.py"
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6",
+         "train.sft_warmup_steps=2", "train.sft_batch_size=8", "eval.num_prompts=8", "eval.every_steps=0",
+         "checkpoint.every_steps=2", "logging.progress_bar=false", "train.num_threads=1"]
+# values that depend on the wall clock or the process, not on the computation
+TIMING = ("time", "time/", "tokens_per_second", "peak_memory_gib")
+
+
+def train(tmp_path, run_dir, *overrides, nproc=1):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
+           *SMALL, f"logging.output_dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def training_rows(run_dir):
+    rows = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if not any(k.startswith("eval/") for k in r)]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def same(a, b):
+    return a == b or (isinstance(a, float) and isinstance(b, float) and (
+        math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(a) and math.isnan(b))))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    out = train(tmp, tmp / "run", "train.max_steps=4")
+    return tmp / "run", out
+
+
+def test_end_to_end_tiny_run(full_run):
+    run_dir, out = full_run
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert "resolved config:" in out and f"metrics:    {run_dir / 'metrics.jsonl'}" in out
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.png").stat().st_size > 0
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 4] and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
+    train_rows = [r for r in rows if "eval/accuracy" not in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    expected = {"reward/mean", "reward/std", "reward/math/mean", "reward/math/failures/sum", "accuracy",
+                "response_length/mean", "response_length/max", "truncated_fraction", "entropy",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "grad_norm", "lr", "tokens",
+                "time/generation", "time/reward", "time/update", "tokens_per_second", "peak_memory_gib",
+                "frac_reward_zero_std", "mismatch/logprob_abs_diff", "bad_steps", "max_new_tokens", "loss"}
+    assert expected <= set(train_rows[0]), expected - set(train_rows[0])
+    assert all(r["response_length/max"] <= 6 for r in train_rows)
+    ckpt = run_dir / "checkpoints" / "step_00000004"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert model.config.model_type == "qwen2" and tok.eos_token == "<|endoftext|>"
+
+
+def test_resume_continues_with_the_same_metrics(full_run, tmp_path):
+    run_dir, _ = full_run
+    resumed = tmp_path / "resumed"
+    train(tmp_path, resumed, "train.max_steps=2")
+    out = train(tmp_path, resumed, "train.max_steps=4", "checkpoint.resume=auto")
+    assert f"resumed from {resumed / 'checkpoints' / 'step_00000002'} at step 2" in out
+    a, b = training_rows(run_dir), training_rows(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        diff = {k: (ra[k], rb[k]) for k in ra if not same(ra[k], rb[k])}
+        assert not diff, f"step {ra['step']}: {diff}"
+    final_a = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] == 4 and "eval/accuracy" in r]
+    final_b = [r for r in read_jsonl(resumed / "metrics.jsonl") if r["step"] == 4 and "eval/accuracy" in r]
+    assert final_a[0]["eval/accuracy"] == final_b[0]["eval/accuracy"]
+
+
+def test_bad_config_fails_before_starting():
+    from fastgrpo.train import main
+
+    with pytest.raises(ValueError, match="grpo.epsilon_low must be >= 0"):
+        main(["grpo.epsilon_low=-1"])
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['train.nope'\]"):
+        main(["train.nope=1"])
