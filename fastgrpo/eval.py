@@ -28,9 +28,11 @@ from fastgrpo.rewards import math_reward
 
 def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 256, seed: int = 0, num_prompts: int = 0, engine: GenerationEngine | None = None,
-             timeout_s: float = 5.0) -> dict[str, float]:
+             timeout_s: float = 5.0, model_device: str | None = None) -> dict[str, float]:
     """``{"avg@k", "pass@k", "response_length/mean", "num_prompts"}`` over the first ``num_prompts`` prompts of
-    ``dataset`` (0: all), this rank's share sampled here and the counts summed over ranks."""
+    ``dataset`` (0: all), this rank's share sampled here and the counts summed over ranks. ``engine``: a
+    :class:`GenerationEngine` already built on ``model`` (one is built when None); ``model_device``: where the
+    counts are reduced (default: the model's device)."""
     from fastgrpo.models import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
@@ -38,7 +40,7 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     mine = list(range(rank, n, world))
     if engine is None:
         engine = GenerationEngine(model, eos_token_ids=eos_token_ids(model, tokenizer))
-    device = next(model.parameters()).device
+    device = torch.device(model_device) if model_device else next(model.parameters()).device
     correct = first_correct = length = 0.0
     if mine:
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
     parser.add_argument("--k", type=int, default=None, help="samples per prompt (default: eval.k)")
     parser.add_argument("overrides", nargs="*", help="group.field=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.recipe, args.config, [*args.overrides, f"model.path={args.model}"])
     state = init_distributed(cfg.train.device)
     if state.device.type == "cpu":

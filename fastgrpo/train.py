@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     parser.add_argument("--recipe", default=None, help="shipped recipe name (default: tiny)")
     parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
     parser.add_argument("overrides", nargs="*", help="group.field=value overrides, e.g. train.lr=1e-5")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     return args.recipe, args.config, args.overrides
 
 

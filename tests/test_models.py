@@ -1,0 +1,65 @@
+"""Models: the tiny tokenizer and model, HF save/load round trip, and the packed training forward's log-probs
+against unpacked per-sequence Hugging Face forwards."""
+
+import pytest
+import torch
+from fastgrpo.kernels.reference import linear_logprobs_ref
+
+from fastgrpo.config import ModelConfig
+from fastgrpo.grpo import Sample, make_microbatch, packed_forward
+from fastgrpo.models import build_tiny_tokenizer, eos_token_ids, lm_head_params, load_model
+
+CPU = torch.device("cpu")
+
+
+def test_tiny_tokenizer_is_character_level_with_boxed_token(tmp_path):
+    tok = build_tiny_tokenizer()
+    ids = tok("\\boxed{12}", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 4 and tok.decode(ids) == "\\boxed{12}"
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|user|>1+2=<|assistant|>"
+    assert tok.eos_token_id == tok.pad_token_id
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again("7+8=")["input_ids"] == tok("7+8=")["input_ids"] and again.chat_template == tok.chat_template
+
+
+def test_tiny_model_saves_and_loads_as_a_hf_model(tmp_path):
+    model, tok = load_model(ModelConfig(), CPU, seed=3)
+    weight, bias = lm_head_params(model)
+    assert weight is model.get_input_embeddings().weight and bias is None  # tied head
+    assert eos_token_ids(model, tok) == [tok.eos_token_id]
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again, _ = load_model(ModelConfig(path=str(tmp_path)), CPU)
+    for (k, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    same, _ = load_model(ModelConfig(), CPU, seed=3)
+    torch.testing.assert_close(same.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="model.path .* is not a directory"):
+        load_model(ModelConfig(path=str(tmp_path / "nope")), CPU)
+
+
+def test_bfloat16_model():
+    model, _ = load_model(ModelConfig(dtype="bfloat16"), CPU)
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_packed_forward_logprobs_equal_unpacked_forwards():
+    model, _ = load_model(ModelConfig(), CPU, seed=1)
+    model.config.initializer_range = 0.3
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(5, 60, (p,), generator=g).tolist(),
+                      torch.randint(5, 60, (c,), generator=g).tolist(), [0.0] * c, 0.0)
+               for p, c in [(3, 4), (1, 1), (9, 2), (5, 7)]]
+    mb = make_microbatch(samples, CPU)
+    b = mb.batch
+    with torch.no_grad():
+        hidden, weight, bias = packed_forward(model, b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+        packed = linear_logprobs_ref(hidden, weight, mb.targets)  # [N]
+        for s, lp in zip(samples, b.unpack(packed)):
+            logits = model(torch.tensor([s.tokens])).logits[0].float()  # [L, V]
+            alone = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
+            torch.testing.assert_close(lp[:-1], alone, rtol=1e-4, atol=1e-5)
