@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, seq_index
-from .linear_logprobs import fused_linear_logprobs
+from .grpo_loss import masked_linear_logprobs
 from .reference import DPO_LOSS_TYPES
 
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
@@ -109,10 +109,12 @@ def fused_linear_dpo_loss(
     The batch holds 2B sequences, the B chosen ones first, then the B rejected ones in the same pair order (TRL's
     layout): padded ``hidden [2B, T, H]``, ``targets``/``mask`` ``[2B, T]``; or packed ``hidden [N, H]``,
     ``targets``/``mask`` ``[N]`` with ``cu_seqlens [2B + 1]``. The sequence log-prob is the masked sum
-    ``Σ_t m_t logp_t`` with ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``; targets at
-    masked-out positions are not read (``-100`` is fine there). ``ref_chosen_logps`` / ``ref_rejected_logps``:
-    ``[B]`` constants. Metrics: those of :func:`dpo_loss` plus ``logps/chosen`` / ``logps/rejected`` (means of the
-    policy's sequence log-probs, as TRL logs them). Gradients reach ``hidden``, ``weight`` and ``bias``.
+    ``Σ_t m_t logp_t`` with ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, computed
+    on the unmasked rows only (``grpo_loss.masked_linear_logprobs``: prompt rows cost nothing, their targets are
+    not read, ``-100`` is fine there; one host read of the kept-row count).
+    ``ref_chosen_logps`` / ``ref_rejected_logps``: ``[B]`` constants. Metrics: those of :func:`dpo_loss` plus
+    ``logps/chosen`` / ``logps/rejected`` (means of the policy's sequence log-probs, as TRL logs them).
+    Gradients reach ``hidden``, ``weight`` and ``bias``.
     """
     packed = cu_seqlens is not None
     check_tensor("hidden", hidden, ndim=2 if packed else 3, dtypes=FLOAT_DTYPES)
@@ -131,8 +133,7 @@ def fused_linear_dpo_loss(
         check_shape(name, t, (n_seqs // 2,), f"{n_seqs} sequences = {n_seqs // 2} pairs")
     _check_options(beta, loss_type, label_smoothing)
     keep = mask != 0
-    logp = fused_linear_logprobs(hidden, weight, targets.masked_fill(~keep, 0), bias=bias,
-                                 temperature=temperature)  # [2B, T] or [N] fp32
+    logp = masked_linear_logprobs(hidden, weight, targets, keep, bias=bias, temperature=temperature)  # [2B, T] / [N]
     weighted = torch.where(keep, logp * mask.float(), 0.0)
     if packed:
         seq_logps = torch.zeros(n_seqs, device=hidden.device, dtype=torch.float32)

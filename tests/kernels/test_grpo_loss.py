@@ -345,6 +345,18 @@ def test_fused_linear_grpo_loss(packed, dtype):
         _assert_close(m_got[k], m_want[k], atol_rel=1e-4 if dtype == torch.float32 else 2e-2, what=k)
 
 
+def test_fused_linear_grpo_loss_all_masked():
+    """No kept row: no vocabulary work, loss 0, and backward still gives (zero) gradients to every parameter."""
+    hidden, weight, bias, targets = (x.requires_grad_() if x.is_floating_point() else x
+                                     for x in _fused_inputs(2, 5, 8, 13, torch.float32))
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    loss, metrics = fused_linear_grpo_loss(hidden, weight, targets.fill_(-100), torch.zeros(2, 5), torch.ones(2), mask,
+                                           bias=bias, return_entropy=True)
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["entropy"].item() == 0.0
+    assert all(x.grad is not None and not x.grad.any() for x in (hidden, weight, bias))
+
+
 # ---- GPU tier (bench/gpu_check.sh): compiled kernels at realistic sizes ---------------------------------------------
 
 @pytest.mark.gpu
@@ -365,3 +377,4 @@ def test_gpu_matches_reference(dtype, level):
         _assert_close(g1, g32, reflow[1], atol_rel=1e-4, what=f"{loss_type} grad")
         for k in m32:
             _assert_close(m1[k], m32[k], atol_rel=1e-4, what=k)
+
