@@ -51,6 +51,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.kernels._utils import HAS_TRITON, dot_in_fp32, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
@@ -432,7 +438,11 @@ class GenerationEngine:
         S = tok_S.shape[0]
         G = self.num_heads // self.num_kv_heads
         slot_S = torch.arange(S, device=tok_S.device)
-        mask_S11T = (torch.arange(T_b, device=tok_S.device) <= pos_S[:, None]).view(S, 1, 1, T_b)
+        fused_attention = _use_fused_attention(tok_S)
+        if fused_attention:
+            length_S = (pos_S + 1).to(torch.int32)  # keys [0, pos] are live, the current one included
+        else:
+            mask_S11T = (torch.arange(T_b, device=tok_S.device) <= pos_S[:, None]).view(S, 1, 1, T_b)
         cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
         x = self.model.model.embed_tokens(tok_S)  # [S, H]
         delta = None
@@ -444,9 +454,12 @@ class GenerationEngine:
             v_cache[slot_S, :, pos_S] = v
             # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], attn_mask=mask_S11T, scale=self.scale
-            )  # [S, Hkv, G, D]
+            if fused_attention:  # reads each slot's live keys only
+                o = _decode_attention(q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], length_S, self.scale)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], attn_mask=mask_S11T, scale=self.scale
+                )  # [S, Hkv, G, D]
             x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1))
         norm = self.model.model.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
@@ -475,6 +488,145 @@ def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_attention_kernel(  # fmt: skip
+        Q, K, V, LEN,  # q [S, Hkv, G, D], k/v [S, Hkv, T, D], live length [S]
+        O_part, M_part, L_part,  # [S, Hkv, splits, BLOCK_G, BLOCK_D], [S, Hkv, splits, BLOCK_G] ×2 (fp32)
+        stride_qs, stride_qh, stride_qg,
+        stride_ks, stride_kh, stride_kt,
+        stride_vs, stride_vh, stride_vt,
+        split_len, scale,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+    ):
+        """One (slot, kv head, split): the G query heads of the kv head against keys [split·len, (split+1)·len) ∩
+        [0, LEN[slot]). Reads G·D of q and 2·n·D of K/V (n = the live keys of the split, nothing past the slot's
+        length); writes the unnormalised output, row max and row sum of the online softmax for the combine."""
+        s = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
+        n_splits = tl.num_programs(2)
+        length = tl.load(LEN + s).to(tl.int32)
+        start = split * split_len
+        end = tl.minimum(start + split_len, length)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_ok = offs_d < D
+        q = tl.load(
+            Q + s * stride_qs + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
+            mask=(offs_g[:, None] < G) & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_G, BLOCK_D]
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        k_base = K + s * stride_ks + h * stride_kh
+        v_base = V + s * stride_vs + h * stride_vh
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            n_ok = n < end
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32
+            qk = tl.where(n_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        row = (s * tl.num_programs(1) + h) * n_splits + split
+        tl.store(O_part + row * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(M_part + row * BLOCK_G + offs_g, m_i)
+        tl.store(L_part + row * BLOCK_G + offs_g, l_i)
+
+
+    @triton.jit
+    def _decode_combine_kernel(  # fmt: skip
+        O_part, M_part, L_part, Out,  # partials as above; out [S, Hkv, G, D]
+        n_splits, num_kv_heads, stride_os, stride_oh, stride_og,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """One (slot, kv head): out = Σ_i e^(m_i − m) o_i / Σ_i e^(m_i − m) l_i over the splits (m = max m_i).
+        Reads the splits' partials (fp32), writes G·D. Split 0 always holds key 0, so m is finite."""
+        row = tl.program_id(0).to(tl.int64)
+        s = row // num_kv_heads
+        h = row % num_kv_heads
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for i in range(n_splits):
+            part = row * n_splits + i
+            m_i = tl.load(M_part + part * BLOCK_G + offs_g)
+            l_i = tl.load(L_part + part * BLOCK_G + offs_g)
+            o_i = tl.load(O_part + part * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :])
+            m_new = tl.maximum(m, m_i)
+            a = tl.exp(m - m_new)  # 0 at the first split (m = −inf, m_i finite)
+            b = tl.exp(m_i - m_new)  # 0 for an empty split (m_i = −inf, m finite)
+            acc = acc * a[:, None] + o_i * b[:, None]
+            l = l * a + l_i * b
+            m = m_new
+        out = acc / l[:, None]
+        ok = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+        ptr = Out + s * stride_os + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]
+        tl.store(ptr, out.to(Out.dtype.element_ty), mask=ok)
+
+
+def _use_fused_attention(t: torch.Tensor) -> bool:
+    """Decode attention by the Triton kernel on CUDA; SDPA with a length mask elsewhere (the CPU path)."""
+    return t.is_cuda and use_triton(t)
+
+
+DECODE_BLOCK_N = 64  # keys per inner step of the decode attention kernel
+DECODE_MIN_PROGRAMS = 1024  # split the keys until about this many programs run (fills the GPU at small batch)
+
+
+def _decode_attention(q_SHGD, k_SHTD, v_SHTD, length_S, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v over each slot's first ``length_S[s]`` keys (split-K online softmax, then a combine).
+
+    q [S, Hkv, G, D] (the G query heads of each kv head), k/v [S, Hkv, T, D] with unit stride on D (cache views),
+    length [S]. Returns [S, Hkv, G, D] in q's dtype. No mask and no key past a slot's length is read; static
+    shapes and no host synchronisation, so it runs inside a CUDA graph.
+    """
+    S, Hkv, G, D = q_SHGD.shape
+    T = k_SHTD.shape[2]
+    BLOCK_G = max(16, triton.next_power_of_2(G))  # tl.dot wants 16 rows at least
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    splits = max(1, min(triton.cdiv(T, DECODE_BLOCK_N), triton.cdiv(DECODE_MIN_PROGRAMS, S * Hkv)))
+    split_len = triton.cdiv(triton.cdiv(T, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    splits = triton.cdiv(T, split_len)
+    dev = q_SHGD.device
+    o_part = torch.empty(S, Hkv, splits, BLOCK_G, BLOCK_D, device=dev, dtype=torch.float32)
+    m_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
+    l_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
+    _decode_attention_kernel[(S, Hkv, splits)](
+        q_SHGD, k_SHTD, v_SHTD, length_S, o_part, m_part, l_part,
+        q_SHGD.stride(0), q_SHGD.stride(1), q_SHGD.stride(2),
+        k_SHTD.stride(0), k_SHTD.stride(1), k_SHTD.stride(2),
+        v_SHTD.stride(0), v_SHTD.stride(1), v_SHTD.stride(2),
+        split_len, scale,
+        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=DECODE_BLOCK_N, FP32_DOT=dot_in_fp32(q_SHGD),
+        num_warps=4,
+    )  # fmt: skip
+    out = torch.empty_like(q_SHGD)  # [S, Hkv, G, D]
+    _decode_combine_kernel[(S * Hkv,)](
+        o_part, m_part, l_part, out, splits, Hkv, out.stride(0), out.stride(1), out.stride(2),
+        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 class _Ops(NamedTuple):

@@ -323,6 +323,53 @@ def test_autocast_dtype_within_bf16_error_of_fp32():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+# ---------------------------------------------------------------- the CUDA decode attention kernel (interpreter)
+
+
+def decode_attention_ref(q, k, v, length, dtype=torch.float32):
+    """softmax(q kᵀ / sqrt(D)) v over each slot's first length[s] keys, plain torch in ``dtype``."""
+    T = k.shape[2]
+    mask = (torch.arange(T, device=q.device) < length[:, None].long()).view(-1, 1, 1, T)
+    scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / q.shape[-1] ** 0.5  # [S, Hkv, G, T]
+    return (torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v.to(dtype)).float()
+
+
+@pytest.mark.skipif(not generation.HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,Hkv,G,D,T", [(5, 2, 3, 8, 200), (3, 1, 1, 24, 70), (2, 2, 6, 64, 129)])
+def test_decode_attention_kernel(dtype, S, Hkv, G, D, T):
+    """Split-K decode attention on cache views (strided, longer than T) against plain torch, by flash-attn's rule
+    max|out − ref32| ≤ 2·max|ref_lowp − ref32| + 1e-5. Runs on CUDA when present, else under the interpreter."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not generation.use_triton(torch.empty(0, device=device)):
+        pytest.skip("the kernel runs on CUDA or under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(S * T + D)
+    q = torch.randn(S, Hkv, G, D, generator=g).to(device, dtype)
+    cache_k = torch.randn(S + 1, Hkv, T + 9, D, generator=g).to(device, dtype)
+    cache_v = torch.randn(S + 1, Hkv, T + 9, D, generator=g).to(device, dtype)
+    k, v = cache_k[:S, :, :T], cache_v[:S, :, :T]
+    length = torch.randint(1, T + 1, (S,), generator=g, dtype=torch.int32).to(device)
+    length[0] = 1  # a single live key: the later splits are empty
+    out = generation._decode_attention(q, k, v, length, D**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref32 = decode_attention_ref(q, k, v, length)
+    ref_lowp = decode_attention_ref(q, k, v, length, dtype)
+    assert (out.float() - ref32).abs().max() <= 2 * (ref_lowp - ref32).abs().max() + 1e-5
+
+
+def test_engine_with_the_decode_attention_kernel_matches_hf(monkeypatch):
+    """The CUDA decode path's attention (the Triton kernel, here under the interpreter) inside the engine."""
+    if not generation.use_triton(torch.empty(0)):
+        pytest.skip("needs TRITON_INTERPRET=1 (a CPU machine under the test suite's conftest)")
+    monkeypatch.setattr(generation, "_use_fused_attention", lambda t: True)
+    model = tiny_model("qwen3")
+    prompts = random_prompts([5, 11, 3])
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4)
+    results = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=8))
+    for prompt, comps in zip(prompts, results):
+        assert all(c.token_ids == hf_greedy(model, prompt, 8, None) for c in comps)
+
+
 # ---------------------------------------------------------------- bad input
 
 
