@@ -38,9 +38,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are a few [TORCH_CHUNK_N, TORCH_CHUNK_V] fp32
-# tensors (8 MiB each), small next to the [V, H] gradient; the matmuls stay large enough to run at full speed.
-TORCH_CHUNK_N = 1024
+# Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are two or three [TORCH_CHUNK_N, TORCH_CHUNK_V]
+# fp32 tensors (16 MiB each). Each op over a chunk is one parallel region of the CPU thread pool: chunks this large
+# keep their count low (on a loaded machine every region waits for its slowest thread).
+TORCH_CHUNK_N = 2048
 TORCH_CHUNK_V = 2048
 
 
@@ -219,8 +220,11 @@ def _kernel_config(t: torch.Tensor) -> dict:
 
 
 def _input_precision(t: torch.Tensor) -> str:
-    """fp32 inputs on a GPU use 3xTF32 (≈ fp32 accuracy); bf16/fp16 use the tensor cores directly."""
-    return "tf32x3" if (t.is_cuda and t.dtype == torch.float32) else "ieee"
+    """fp32 inputs on a GPU: 3xTF32 (≈ fp32 accuracy); bf16/fp16: the setting is moot (tensor cores); the
+    interpreter: plain fp32."""
+    if not t.is_cuda:
+        return "ieee"
+    return "tf32x3" if t.dtype == torch.float32 else "tf32"
 
 
 def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
