@@ -316,6 +316,7 @@ class GenerationEngine:
             return self.max_total_tokens
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached, reusable
             return int(free * CUDA_MEMORY_FRACTION) // self._kv_bytes_per_token(dtype)
         return DEFAULT_CPU_TOTAL_TOKENS
 
@@ -501,7 +502,7 @@ if HAS_TRITON:
         stride_vs, stride_vh, stride_vt,
         split_len, scale,
         G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        FP32_DOT: tl.constexpr,
+        FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """One (slot, kv head, split): the G query heads of the kv head against keys [split·len, (split+1)·len) ∩
         [0, LEN[slot]). Reads G·D of q and 2·n·D of K/V (n = the live keys of the split, nothing past the slot's
@@ -538,13 +539,13 @@ if HAS_TRITON:
             if FP32_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N] fp32
             qk = tl.where(n_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         row = (s * tl.num_programs(1) + h) * n_splits + split
         tl.store(O_part + row * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
@@ -619,6 +620,7 @@ def _decode_attention(q_SHGD, k_SHTD, v_SHTD, length_S, scale: float) -> torch.T
         v_SHTD.stride(0), v_SHTD.stride(1), v_SHTD.stride(2),
         split_len, scale,
         G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=DECODE_BLOCK_N, FP32_DOT=dot_in_fp32(q_SHGD),
+        DOT_PRECISION="ieee" if q_SHGD.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
         num_warps=4,
     )  # fmt: skip
     out = torch.empty_like(q_SHGD)  # [S, Hkv, G, D]
