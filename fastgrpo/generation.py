@@ -154,7 +154,8 @@ class GenerationEngine:
         eos_token_ids: token id(s) that end a completion (with each call's ``stop_token_ids``).
         max_batch_size: most sequences decoded at once (slots).
         max_total_tokens: KV-cache budget in tokens (slots × (longest prompt + max_new_tokens) + all prompt
-            tokens). None: 80% of the free GPU memory on CUDA, 2**18 tokens on CPU.
+            tokens). None: 80% of the free GPU memory (the allocator's cached blocks count as free) on CUDA,
+            2**18 tokens on CPU.
         dtype: activation and KV-cache dtype; None = the parameters' dtype. A different dtype runs the matmuls under
             ``torch.autocast`` (weights cast on the fly, never stored).
         sync_every: decode steps between host reads of the stop flags; None = 8 on CUDA, 1 on CPU.
