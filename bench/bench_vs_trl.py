@@ -15,7 +15,9 @@ validation, no checkpoints, the same number of CPU threads. Each side runs in it
 - TRL: ``GRPOTrainer`` (``use_cpu`` on CPU, transformers ``generate``); a step's time is ``on_step_begin`` →
   ``on_step_end`` of a callback (generation, reward, update and optimizer step happen in between).
 
-The first ``--warmup`` steps of each are dropped; the table shows the median of the rest. TRL is not a
+The first ``--warmup`` steps of each are dropped; the table shows the median of the rest. The 1-minute load
+average is recorded with the rows: on a machine busier than its cores, multi-threaded CPU runs stall in OpenMP
+barriers (seconds per step instead of fractions) and only ``--threads 1`` gives comparable figures. TRL is not a
 dependency of fastgrpo: without it only fastgrpo runs, with a message (``pip install trl``; ``--trl-path DIR``
 adds a directory holding trl and its dependencies to the TRL process's ``PYTHONPATH``).
 """
@@ -64,7 +66,7 @@ def run_fastgrpo(args, out_dir: Path) -> dict:
     out = {"step_s": [r["time/step"] for r in rows], "length": [r["response_length/mean"] for r in rows],
            "reward": [r["reward/mean"] for r in rows]}
     for phase in PHASES:
-        out[phase] = [r.get(f"time/{phase}", float("nan")) for r in rows]
+        out[f"{phase}_s"] = [r.get(f"time/{phase}", float("nan")) for r in rows]
     return out
 
 
@@ -185,6 +187,10 @@ def main() -> None:
     from common import append_rows, print_table
 
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    load = os.getloadavg()[0]
+    if load > args.threads and device == "cpu":
+        print(f"warning: load average {load:.1f} is above the {args.threads} thread(s) used: timings are unreliable "
+              f"(try --threads 1 on a shared machine)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         print(f"fastgrpo: {args.warmup} + {args.steps} steps of {args.prompts} prompts x {args.generations} "
@@ -204,11 +210,11 @@ def main() -> None:
             raise RuntimeError(f"{name}: only {len(res['step_s'])} steps recorded")
         rows.append({"impl": name, "prompts": args.prompts, "generations": args.generations,
                      "max_new_tokens": args.max_new_tokens, "loss_type": "dapo", "threads": args.threads,
-                     "timed_steps": len(timed), "s_per_step": statistics.median(timed),
+                     "timed_steps": len(timed), "loadavg_1min": round(load, 2), "s_per_step": statistics.median(timed),
                      "s_per_step_min": min(timed), "response_length": statistics.mean(res["length"][args.warmup:])})
-        for phase in PHASES:
-            if phase in res:
-                rows[-1][f"{phase}_s"] = statistics.median(res[phase][args.warmup:])
+        for key in (f"{phase}_s" for phase in PHASES):
+            if key in res:
+                rows[-1][key] = statistics.median(res[key][args.warmup:])
     for r in rows:
         r["vs_fastgrpo"] = r["s_per_step"] / rows[0]["s_per_step"]
     print_table(rows, "seconds per GRPO step (median of the timed steps); vs_fastgrpo = time / fastgrpo's time")
