@@ -155,13 +155,15 @@ def main():
         device = "cuda"
         B, T = (64, 2048) if args.quick else (256, 8192)
         rows = run(B, T, device, compile_baseline=True)
-        rows.append(run_fused_linear(8, 1024, 1536, 151936, device, torch.bfloat16))
+        rows.append(run_fused_linear(*((2, 1024, 1536, 32768) if args.quick else (8, 1024, 1536, 151936)), device,
+                                     torch.bfloat16))
     else:
         device = "cpu"
         exact_cpu_peaks()
         B, T = (16, 1024) if args.quick else (64, 4096)
         rows = run(B, T, device, compile_baseline=False)
-        rows.append(run_fused_linear(4, 512, 128, 16000, device, torch.float32))
+        rows.append(run_fused_linear(*((2, 256, 64, 4000) if args.quick else (4, 512, 128, 16000)), device,
+                                     torch.float32))
     print_table(rows, f"grpo_loss on {device_name(device)}")
     path = append_rows("grpo_loss", rows, device)
     print(f"rows appended to {path}")
