@@ -22,13 +22,16 @@ autograd exactly: a tie in ``min`` sends half the gradient to each side, ``clamp
 Kernels (forward: ``_grpo_loss_fwd_kernel`` + the one-program ``_grpo_loss_finalize_kernel``; backward:
 ``_grpo_loss_bwd_kernel``):
 - forward, grid (B, C): each program streams its chunk of one sequence in blocks and writes K = 7 partial sums
-  (Σ m ℓ, Σ m, Σ m·kl, three clip counts, S_b) to ``part [K, B·C]``. At the sequence level C = 1 and the program
-  first reads its sequence once for ``log r_b``. Traffic per token: read logp, old, mask (+ ref when β ≠ 0, + the
-  advantage when per token) once, twice at the sequence level; write 28 bytes per program.
+  (Σ m ℓ, Σ m, Σ m·kl, three clip counts, S_b) to ``part [K, B·C]``. Traffic per token: read logp, old, mask
+  (+ ref when β ≠ 0, + the advantage when per token) once; write 28 bytes per program. At the sequence level C = 1:
+  a first pass reads logp, old, mask for ``log r_b``, the second reads logp, mask (+ ref, + advantage).
 - finalize, one program: reduces ``part`` over chunks and sequences in a fixed order (deterministic, no atomics),
   writes the loss, the 4 metrics and per-sequence backward coefficients ``w_b`` and ``w_b·S_b / max(Σ_t m, 1)``.
 - backward, grid (B, C): reads the same per-token inputs (the sequence level needs neither ``old`` nor the
   advantages) and writes ``dlogp`` once. No host synchronisation anywhere; the upstream gradient is read on device.
+
+Plain-torch path (CPU without the interpreter): the same algorithm and closed-form gradient in torch, chunk by chunk
+(``TORCH_CHUNK`` tokens), saving the same two ``[B]`` vectors for backward instead of autograd's temporaries.
 
 Departure from the reference: where ``mask == 0`` the log-ratio and ``ref − logp`` are taken as 0 before ``exp``,
 so garbage (±inf) in padding cannot turn into NaN through ``0 · inf``; on finite inputs the numbers are the same.
