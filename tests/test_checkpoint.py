@@ -131,6 +131,23 @@ def test_round_trip_and_resume(tmp_path):
     assert AutoTokenizer.from_pretrained(path)("1+2=3").input_ids == tok("1+2=3").input_ids
 
 
+def test_save_before_any_optimizer_step(tmp_path):
+    """A checkpoint of a fresh optimizer holds no state and leaves the optimizer untouched (no fake step)."""
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    path = C.save_checkpoint(tmp_path, 0, model=model, optimizer=opt)
+    assert not opt.state
+    other = nn.Linear(4, 3)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.5)
+    C.load_checkpoint(path, model=other, optimizer=other_opt)
+    assert not other_opt.state and other_opt.param_groups[0]["lr"] == 0.1
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (other, other_opt)):
+        m(x).square().sum().backward()
+        o.step()
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
 def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
     model = tiny_model(0)
     opt, _ = make_optim(model)
