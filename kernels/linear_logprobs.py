@@ -132,9 +132,9 @@ if HAS_TRITON:
         lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N] fp32
         gh_ptr, gw_ptr, gb_ptr,  # fp32 accumulators [N, H], [V, H], [V] (contiguous, zero-initialised)
         N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, inv_temp, filter_eps,
-        HAS_BIAS: tl.constexpr, ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, DOT_FP32: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_N: tl.constexpr,
+        HAS_BIAS: tl.constexpr, GRAD_H: tl.constexpr, GRAD_W: tl.constexpr, GRAD_B: tl.constexpr,
+        ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     ):
         """Program (token tile, vocabulary tile): recompute the tile's logits, form ``dz``, accumulate the grads.
 
@@ -184,7 +184,7 @@ if HAS_TRITON:
             keep = (tl.max(tl.max(p, axis=1), axis=0) >= filter_eps) | (tl.max(tl.max(is_y.to(tl.int32), axis=1),
                                                                                axis=0) > 0)
         if keep:
-            if HAS_BIAS:
+            if GRAD_B:
                 tl.atomic_add(gb_ptr + offs_v, tl.sum(dz, axis=0), mask=mask_v, sem="relaxed")
             if DOT_FP32:
                 dz_op = dz
@@ -193,19 +193,22 @@ if HAS_TRITON:
             for k0 in range(0, H, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < H
-                w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wk,
-                            mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-                h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk,
-                            mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-                if DOT_FP32:
-                    w = w.to(tl.float32)
-                    h = h.to(tl.float32)
-                gh = tl.dot(dz_op, w, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_K]
-                tl.atomic_add(gh_ptr + offs_n[:, None] * H + offs_k[None, :], gh,
-                              mask=mask_n[:, None] & mask_k[None, :], sem="relaxed")
-                gw = tl.dot(tl.trans(dz_op), h, input_precision=INPUT_PRECISION)  # [BLOCK_V, BLOCK_K]
-                tl.atomic_add(gw_ptr + offs_v[:, None] * H + offs_k[None, :], gw,
-                              mask=mask_v[:, None] & mask_k[None, :], sem="relaxed")
+                if GRAD_H:
+                    w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wk,
+                                mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+                    if DOT_FP32:
+                        w = w.to(tl.float32)
+                    gh = tl.dot(dz_op, w, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_K]
+                    tl.atomic_add(gh_ptr + offs_n[:, None] * H + offs_k[None, :], gh,
+                                  mask=mask_n[:, None] & mask_k[None, :], sem="relaxed")
+                if GRAD_W:
+                    h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk,
+                                mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+                    if DOT_FP32:
+                        h = h.to(tl.float32)
+                    gw = tl.dot(tl.trans(dz_op), h, input_precision=INPUT_PRECISION)  # [BLOCK_V, BLOCK_K]
+                    tl.atomic_add(gw_ptr + offs_v[:, None] * H + offs_k[None, :], gw,
+                                  mask=mask_v[:, None] & mask_k[None, :], sem="relaxed")
 
 
 def _kernel_config(t: torch.Tensor) -> dict:
@@ -257,24 +260,27 @@ def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     return logp_N, lse_N, ent_N
 
 
-def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps):
+def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps, needs):
     N, H = h_NH.shape
     V = w_VH.shape[0]
     blk = _kernel_config(h_NH)["bwd"]
-    gh_NH = torch.zeros(N, H, device=h_NH.device, dtype=torch.float32)
-    gw_VH = torch.zeros(V, H, device=h_NH.device, dtype=torch.float32)  # the one fp32 [V, H] accumulator
-    gb_V = torch.zeros(V, device=h_NH.device, dtype=torch.float32) if b_V is not None else gh_NH
+    f32 = dict(dtype=torch.float32, device=h_NH.device)
+    gh_NH = torch.zeros(N, H, **f32) if needs[0] else None
+    gw_VH = torch.zeros(V, H, **f32) if needs[1] else None  # the one fp32 [V, H] accumulator
+    gb_V = torch.zeros(V, **f32) if needs[2] else None
+    dummy = lse_N
     grid = (triton.cdiv(N, blk["BLOCK_N"]) * triton.cdiv(V, blk["BLOCK_V"]),)
     _linear_logprobs_bwd_kernel[grid](
         h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, lse_N,
         ent_N if g_ent_N is not None else lse_N, g_logp_N, g_ent_N if g_ent_N is not None else g_logp_N,
-        gh_NH, gw_VH, gb_V,
+        *(x if x is not None else dummy for x in (gh_NH, gw_VH, gb_V)),
         N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp,
         filter_eps if filter_eps is not None else 0.0,
-        HAS_BIAS=b_V is not None, ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
+        HAS_BIAS=b_V is not None, GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2],
+        ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
         DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH), GROUP_N=16, **blk,
     )
-    return gh_NH, gw_VH, (gb_V if b_V is not None else None)
+    return gh_NH, gw_VH, gb_V
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -339,15 +345,15 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     return zy_N - lse_N, lse_N, ent_N
 
 
-def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps):
+def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps, needs):
     """Per (token chunk, vocabulary chunk): ``log p`` from one ``addmm``, ``dz`` in place in its buffers, then
     ``grad_h_chunk += dz @ W_v`` and ``grad_W[v] += dzᵀ @ h_chunk`` in place. Chunk buffers: ``log p`` and ``p``."""
     N, H = h_NH.shape
     V = w_VH.shape[0]
     f32 = dict(dtype=torch.float32, device=h_NH.device)
-    gh_NH = torch.empty(N, H, **f32)
-    gw_VH = torch.zeros(V, H, **f32)  # the one fp32 [V, H] accumulator, added to in place
-    gb_V = torch.zeros(V, **f32) if b_V is not None else None
+    gh_NH = torch.empty(N, H, **f32) if needs[0] else None
+    gw_VH = torch.zeros(V, H, **f32) if needs[1] else None  # the one fp32 [V, H] accumulator, added to in place
+    gb_V = torch.zeros(V, **f32) if needs[2] else None
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
         h_nH, y_n, lse_n = h_NH[n0:n1].float(), y_N[n0:n1], lse_N[n0:n1]
@@ -368,11 +374,14 @@ def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_t
                 p_nv = logp_nv.exp()
                 dz_nv = logp_nv.add_(ent_n1).mul_(e_n1).sub_(g_n1).mul_(p_nv)
             dz_nv.index_put_((rows_n[inside_n], col_n[inside_n]), g_n1[inside_n, 0], accumulate=True)  # + g 1[v=y]/T
-            gh_nH.addmm_(dz_nv, w_VH[v0:v1].float())
-            gw_VH[v0:v1].addmm_(dz_nv.t(), h_nH)
+            if gh_NH is not None:
+                gh_nH.addmm_(dz_nv, w_VH[v0:v1].float())
+            if gw_VH is not None:
+                gw_VH[v0:v1].addmm_(dz_nv.t(), h_nH)
             if gb_V is not None:
                 gb_V[v0:v1] += dz_nv.sum(0)
-        gh_NH[n0:n1] = gh_nH
+        if gh_NH is not None:
+            gh_NH[n0:n1] = gh_nH
     return gh_NH, gw_VH, gb_V
 
 
@@ -400,12 +409,15 @@ class _LinearLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None, None
         if g_logp_N is None:
             g_logp_N = torch.zeros_like(lse_N)
+        needs = ctx.needs_input_grad[:3]  # a frozen head skips its [V, H] accumulator and a third of the work
+        if not any(needs):
+            return None, None, None, None, None, None, None
         bwd = _backward_triton if ctx.kernel else _backward_torch
-        gh_NH, gw_VH, gb_V = bwd(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N.float().contiguous(),
-                                 None if g_ent_N is None else g_ent_N.float().contiguous(), ctx.inv_temp,
-                                 ctx.grad_filter_eps)
-        gb_V = None if gb_V is None else gb_V.to(b_V.dtype)
-        return gh_NH.to(h_NH.dtype), gw_VH.to(w_VH.dtype), gb_V, None, None, None, None
+        grads = bwd(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N.float().contiguous(),
+                    None if g_ent_N is None else g_ent_N.float().contiguous(), ctx.inv_temp, ctx.grad_filter_eps,
+                    needs)
+        grads = [None if gr is None else gr.to(x.dtype) for gr, x in zip(grads, (h_NH, w_VH, b_V))]
+        return *grads, None, None, None, None
 
 
 def _check_inputs(hidden, weight, targets, bias, temperature, grad_filter_eps, ignore_index=None):
@@ -472,9 +484,11 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_ind
     keep = targets != ignore_index  # [...]
     h_NH = hidden.reshape(-1, hidden.shape[-1])
     keep_N = keep.reshape(-1)
-    # a zero that still reaches hidden and weight, so backward works when every token is ignored
-    nll_N = (h_NH[:1, :1].float().sum() + weight[:1, :1].float().sum()) * torch.zeros(keep_N.shape,
-                                                                                       device=hidden.device)
+    # a zero that still reaches hidden, weight and bias, so backward works when every token is ignored
+    zero = h_NH[:1, :1].float().sum() * 0.0 + weight[:1, :1].float().sum() * 0.0
+    if bias is not None:
+        zero = zero + bias[:1].float().sum() * 0.0
+    nll_N = zero + torch.zeros(keep_N.shape, dtype=torch.float32, device=hidden.device)
     if bool(keep_N.any()):  # host read: the kept rows' count sets the shape of the work
         kept = keep_N.nonzero().squeeze(1)
         logp_K = fused_linear_logprobs(h_NH.index_select(0, kept), weight, targets.reshape(-1)[kept], bias=bias,

@@ -135,6 +135,18 @@ def test_tied_weights_accumulate(path):
     assert (got - emb.weight.grad).abs().max().item() <= 1e-4 * emb.weight.grad.abs().max().item()
 
 
+def test_frozen_head(path):
+    """Only ``hidden`` needs a gradient (a frozen or LoRA-adapted head): the same grad, none for the head."""
+    h, w, b, y = _inputs(20, 33, 300, torch.float32, bias=True)
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    up = [torch.randn(20)]
+    _compare(lambda: fused_linear_logprobs(h, w, y, bias=b), lambda upcast: linear_logprobs_ref(h, w, y, bias=b),
+             [h], up, torch.float32)
+    fused_linear_logprobs(h, w, y, bias=b).sum().backward()
+    assert w.grad is None and b.grad is None
+
+
 def test_grad_filter_within_dropped_mass(path):
     """With ``grad_filter_eps``, the forward is exact and each grad differs from the exact one by at most the
     contribution of entries with ``p < eps`` that are not targets (the only ones a skipped tile can hold):
@@ -195,9 +207,10 @@ def test_cross_entropy(path, reduction):
 def test_cross_entropy_all_ignored():
     h = torch.randn(5, 8, requires_grad=True)
     w = torch.randn(30, 8, requires_grad=True)
-    loss = fused_linear_cross_entropy(h, w, torch.full((5,), -100))
+    b = torch.randn(30, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, w, torch.full((5,), -100), bias=b)
     loss.backward()
-    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any()
+    assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any() and not b.grad.any()
 
 
 @settings(max_examples=8, deadline=None)
