@@ -301,23 +301,19 @@ def _fused_value_and_grads(fn, leaves, up):
     return [loss.detach().float(), *(x.grad.float() for x in leaves)], {k: v.float() for k, v in metrics.items()}
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_grpo_loss(packed, dtype):
-    B, T, H, V = 3, 11, 24, 67
-    hidden, weight, bias, targets = _fused_inputs(B, T, H, V, dtype, seed=37)
+def _check_fused_linear(packed, dtype, B, T, H, V, lengths, device="cpu"):
+    hidden, weight, bias, targets = (x.to(device) for x in _fused_inputs(B, T, H, V, dtype, seed=37))
     with torch.no_grad():
         logp0 = linear_logprobs_ref(hidden, weight, targets, bias=bias, temperature=0.7)  # [B, T]
     g = torch.Generator().manual_seed(41)
-    old = logp0 + torch.randn(B, T, generator=g) * 0.3  # [B, T]
-    ref = logp0 + torch.randn(B, T, generator=g) * 0.3  # [B, T]
-    adv = torch.randn(B, generator=g)
-    lengths = [T, 0, 6]
-    mask = _lengths_to_mask(lengths, T)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    old = logp0 + (torch.randn(B, T, generator=g) * 0.3).to(device)  # [B, T]
+    ref = logp0 + (torch.randn(B, T, generator=g) * 0.3).to(device)  # [B, T]
+    adv = torch.randn(B, generator=g).to(device)
+    mask = _lengths_to_mask(lengths, T).to(device)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     targets_masked = targets.masked_fill(~mask, -100)  # masked-out targets are never read
     kw = dict(beta=0.05, loss_type="grpo", importance_sampling_level="token", delta=1.5)
-    up = torch.randn(())
+    up = torch.randn(()).to(device)
 
     def ref_fn(h, w, b, upcast=True):
         lp = linear_logprobs_ref(h, w, targets, bias=b, temperature=0.7, return_entropy=True, upcast=upcast)
@@ -343,6 +339,12 @@ def test_fused_linear_grpo_loss(packed, dtype):
     assert set(m_got) == set(m_want)
     for k in ("kl", "entropy"):
         _assert_close(m_got[k], m_want[k], atol_rel=1e-4 if dtype == torch.float32 else 2e-2, what=k)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_grpo_loss(packed, dtype):
+    _check_fused_linear(packed, dtype, 3, 11, 24, 67, [11, 0, 6])
 
 
 def test_fused_linear_grpo_loss_all_masked():
@@ -378,3 +380,9 @@ def test_gpu_matches_reference(dtype, level):
         for k in m32:
             _assert_close(m1[k], m32[k], atol_rel=1e-4, what=k)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_fused_linear_grpo_loss(packed):
+    _check_fused_linear(packed, torch.bfloat16, 4, 512, 256, 32000, [512, 0, 300, 17], device="cuda")
