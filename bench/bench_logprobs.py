@@ -5,15 +5,16 @@ Baseline ("eager"): ``kernels.reference.logprobs_ref``, i.e. ``log_softmax(logit
 gradients for logp and the entropy), with and without the entropy: median time and peak extra memory (outputs
 and the logits gradient included), and on GPU the bandwidth in GB/s against the device-to-device copy bandwidth
 measured here. Bytes counted: forward reads the logits once; forward+backward reads them twice and writes the
-gradient once (3 · N · V · element size). "fastgrpo inplace" is ``inplace_backward=True`` (the gradient
-overwrites the logits, so the timed calls after the first run on gradient values: the kernels' cost does not
-depend on the values).
+gradient once (3 · N · V · element size). "fastgrpo inplace" is ``inplace_backward=True``: it runs last, because
+the gradient overwrites the logits (its timed calls after the first see gradient values as logits; the kernels'
+cost does not depend on the values).
 
     python bench/bench_logprobs.py            # CPU: N=4096 V=32000 fp32 (torch path); GPU: N=16384 V=151936 bf16
     python bench/bench_logprobs.py --quick    # CPU: N=1024
     python bench/bench_logprobs.py --no-compile
 
-Rows go to ``bench/results/logprobs.csv`` (appended after each case, so a timeout keeps what finished).
+Rows go to ``bench/results/logprobs.csv``, appended after each method (a timeout keeps what finished); CPU
+peak memory is the RSS high-water mark after ``malloc_trim`` (freed heap pages would otherwise hide reuse).
 Targets (issue 2): GPU fwd+bwd ≥ 85% of copy bandwidth, ≥ 3× faster than eager, ≤ 1/3 of its peak extra memory;
 CPU ≤ 1/4 of eager's peak extra memory and no slower.
 """
@@ -41,6 +42,8 @@ def _peak(fn, device) -> int:
 
 
 def _methods(device, entropy, compile_baseline):
+    """name -> (function, backward_only); eager first (the ratios refer to it), the in-place variant last."""
+
     def eager(x, y):
         return logprobs_ref(x, y, temperature=TEMPERATURE, return_entropy=entropy)
 
@@ -50,14 +53,15 @@ def _methods(device, entropy, compile_baseline):
     def ours_inplace(x, y):
         return logprobs_from_logits(x, y, temperature=TEMPERATURE, return_entropy=entropy, inplace_backward=True)
 
-    methods = {"fastgrpo": (ours, False), "eager": (eager, False)}
+    methods = {"eager": (eager, False), "fastgrpo": (ours, False)}
     if compile_baseline and torch.device(device).type == "cuda":
         methods["torch.compile"] = (torch.compile(eager, dynamic=False), False)
-    methods["fastgrpo inplace"] = (ours_inplace, True)  # last: it overwrites the logits
+    methods["fastgrpo inplace"] = (ours_inplace, True)  # the in-place variant differs only in its backward
     return methods
 
 
 def run_case(N, V, dtype, device, entropy, compile_baseline, copy_gbps):
+    """Time and peak memory of every method; each method's rows are appended as soon as they are measured."""
     torch.manual_seed(0)
     logits = (torch.randn(N, V, device=device) * 2).to(dtype).requires_grad_()
     targets = torch.randint(0, V, (N,), device=device)
@@ -76,22 +80,25 @@ def run_case(N, V, dtype, device, entropy, compile_baseline, copy_gbps):
             outs, grads = ((out[0], out[1]), (g_logp, g_entropy)) if entropy else ((out,), (g_logp,))
             return torch.autograd.grad(outs, logits, grads)
 
-        row = {"case": "fwd+bwd" if backward_only else "fwd", "method": name, "N": N, "V": V,
-               "dtype": str(dtype).removeprefix("torch."), "entropy": entropy}
-        if not backward_only:  # the in-place variant differs from "fastgrpo" only in its backward
+        row = {"method": name, "N": N, "V": V, "dtype": str(dtype).removeprefix("torch."), "entropy": entropy,
+               "temperature": TEMPERATURE, "cpu_threads": torch.get_num_threads()}
+        new = []
+        if not backward_only:
             ms = median_ms(fwd, device, warmup=1, rep=3)
-            rows.append({**row, "ms": ms, "peak_extra_MiB": _peak(fwd, device) / 2**20,
-                         "GB/s": N * V * elem / ms / 1e6})
+            new.append({"case": "fwd", **row, "ms": ms, "peak_extra_MiB": _peak(fwd, device) / 2**20,
+                        "GB/s": N * V * elem / ms / 1e6})
         ms = median_ms(fwd_bwd, device, warmup=1, rep=3)
-        rows.append({**row, "case": "fwd+bwd", "ms": ms, "peak_extra_MiB": _peak(fwd_bwd, device) / 2**20,
-                     "GB/s": 3 * N * V * elem / ms / 1e6})
-    for r in rows:  # ratios against eager in the same case, and against the copy bandwidth
-        base = next(b for b in rows if b["method"] == "eager" and b["case"] == r["case"])
-        r["speedup_vs_eager"] = base["ms"] / r["ms"]
-        r["mem_vs_eager"] = r["peak_extra_MiB"] / max(base["peak_extra_MiB"], 1e-9)
-        if copy_gbps:
-            r["copy_GB/s"] = copy_gbps
-            r["frac_of_copy_bw"] = r["GB/s"] / copy_gbps
+        new.append({"case": "fwd+bwd", **row, "ms": ms, "peak_extra_MiB": _peak(fwd_bwd, device) / 2**20,
+                    "GB/s": 3 * N * V * elem / ms / 1e6})
+        for r in new:  # ratios against eager in the same case, and against the copy bandwidth
+            base = next(b for b in rows + new if b["method"] == "eager" and b["case"] == r["case"])
+            r["speedup_vs_eager"] = base["ms"] / r["ms"]
+            r["mem_vs_eager"] = r["peak_extra_MiB"] / max(base["peak_extra_MiB"], 1e-9)
+            if copy_gbps:
+                r["copy_GB/s"] = copy_gbps
+                r["frac_of_copy_bw"] = r["GB/s"] / copy_gbps
+        append_rows("logprobs", new, device)
+        rows += new
     return rows
 
 
@@ -111,7 +118,6 @@ def main():
     for entropy in (False, True):
         rows = run_case(N, V, dtype, device, entropy, not args.no_compile, copy_gbps)
         print_table(rows, f"\nlogprobs_from_logits N={N} V={V} {dtype} T={TEMPERATURE} entropy={entropy} on {device}")
-        append_rows("logprobs", rows, device)
 
 
 if __name__ == "__main__":

@@ -195,10 +195,14 @@ def _row_blocks(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         return list(zip(*(t.unbind(0) for t in tensors)))
 
 
+def _chunk_rows(V: int) -> int:
+    return max(1, _CPU_CHUNK_BYTES // (4 * V))
+
+
 def _row_chunks(*tensors: torch.Tensor):
     """Yield ``(rows, chunks_CV)``: a slice of the flat row index and the matching ``[C, V]`` view of each tensor,
     ``C`` rows holding about ``_CPU_CHUNK_BYTES`` of fp32."""
-    step = max(1, _CPU_CHUNK_BYTES // (4 * tensors[0].shape[-1]))
+    step = _chunk_rows(tensors[0].shape[-1])
     first = 0
     for blocks in _row_blocks(*tensors):
         n = blocks[0].shape[0]
@@ -208,58 +212,88 @@ def _row_chunks(*tensors: torch.Tensor):
         first += n
 
 
-def _scaled(chunk_CV: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-    """``z = chunk / T`` in fp32: a new buffer, or a view of the input when nothing changes (never modify it)."""
-    if inv_temperature == 1.0:
-        return chunk_CV.float()
-    if chunk_CV.dtype == torch.float32:
-        return chunk_CV * inv_temperature
-    return chunk_CV.float().mul_(inv_temperature)
+def _workspace(logits: torch.Tensor, needed: bool = True) -> torch.Tensor | None:
+    """An fp32 ``[C, V]`` buffer that every chunk reuses (sliced to its rows), allocated once per call: allocating
+    per chunk lets glibc keep several freed chunk-sized blocks resident."""
+    if not needed:
+        return None
+    V = logits.shape[-1]
+    return torch.empty(min(_chunk_rows(V), logits.numel() // V), V, dtype=torch.float32, device=logits.device)
+
+
+def _forward_chunk(chunk_CV, targets_C, inv_temperature, return_entropy, buf_a, buf_b):
+    """(logp, lse, entropy or None) of one chunk, in the two workspace buffers ``buf_a`` (z, then p) and ``buf_b``.
+
+    ``lse = max z − max log p`` (the largest log-prob sits at the largest logit and equals ``−log Σ e^{z−m}``): two
+    cheap ``amax`` reductions instead of a second exp pass, finite with ``−inf`` logits.
+    """
+    C = chunk_CV.shape[0]
+    if chunk_CV.dtype != torch.float32:
+        z_CV = buf_a[:C].copy_(chunk_CV)  # upcast first: bf16 · (1/T) would round in bf16
+        if inv_temperature != 1.0:
+            z_CV.mul_(inv_temperature)
+    elif inv_temperature != 1.0:
+        z_CV = torch.mul(chunk_CV, inv_temperature, out=buf_a[:C])
+    else:
+        z_CV = chunk_CV  # read only
+    logp_all_CV = torch.log_softmax(z_CV, dim=-1, out=buf_b[:C])
+    lse_C = z_CV.amax(dim=-1) - logp_all_CV.amax(dim=-1)
+    logp_C = logp_all_CV.gather(1, targets_C[:, None]).squeeze(1)
+    entropy_C = None
+    if return_entropy:
+        p_CV = torch.exp(logp_all_CV, out=buf_a[:C])
+        entropy_C = -p_CV.mul_(logp_all_CV.clamp_(min=_LOG_P_FLOOR)).sum(dim=-1)
+    return logp_C, lse_C, entropy_C
 
 
 def _torch_forward(logits, targets_N, inv_temperature, return_entropy):
-    """The forward on the torch path, a chunk of rows at a time: ``log_softmax`` of the chunk, then gathers.
-
-    ``lse = max z − max log p`` (the largest log-prob sits at the largest logit and equals ``−log Σ e^{z−m}``), which
-    needs two cheap ``amax`` reductions instead of a second exp pass, and stays finite with ``−inf`` logits.
-    """
+    """The forward on the torch path, a chunk of rows at a time (see :func:`_forward_chunk`)."""
     N = targets_N.numel()
     logp_N = torch.empty(N, dtype=torch.float32, device=logits.device)
     lse_N = torch.empty_like(logp_N)
     entropy_N = torch.empty_like(logp_N) if return_entropy else None
+    scaled = logits.dtype != torch.float32 or inv_temperature != 1.0
+    buf_a, buf_b = _workspace(logits, scaled or return_entropy), _workspace(logits)
     for rows, (chunk_CV,) in _row_chunks(logits):
-        z_CV = _scaled(chunk_CV, inv_temperature)
-        logp_all_CV = torch.log_softmax(z_CV, dim=-1)
-        logp_N[rows] = logp_all_CV.gather(1, targets_N[rows, None]).squeeze(1)
-        lse_N[rows] = z_CV.amax(dim=-1) - logp_all_CV.amax(dim=-1)
+        logp_N[rows], lse_N[rows], entropy_C = _forward_chunk(chunk_CV, targets_N[rows], inv_temperature,
+                                                              return_entropy, buf_a, buf_b)
         if return_entropy:
-            p_log_p_CV = logp_all_CV.exp().mul_(logp_all_CV.clamp_(min=_LOG_P_FLOOR))
-            entropy_N[rows] = -p_log_p_CV.sum(dim=-1)
+            entropy_N[rows] = entropy_C
     return logp_N, entropy_N, lse_N
 
 
-def _torch_backward(logits, grad, targets_N, lse_N, entropy_N, grad_logp_N, grad_entropy_N, inv_temperature):
-    """The backward on the torch path, a chunk of rows at a time, from the saved LSE.
+def _backward_chunk(chunk_CV, grad_CV, targets_C, lse_C, entropy_C, g_C, h_C, inv_temperature, buf_a, buf_b):
+    """Write one chunk of ``grad = p · (h' log p + c') + (g / T) onehot(y)``, ``h' = −h / T``, ``c' = −(h H + g) / T``.
 
-    ``grad = p · (h' log p + c') + (g / T) onehot(y)`` with ``h' = −h / T`` and ``c' = −(h H + g) / T``; for fp32
-    logits it is computed in the chunk of ``grad`` itself (no temporary without the entropy).
+    ``log p`` is built in ``grad_CV`` itself when it is fp32 (else in ``buf_b``), ``p`` in ``buf_a`` when the entropy
+    term needs both.
     """
+    C = chunk_CV.shape[0]
+    work = grad_CV if grad_CV.dtype == torch.float32 else buf_b[:C]
+    log_p_CV = torch.add(-lse_C[:, None], chunk_CV, alpha=inv_temperature, out=work)  # z − lse, fp32
+    g_C1 = None if g_C is None else g_C[:, None]
+    if h_C is None:
+        out_CV = log_p_CV.exp_().mul_(-inv_temperature * g_C1)
+    else:
+        h_C1 = h_C[:, None]
+        c_C1 = h_C1 * entropy_C[:, None] + (0.0 if g_C1 is None else g_C1)
+        p_CV = torch.exp(log_p_CV, out=buf_a[:C])
+        out_CV = log_p_CV.clamp_(min=_LOG_P_FLOOR).mul_(-inv_temperature * h_C1)
+        out_CV.sub_(inv_temperature * c_C1).mul_(p_CV)
+    if g_C1 is not None:
+        out_CV.scatter_add_(1, targets_C[:, None], inv_temperature * g_C1)
+    if out_CV is not grad_CV:
+        grad_CV.copy_(out_CV)
+
+
+def _torch_backward(logits, grad, targets_N, lse_N, entropy_N, grad_logp_N, grad_entropy_N, inv_temperature):
+    """The backward on the torch path, a chunk of rows at a time from the saved LSE (see :func:`_backward_chunk`)."""
+    buf_a, buf_b = _workspace(logits, grad_entropy_N is not None), _workspace(logits, grad.dtype != torch.float32)
     for rows, (chunk_CV, grad_CV) in _row_chunks(logits, grad):
-        work = grad_CV if grad_CV.dtype == torch.float32 else None
-        log_p_CV = torch.add(-lse_N[rows, None], chunk_CV, alpha=inv_temperature, out=work)  # z − lse, fp32
-        g_C1 = None if grad_logp_N is None else grad_logp_N[rows, None]
-        if grad_entropy_N is None:
-            out_CV = log_p_CV.exp_().mul_(-inv_temperature * g_C1)
-        else:
-            h_C1 = grad_entropy_N[rows, None]
-            c_C1 = h_C1 * entropy_N[rows, None] + (0.0 if g_C1 is None else g_C1)
-            p_CV = log_p_CV.exp()
-            out_CV = log_p_CV.clamp_(min=_LOG_P_FLOOR).mul_(-inv_temperature * h_C1)
-            out_CV.sub_(inv_temperature * c_C1).mul_(p_CV)
-        if g_C1 is not None:
-            out_CV.scatter_add_(1, targets_N[rows, None], inv_temperature * g_C1)
-        if out_CV is not grad_CV:
-            grad_CV.copy_(out_CV)
+        _backward_chunk(chunk_CV, grad_CV, targets_N[rows], lse_N[rows],
+                        None if entropy_N is None else entropy_N[rows],
+                        None if grad_logp_N is None else grad_logp_N[rows],
+                        None if grad_entropy_N is None else grad_entropy_N[rows], inv_temperature, buf_a, buf_b)
 
 
 class _LogprobsFunction(torch.autograd.Function):
