@@ -177,6 +177,21 @@ def test_many_chunks_and_sequences(monkeypatch):
         _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"B=200 {loss_type}")
 
 
+@pytest.mark.parametrize("mask_kind", ["float_weights", "int64"])
+def test_mask_dtypes(path, mask_kind):
+    """Integer masks act as 0/1, float masks weigh tokens (TRL multiplies by the mask)."""
+    logp, old, ref, adv, mask = _inputs(3, 19, seed=59)
+    if mask_kind == "int64":
+        mask = mask.long()
+    else:
+        mask = mask * torch.rand(mask.shape, generator=torch.Generator().manual_seed(61))
+    up = torch.randn(())
+    for loss_type, level in (("grpo", "token"), ("bnpo", "sequence")):
+        kw = dict(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, beta=0.1, loss_type=loss_type,
+                  importance_sampling_level=level)
+        _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"{mask_kind} {loss_type}")
+
+
 @pytest.mark.parametrize("num_items", [7, 1000.0, torch.tensor(123.0), torch.tensor([0])])
 def test_dapo_num_items_in_batch(num_items):
     logp, old, _, adv, mask = _inputs(3, 20, seed=19)
