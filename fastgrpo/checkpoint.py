@@ -202,14 +202,15 @@ def _save_model(model: nn.Module, out: Path, sd: dict | None) -> None:
     import safetensors.torch
 
     sd = dict(sd if sd is not None else inner.state_dict())
-    seen: dict[int, str] = {}
-    for k in list(sd):  # safetensors refuses aliased tensors: keep one name per storage (tied weights)
-        ptr = sd[k].untyped_storage().data_ptr()
-        if ptr in seen:
+    seen: set[tuple] = set()
+    for k in list(sd):  # tied weights: one name per tensor (load_checkpoint restores the aliases)
+        t = sd[k]
+        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key in seen:
             del sd[k]
-        else:
-            seen[ptr] = k
-    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()},
+        seen.add(key)
+    # safetensors refuses tensors that share memory: copies (a plain module is small; HF models take the path above)
+    safetensors.torch.save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()},
                                 str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -408,7 +409,10 @@ def load_checkpoint(
             optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))
     else:
         sd = _complete_tied(_read_safetensors(path), inner)
-        result = inner.load_state_dict(sd, strict=False)  # copies into the existing tensors
+        try:
+            result = inner.load_state_dict(sd, strict=False)  # copies into the existing tensors
+        except RuntimeError as e:  # shape mismatches
+            raise ValueError(f"path {path} does not match the model: {e}") from None
         if result.missing_keys or result.unexpected_keys:
             raise ValueError(f"path {path} does not match the model: missing {result.missing_keys[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}")

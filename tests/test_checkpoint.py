@@ -220,6 +220,8 @@ def test_bad_input(tmp_path):
     path = C.save_checkpoint(tmp_path, 1, model=model)
     with pytest.raises(ValueError, match="missing"):
         C.load_checkpoint(path, model=nn.Sequential(nn.Linear(3, 2)))
+    with pytest.raises(ValueError, match="size mismatch"):
+        C.load_checkpoint(path, model=nn.Linear(4, 2))
     with pytest.raises(ValueError, match="no optimizer state"):
         C.load_checkpoint(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     (path / "rng_rank0.pt").unlink()  # as if saved by a different world size
