@@ -587,6 +587,64 @@ if HAS_TRITON:
         tl.store(ptr, out.to(Out.dtype.element_ty), mask=ok)
 
 
+    @triton.jit
+    def _gumbel_sample_kernel(
+        LOGITS, SEED, TOK, LOGP, V, stride_row, inv_temperature, BLOCK_V: tl.constexpr
+    ):
+        """Row r: x = logits / T; token = argmax_v (x_v + g_v) with g_v = −log(−log u_v), u_v = philox(seed,
+        r·V + v) ~ U[0, 1); logp = x_token − logsumexp(x). Two reads of the row's V logits (max, then sum and
+        argmax), two scalars written: no noise tensor, no softmax tensor."""
+        r = tl.program_id(0).to(tl.int64)
+        seed = tl.load(SEED)
+        offs = tl.arange(0, BLOCK_V)
+        row = LOGITS + r * stride_row
+        m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            x = tl.load(row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_vec = tl.maximum(m_vec, x)
+        m = tl.max(m_vec, axis=0)  # finite: logits are finite
+        l_vec = tl.zeros([BLOCK_V], tl.float32)
+        best_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        best_x_vec = tl.zeros([BLOCK_V], tl.float32)
+        best_i_vec = tl.zeros([BLOCK_V], tl.int32)
+        for v0 in range(0, V, BLOCK_V):
+            v = v0 + offs
+            x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
+            l_vec += tl.exp(x - m)
+            u = tl.rand(seed, (r * V + v).to(tl.int32))
+            score = x - tl.log(-tl.log(u))  # u = 0 gives −inf: never picked
+            better = score > best_vec
+            best_vec = tl.where(better, score, best_vec)
+            best_x_vec = tl.where(better, x, best_x_vec)
+            best_i_vec = tl.where(better, v, best_i_vec)
+        lane = tl.argmax(best_vec, axis=0)
+        pick = offs == lane
+        token = tl.sum(tl.where(pick, best_i_vec, 0), axis=0)
+        x_token = tl.sum(tl.where(pick, best_x_vec, 0.0), axis=0)
+        tl.store(TOK + r, token.to(tl.int64))
+        tl.store(LOGP + r, x_token - m - tl.log(tl.sum(l_vec, axis=0)))
+
+
+SAMPLE_BLOCK_V = 2048  # logits per inner step of the sampling kernel
+
+
+def _use_fused_sampling(t: torch.Tensor) -> bool:
+    """Temperature-only sampling by the Triton kernel on CUDA; torch ops elsewhere (and for top-k/top-p)."""
+    return t.is_cuda and use_triton(t)
+
+
+def _gumbel_sample(logits_SV: torch.Tensor, temperature: float, seed: torch.Tensor):
+    """Fused temperature sampling (see the kernel); ``seed`` is a one-element int64 device tensor (no sync)."""
+    S, V = logits_SV.shape
+    tok = torch.empty(S, dtype=torch.long, device=logits_SV.device)
+    logp = torch.empty(S, dtype=torch.float32, device=logits_SV.device)
+    _gumbel_sample_kernel[(S,)](
+        logits_SV, seed, tok, logp, V, logits_SV.stride(0), 1.0 / temperature,
+        BLOCK_V=min(SAMPLE_BLOCK_V, triton.next_power_of_2(V)), num_warps=8,
+    )  # fmt: skip
+    return tok, logp
+
+
 def _use_fused_attention(t: torch.Tensor) -> bool:
     """Decode attention by the Triton kernel on CUDA; SDPA with a length mask elsewhere (the CPU path)."""
     return t.is_cuda and use_triton(t)
@@ -650,6 +708,9 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generato
         logp = torch.log_softmax(logits_SV, dim=-1)
         tok = logits_SV.argmax(dim=-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    if not params.top_k and params.top_p == 1.0 and _use_fused_sampling(logits_SV):
+        seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=logits_SV.device)  # stays on the device
+        return _gumbel_sample(logits_SV, params.temperature, seed)
     logp = torch.log_softmax(logits_SV / params.temperature, dim=-1)  # [S, V]
     kept = logp
     if params.top_k and params.top_k < logp.shape[-1]:

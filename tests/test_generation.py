@@ -370,6 +370,40 @@ def test_engine_with_the_decode_attention_kernel_matches_hf(monkeypatch):
         assert all(c.token_ids == hf_greedy(model, prompt, 8, None) for c in comps)
 
 
+def gumbel_sample_check(device, rows, V, temperature):
+    """The fused temperature sampler on ``rows`` copies of one row of V logits (V > 2 048: several inner blocks):
+    log-prob == log_softmax(logits / T)[token], the seed fixes the draw; returns the tokens and the closed-form
+    distribution."""
+    g = torch.Generator().manual_seed(3)
+    logits_V = 3 * torch.randn(V, generator=g)
+    logits_NV = logits_V.expand(rows, V).to(device)
+    seed = torch.tensor([12345], device=device)
+    tok, logp = generation._gumbel_sample(logits_NV, temperature, seed)
+    ref = torch.log_softmax(logits_V / temperature, dim=-1)[tok.cpu()]
+    torch.testing.assert_close(logp.cpu(), ref, atol=1e-5, rtol=0)
+    tok2, _ = generation._gumbel_sample(logits_NV, temperature, seed)
+    assert torch.equal(tok, tok2)  # the seed determines the draw
+    return tok.cpu(), torch.softmax(logits_V.double() / temperature, dim=-1)
+
+
+@pytest.mark.skipif(not generation.HAS_TRITON, reason="triton is not installed")
+def test_gumbel_sample_kernel_interpreted():
+    """Under the interpreter (slow: 24 rows only): log-probs and determinism; the distribution is the GPU test's."""
+    if torch.cuda.is_available() or not generation.use_triton(torch.empty(0)):
+        pytest.skip("runs under TRITON_INTERPRET=1 on a CPU machine")
+    tok, _ = gumbel_sample_check("cpu", 24, 2500, 0.7)
+    assert len(set(tok.tolist())) > 1  # rows draw independently
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_gumbel_sample_kernel_distribution(temperature):
+    """20 000 draws against softmax(logits / T) by total variation (bound as in total_variation)."""
+    tok, want = gumbel_sample_check("cuda", 20_000, 5000, temperature)
+    tv, expected_tv = total_variation(tok, want)
+    assert tv < 4 * expected_tv
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -443,11 +477,14 @@ def test_cuda_graph_path_matches_hf_and_frees_memory(arch):
     assert torch.cuda.memory_allocated() == before
     for want, comps in zip(expected, results):
         assert all(c.token_ids == want for c in comps)
-    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=20, seed=0))
-    for prompt, comps in zip(prompts, sampled):
-        for c in comps:
-            ref = teacher_forced_logp(model, prompt, c.token_ids, 0.8).cpu()
-            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+    for params in (  # torch sampling (top-p), then the fused temperature-only kernel
+        SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=20, seed=0),
+        SamplingParams(n=2, temperature=0.8, max_new_tokens=20, seed=0),
+    ):
+        for prompt, comps in zip(prompts, engine.generate(prompts, params)):
+            for c in comps:
+                ref = teacher_forced_logp(model, prompt, c.token_ids, 0.8).cpu()
+                torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
 
 
 @pytest.mark.slow
