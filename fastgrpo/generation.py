@@ -15,12 +15,13 @@ One call, step by step:
    max_new_tokens`` tokens, ``S * T + N <= max_total_tokens``. The ``n`` samples of a prompt (a GRPO group) are
    queued; a sample admitted to a free slot gets a copy of its prompt's K/V from the store, so the prompt is
    prefilled once and shared by its ``n`` samples.
-3. **Decode.** One token per active slot per step: ``x_S -> layers -> logits_SV``, sample, append. The
-   attention reads only the first ``T_b`` cache positions (``T_b`` = the longest live sequence, rounded up to a
-   bucket). Every ``sync_every`` steps the host reads the ``done`` flags (the only host synchronisation in the
-   loop): finished samples are harvested, queued samples take their slots, and when the queue is empty and at
-   most half the batch is live the live slots are moved to the front and the batch shrinks to a power of two,
-   so finished sequences stop costing compute.
+3. **Decode.** One token per active slot per step: ``x_S -> layers -> logits_SV``, sample, append. On CUDA the
+   attention is a Triton split-K kernel that reads each slot's live keys only (the G query heads of a kv head as
+   G query rows, no K/V repeat); on CPU it is SDPA over the first ``T_b`` cache positions with a length mask
+   (``T_b`` = the longest live sequence, rounded up to a bucket on CUDA). Every ``sync_every`` steps the host
+   reads the ``done`` flags (the only host synchronisation in the loop): finished samples are harvested, queued
+   samples take their slots, and when the queue is empty and at most half the batch is live the live slots are
+   moved to the front and the batch shrinks to a power of two, so finished sequences stop costing compute.
 4. On CUDA the elementwise pieces of a layer (RMSNorm fused with the residual add, rotary on q and k, SiLU·up)
    are fused by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode
    forward (embedding → logits) is captured once per ``(batch, T_b)`` shape into a CUDA graph and replayed (no
@@ -32,9 +33,11 @@ Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` la
 kept), then top-p keeps the smallest set of the most likely tokens (of the top-k renormalised distribution)
 whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
 renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(-log(U)))``, ``U ~ U[0, 1)`` from a
-seeded ``torch.Generator``: no host sync, reproducible for a given seed and input). **The returned log-prob is
-``logp[token]``: under the temperature-scaled distribution before top-p/top-k truncation**, which is what the
-training forward computes with the same temperature.
+seeded ``torch.Generator``: no host sync, reproducible for a given seed and input). On CUDA, temperature-only
+sampling (no top-k/top-p, the GRPO default) is one Triton kernel that draws the noise in registers (philox from a
+seed the generator draws on the device) and reads each row of logits twice; the distribution is the same.
+**The returned log-prob is ``logp[token]``: under the temperature-scaled distribution before top-p/top-k
+truncation**, which is what the training forward computes with the same temperature.
 
 Tensor names carry their shape: S slots, T cache length, N packed prompt tokens, P prompts, V vocabulary,
 H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
