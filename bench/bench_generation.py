@@ -9,6 +9,8 @@ shrinks either). Figures:
   every live sequence at its current length, divided by the device-to-device copy bandwidth measured in this
   run (``common.copy_bandwidth_gbps``). HF runs fewer new tokens on GPU to bound the time; its per-token rate is
   then an upper bound for the full length (its per-step cost grows with the cache), so the ratio is a lower bound.
+- CPU: the matmul floor = the time of the weight matmuls alone for the batch, × the steps; both implementations
+  pay it, so it bounds the achievable speedup (``x_floor`` = seconds / floor).
 - Peak extra memory of each call (the engine's KV cache is freed when it returns).
 
 Workloads (issue 4): CPU, a ~10M-parameter Qwen2-shaped model, 8 prompts × n=4 of 32–64 tokens, 128 new tokens;
@@ -22,7 +24,8 @@ import argparse
 import time
 
 import torch
-from common import append_rows, copy_bandwidth_gbps, peak_extra_bytes, print_table, sync
+import torch.nn.functional as F
+from common import append_rows, copy_bandwidth_gbps, median_ms, peak_extra_bytes, print_table, sync
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.generation import GenerationEngine, SamplingParams
@@ -101,6 +104,17 @@ def hf_generate(model, prompts, n, max_new_tokens, device):
     )
 
 
+def matmul_floor_s(model, rows: int, steps: int, device) -> float:
+    """Time of the weight matmuls alone (every nn.Linear, LM head included) for ``rows`` tokens, × ``steps``: the
+    decode compute any implementation pays (engine and HF alike), measured in this run."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device, dtype=w.dtype, generator=gen) for w in weights}
+    with torch.no_grad():
+        ms = median_ms(lambda: [F.linear(x[w.shape[1]], w) for w in weights], device)
+    return ms * steps / 1e3
+
+
 def decode_roofline_s(model, prompts, n, max_new_tokens, gbps) -> float:
     """Bytes one full run must read at least (weights once per step + live K/V at its length), over bandwidth."""
     cfg = model.config
@@ -154,6 +168,11 @@ def main():
         {"impl": "hf_generate", "shape": shape, "new_tokens": hf_new, "seconds": hf_s, "tokens_per_s": hf_tps,
          "peak_extra_MiB": hf_peak / 2**20, "speedup_vs_hf": 1.0},
     ]
+    if not cuda:
+        floor_s = matmul_floor_s(model, num_prompts * n, new, device)
+        for r in rows:
+            r["matmul_floor_s"] = floor_s
+            r["x_floor"] = r["seconds"] / floor_s
     if cuda:
         one = SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=0)
         prefill_s, _, _ = timed(lambda: engine.generate(prompts, one), device)
