@@ -4,16 +4,22 @@
     python bench/bench_vs_trl.py --quick    # fewer steps
     python bench/bench_vs_trl.py --prompts 16 --generations 8 --max-new-tokens 32 --steps 6
 
-Both sides get the ``tiny`` recipe's model (a Qwen2-shaped model built from the recipe with the same seed, so the
-same initial weights, fp32), the same formatted prompt strings of the synthetic addition task, the math reward
-(``fastgrpo.rewards.math_reward``), ``P`` prompts x ``G`` generations per step, one AdamW step per rollout at the
-same learning rate and clipping, loss ``dapo``, beta 0, epsilon 0.2 / 0.28, temperature 1, no warm-up, no
+Both sides start from the same checkpoint: the ``tiny`` recipe's Qwen2-shaped model (fp32) after ``--sft-steps``
+supervised warm-up steps of fastgrpo (untimed), so that answers are partly right, rewards vary within groups and
+every step really trains (a random model scores 0 everywhere, and a trainer may then skip the update). Then the
+same formatted prompt strings of the synthetic addition task, the math reward (``fastgrpo.rewards.math_reward``),
+``P`` prompts x ``G`` generations per step, mean baseline with group std scaling and no filtering, one AdamW step
+per rollout at the same learning rate and clipping, loss ``dapo``, beta 0, epsilon 0.2 / 0.28, temperature 1, no
 validation, no checkpoints, the same number of CPU threads. Each side runs in its own process:
 
 - fastgrpo: ``python fastgrpo/train.py --recipe tiny ...``; a step's time is the ``time/step`` it logs (rollout,
   reward, update, metric reduction).
 - TRL: ``GRPOTrainer`` (``use_cpu`` on CPU, transformers ``generate``); a step's time is ``on_step_begin`` →
-  ``on_step_end`` of a callback (generation, reward, update and optimizer step happen in between).
+  ``on_step_end`` of a callback (generation, reward, update and optimizer step happen in between); its reward
+  time is measured around the reward function.
+
+The reward (math-verify on every ``\\boxed{}`` answer) is the same function on both sides: ``reward_s`` shows how
+much of a step it takes, and ``no_reward_vs_fastgrpo`` compares the rest (the trainers' own work).
 
 The first ``--warmup`` steps of each are dropped; the table shows the median of the rest. The 1-minute load
 average is recorded with the rows: on a machine busier than its cores, multi-threaded CPU runs stall in OpenMP
@@ -25,6 +31,7 @@ adds a directory holding trl and its dependencies to the TRL process's ``PYTHONP
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -44,24 +51,44 @@ def _threads(requested: int) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run_fastgrpo(args, out_dir: Path) -> dict:
-    """Run the trainer in a subprocess and read its per-step rows back from metrics.jsonl."""
-    from fastgrpo.metrics import read_jsonl
-
-    overrides = [
-        f"train.max_steps={args.warmup + args.steps}", "train.sft_warmup_steps=0", f"train.lr={LR}",
-        f"train.num_threads={args.threads}", f"train.device={args.device}",
-        f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
-        "grpo.loss_type=dapo", "grpo.beta=0.0", "grpo.epsilon_low=0.2", "grpo.epsilon_high=0.28",
-        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0",
-        "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
-        "checkpoint.every_steps=0", "checkpoint.save_final=false", "checkpoint.resume=never",
-        f"logging.output_dir={out_dir}", "logging.progress_bar=false",
-    ]
-    cmd = [sys.executable, str(ROOT / "fastgrpo" / "train.py"), "--recipe", "tiny", *overrides]
+def _train(args, out_dir: Path, overrides: list[str]) -> None:
+    cmd = [sys.executable, str(ROOT / "fastgrpo" / "train.py"), "--recipe", "tiny", *overrides,
+           f"train.num_threads={args.threads}", f"train.device={args.device}", "eval.at_start=false",
+           "eval.at_end=false", "eval.every_steps=0", "checkpoint.every_steps=0", "checkpoint.resume=never",
+           f"logging.output_dir={out_dir}", "logging.progress_bar=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"fastgrpo failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def warm_start(args, out_dir: Path) -> Path:
+    """The shared starting point: fastgrpo's supervised warm-up only (no GRPO step), saved as a checkpoint."""
+    from fastgrpo.checkpoint import latest_checkpoint
+
+    _train(args, out_dir, ["train.max_steps=0", f"train.sft_warmup_steps={args.sft_steps}",
+                           "checkpoint.save_final=true"])
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        raise RuntimeError(f"the warm-up wrote no checkpoint in {out_dir}")
+    return path
+
+
+def run_fastgrpo(args, out_dir: Path, model_path: Path) -> dict:
+    """Run the trainer in a subprocess and read its per-step rows back from metrics.jsonl."""
+    from fastgrpo.metrics import read_jsonl
+
+    _train(args, out_dir, [
+        f"model.path={model_path}", "model.dtype=float32",
+        f"train.max_steps={args.warmup + args.steps}", "train.sft_warmup_steps=0", f"train.lr={LR}",
+        "train.weight_decay=0.0", "train.warmup_steps=0", "train.max_grad_norm=1.0",
+        "train.sequences_per_optimizer_step=0",
+        f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
+        "grpo.loss_type=dapo", "grpo.beta=0.0", "grpo.epsilon_low=0.2", "grpo.epsilon_high=0.28",
+        "grpo.baseline=mean", "grpo.scale=group", "grpo.dynamic_sampling=false",
+        "grpo.mask_truncated_completions=false",
+        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "rollout.top_k=0", "checkpoint.save_final=false",
+    ])
     rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "time/step" in r]
     out = {"step_s": [r["time/step"] for r in rows], "length": [r["response_length/mean"] for r in rows],
            "reward": [r["reward/mean"] for r in rows]}
@@ -70,26 +97,22 @@ def run_fastgrpo(args, out_dir: Path) -> dict:
     return out
 
 
-def prepare_trl_inputs(args, out_dir: Path) -> None:
-    """Save the tiny model (same seed as the trainer's) with its tokenizer, and the formatted training prompts."""
-    import torch
+def write_prompts(model_path: Path, out_file: Path) -> None:
+    """The training prompts formatted exactly as fastgrpo formats them (chat template of the saved tokenizer)."""
+    from transformers import AutoTokenizer
 
     from fastgrpo.config import load_config
     from fastgrpo.data import format_prompt, synthetic_rows
-    from fastgrpo.models import build_tiny_model, build_tiny_tokenizer
 
     cfg = load_config("tiny", None, [])
-    tok = build_tiny_tokenizer()
-    model = build_tiny_model(cfg.model, tok, seed=cfg.train.seed).to(torch.float32)
-    model.save_pretrained(out_dir / "model")
-    tok.save_pretrained(out_dir / "model")
+    tok = AutoTokenizer.from_pretrained(model_path)
     train_rows, _ = synthetic_rows(cfg.data)
-    with open(out_dir / "prompts.jsonl", "w") as f:
+    with open(out_file, "w") as f:
         for row in train_rows:
             f.write(json.dumps({"prompt": format_prompt(row["prompt"], tok, cfg.data), "answer": row["answer"]}) + "\n")
 
 
-def run_trl(args, out_dir: Path) -> dict | None:
+def run_trl(args, out_dir: Path, model_path: Path) -> dict | None:
     """The TRL side in its own process (``--trl-worker``); None when trl cannot be imported there."""
     env = dict(os.environ)
     if args.trl_path:
@@ -98,8 +121,9 @@ def run_trl(args, out_dir: Path) -> dict | None:
                            text=True, env=env)
     if probe.returncode != 0:
         return None
-    prepare_trl_inputs(args, out_dir)
-    cmd = [sys.executable, __file__, "--trl-worker", str(out_dir), "--prompts", str(args.prompts),
+    write_prompts(model_path, out_dir / "prompts.jsonl")
+    cmd = [sys.executable, __file__, "--trl-worker", str(out_dir), "--model", str(model_path),
+           "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--device", args.device]
@@ -125,23 +149,35 @@ def trl_worker(args) -> None:
     out = Path(args.trl_worker)
     torch.set_num_threads(args.threads)
     use_cpu = args.device == "cpu" or not torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(out / "model")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args.model)
     data = load_dataset("json", data_files=str(out / "prompts.jsonl"), split="train")
+
+    reward_clock = [0.0]
+
+    @functools.wraps(math_reward)  # TRL names the reward column after the function
+    def timed_reward(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return math_reward(*a, **k)
+        finally:
+            reward_clock[0] += time.perf_counter() - t0
 
     class StepTimes(TrainerCallback):
         def __init__(self):
-            self.start, self.step_s, self.length, self.reward = 0.0, [], [], []
+            self.start, self.step_s, self.reward_s, self.length, self.reward = 0.0, [], [], [], []
 
         def on_step_begin(self, *a, **k):
             if not use_cpu:
                 torch.cuda.synchronize()  # sync: the previous step's kernels must not count towards this one
             self.start = time.perf_counter()
+            reward_clock[0] = 0.0
 
         def on_step_end(self, *a, **k):
             if not use_cpu:
                 torch.cuda.synchronize()  # sync: the step ends when its kernels do
             self.step_s.append(time.perf_counter() - self.start)
+            self.reward_s.append(reward_clock[0])
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -157,11 +193,11 @@ def trl_worker(args) -> None:
         use_cpu=use_cpu, bf16=False, fp16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
     timer = StepTimes()
-    trainer = GRPOTrainer(model=model, reward_funcs=math_reward, args=cfg, train_dataset=data,
+    trainer = GRPOTrainer(model=model, reward_funcs=timed_reward, args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[timer])
     trainer.train()
-    (out / "trl_result.json").write_text(json.dumps({"step_s": timer.step_s, "length": timer.length,
-                                                     "reward": timer.reward}))
+    (out / "trl_result.json").write_text(json.dumps({"step_s": timer.step_s, "reward_s": timer.reward_s,
+                                                     "length": timer.length, "reward": timer.reward}))
 
 
 def main() -> None:
@@ -172,10 +208,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for each side (0: the visible cores)")
+    parser.add_argument("--sft-steps", type=int, default=100, help="untimed supervised warm-up of the shared start")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--quick", action="store_true", help="3 timed steps")
     parser.add_argument("--trl-path", default="", help="directory with trl (and deps) to put on PYTHONPATH")
     parser.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.threads = _threads(args.threads)
     if args.trl_worker:
@@ -193,11 +231,13 @@ def main() -> None:
               f"(try --threads 1 on a shared machine)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        print(f"shared start: {args.sft_steps} supervised warm-up steps ...", flush=True)
+        start = warm_start(args, tmp / "warm")
         print(f"fastgrpo: {args.warmup} + {args.steps} steps of {args.prompts} prompts x {args.generations} "
               f"generations, {args.max_new_tokens} new tokens, {args.threads} threads, {device}", flush=True)
-        fg = run_fastgrpo(args, tmp / "fastgrpo")
+        fg = run_fastgrpo(args, tmp / "fastgrpo", start)
         print("TRL ...", flush=True)
-        trl = run_trl(args, tmp)
+        trl = run_trl(args, tmp, start)
     sides = {"fastgrpo": fg}
     if trl is None:
         print("trl is not installed: TRL's side is skipped (pip install trl, or --trl-path DIR with trl in it)")
@@ -208,18 +248,23 @@ def main() -> None:
         timed = res["step_s"][args.warmup:]
         if len(timed) < 1:
             raise RuntimeError(f"{name}: only {len(res['step_s'])} steps recorded")
+        rest = [s - r for s, r in zip(res["step_s"], res["reward_s"])][args.warmup:]
         rows.append({"impl": name, "prompts": args.prompts, "generations": args.generations,
                      "max_new_tokens": args.max_new_tokens, "loss_type": "dapo", "threads": args.threads,
                      "timed_steps": len(timed), "loadavg_1min": round(load, 2), "s_per_step": statistics.median(timed),
-                     "s_per_step_min": min(timed), "response_length": statistics.mean(res["length"][args.warmup:])})
+                     "s_per_step_min": min(timed), "no_reward_s": statistics.median(rest),
+                     "response_length": statistics.mean(res["length"][args.warmup:]),
+                     "reward_mean": statistics.mean(res["reward"][args.warmup:]), "sft_steps": args.sft_steps})
         for key in (f"{phase}_s" for phase in PHASES):
             if key in res:
                 rows[-1][key] = statistics.median(res[key][args.warmup:])
     for r in rows:
         r["vs_fastgrpo"] = r["s_per_step"] / rows[0]["s_per_step"]
+        r["no_reward_vs_fastgrpo"] = r["no_reward_s"] / rows[0]["no_reward_s"]
     print_table(rows, "seconds per GRPO step (median of the timed steps); vs_fastgrpo = time / fastgrpo's time")
     if len(rows) == 2:
-        print(f"fastgrpo takes {1 / rows[1]['vs_fastgrpo']:.3f} of TRL's time per step (target <= 0.333)")
+        print(f"fastgrpo takes {1 / rows[1]['vs_fastgrpo']:.3f} of TRL's time per step (target <= 0.333); "
+              f"{1 / rows[1]['no_reward_vs_fastgrpo']:.3f} without the (shared) reward function")
     path = append_rows("vs_trl", rows, device)
     print(f"rows appended to {path}")
 
