@@ -6,7 +6,8 @@ per completion. The reward of a completion is ``Σ_i w_i · f_i``.
 
 Built-ins:
 - ``math``: 1 when the last ``\\boxed{...}`` of the completion equals the ground truth, checked first as a plain
-  string match (fast path) and then with ``math-verify`` (``verify(parse(gold), parse(pred))``); else 0.
+  string match or as two plain decimal numbers (fast paths) and otherwise with ``math-verify``
+  (``verify(parse(gold), parse(pred))``); else 0.
 - ``format``: 1 when the completion holds a complete ``\\boxed{...}``; else 0.
 
 User functions are named ``"package.module:function"``. A function that raises, returns a non-finite value or the
@@ -74,10 +75,25 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _number(text: str) -> float | None:
+    """``text`` as a plain decimal number (``"12"``, ``"-3.5"``, ``"1,000"``), else None."""
+    t = text.strip().replace(",", "")
+    if not t or not all(ch.isdigit() or ch in "+-." for ch in t):
+        return None
+    try:
+        return float(t)
+    except ValueError:
+        return None
+
+
 def _verify(gold: str, pred: str, timeout_s: float) -> float:
-    """1.0 when ``pred`` equals ``gold``: a plain string match, else math-verify within ``timeout_s``."""
+    """1.0 when ``pred`` equals ``gold``: a plain string match or two plain numbers (fast paths), else
+    math-verify within ``timeout_s``."""
     if pred.strip() == gold.strip():
         return 1.0
+    a, b = _number(gold), _number(pred)
+    if a is not None and b is not None:
+        return 1.0 if a == b else 0.0
     from math_verify import parse, verify
 
     with time_limit(timeout_s) as status:

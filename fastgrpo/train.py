@@ -366,8 +366,8 @@ class Trainer:
                 bar.close()
             # Save only where every rank gets here together (Ctrl-C reaches all of torchrun's processes; another
             # error may hit one rank alone, and a collective save would then hang) and the weights match a
-            # completed step (not in the middle of a rollout's optimizer steps).
-            safe = not self.in_update and self.step > self.last_saved and (
+            # completed GRPO step (not in the middle of a rollout's optimizer steps, nor of the warm-up).
+            safe = not self.in_update and self.step > max(self.last_saved, 0) and (
                 isinstance(exc, KeyboardInterrupt) or st.world_size == 1)
             if safe and not isinstance(exc, TrainingAborted):
                 print0(f"interrupted ({type(exc).__name__}): saved {self.save()}")

@@ -49,7 +49,6 @@ def test_bfloat16_model():
 
 def test_packed_forward_logprobs_equal_unpacked_forwards():
     model, _ = load_model(ModelConfig(), CPU, seed=1)
-    model.config.initializer_range = 0.3
     g = torch.Generator().manual_seed(0)
     samples = [Sample(torch.randint(5, 60, (p,), generator=g).tolist(),
                       torch.randint(5, 60, (c,), generator=g).tolist(), [0.0] * c, 0.0)

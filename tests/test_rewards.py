@@ -23,6 +23,8 @@ def test_math_reward_exact_and_equivalent_answers():
     scores = math_reward([""] * len(completions), completions, ["12"] * len(completions))
     assert scores == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert math_reward([""], ["\\boxed{x^2+2x+1}"], ["(x+1)^2"]) == [1.0]
+    assert math_reward([""] * 3, ["\\boxed{1,000}", "\\boxed{-2.50}", "\\boxed{7-}"], ["1000", "-2.5", "7"]) == [
+        1.0, 1.0, 0.0]
 
 
 def test_format_reward():
