@@ -94,3 +94,22 @@ def test_bad_config_fails_before_starting():
         main(["grpo.epsilon_low=-1"])
     with pytest.raises(ValueError, match=r"unknown config key\(s\) \['train.nope'\]"):
         main(["train.nope=1"])
+
+
+def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
+    from fastgrpo.checkpoint import latest_checkpoint
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo import PolicyUpdate
+    from fastgrpo.train import Trainer, TrainingAborted
+
+    def always_bad(self, samples, **kwargs):  # every optimizer step of every rollout had a non-finite loss
+        return {"optimizer_steps": 0.0, "bad_steps": 1.0}
+
+    monkeypatch.setattr(PolicyUpdate, "run", always_bad)
+    cfg = load_config(overrides=[*SMALL, "train.sft_warmup_steps=0", "eval.at_start=false", "train.max_steps=10",
+                                 "train.max_bad_steps=2", "checkpoint.every_steps=0", f"logging.output_dir={tmp_path}"])
+    with pytest.raises(TrainingAborted, match="2 optimizer steps in a row had a non-finite loss"):
+        Trainer(cfg).fit()
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["bad_steps"] for r in rows] == [1, 2] and math.isnan(rows[0]["loss"])
