@@ -666,6 +666,7 @@ def _decode_attention(q_SHGD, k_SHTD, v_SHTD, length_S, scale: float) -> torch.T
     """
     S, Hkv, G, D = q_SHGD.shape
     T = k_SHTD.shape[2]
+    assert q_SHGD.stride(3) == k_SHTD.stride(3) == v_SHTD.stride(3) == 1, "the kernel reads D with unit stride"
     BLOCK_G = max(16, triton.next_power_of_2(G))  # tl.dot wants 16 rows at least
     BLOCK_D = max(16, triton.next_power_of_2(D))
     splits = max(1, min(triton.cdiv(T, DECODE_BLOCK_N), triton.cdiv(DECODE_MIN_PROGRAMS, S * Hkv)))
