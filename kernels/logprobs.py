@@ -47,9 +47,10 @@ _LOG_P_FLOOR = -1e4  # log p is clamped here: p = e^{log p} is already 0 in fp32
 
 
 def _launch_config(V: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for both kernels: up to 16384 vocabulary entries per step, 32 per thread."""
-    block_v = min(triton.next_power_of_2(V), 16384)
-    num_warps = max(1, min(16, block_v // 1024))
+    """(BLOCK_V, num_warps) for both kernels: up to 4096 vocabulary entries per step, 16 per thread (two 16-byte
+    loads in bf16). Small programs leave room for several per SM, whose independent loops overlap their loads."""
+    block_v = min(triton.next_power_of_2(V), 4096)
+    num_warps = max(1, min(8, block_v // 512))
     return block_v, num_warps
 
 
@@ -72,33 +73,41 @@ if HAS_TRITON:
         RETURN_ENTROPY: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        # Online log-sum-exp over blocks: m = running max of z, s = Σ e^{z−m}, w = Σ e^{z−m} (z − m). When the max
-        # moves to m', old terms scale by e^{m−m'} and (z − m) becomes (z − m) + (m − m'), so
-        # w' = e^{m−m'} (w + (m − m') s) + Σ_block e^{z−m'} (z − m'). At the end lse = m + log s and
-        # H = lse − Σ p z = log s − w / s (no cancellation against the size of m).
+        # Online log-sum-exp, kept per lane so the loop has no cross-thread reduction: lane j sees the entries
+        # z = logits[j + k·BLOCK_V] / T and keeps m = their running max, s = Σ e^{z−m}, w = Σ e^{z−m} (z − m).
+        # A new entry z with d = e^{−|z − m|} (one exp) updates
+        #   z > m:  s ← s·d + 1,  w ← d (w − (z − m) s),  m ← z     (old terms rescale by e^{m−z}, shift by m − z)
+        #   z ≤ m:  s ← s + d,    w ← w + d (z − m).
+        # The lanes merge once at the end: M = max m, S = Σ s e^{m−M}, W = Σ e^{m−M} (w + (m − M) s);
+        # lse = M + log S and H = lse − Σ p z = log S − W / S (no cancellation against the size of M).
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
         offs = tl.arange(0, BLOCK_V)
-        m = tl.full((), _M_INIT, tl.float32)
-        s = tl.zeros((), tl.float32)
-        w = tl.zeros((), tl.float32)
+        m = tl.full((BLOCK_V,), _M_INIT, tl.float32)
+        s = tl.zeros((BLOCK_V,), tl.float32)
+        w = tl.zeros((BLOCK_V,), tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
             z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            scale = tl.exp(m - m_new)
-            e = tl.exp(z - m_new)  # 0 on masked lanes and −inf logits
+            grow = z > m
+            dz = z - m
+            d = tl.exp(-tl.abs(dz))
+            dz = tl.where(d > 0.0, dz, 0.0)  # −inf (masked lanes, masked logits) adds nothing: keep 0 · ∞ out
             if RETURN_ENTROPY:
-                w = scale * (w + (m - m_new) * s) + tl.sum(e * tl.where(e > 0.0, z - m_new, 0.0), axis=0)
-            s = s * scale + tl.sum(e, axis=0)
-            m = m_new
-        lse = m + tl.log(s)
+                w = tl.where(grow, d * (w - dz * s), w + d * dz)
+            s = tl.where(grow, s * d + 1.0, s + d)
+            m = tl.where(grow, z, m)
+        m_row = tl.max(m, axis=0)
+        scale = tl.exp(m - m_row)  # 0 on lanes that saw no finite logit (their s = w = 0)
+        s_row = tl.sum(s * scale, axis=0)
+        log_s = tl.log(s_row)
         target = tl.load(targets_ptr + row).to(tl.int64)
         z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, (z_target - m) - tl.log(s))  # not z − lse: keeps the rounding of m + log s out
-        tl.store(lse_ptr + row, lse)
+        tl.store(logp_ptr + row, (z_target - m_row) - log_s)  # not z − lse: keeps the rounding of M + log S out
+        tl.store(lse_ptr + row, m_row + log_s)
         if RETURN_ENTROPY:
-            tl.store(entropy_ptr + row, tl.log(s) - w / s)
+            w_row = tl.sum(scale * (w + (m - m_row) * s), axis=0)
+            tl.store(entropy_ptr + row, log_s - w_row / s_row)
 
     # Per row: reads V logits, lse, the target id, g (and H, h); writes V gradient entries (possibly over the
     # logits themselves: each block is read before it is written, by the same program).
