@@ -39,10 +39,10 @@ if HAS_TRITON:
     import triton.language as tl
 
 # Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are two or three [TORCH_CHUNK_N, TORCH_CHUNK_V]
-# fp32 tensors (16 MiB each). Each op over a chunk is one parallel region of the CPU thread pool: chunks this large
-# keep their count low (on a loaded machine every region waits for its slowest thread).
-TORCH_CHUNK_N = 2048
-TORCH_CHUNK_V = 2048
+# fp32 tensors (4 MiB each: they stay in cache between the matmul and the passes over them, which is why this path
+# beats the eager composition on CPU; measured at N=4096, H=256, V=32000 against 512×1024 and 2048×2048).
+TORCH_CHUNK_N = 1024
+TORCH_CHUNK_V = 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -142,7 +142,9 @@ if HAS_TRITON:
         so each tile's logits are recomputed once. FLOPs per tile: 3 matmuls of ``2·BLOCK_N·BLOCK_V·H``
         (recompute, ``dz @ W``, ``dzᵀ @ h``) → with the forward, the 4 N×H×V matmuls of the issue's count.
         Bytes per tile: reads ``(BLOCK_N + BLOCK_V)·H`` inputs twice (mostly L2 hits), atomically adds
-        ``(BLOCK_N + BLOCK_V)·H`` fp32: ``6·BN·BV·H / (4·(BN + BV)·H)`` = 24 FLOP per atomic byte at 128×128.
+        ``(BLOCK_N + BLOCK_V)·H`` fp32: ``6·BN·BV·H / (4·(BN + BV)·H)`` = 96 FLOP per atomically added byte at
+        128×128 (the read-modify-write happens in L2). Whole backward: 6·N·V·H FLOPs, ``4·N·V·H·(1/BN + 1/BV)``
+        atomic bytes; no ``[N, V]`` buffer; one fp32 ``[V, H]`` and one fp32 ``[N, H]`` accumulator.
         Programs run grouped (``GROUP_N`` token tiles × all vocabulary tiles) so the ones in flight share ``W``
         and ``h`` tiles in L2 and spread their atomics over different rows.
 
