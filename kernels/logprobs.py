@@ -31,6 +31,8 @@ Shape legend: N rows (tokens; ``B·T`` for padded input), V vocabulary, C rows o
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ._utils import FLOAT_DTYPES, HAS_TRITON, check_shape, check_targets, check_tensor, use_triton
@@ -46,16 +48,19 @@ _CPU_CHUNK_BYTES = 32 << 20
 _LOG_P_FLOOR = -1e4  # log p is clamped here: p = e^{log p} is already 0 in fp32, and 0 · log p stays 0 for −inf logits
 
 
-def _launch_config(V: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for both kernels: up to 4096 vocabulary entries per step, 16 per thread (two 16-byte
-    loads in bf16). Small programs leave room for several per SM, whose independent loops overlap their loads."""
-    block_v = min(triton.next_power_of_2(V), 4096)
+def _launch_config(V: int, element_size: int) -> tuple[int, int, int]:
+    """(BLOCK_V, VEC, num_warps) for both kernels: up to 4096 vocabulary entries per step, in groups of VEC that
+    fill one 16-byte load; 8 warps give each thread two such loads in bf16. Small programs (64 to 80 registers
+    per thread on sm_90) leave room for several per SM, whose independent loops overlap their loads."""
+    vec = 16 // element_size
+    block_v = max(vec, min(triton.next_power_of_2(V), 4096))
     num_warps = max(1, min(8, block_v // 512))
-    return block_v, num_warps
+    return block_v, vec, num_warps
 
 
 if HAS_TRITON:
     _M_INIT = tl.constexpr(-1e30)  # running-max start: finite, so −inf logits never give (−inf) − (−inf) = nan
+    _LOG2E = tl.constexpr(1.4426950408889634)  # e^u = 2^{u log2 e}: exp2 is the hardware instruction
 
     # Per row: reads V logits once, the target id and the target's logit; writes logp, lse (and H): 3 floats.
     @triton.jit
@@ -72,42 +77,47 @@ if HAS_TRITON:
         inv_temperature,
         RETURN_ENTROPY: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        VEC: tl.constexpr,
     ):
-        # Online log-sum-exp, kept per lane so the loop has no cross-thread reduction: lane j sees the entries
-        # z = logits[j + k·BLOCK_V] / T and keeps m = their running max, s = Σ e^{z−m}, w = Σ e^{z−m} (z − m).
-        # A new entry z with d = e^{−|z − m|} (one exp) updates
-        #   z > m:  s ← s·d + 1,  w ← d (w − (z − m) s),  m ← z     (old terms rescale by e^{m−z}, shift by m − z)
-        #   z ≤ m:  s ← s + d,    w ← w + d (z − m).
-        # The lanes merge once at the end: M = max m, S = Σ s e^{m−M}, W = Σ e^{m−M} (w + (m − M) s);
-        # lse = M + log S and H = lse − Σ p z = log S − W / S (no cancellation against the size of M).
+        # Online log-sum-exp, kept per group of VEC adjacent entries (one 16-byte load, held by one thread) so the
+        # loop reduces only within a thread. Group r sees the raw logits x = logits[k·BLOCK_V + r·VEC + c] and keeps
+        # m = their running max, s = Σ e^{τ(x−m)}, w = Σ e^{τ(x−m)} (x − m), with τ = 1/T (the max of x is the max
+        # of z = τx, so the loop never scales x by τ separately). A block moves the max to m' and rescales the old
+        # terms by e^{τ(m−m')} (shifting x − m by m − m'):
+        #   s' = e^{τ(m−m')} s + Σ e^{τ(x−m')},   w' = e^{τ(m−m')} (w + (m − m') s) + Σ e^{τ(x−m')} (x − m').
+        # The groups merge once at the end: M = max m, S = Σ s e^{τ(m−M)}, W = Σ e^{τ(m−M)} (w + (m − M) s);
+        # lse = τM + log S and H = lse − Σ p z = log S − τW / S (no cancellation against the size of M).
+        GROUPS: tl.constexpr = BLOCK_V // VEC
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
-        offs = tl.arange(0, BLOCK_V)
-        m = tl.full((BLOCK_V,), _M_INIT, tl.float32)
-        s = tl.zeros((BLOCK_V,), tl.float32)
-        w = tl.zeros((BLOCK_V,), tl.float32)
+        offs = tl.arange(0, GROUPS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [GROUPS, VEC]
+        c = inv_temperature * _LOG2E  # e^{τu} = 2^{cu}
+        m = tl.full((GROUPS,), _M_INIT, tl.float32)
+        s = tl.zeros((GROUPS,), tl.float32)
+        w = tl.zeros((GROUPS,), tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            grow = z > m
-            dz = z - m
-            d = tl.exp(-tl.abs(dz))
-            dz = tl.where(d > 0.0, dz, 0.0)  # −inf (masked lanes, masked logits) adds nothing: keep 0 · ∞ out
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            scale = tl.exp2((m - m_new) * c)
+            x_shift = x - m_new[:, None]
+            e = tl.exp2(x_shift * c)  # 0 on masked lanes and −inf logits
             if RETURN_ENTROPY:
-                w = tl.where(grow, d * (w - dz * s), w + d * dz)
-            s = tl.where(grow, s * d + 1.0, s + d)
-            m = tl.where(grow, z, m)
+                x_shift = tl.where(e > 0.0, x_shift, 0.0)  # keeps 0 · (−∞) out
+                w = scale * (w + (m - m_new) * s) + tl.sum(e * x_shift, axis=1)
+            s = s * scale + tl.sum(e, axis=1)
+            m = m_new
         m_row = tl.max(m, axis=0)
-        scale = tl.exp(m - m_row)  # 0 on lanes that saw no finite logit (their s = w = 0)
+        scale = tl.exp2((m - m_row) * c)  # 0 on groups that saw no finite logit (their s = w = 0)
         s_row = tl.sum(s * scale, axis=0)
         log_s = tl.log(s_row)
         target = tl.load(targets_ptr + row).to(tl.int64)
-        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        tl.store(logp_ptr + row, (z_target - m_row) - log_s)  # not z − lse: keeps the rounding of M + log S out
-        tl.store(lse_ptr + row, m_row + log_s)
+        x_target = tl.load(row_ptr + target).to(tl.float32)
+        tl.store(logp_ptr + row, (x_target - m_row) * inv_temperature - log_s)  # not z − lse: no rounding of lse
+        tl.store(lse_ptr + row, m_row * inv_temperature + log_s)
         if RETURN_ENTROPY:
             w_row = tl.sum(scale * (w + (m - m_row) * s), axis=0)
-            tl.store(entropy_ptr + row, log_s - w_row / s_row)
+            tl.store(entropy_ptr + row, log_s - inv_temperature * w_row / s_row)
 
     # Per row: reads V logits, lse, the target id, g (and H, h); writes V gradient entries (possibly over the
     # logits themselves: each block is read before it is written, by the same program).
@@ -131,29 +141,31 @@ if HAS_TRITON:
         HAS_GRAD_ENTROPY: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        # grad_j = (g ([j = y] − p_j) − h p_j (log p_j + H)) / T with log p_j = z_j − lse, recomputed per block.
+        # grad_j = g' ([j = y] − p_j) − h' p_j (log p_j + H) with g' = g / T, h' = h / T and log p_j = z_j − lse,
+        # recomputed per block.
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
         grad_row_ptr = grad_ptr + (row // T) * grad_stride_b + (row % T) * grad_stride_t
         offs = tl.arange(0, BLOCK_V)
         lse = tl.load(lse_ptr + row)
+        c = inv_temperature * _LOG2E  # p = e^{τx − lse} = 2^{cx − lse log2 e}
+        lse2 = lse * _LOG2E
         if HAS_GRAD_LOGP:
-            g = tl.load(grad_logp_ptr + row).to(tl.float32)
-            target = tl.load(targets_ptr + row).to(tl.int64)
+            g = tl.load(grad_logp_ptr + row).to(tl.float32) * inv_temperature
+            target = tl.load(targets_ptr + row).to(tl.int32)  # < V: compared with int32 columns
         if HAS_GRAD_ENTROPY:
-            h = tl.load(grad_entropy_ptr + row).to(tl.float32)
+            h = tl.load(grad_entropy_ptr + row).to(tl.float32) * inv_temperature
             entropy = tl.load(entropy_ptr + row)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            log_p = z - lse  # −inf on masked lanes: p = 0 there, nothing overflows
-            p = tl.exp(log_p)
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            p = tl.exp2(x * c - lse2)  # −inf on masked lanes: p = 0 there, nothing overflows
             grad = tl.zeros((BLOCK_V,), tl.float32)
             if HAS_GRAD_LOGP:
                 grad = g * (tl.where(cols == target, 1.0, 0.0) - p)
             if HAS_GRAD_ENTROPY:
+                log_p = x * inv_temperature - lse
                 grad -= h * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-            grad = grad * inv_temperature
             tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
@@ -170,11 +182,11 @@ def _triton_forward(logits, targets_N, inv_temperature, return_entropy):
     lse_N = torch.empty_like(logp_N)
     entropy_N = torch.empty_like(logp_N) if return_entropy else None
     T, stride_b, stride_t = _row_strides(logits)
-    block_v, num_warps = _launch_config(V)
+    block_v, vec, num_warps = _launch_config(V, logits.element_size())
     _logprobs_fwd_kernel[(N,)](
         logits, targets_N, logp_N, entropy_N if return_entropy else lse_N, lse_N,
         T, stride_b, stride_t, V, inv_temperature,
-        RETURN_ENTROPY=return_entropy, BLOCK_V=block_v, num_warps=num_warps,
+        RETURN_ENTROPY=return_entropy, BLOCK_V=block_v, VEC=vec, num_warps=num_warps,
     )
     return logp_N, entropy_N, lse_N
 
@@ -183,7 +195,7 @@ def _triton_backward(logits, grad, targets_N, lse_N, entropy_N, grad_logp_N, gra
     N, V = targets_N.numel(), logits.shape[-1]
     T, stride_b, stride_t = _row_strides(logits)
     _, grad_stride_b, grad_stride_t = _row_strides(grad)
-    block_v, num_warps = _launch_config(V)
+    block_v, _, num_warps = _launch_config(V, logits.element_size())
     has_g, has_h = grad_logp_N is not None, grad_entropy_N is not None
     _logprobs_bwd_kernel[(N,)](
         logits, grad, targets_N, lse_N,
@@ -352,7 +364,7 @@ def _check_inputs(logits, targets, temperature) -> None:
     check_tensor("targets", targets, device=logits.device)
     check_shape("targets", targets, tuple(logits.shape[:-1]), "logits.shape[:-1]")
     check_targets("targets", targets, logits.shape[-1])
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     if not 0.0 < temperature < float("inf"):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
