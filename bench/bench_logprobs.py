@@ -11,7 +11,8 @@ cost does not depend on the values).
 
     python bench/bench_logprobs.py            # CPU: N=4096 V=32000 fp32 (torch path); GPU: N=16384 V=151936 bf16
     python bench/bench_logprobs.py --quick    # CPU: N=1024
-    python bench/bench_logprobs.py --no-compile
+    python bench/bench_logprobs.py --no-compile         # GPU: skip torch.compile
+    python bench/bench_logprobs.py --compile-entropy    # GPU: also compile the entropy variant (two more compiles)
 
 Rows go to ``bench/results/logprobs.csv``, appended after each method (a timeout keeps what finished); CPU
 peak memory is the RSS high-water mark after ``malloc_trim`` (freed heap pages would otherwise hide reuse).
@@ -106,6 +107,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small CPU shape (N=1024)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline (GPU)")
+    parser.add_argument("--compile-entropy", action="store_true",
+                        help="torch.compile baseline for the entropy case too (GPU; by default only without entropy, "
+                             "to stay within gpu_check's time limit)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -116,7 +120,8 @@ def main():
         N, V, dtype = (1024 if args.quick else 4096), 32000, torch.float32
         copy_gbps = None
     for entropy in (False, True):
-        rows = run_case(N, V, dtype, device, entropy, not args.no_compile, copy_gbps)
+        compile_baseline = not args.no_compile and (args.compile_entropy or not entropy)
+        rows = run_case(N, V, dtype, device, entropy, compile_baseline, copy_gbps)
         print_table(rows, f"\nlogprobs_from_logits N={N} V={V} {dtype} T={TEMPERATURE} entropy={entropy} on {device}")
 
 

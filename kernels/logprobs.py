@@ -50,8 +50,9 @@ _LOG_P_FLOOR = -1e4  # log p is clamped here: p = e^{log p} is already 0 in fp32
 
 def _launch_config(V: int, element_size: int) -> tuple[int, int, int]:
     """(BLOCK_V, VEC, num_warps) for both kernels: up to 4096 vocabulary entries per step, in groups of VEC that
-    fill one 16-byte load; 8 warps give each thread two such loads in bf16. Small programs (64 to 80 registers
-    per thread on sm_90) leave room for several per SM, whose independent loops overlap their loads."""
+    fill one 16-byte load; 8 warps give each thread two such loads in bf16. Small programs leave room for several
+    per SM, whose independent loops overlap their loads (compiled offline for sm_90: no spills, about 8 instructions
+    per entry in the forward loop, 10 in the backward's)."""
     vec = 16 // element_size
     block_v = max(vec, min(triton.next_power_of_2(V), 4096))
     num_warps = max(1, min(8, block_v // 512))
