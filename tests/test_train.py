@@ -113,3 +113,47 @@ def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
     assert latest_checkpoint(tmp_path).name == "step_00000002"
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["bad_steps"] for r in rows] == [1, 2] and math.isnan(rows[0]["loss"])
+
+
+class ScriptedEngine:
+    """Stands in for the sampler: prompt p gets the texts ``script[p]`` with the given finish reasons."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script = tok, script
+
+    def generate(self, prompts, params):
+        from fastgrpo.generation import Completion
+
+        out = []
+        for p in range(len(prompts)):
+            group = []
+            for text, reason in self.script[p]:
+                ids = self.tok(text, add_special_tokens=False)["input_ids"]
+                ids = ids + [self.tok.eos_token_id] if reason == "stop" else ids
+                group.append(Completion(ids, [-0.5] * len(ids), reason))
+            out.append(group)
+        return out
+
+
+@pytest.mark.parametrize("mask_truncated, dynamic", [(False, False), (True, True)])
+def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, dynamic):
+    from fastgrpo.config import load_config
+    from fastgrpo.train import Trainer
+
+    cfg = load_config(overrides=[*SMALL, "grpo.num_prompts_per_step=2", "grpo.num_generations=2",
+                                 "data.shuffle=false", f"grpo.mask_truncated_completions={str(mask_truncated).lower()}",
+                                 f"grpo.dynamic_sampling={str(dynamic).lower()}", f"logging.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    answers = [trainer.train_data.rows[i]["answer"] for i in (0, 1)]
+    wrong = str(int(answers[0]) + 1)
+    trainer.engine = ScriptedEngine(trainer.tokenizer, [
+        [(f"\\boxed{{{answers[0]}}}", "stop"), (f"\\boxed{{{wrong}}}", "length")],  # rewards 1, 0
+        [("x", "stop"), ("yy", "length")],  # rewards 0, 0: zero std
+    ])
+    samples, m = trainer.rollout({"max_new_tokens": 8})
+    adv = 0.5 / (2**0.5 / 2 + 1e-4)  # (r - mean) / (unbiased std + ADV_EPS)
+    assert [s.advantage for s in samples] == pytest.approx([adv, -adv, 0.0, 0.0])
+    assert [s.train for s in samples] == [True, not mask_truncated, not dynamic, not (dynamic or mask_truncated)]
+    assert samples[0].completion_ids[-1] == trainer.tokenizer.eos_token_id and samples[0].sample_logprobs[0] == -0.5
+    assert m["accuracy"] == 0.25 and m["frac_reward_zero_std"] == 0.5 and m["truncated_fraction"] == 0.5
+    assert m["response_length/max"] == len(samples[0].completion_ids)
