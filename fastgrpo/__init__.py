@@ -5,26 +5,7 @@ The drop-in losses and kernels live in :mod:`fastgrpo.kernels` and are re-export
     from fastgrpo import grpo_loss, logprobs_from_logits, dpo_loss, fused_linear_grpo_loss
 """
 
-from .kernels import (
-    dpo_loss,
-    fused_linear_cross_entropy,
-    fused_linear_dpo_loss,
-    fused_linear_grpo_loss,
-    fused_linear_logprobs,
-    grpo_loss,
-    logprobs_from_logits,
-    varlen_attention,
-)
+from .kernels import *  # noqa: F403  (the public kernel API, listed in fastgrpo.kernels.__all__)
+from .kernels import __all__ as __all__
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "dpo_loss",
-    "fused_linear_cross_entropy",
-    "fused_linear_dpo_loss",
-    "fused_linear_grpo_loss",
-    "fused_linear_logprobs",
-    "grpo_loss",
-    "logprobs_from_logits",
-    "varlen_attention",
-]
