@@ -52,7 +52,8 @@ def _launch_config(V: int, element_size: int) -> tuple[int, int, int]:
     """(BLOCK_V, VEC, num_warps) for both kernels: up to 4096 vocabulary entries per step, in groups of VEC that
     fill one 16-byte load; 8 warps give each thread two such loads in bf16. Small programs leave room for several
     per SM, whose independent loops overlap their loads (compiled offline for sm_90: no spills, about 8 instructions
-    per entry in the forward loop, 10 in the backward's)."""
+    per entry in the forward loop, 10 in the backward's). The loads vectorize when V and the row strides are
+    multiples of 16, which Triton detects (real vocabularies: 32000, 128256, 151936)."""
     vec = 16 // element_size
     block_v = max(vec, min(triton.next_power_of_2(V), 4096))
     num_warps = max(1, min(8, block_v // 512))
