@@ -39,9 +39,10 @@ if HAS_TRITON:
     import triton.language as tl
 
 # Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are two or three [TORCH_CHUNK_N, TORCH_CHUNK_V]
-# fp32 tensors (4 MiB each: they stay in cache between the matmul and the passes over them, which is why this path
-# beats the eager composition on CPU; measured at N=4096, H=256, V=32000 against 512×1024 and 2048×2048).
-TORCH_CHUNK_N = 1024
+# fp32 tensors (8 MiB each). Smaller chunks stay in cache (faster on an idle machine), but every op over a chunk is
+# one parallel region of the CPU thread pool, and on a loaded machine each region waits for its slowest thread:
+# this size keeps the region count low (measured at N=4096, H=256, V=32000 against 1024×1024 and 2048×2048).
+TORCH_CHUNK_N = 2048
 TORCH_CHUNK_V = 1024
 
 
