@@ -32,7 +32,6 @@ from common import append_rows, copy_bandwidth_gbps, device_name, median_ms, pea
 
 os.environ.pop("TRITON_INTERPRET", None)  # on CPU this benchmark measures the plain-torch path
 
-from bench_linear_logprobs import exact_cpu_peaks  # noqa: E402
 from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, grpo_loss  # noqa: E402
 from fastgrpo.kernels.reference import grpo_loss_ref  # noqa: E402
 
@@ -159,7 +158,6 @@ def main():
                                      torch.bfloat16))
     else:
         device = "cpu"
-        exact_cpu_peaks()
         B, T = (16, 1024) if args.quick else (64, 4096)
         rows = run(B, T, device, compile_baseline=False)
         rows.append(run_fused_linear(*((2, 256, 64, 4000) if args.quick else (4, 512, 128, 16000)), device,

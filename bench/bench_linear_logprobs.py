@@ -17,10 +17,8 @@ Rows go to ``bench/results/linear_logprobs.csv``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import os
-import platform
 
 import torch
 from common import append_rows, device_name, median_ms, peak_extra_bytes, print_table, sync
@@ -31,18 +29,6 @@ from fastgrpo.kernels.linear_logprobs import fused_linear_logprobs  # noqa: E402
 from fastgrpo.kernels.reference import linear_logprobs_ref  # noqa: E402
 
 FILTER_EPS = 2.0**-12  # Cut Cross-Entropy's default for bf16: below bf16's resolution next to 1
-
-
-def exact_cpu_peaks():
-    """Make every allocation of 64 KiB or more an mmap, returned to the OS when freed (glibc ``mallopt``).
-
-    Otherwise glibc's dynamic mmap threshold serves freed-then-reallocated blocks up to 32 MiB from the heap that
-    is already resident, and the resident high-water mark misses them (the fused path's chunks would read 0).
-    """
-    if platform.system() == "Linux":
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: hand the heap's free top back at once
 
 
 def eager_logprobs(hidden, weight, targets):
@@ -113,7 +99,6 @@ def filter_accuracy(N, H, V, dtype, device, scale):
 
 
 def run_cpu(N, H, V):
-    exact_cpu_peaks()
     dtype, device = torch.float32, "cpu"
     g0 = torch.Generator().manual_seed(0)
     h = torch.randn(N, H, generator=g0).requires_grad_()

@@ -15,7 +15,7 @@ cost does not depend on the values).
     python bench/bench_logprobs.py --compile-entropy    # GPU: also compile the entropy variant (two more compiles)
 
 Rows go to ``bench/results/logprobs.csv``, appended after each method (a timeout keeps what finished); CPU
-peak memory is the RSS high-water mark after ``malloc_trim`` (freed heap pages would otherwise hide reuse).
+peak memory is ``common.peak_extra_bytes``: the RSS high-water mark, made exact for glibc's freed blocks.
 Targets (issue 2): GPU fwd+bwd ≥ 85% of copy bandwidth, ≥ 3× faster than eager, ≤ 1/3 of its peak extra memory;
 CPU ≤ 1/4 of eager's peak extra memory and no slower.
 """
@@ -23,8 +23,6 @@ CPU ≤ 1/4 of eager's peak extra memory and no slower.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 
 import torch
 from common import append_rows, copy_bandwidth_gbps, median_ms, peak_extra_bytes, print_table
@@ -32,14 +30,6 @@ from fastgrpo.kernels.logprobs import logprobs_from_logits
 from fastgrpo.kernels.reference import logprobs_ref
 
 TEMPERATURE = 0.9
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
-
-
-def _peak(fn, device) -> int:
-    """Peak extra bytes of ``fn``; on CPU first hand freed heap pages back (else RSS hides reused memory)."""
-    if torch.device(device).type == "cpu" and _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    return peak_extra_bytes(fn, device)
 
 
 def _methods(device, entropy, compile_baseline):
@@ -86,10 +76,10 @@ def run_case(N, V, dtype, device, entropy, compile_baseline, copy_gbps):
         new = []
         if not backward_only:
             ms = median_ms(fwd, device, warmup=1, rep=3)
-            new.append({"case": "fwd", **row, "ms": ms, "peak_extra_MiB": _peak(fwd, device) / 2**20,
+            new.append({"case": "fwd", **row, "ms": ms, "peak_extra_MiB": peak_extra_bytes(fwd, device) / 2**20,
                         "GB/s": N * V * elem / ms / 1e6})
         ms = median_ms(fwd_bwd, device, warmup=1, rep=3)
-        new.append({"case": "fwd+bwd", **row, "ms": ms, "peak_extra_MiB": _peak(fwd_bwd, device) / 2**20,
+        new.append({"case": "fwd+bwd", **row, "ms": ms, "peak_extra_MiB": peak_extra_bytes(fwd_bwd, device) / 2**20,
                     "GB/s": 3 * N * V * elem / ms / 1e6})
         for r in new:  # ratios against eager in the same case, and against the copy bandwidth
             base = next(b for b in rows + new if b["method"] == "eager" and b["case"] == r["case"])

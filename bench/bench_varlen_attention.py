@@ -27,8 +27,6 @@ Targets (issue 6): GPU fwd+bwd ≥ 1.0× torch varlen (aim 1.3×); forward ≥ 4
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import inspect
 
 import torch
@@ -37,17 +35,9 @@ from common import append_rows, matmul_tflops, median_ms, peak_extra_bytes, prin
 from fastgrpo.kernels._utils import pad_packed, seq_index
 from fastgrpo.kernels.varlen_attention import varlen_attention
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 GPU_DOCS = [16384, 8192, 4096, 2048, 1024, 512, 512]  # 32768 tokens
 CPU_DOCS = [1024, 512, 256, 128, 64, 64]  # 2048 tokens
 CPU_QUICK_DOCS = [256, 128, 64, 32, 32, 16]  # 528 tokens
-
-
-def _peak_mib(fn, device) -> float:
-    """Peak extra MiB of ``fn``; on CPU first hand freed heap pages back (else the RSS hides reused memory)."""
-    if device == "cpu" and _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    return peak_extra_bytes(fn, device) / 2**20
 
 
 def causal_flops(lengths, Hq, D):
@@ -144,7 +134,7 @@ def run_case(lengths, Hq, Hkv, D, dtype, device, flex, mm_tflops):
 
         times = {case: median_ms(f, device, **reps) for case, f in (("fwd", fwd), ("bwd", bwd), ("fwd+bwd", fwd_bwd))}
         del out
-        peak = _peak_mib(fwd_bwd, device)
+        peak = peak_extra_bytes(fwd_bwd, device) / 2**20
         new = []
         for case, flops in (("fwd", fwd_flops), ("bwd", bwd_flops), ("fwd+bwd", fwd_flops + bwd_flops)):
             row = {**shape, "method": name, "case": case, "ms": times[case], "TFLOP/s": flops / times[case] / 1e9,

@@ -6,7 +6,9 @@ rows (device, git sha, date, shape, figures) to ``bench/results/<name>.csv``.
 - GPU time: ``triton.testing.do_bench`` (CUDA events), median. CPU time: ``perf_counter`` median of repeats.
 - GPU peak extra memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
 - CPU peak extra memory: the process's resident high-water mark (``VmHWM``, reset through
-  ``/proc/self/clear_refs``) above the resident size before the call.
+  ``/proc/self/clear_refs``) above the resident size before the call. On glibc the measurement is made exact
+  (``exact_cpu_rss``): every block of 64 KiB or more is its own mmap, unmapped when freed, and free heap pages are
+  handed back before the call, so the resident size follows the bytes actually live.
 - Ceilings (GPU): device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate, measured on
   random data in the same run (METHOD.md: never time zeros).
 """
@@ -14,7 +16,10 @@ rows (device, git sha, date, shape, figures) to ``bench/results/<name>.csv``.
 from __future__ import annotations
 
 import csv
+import ctypes
+import ctypes.util
 import datetime
+import functools
 import gc
 import os
 import platform
@@ -74,8 +79,48 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+MMAP_THRESHOLD_BYTES = 64 * 1024  # blocks this large or larger are mmapped, so freeing one unmaps it
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameter numbers (malloc.h)
+
+
+@functools.cache
+def _glibc():
+    """The C library when it is glibc (it has ``mallopt`` and ``malloc_trim``), else None."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+@functools.cache
+def _fix_malloc_thresholds() -> None:
+    """Once per process: a fixed mmap threshold of 64 KiB and no trim hysteresis (glibc ``mallopt``).
+
+    By default glibc raises its mmap threshold (up to 32 MiB) each time an mmapped block is freed, after which
+    such blocks come from the heap, and freed heap pages stay resident: a call that reuses them never raises the
+    resident high-water mark (a chunked path would read 0 extra bytes).
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, 0)
+
+
+def exact_cpu_rss() -> None:
+    """Make the resident size track live bytes: fixed malloc thresholds, then free heap pages handed back."""
+    _fix_malloc_thresholds()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
-    """Peak memory ``fn`` needs above what was in use before it ran (its outputs included)."""
+    """Peak memory ``fn`` needs above what was in use before it ran (its outputs included).
+
+    GPU: the caching allocator's peak above the bytes allocated before. CPU: the resident high-water mark above
+    the resident size before, after ``exact_cpu_rss`` (blocks under 64 KiB are not tracked exactly: noise).
+    """
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -87,6 +132,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device | str) -> in
         peak = torch.cuda.max_memory_allocated() - before
         del out
         return peak
+    exact_cpu_rss()
     with open("/proc/self/clear_refs", "w") as f:  # "5" resets the resident high-water mark (Linux)
         f.write("5")
     before = _rss_kib("VmRSS")
