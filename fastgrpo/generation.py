@@ -16,12 +16,13 @@ One call, step by step:
    queued; a sample admitted to a free slot gets a copy of its prompt's K/V from the store, so the prompt is
    prefilled once and shared by its ``n`` samples.
 3. **Decode.** One token per active slot per step: ``x_S -> layers -> logits_SV``, sample, append. On CUDA the
-   attention is a Triton split-K kernel that reads each slot's live keys only (the G query heads of a kv head as
-   G query rows, no K/V repeat); on CPU it is SDPA over the first ``T_b`` cache positions with a length mask
-   (``T_b`` = the longest live sequence, rounded up to a bucket on CUDA). Every ``sync_every`` steps the host
-   reads the ``done`` flags (the only host synchronisation in the loop): finished samples are harvested, queued
-   samples take their slots, and when the queue is empty and at most half the batch is live the live slots are
-   moved to the front and the batch shrinks to a power of two, so finished sequences stop costing compute.
+   attention is the split-K kernel of ``fastgrpo.kernels.decode_attention``, which reads each slot's live keys
+   only (the G query heads of a kv head as G query rows, no K/V repeat); on CPU it is SDPA over the first ``T_b``
+   cache positions with a length mask (``T_b`` = the longest live sequence, rounded up to a bucket on CUDA).
+   Every ``sync_every`` steps the host reads the ``done`` flags (the only host synchronisation in the loop):
+   finished samples are harvested, queued samples take their slots, and when the queue is empty and at most half
+   the batch is live the live slots are moved to the front and the batch shrinks to a power of two, so finished
+   sequences stop costing compute.
 4. On CUDA the elementwise pieces of a layer (RMSNorm fused with the residual add, rotary on q and k, SiLU·up)
    are fused by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode
    forward (embedding → logits) is captured once per ``(batch, T_b)`` shape into a CUDA graph and replayed (no
@@ -34,8 +35,9 @@ kept), then top-p keeps the smallest set of the most likely tokens (of the top-k
 whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
 renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(-log(U)))``, ``U ~ U[0, 1)`` from a
 seeded ``torch.Generator``: no host sync, reproducible for a given seed and input). On CUDA, temperature-only
-sampling (no top-k/top-p, the GRPO default) is one Triton kernel that draws the noise in registers (philox from a
-seed the generator draws on the device) and reads each row of logits twice; the distribution is the same.
+sampling (no top-k/top-p, the GRPO default) is ``fastgrpo.kernels.sampling.gumbel_sample``: one kernel that draws
+the noise in registers (philox from a seed the generator draws on the device) and reads each row of logits twice;
+the distribution is the same.
 **The returned log-prob is ``logp[token]``: under the temperature-scaled distribution before top-p/top-k
 truncation**, which is what the training forward computes with the same temperature.
 
@@ -54,11 +56,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.kernels._utils import HAS_TRITON, dot_in_fp32, use_triton
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
+from fastgrpo.kernels._utils import use_triton
+from fastgrpo.kernels.decode_attention import decode_attention
+from fastgrpo.kernels.sampling import gumbel_sample
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
@@ -460,7 +460,7 @@ class GenerationEngine:
             # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
             if fused_attention:  # reads each slot's live keys only
-                o = _decode_attention(q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], length_S, self.scale)
+                o = decode_attention(q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], length_S, softmax_scale=self.scale)
             else:
                 o = F.scaled_dot_product_attention(
                     q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], attn_mask=mask_S11T, scale=self.scale
@@ -495,203 +495,14 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _decode_attention_kernel(  # fmt: skip
-        Q, K, V, LEN,  # q [S, Hkv, G, D], k/v [S, Hkv, T, D], live length [S]
-        O_part, M_part, L_part,  # [S, Hkv, splits, BLOCK_G, BLOCK_D], [S, Hkv, splits, BLOCK_G] ×2 (fp32)
-        stride_qs, stride_qh, stride_qg,
-        stride_ks, stride_kh, stride_kt,
-        stride_vs, stride_vh, stride_vt,
-        split_len, scale,
-        G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        """One (slot, kv head, split): the G query heads of the kv head against keys [split·len, (split+1)·len) ∩
-        [0, LEN[slot]). Reads G·D of q and 2·n·D of K/V (n = the live keys of the split, nothing past the slot's
-        length); writes the unnormalised output, row max and row sum of the online softmax for the combine."""
-        s = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        split = tl.program_id(2)
-        n_splits = tl.num_programs(2)
-        length = tl.load(LEN + s).to(tl.int32)
-        start = split * split_len
-        end = tl.minimum(start + split_len, length)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        d_ok = offs_d < D
-        q = tl.load(
-            Q + s * stride_qs + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
-            mask=(offs_g[:, None] < G) & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_G, BLOCK_D]
-        if FP32_DOT:
-            q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        k_base = K + s * stride_ks + h * stride_kh
-        v_base = V + s * stride_vs + h * stride_vh
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + offs_n
-            n_ok = n < end
-            kv_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N] fp32
-            qk = tl.where(n_ok[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        row = (s * tl.num_programs(1) + h) * n_splits + split
-        tl.store(O_part + row * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
-        tl.store(M_part + row * BLOCK_G + offs_g, m_i)
-        tl.store(L_part + row * BLOCK_G + offs_g, l_i)
-
-
-    @triton.jit
-    def _decode_combine_kernel(  # fmt: skip
-        O_part, M_part, L_part, Out,  # partials as above; out [S, Hkv, G, D]
-        n_splits, num_kv_heads, stride_os, stride_oh, stride_og,
-        G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        """One (slot, kv head): out = Σ_i e^(m_i − m) o_i / Σ_i e^(m_i − m) l_i over the splits (m = max m_i).
-        Reads the splits' partials (fp32), writes G·D. Split 0 always holds key 0, so m is finite."""
-        row = tl.program_id(0).to(tl.int64)
-        s = row // num_kv_heads
-        h = row % num_kv_heads
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for i in range(n_splits):
-            part = row * n_splits + i
-            m_i = tl.load(M_part + part * BLOCK_G + offs_g)
-            l_i = tl.load(L_part + part * BLOCK_G + offs_g)
-            o_i = tl.load(O_part + part * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :])
-            m_new = tl.maximum(m, m_i)
-            a = tl.exp(m - m_new)  # 0 at the first split (m = −inf, m_i finite)
-            b = tl.exp(m_i - m_new)  # 0 for an empty split (m_i = −inf, m finite)
-            acc = acc * a[:, None] + o_i * b[:, None]
-            l = l * a + l_i * b
-            m = m_new
-        out = acc / l[:, None]
-        ok = (offs_g[:, None] < G) & (offs_d[None, :] < D)
-        ptr = Out + s * stride_os + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]
-        tl.store(ptr, out.to(Out.dtype.element_ty), mask=ok)
-
-
-    @triton.jit
-    def _gumbel_sample_kernel(
-        LOGITS, SEED, TOK, LOGP, V, stride_row, inv_temperature, BLOCK_V: tl.constexpr
-    ):
-        """Row r: x = logits / T; token = argmax_v (x_v + g_v) with g_v = −log(−log u_v), u_v = philox(seed,
-        r·V + v) ~ U[0, 1); logp = x_token − logsumexp(x). Two reads of the row's V logits (max, then sum and
-        argmax), two scalars written: no noise tensor, no softmax tensor."""
-        r = tl.program_id(0).to(tl.int64)
-        seed = tl.load(SEED)
-        offs = tl.arange(0, BLOCK_V)
-        row = LOGITS + r * stride_row
-        m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            x = tl.load(row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            m_vec = tl.maximum(m_vec, x)
-        m = tl.max(m_vec, axis=0)  # finite: logits are finite
-        l_vec = tl.zeros([BLOCK_V], tl.float32)
-        best_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_x_vec = tl.zeros([BLOCK_V], tl.float32)
-        best_i_vec = tl.zeros([BLOCK_V], tl.int32)
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + offs
-            x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
-            l_vec += tl.exp(x - m)
-            u = tl.rand(seed, (r * V + v).to(tl.int32))
-            score = x - tl.log(-tl.log(u))  # u = 0 gives −inf: never picked
-            better = score > best_vec
-            best_vec = tl.where(better, score, best_vec)
-            best_x_vec = tl.where(better, x, best_x_vec)
-            best_i_vec = tl.where(better, v, best_i_vec)
-        lane = tl.argmax(best_vec, axis=0)
-        pick = offs == lane
-        token = tl.sum(tl.where(pick, best_i_vec, 0), axis=0)
-        x_token = tl.sum(tl.where(pick, best_x_vec, 0.0), axis=0)
-        tl.store(TOK + r, token.to(tl.int64))
-        tl.store(LOGP + r, x_token - m - tl.log(tl.sum(l_vec, axis=0)))
-
-
-SAMPLE_BLOCK_V = 2048  # logits per inner step of the sampling kernel
-
-
 def _use_fused_sampling(t: torch.Tensor) -> bool:
     """Temperature-only sampling by the Triton kernel on CUDA; torch ops elsewhere (and for top-k/top-p)."""
     return t.is_cuda and use_triton(t)
 
 
-def _gumbel_sample(logits_SV: torch.Tensor, temperature: float, seed: torch.Tensor):
-    """Fused temperature sampling (see the kernel); ``seed`` is a one-element int64 device tensor (no sync)."""
-    S, V = logits_SV.shape
-    tok = torch.empty(S, dtype=torch.long, device=logits_SV.device)
-    logp = torch.empty(S, dtype=torch.float32, device=logits_SV.device)
-    _gumbel_sample_kernel[(S,)](
-        logits_SV, seed, tok, logp, V, logits_SV.stride(0), 1.0 / temperature,
-        BLOCK_V=min(SAMPLE_BLOCK_V, triton.next_power_of_2(V)), num_warps=8,
-    )  # fmt: skip
-    return tok, logp
-
-
 def _use_fused_attention(t: torch.Tensor) -> bool:
     """Decode attention by the Triton kernel on CUDA; SDPA with a length mask elsewhere (the CPU path)."""
     return t.is_cuda and use_triton(t)
-
-
-DECODE_BLOCK_N = 64  # keys per inner step of the decode attention kernel
-DECODE_MIN_PROGRAMS = 1024  # split the keys until about this many programs run (fills the GPU at small batch)
-
-
-def _decode_attention(q_SHGD, k_SHTD, v_SHTD, length_S, scale: float) -> torch.Tensor:
-    """softmax(q kᵀ · scale) v over each slot's first ``length_S[s]`` keys (split-K online softmax, then a combine).
-
-    q [S, Hkv, G, D] (the G query heads of each kv head), k/v [S, Hkv, T, D] with unit stride on D (cache views),
-    length [S]. Returns [S, Hkv, G, D] in q's dtype. No mask and no key past a slot's length is read; static
-    shapes and no host synchronisation, so it runs inside a CUDA graph.
-    """
-    S, Hkv, G, D = q_SHGD.shape
-    T = k_SHTD.shape[2]
-    assert q_SHGD.stride(3) == k_SHTD.stride(3) == v_SHTD.stride(3) == 1, "the kernel reads D with unit stride"
-    BLOCK_G = max(16, triton.next_power_of_2(G))  # tl.dot wants 16 rows at least
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    splits = max(1, min(triton.cdiv(T, DECODE_BLOCK_N), triton.cdiv(DECODE_MIN_PROGRAMS, S * Hkv)))
-    split_len = triton.cdiv(triton.cdiv(T, splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-    splits = triton.cdiv(T, split_len)
-    dev = q_SHGD.device
-    o_part = torch.empty(S, Hkv, splits, BLOCK_G, BLOCK_D, device=dev, dtype=torch.float32)
-    m_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
-    l_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
-    _decode_attention_kernel[(S, Hkv, splits)](
-        q_SHGD, k_SHTD, v_SHTD, length_S, o_part, m_part, l_part,
-        q_SHGD.stride(0), q_SHGD.stride(1), q_SHGD.stride(2),
-        k_SHTD.stride(0), k_SHTD.stride(1), k_SHTD.stride(2),
-        v_SHTD.stride(0), v_SHTD.stride(1), v_SHTD.stride(2),
-        split_len, scale,
-        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=DECODE_BLOCK_N, FP32_DOT=dot_in_fp32(q_SHGD),
-        DOT_PRECISION="ieee" if q_SHGD.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
-        num_warps=4,
-    )  # fmt: skip
-    out = torch.empty_like(q_SHGD)  # [S, Hkv, G, D]
-    _decode_combine_kernel[(S * Hkv,)](
-        o_part, m_part, l_part, out, splits, Hkv, out.stride(0), out.stride(1), out.stride(2),
-        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, num_warps=4,
-    )  # fmt: skip
-    return out
 
 
 class _Ops(NamedTuple):
@@ -714,7 +525,7 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generato
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
     if not params.top_k and params.top_p == 1.0 and _use_fused_sampling(logits_SV):
         seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=logits_SV.device)  # stays on the device
-        return _gumbel_sample(logits_SV, params.temperature, seed)
+        return gumbel_sample(logits_SV, params.temperature, seed)
     logp = torch.log_softmax(logits_SV / params.temperature, dim=-1)  # [S, V]
     kept = logp
     if params.top_k and params.top_k < logp.shape[-1]:

@@ -4,7 +4,8 @@ These are the specification: tests compare the kernels against them (STYLE.md ru
 reference in the same precision, reference in fp32), benchmarks use them as the eager baseline. They favour
 clarity over memory: ``logprobs_ref`` and ``linear_logprobs_ref`` materialise the full logits.
 
-Shape legend: N packed tokens, B sequences, T padded length, V vocabulary, H hidden size, Hq/Hkv heads, D head dim.
+Shape legend: N packed tokens, B sequences, T padded length, V vocabulary, H hidden size, Hq/Hkv heads, D head dim,
+S decode slots, G query heads per kv head.
 """
 
 from __future__ import annotations
@@ -224,3 +225,27 @@ def varlen_attention_ref(q, k, v, cu_seqlens, *, causal=True, softmax_scale=None
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)  # [Hq, L, D]
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)  # [T, Hq, D]
+
+
+def decode_attention_ref(q, k, v, lengths, *, softmax_scale=None, upcast=True):
+    """``softmax(scale · q kᵀ) v`` over each slot's first ``lengths[s]`` keys, by explicit masked scores.
+
+    q ``[S, Hkv, G, D]``, k/v ``[S, Hkv, T, D]``, lengths ``[S]``. Returns ``[S, Hkv, G, D]`` (fp32 when upcast).
+    """
+    q, k, v = (_maybe_upcast(x, upcast) for x in (q, k, v))
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    S, T = k.shape[0], k.shape[2]
+    live_S11T = (torch.arange(T, device=q.device) < lengths[:, None].long()).view(S, 1, 1, T)
+    scores = (q @ k.transpose(-1, -2)) * scale  # [S, Hkv, G, T]
+    return torch.softmax(scores.masked_fill(~live_S11T, float("-inf")), dim=-1) @ v
+
+
+def gumbel_sample_ref(logits, temperature, u):
+    """Gumbel-max sampling with given uniforms ``u ~ U[0, 1)`` ``[S, V]``, in fp32.
+
+    ``x = log_softmax(logits / T)``; token = ``argmax(x − log(−log u))`` (distributed as ``softmax(logits / T)``);
+    returns ``(token [S] int64, x[token] [S] fp32)``.
+    """
+    logp_SV = torch.log_softmax(logits.float() / temperature, dim=-1)
+    tok_S = (logp_SV - (-u.log()).log()).argmax(dim=-1)
+    return tok_S, logp_SV.gather(1, tok_S[:, None]).squeeze(1)

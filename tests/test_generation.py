@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from checks import total_variation
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import fastgrpo.generation as generation
@@ -182,16 +183,6 @@ def truncated_distribution(logits_V, temperature, top_k, top_p):
     return probs
 
 
-def total_variation(samples, want_V):
-    """TV distance between the empirical distribution of ``samples`` and ``want_V``, and its expectation under
-    ``want_V``: E[TV] ≈ ½ Σ sqrt(2 p (1 - p) / (π N)) (each count ≈ normal). The tests allow 4 × E[TV]: over
-    4 standard deviations of TV even when only two tokens carry the mass, and with a fixed seed.
-    """
-    N = samples.numel()
-    got = torch.bincount(samples, minlength=want_V.numel()).double() / N
-    expected_tv = 0.5 * (2 * want_V * (1 - want_V) / (torch.pi * N)).sqrt().sum()
-    return 0.5 * (got - want_V).abs().sum(), expected_tv
-
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p",
@@ -323,38 +314,7 @@ def test_autocast_dtype_within_bf16_error_of_fp32():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-# ---------------------------------------------------------------- the CUDA decode attention kernel (interpreter)
-
-
-def decode_attention_ref(q, k, v, length, dtype=torch.float32):
-    """softmax(q kᵀ / sqrt(D)) v over each slot's first length[s] keys, plain torch in ``dtype``."""
-    T = k.shape[2]
-    mask = (torch.arange(T, device=q.device) < length[:, None].long()).view(-1, 1, 1, T)
-    scores = q.to(dtype) @ k.to(dtype).transpose(-1, -2) / q.shape[-1] ** 0.5  # [S, Hkv, G, T]
-    return (torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v.to(dtype)).float()
-
-
-@pytest.mark.skipif(not generation.HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,Hkv,G,D,T", [(5, 2, 3, 8, 200), (3, 1, 1, 24, 70), (2, 2, 6, 64, 129)])
-def test_decode_attention_kernel(dtype, S, Hkv, G, D, T):
-    """Split-K decode attention on cache views (strided, longer than T) against plain torch, by flash-attn's rule
-    max|out − ref32| ≤ 2·max|ref_lowp − ref32| + 1e-5. Runs on CUDA when present, else under the interpreter."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not generation.use_triton(torch.empty(0, device=device)):
-        pytest.skip("the kernel runs on CUDA or under TRITON_INTERPRET=1")
-    g = torch.Generator().manual_seed(S * T + D)
-    q = torch.randn(S, Hkv, G, D, generator=g).to(device, dtype)
-    cache_k = torch.randn(S + 1, Hkv, T + 9, D, generator=g).to(device, dtype)
-    cache_v = torch.randn(S + 1, Hkv, T + 9, D, generator=g).to(device, dtype)
-    k, v = cache_k[:S, :, :T], cache_v[:S, :, :T]
-    length = torch.randint(1, T + 1, (S,), generator=g, dtype=torch.int32).to(device)
-    length[0] = 1  # a single live key: the later splits are empty
-    out = generation._decode_attention(q, k, v, length, D**-0.5)
-    assert out.shape == q.shape and out.dtype == dtype
-    ref32 = decode_attention_ref(q, k, v, length)
-    ref_lowp = decode_attention_ref(q, k, v, length, dtype)
-    assert (out.float() - ref32).abs().max() <= 2 * (ref_lowp - ref32).abs().max() + 1e-5
+# ---------------------------------------------------------------- the CUDA decode path inside the engine (interpreter)
 
 
 def test_engine_with_the_decode_attention_kernel_matches_hf(monkeypatch):
@@ -368,40 +328,6 @@ def test_engine_with_the_decode_attention_kernel_matches_hf(monkeypatch):
     results = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=8))
     for prompt, comps in zip(prompts, results):
         assert all(c.token_ids == hf_greedy(model, prompt, 8, None) for c in comps)
-
-
-def gumbel_sample_check(device, rows, V, temperature):
-    """The fused temperature sampler on ``rows`` copies of one row of V logits (V > 2 048: several inner blocks):
-    log-prob == log_softmax(logits / T)[token], the seed fixes the draw; returns the tokens and the closed-form
-    distribution."""
-    g = torch.Generator().manual_seed(3)
-    logits_V = 3 * torch.randn(V, generator=g)
-    logits_NV = logits_V.expand(rows, V).to(device)
-    seed = torch.tensor([12345], device=device)
-    tok, logp = generation._gumbel_sample(logits_NV, temperature, seed)
-    ref = torch.log_softmax(logits_V / temperature, dim=-1)[tok.cpu()]
-    torch.testing.assert_close(logp.cpu(), ref, atol=1e-5, rtol=0)
-    tok2, _ = generation._gumbel_sample(logits_NV, temperature, seed)
-    assert torch.equal(tok, tok2)  # the seed determines the draw
-    return tok.cpu(), torch.softmax(logits_V.double() / temperature, dim=-1)
-
-
-@pytest.mark.skipif(not generation.HAS_TRITON, reason="triton is not installed")
-def test_gumbel_sample_kernel_interpreted():
-    """Under the interpreter (slow: 24 rows only): log-probs and determinism; the distribution is the GPU test's."""
-    if torch.cuda.is_available() or not generation.use_triton(torch.empty(0)):
-        pytest.skip("runs under TRITON_INTERPRET=1 on a CPU machine")
-    tok, _ = gumbel_sample_check("cpu", 24, 2500, 0.7)
-    assert len(set(tok.tolist())) > 1  # rows draw independently
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_gumbel_sample_kernel_distribution(temperature):
-    """20 000 draws against softmax(logits / T) by total variation (bound as in total_variation)."""
-    tok, want = gumbel_sample_check("cuda", 20_000, 5000, temperature)
-    tv, expected_tv = total_variation(tok, want)
-    assert tv < 4 * expected_tv
 
 
 # ---------------------------------------------------------------- bad input

@@ -1,0 +1,196 @@
+"""Decode attention: one new query per sequence against the live prefix of a static KV cache (no autograd).
+
+For slot s, kv head h, and each of its G query heads g (query head ``h·G + g``)::
+
+    O[s, h, g] = Σ_{j < len[s]} softmax_j(scale · q[s, h, g] · k[s, h, j]) · v[s, h, j]
+
+q ``[S, Hkv, G, D]`` (the G query heads of a kv head act as G query rows: no K/V repeat for GQA), k/v
+``[S, Hkv, T, D]`` (views of a cache; any strides but unit stride on D), ``lengths`` ``[S]`` int32/int64 with
+``1 ≤ len[s] ≤ T`` (not checked: reading them would synchronise with the host, and the engine calls this inside
+a CUDA graph). Returns ``[S, Hkv, G, D]`` in q's dtype. Inference only: nothing is saved for a backward.
+
+Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
+slot's live keys, nothing past ``len[s]``) then a combine kernel; otherwise ``scaled_dot_product_attention`` with
+a length mask (the CPU generation path).
+
+Shape legend: S slots, Hkv key/value heads, G query heads per kv head, T cache length, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, dot_in_fp32, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+MAX_HEAD_DIM = 256
+BLOCK_N = 64  # keys per inner step of the split kernel
+MIN_PROGRAMS = 1024  # split the keys until about this many programs run (fills the GPU at small batch)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_attention_split_kernel(  # fmt: skip
+        Q, K, V, LEN,  # q [S, Hkv, G, D], k/v [S, Hkv, T, D], live length [S]
+        O_part, M_part, L_part,  # [S, Hkv, splits, BLOCK_G, BLOCK_D], [S, Hkv, splits, BLOCK_G] ×2 (fp32)
+        stride_qs, stride_qh, stride_qg,
+        stride_ks, stride_kh, stride_kt,
+        stride_vs, stride_vh, stride_vt,
+        split_len, scale,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """One (slot, kv head, split): the G query heads of the kv head against keys [split·len, (split+1)·len) ∩
+        [0, LEN[slot]). Reads G·D of q and 2·n·D of K/V (n = the live keys of the split, nothing past the slot's
+        length); writes the unnormalised output, row max and row sum of the online softmax for the combine."""
+        s = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
+        n_splits = tl.num_programs(2)
+        length = tl.load(LEN + s).to(tl.int32)
+        start = split * split_len
+        end = tl.minimum(start + split_len, length)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_ok = offs_d < D
+        q = tl.load(
+            Q + s * stride_qs + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :],
+            mask=(offs_g[:, None] < G) & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_G, BLOCK_D]
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        k_base = K + s * stride_ks + h * stride_kh
+        v_base = V + s * stride_vs + h * stride_vh
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            n_ok = n < end
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N] fp32
+            qk = tl.where(n_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        row = (s * tl.num_programs(1) + h) * n_splits + split
+        tl.store(O_part + row * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(M_part + row * BLOCK_G + offs_g, m_i)
+        tl.store(L_part + row * BLOCK_G + offs_g, l_i)
+
+    @triton.jit
+    def _decode_attention_combine_kernel(  # fmt: skip
+        O_part, M_part, L_part, Out,  # partials as above; out [S, Hkv, G, D]
+        n_splits, num_kv_heads, stride_os, stride_oh, stride_og,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """One (slot, kv head): out = Σ_i e^(m_i − m) o_i / Σ_i e^(m_i − m) l_i over the splits (m = max m_i).
+        Reads the splits' partials (fp32), writes G·D. Split 0 always holds key 0 (len ≥ 1), so m is finite."""
+        row = tl.program_id(0).to(tl.int64)
+        s = row // num_kv_heads
+        h = row % num_kv_heads
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for i in range(n_splits):
+            part = row * n_splits + i
+            m_i = tl.load(M_part + part * BLOCK_G + offs_g)
+            l_i = tl.load(L_part + part * BLOCK_G + offs_g)
+            o_i = tl.load(O_part + part * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :])
+            m_new = tl.maximum(m, m_i)
+            a = tl.exp(m - m_new)  # 0 at the first split (m = −inf, m_i finite)
+            b = tl.exp(m_i - m_new)  # 0 for an empty split (m_i = −inf, m finite)
+            acc = acc * a[:, None] + o_i * b[:, None]
+            l = l * a + l_i * b
+            m = m_new
+        out = acc / l[:, None]
+        ok = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+        ptr = Out + s * stride_os + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]
+        tl.store(ptr, out.to(Out.dtype.element_ty), mask=ok)
+
+
+def _check_inputs(q, k, v, lengths) -> None:
+    """Shapes, dtypes, devices and the unit stride on D; never the values of ``lengths`` (no host sync)."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
+    S, Hkv, _, D = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != S or k.shape[1] != Hkv or k.shape[3] != D:
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected [S={S}, Hkv={Hkv}, T, D={D}] to match q")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {D}; supported head dims are 1..{MAX_HEAD_DIM}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have unit stride on its last (head) dim, got strides {t.stride()}")
+    check_tensor("lengths", lengths, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    if lengths.shape[0] != S:
+        raise ValueError(f"lengths has shape {tuple(lengths.shape)}, expected [S={S}] to match q")
+
+
+def _decode_attention_triton(q_SHGD, k_SHTD, v_SHTD, len_S, scale: float) -> torch.Tensor:
+    S, Hkv, G, D = q_SHGD.shape
+    T = k_SHTD.shape[2]
+    BLOCK_G = max(16, triton.next_power_of_2(G))  # tl.dot wants 16 rows at least
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    splits = max(1, min(triton.cdiv(T, BLOCK_N), triton.cdiv(MIN_PROGRAMS, S * Hkv)))  # ≤ 1024
+    split_len = triton.cdiv(triton.cdiv(T, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(T, split_len)
+    dev = q_SHGD.device
+    o_part = torch.empty(S, Hkv, splits, BLOCK_G, BLOCK_D, device=dev, dtype=torch.float32)
+    m_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
+    l_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
+    _decode_attention_split_kernel[(S, Hkv, splits)](
+        q_SHGD, k_SHTD, v_SHTD, len_S, o_part, m_part, l_part,
+        q_SHGD.stride(0), q_SHGD.stride(1), q_SHGD.stride(2),
+        k_SHTD.stride(0), k_SHTD.stride(1), k_SHTD.stride(2),
+        v_SHTD.stride(0), v_SHTD.stride(1), v_SHTD.stride(2),
+        split_len, scale,
+        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, FP32_DOT=dot_in_fp32(q_SHGD),
+        DOT_PRECISION="ieee" if q_SHGD.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
+        num_warps=4,
+    )  # fmt: skip
+    out = torch.empty_like(q_SHGD, memory_format=torch.contiguous_format)  # [S, Hkv, G, D]
+    _decode_attention_combine_kernel[(S * Hkv,)](
+        o_part, m_part, l_part, out, splits, Hkv, out.stride(0), out.stride(1), out.stride(2),
+        G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _decode_attention_torch(q_SHGD, k_SHTD, v_SHTD, len_S, scale: float) -> torch.Tensor:
+    S, _, _, _ = q_SHGD.shape
+    T = k_SHTD.shape[2]
+    live_S11T = (torch.arange(T, device=q_SHGD.device) < len_S[:, None]).view(S, 1, 1, T)
+    return F.scaled_dot_product_attention(q_SHGD, k_SHTD, v_SHTD, attn_mask=live_S11T, scale=scale)
+
+
+def decode_attention(q, k, v, lengths, *, softmax_scale=None) -> torch.Tensor:
+    """``softmax(scale · q kᵀ) v`` over each slot's first ``lengths[s]`` cache positions (see the module docstring).
+
+    q ``[S, Hkv, G, D]``, k/v ``[S, Hkv, T, D]``, lengths ``[S]``; ``softmax_scale`` defaults to ``D ** -0.5``.
+    Static shapes and no host synchronisation on any path, so it can run inside a CUDA graph.
+    """
+    _check_inputs(q, k, v, lengths)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if use_triton(q):
+        return _decode_attention_triton(q, k, v, lengths, scale)
+    return _decode_attention_torch(q, k, v, lengths, scale)
