@@ -35,8 +35,8 @@ import torch
 
 from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config
-from fastgrpo.distributed import all_reduce, gradient_sync, unwrap_model
-from fastgrpo.kernels.grpo_loss import grpo_loss
+from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync
+from fastgrpo.kernels.grpo_loss import grpo_loss, masked_linear_logprobs
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy, fused_linear_logprobs
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
@@ -152,14 +152,28 @@ def _call(model, mb: MicroBatch):
     return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
 
 
+def _no_grad_forward(model):
+    """The module to call for no-grad log-prob forwards: the wrapped model itself, except DDP's ``ForwardWrapper``
+    inside it (a forward that backward will never follow must not arm DDP's all-reduce).
+
+    Under FSDP2 the call must go through the wrapped model: its forward gathers the sharded weights (the unwrapped
+    model would see sharded root weights), so every rank must make it the same number of times.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 @torch.no_grad()
 def packed_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """``[N]`` log-probs of the targets under ``model`` (no grad, unwrapped model); 0 where the mask is 0."""
-    inner = unwrap_model(model)
-    hidden_NH, weight_VH, bias_V = packed_forward(inner, mb.batch.input_ids, mb.batch.position_ids,
-                                                  mb.batch.cu_seqlens, mb.batch.max_seqlen)
-    logp_N = fused_linear_logprobs(hidden_NH, weight_VH, mb.targets, bias=bias_V, temperature=temperature)
-    return torch.where(mb.completion_mask, logp_N, 0.0)
+    """``[N]`` log-probs of the targets where ``mb.mask`` is nonzero, 0 elsewhere (no grad).
+
+    ``model``: a module whose call is :func:`packed_forward` (a ``ForwardWrapper``, FSDP2-wrapped or not).
+    Untrained positions (prompts, masked completions) cost no vocabulary work.
+    """
+    hidden_NH, weight_VH, bias_V = _call(model, mb)
+    return masked_linear_logprobs(hidden_NH, weight_VH, mb.targets, mb.mask != 0, bias=bias_V,
+                                  temperature=temperature)
 
 
 def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_tokens: int,
@@ -182,6 +196,17 @@ def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_t
     return float(all_reduce(torch.tensor(loss_sum, device=device))) / float(total)
 
 
+def _mismatch(logp_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Training–inference mismatch: mean |log p_train − log p_engine| over the micro-batch's trained tokens."""
+    keep = mb.mask != 0
+    return (logp_N - mb.sample_logprobs)[keep].abs().mean()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (FSDP2's total gradient norm) as a plain tensor; other tensors unchanged."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class PolicyUpdate:
     """The optimizer steps of one rollout: old / reference log-probs, then the clipped surrogate update."""
 
@@ -190,7 +215,7 @@ class PolicyUpdate:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.ref_model = ref_model
+        self.ref_forward = ForwardWrapper(ref_model, packed_forward) if ref_model is not None else None
         self.device = device
         self.world_size = world_size
 
@@ -220,24 +245,32 @@ class PolicyUpdate:
             sums[key] = sums.get(key, 0.0) + float(value) * weight
             sums[key + "#w"] = sums.get(key + "#w", 0.0) + weight
 
-        # Old and reference log-probs: no-grad packed forwards before any update of this rollout.
-        need_old = len(steps) > 1
-        for mbs in plans:
-            for mb in mbs:
-                if need_old:
-                    mb.old_logprobs = packed_logprobs(self.model, mb, temperature)
-                if beta > 0:
-                    mb.ref_logprobs = packed_logprobs(self.ref_model, mb, temperature)
+        # Every rank runs the same number of micro-batches per optimizer step (FSDP2 gathers weights in each
+        # forward): the global max of every step's count, in one collective; ranks with fewer pad with copies that
+        # carry zero weight.
+        counts = torch.tensor([len(mbs) for mbs in plans], device=self.device)
+        n_mbs = [int(n) for n in all_reduce(counts, "max").tolist()]  # sync: loop counts
+
+        # Old and reference log-probs: no-grad packed forwards before any update of this rollout. The policy's go
+        # through its wrapped forward (under FSDP2 that gathers the sharded weights, a collective: padded counts).
+        if len(steps) > 1:
+            policy = _no_grad_forward(self.model)
+            for mbs, n_mb in zip(plans, n_mbs):
+                for i in range(n_mb):
+                    logp_N = packed_logprobs(policy, mbs[min(i, len(mbs) - 1)], temperature)
+                    if i < len(mbs):
+                        mbs[i].old_logprobs = logp_N
+        if beta > 0:  # the reference model is a plain module on every rank: no collective
+            for mbs in plans:
+                for mb in mbs:
+                    mb.ref_logprobs = packed_logprobs(self.ref_forward, mb, temperature)
 
         num_bad, num_skipped = 0, 0
-        for mbs in plans:
+        for mbs, n_mb in zip(plans, n_mbs):
             tokens, seqs = self._normaliser(mbs)
             if tokens == 0:  # nothing to learn from (every completion masked): no optimizer step
                 num_skipped += 1
                 continue
-            # Every rank runs the same number of micro-batches (FSDP2 gathers in each forward): pad with copies
-            # that carry zero weight.
-            n_mb = int(all_reduce(torch.tensor(len(mbs), device=self.device), "max"))
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
             for i in range(n_mb):
@@ -251,16 +284,14 @@ class PolicyUpdate:
                     n_tok = float(mb.mask.sum())
                     for k, v in metrics.items():
                         add(k, v, n_tok)
-                    comp = mb.completion_mask
-                    if mb.old_logprobs is None and comp.any():  # the update's own forward is pre-update here
-                        add("mismatch/logprob_abs_diff", (logp_N - mb.sample_logprobs)[comp].abs().mean(),
-                            float(comp.sum()))
+                    if mb.old_logprobs is None and n_tok:  # the update's own forward is pre-update here
+                        add("mismatch/logprob_abs_diff", _mismatch(logp_N, mb), n_tok)
             loss_value = float(all_reduce(loss_total))  # the optimizer step's full loss, all ranks
             if self.cfg.train.max_grad_norm > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
-            grad_norm = float(grad_norm)  # sync: the finiteness check decides whether to step
+            grad_norm = float(_local(grad_norm))  # sync: the finiteness check decides whether to step
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 num_bad += 1
                 self.optimizer.zero_grad(set_to_none=True)
@@ -272,10 +303,9 @@ class PolicyUpdate:
 
         for mbs in plans:  # mismatch from the pre-update forward when old log-probs were computed
             for mb in mbs:
-                comp = mb.completion_mask
-                if mb.old_logprobs is not None and comp.any():
-                    add("mismatch/logprob_abs_diff", (mb.old_logprobs - mb.sample_logprobs)[comp].abs().mean(),
-                        float(comp.sum()))
+                n_tok = float(mb.mask.sum())
+                if mb.old_logprobs is not None and n_tok:
+                    add("mismatch/logprob_abs_diff", _mismatch(mb.old_logprobs, mb), n_tok)
 
         out = {k: v / sums[k + "#w"] for k, v in sums.items() if not k.endswith("#w") and sums[k + "#w"] > 0}
         out["optimizer_steps"] = float(len(plans) - num_bad - num_skipped)

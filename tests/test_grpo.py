@@ -61,16 +61,22 @@ def make_samples(n=8, seed=0):
     return out
 
 
-def run_update(cfg, samples, state, *, seed=0):
-    """One rollout's update with SGD(lr=1): returns the metrics and the parameter change (= minus the gradient)."""
+def full(t):
+    """A parameter's full value (FSDP2 shards parameters as DTensors)."""
+    return t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+
+def run_update(cfg, samples, state, *, seed=0, strategy="ddp", lr=1.0):
+    """One rollout's update with SGD: returns the metrics and the parameter change (= minus lr x the gradient for
+    one optimizer step)."""
     model, _ = load_model(cfg.model, state.device, seed=seed)
-    wrapped = wrap_model(model, state, "ddp", forward=packed_forward)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    wrapped = wrap_model(model, state, strategy, forward=packed_forward)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = PolicyUpdate(cfg, wrapped, opt, sched, None, state.device, state.world_size).run(
         samples, beta=0.0, epsilon_high=cfg.grpo.epsilon_high, max_new_tokens=cfg.rollout.max_new_tokens)
-    delta = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    delta = {k: before[k] - full(v) for k, v in model.named_parameters()}
     return metrics, delta, model, before
 
 
@@ -130,10 +136,10 @@ def test_non_finite_loss_skips_the_step():
     assert all(float(d.abs().max()) == 0 for d in delta.values())
 
 
-def _torchrun(nproc, out, tmp_path):
+def _torchrun(nproc, out, tmp_path, mode="ddp"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(Path(__file__).resolve()), str(out)]
+           str(Path(__file__).resolve()), str(out), mode]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
@@ -148,6 +154,44 @@ def test_two_processes_match_one_process(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         for k in a["delta"]:
             torch.testing.assert_close(a["delta"][k], b["delta"][k], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
+    """2 processes, 2 optimizer steps per rollout (old log-probs through the sharded model), micro-batch counts
+    that differ between ranks: FSDP2 gives DDP's losses, gradient norms and weights. Both reduce the same fp32
+    gradients in a different order (all-reduce vs reduce-scatter), a relative difference near 1e-7 that one more
+    step through the updated weights may amplify a little: hence rtol 1e-5 on metrics and 1e-4 on weights."""
+    res = _torchrun(2, tmp_path / "fsdp.pt", tmp_path, "fsdp")
+    ddp, fsdp = res["ddp"], res["fsdp2"]
+    assert ddp["metrics"]["optimizer_steps"] == fsdp["metrics"]["optimizer_steps"] == 2
+    assert res["counts"][0] != res["counts"][1]  # rank 0 and rank 1 hold different numbers of micro-batches
+    for key in ("loss", "grad_norm", "mismatch/logprob_abs_diff", "clip_ratio/region_mean", "entropy"):
+        assert fsdp["metrics"][key] == pytest.approx(ddp["metrics"][key], rel=1e-5, abs=1e-7), key
+    for k in ddp["delta"]:
+        torch.testing.assert_close(fsdp["delta"][k], ddp["delta"][k], rtol=1e-4, atol=1e-6)
+
+
+def _fsdp_worker(out: str) -> None:
+    """torchrun entry of test_fsdp2_several_optimizer_steps_match_ddp: the same shares under DDP and FSDP2."""
+    from fastgrpo.distributed import all_reduce, destroy
+    from fastgrpo.grpo import plan
+
+    state = init_distributed("cpu")
+    torch.set_num_threads(1)
+    samples = make_samples(16)
+    share = len(samples) // state.world_size
+    mine = samples[state.rank * share : (state.rank + 1) * share]
+    cfg = load_config(overrides=[*TINY, "train.sequences_per_optimizer_step=8", "grpo.num_prompts_per_step=8",
+                                 "grpo.num_generations=2", "train.max_tokens_per_microbatch=16"])
+    counts = torch.zeros(2, dtype=torch.long)
+    counts[state.rank] = len(plan(mine[:4], 16, state.device))  # the first optimizer step's micro-batches
+    result = {"counts": all_reduce(counts).tolist()}
+    for strategy in ("ddp", "fsdp2"):
+        metrics, delta, _, _ = run_update(cfg, mine, state, strategy=strategy, lr=0.1)
+        result[strategy] = {"metrics": metrics, "delta": delta}
+    if state.rank == 0:
+        torch.save(result, out)
+    destroy()
 
 
 def _worker(out: str) -> None:
@@ -170,4 +214,4 @@ def _worker(out: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    (_fsdp_worker if sys.argv[2] == "fsdp" else _worker)(sys.argv[1])
