@@ -2,19 +2,24 @@
 
 Math (``kernels/reference.py::dpo_loss_ref`` is the spec), per pair ``i`` of a chosen and a rejected completion::
 
-    h_i     = (π_c − π_r) − (ref_c − ref_r)                 (π: policy sequence log-prob, ref: reference's)
-    sigmoid −(1 − ls)·log σ(β h) − ls·log σ(−β h)          (ls = label_smoothing, conservative DPO)
-    ipo     (h − 1/(2β))²
-    hinge   relu(1 − β h)
-    loss    = mean_i
+    c_i, r_i = π_c − ref_c, π_r − ref_r                      (π: policy sequence log-prob, ref: reference's)
+    h_i      = c_i − r_i
+    sigmoid  −(1 − ls)·log σ(β h) − ls·log σ(−β h)          (ls = label_smoothing)
+    ipo      (c/n_c − r/n_r − 1/(2β))²                      (n: completion tokens, ≥ 1; h when not given)
+    hinge    relu(1 − β h)
+    loss     = mean_i
 
-Metrics (detached fp32 0-d tensors): ``rewards/chosen = mean β(π_c − ref_c)``, ``rewards/rejected = mean
-β(π_r − ref_r)``, ``rewards/accuracies`` (share of pairs whose chosen reward beats the rejected one),
-``rewards/margins`` (mean difference).
+Metrics (detached fp32 0-d tensors): ``rewards/chosen = mean β c``, ``rewards/rejected = mean β r``,
+``rewards/accuracies`` (share of pairs whose chosen reward beats the rejected one), ``rewards/margins`` (mean
+difference).
 
-Departures from TRL 1.16's ``DPOTrainer`` (kept to match the reference): its ``sigmoid`` ignores ``label_smoothing``
-(smoothing lives in its ``robust``/``exo_pair`` types), and its ``ipo`` divides each sequence's log-ratio by the
-number of completion tokens before the square; here both take the sums as given.
+Against TRL 1.16's ``DPOTrainer`` (``_compute_loss``): with the default ``label_smoothing = 0`` every type gives
+TRL's numbers. ``ipo`` divides each sequence's log-ratio by its number of completion tokens before the square, as
+TRL does (``chosen_lengths`` / ``rejected_lengths``; :func:`fused_linear_dpo_loss` counts them from its mask);
+without lengths it squares the summed log-ratios (the IPO paper's Eq. 17 on sequence log-probs). ``label_smoothing
+> 0`` on ``sigmoid`` is conservative DPO (cDPO, labels flipped with probability ``ls``), which TRL 1.16 no longer
+applies to ``sigmoid`` (it keeps the smoothing for its ``robust``, ``exo_pair`` and ``aot`` types): a deliberate
+extension, not TRL's number.
 
 Plain torch on purpose: ``dpo_loss`` is a handful of elementwise ops on ``[B]`` values; one kernel launch would cost
 more than the arithmetic, and autograd's few tiny kernels are not worth fusing. The expensive part of DPO is the
@@ -46,6 +51,15 @@ def _check_options(beta, loss_type, label_smoothing) -> None:
         raise ValueError(f"label_smoothing must be a number in [0, 0.5], got {label_smoothing!r}")
 
 
+def _check_lengths(chosen_lengths, rejected_lengths, like: torch.Tensor) -> None:
+    if (chosen_lengths is None) != (rejected_lengths is None):
+        raise ValueError("chosen_lengths and rejected_lengths must be given together (or neither)")
+    for name, t in (("chosen_lengths", chosen_lengths), ("rejected_lengths", rejected_lengths)):
+        if t is not None:
+            check_tensor(name, t, ndim=1, dtypes=(torch.int32, torch.int64, *FLOAT_DTYPES), device=like.device)
+            check_shape(name, t, tuple(like.shape), f"policy_chosen_logps {tuple(like.shape)}")
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
@@ -55,11 +69,14 @@ def dpo_loss(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO loss (module docstring) on ``[B]`` sequence log-probs; returns ``(loss, metrics)``, loss 0-d fp32.
 
     Computed in fp32 whatever the inputs' dtype. Gradients reach the two policy inputs; the reference log-probs
-    are constants (detached), as in TRL.
+    are constants (detached), as in TRL. ``chosen_lengths`` / ``rejected_lengths`` (``[B]``, both or neither):
+    completion token counts, used by ``ipo`` only (clamped to ≥ 1, as in TRL).
     """
     names = ("policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
     tensors = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
@@ -68,12 +85,15 @@ def dpo_loss(
         check_tensor(name, t, ndim=1, dtypes=FLOAT_DTYPES, device=tensors[0].device)
         check_shape(name, t, tuple(tensors[0].shape), f"{names[0]} {tuple(tensors[0].shape)}")
     _check_options(beta, loss_type, label_smoothing)
+    _check_lengths(chosen_lengths, rejected_lengths, tensors[0])
     pc, pr = policy_chosen_logps.float(), policy_rejected_logps.float()  # [B]
     rc, rr = ref_chosen_logps.detach().float(), ref_rejected_logps.detach().float()  # [B]
     h = (pc - pr) - (rc - rr)  # [B]
     if loss_type == "sigmoid":
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     elif loss_type == "ipo":
+        if chosen_lengths is not None:  # TRL: per-token average log-ratios
+            h = (pc - rc) / chosen_lengths.float().clamp(min=1.0) - (pr - rr) / rejected_lengths.float().clamp(min=1.0)
         losses = (h - 1 / (2 * beta)) ** 2
     else:  # hinge
         losses = torch.relu(1 - beta * h)
@@ -112,7 +132,8 @@ def fused_linear_dpo_loss(
     ``Σ_t m_t logp_t`` with ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, computed
     on the unmasked rows only (``grpo_loss.masked_linear_logprobs``: prompt rows cost nothing, their targets are
     not read, ``-100`` is fine there; one host read of the kept-row count).
-    ``ref_chosen_logps`` / ``ref_rejected_logps``: ``[B]`` constants. Metrics: those of :func:`dpo_loss` plus
+    ``ref_chosen_logps`` / ``ref_rejected_logps``: ``[B]`` constants. A sequence's completion length (``ipo``) is
+    its number of nonzero mask entries. Metrics: those of :func:`dpo_loss` plus
     ``logps/chosen`` / ``logps/rejected`` (means of the policy's sequence log-probs, as TRL logs them).
     Gradients reach ``hidden``, ``weight`` and ``bias``.
     """
@@ -136,13 +157,18 @@ def fused_linear_dpo_loss(
     logp = masked_linear_logprobs(hidden, weight, targets, keep, bias=bias, temperature=temperature)  # [2B, T] / [N]
     weighted = torch.where(keep, logp * mask.float(), 0.0)
     if packed:
-        seq_logps = torch.zeros(n_seqs, device=hidden.device, dtype=torch.float32)
-        seq_logps = seq_logps.index_add(0, seq_index(cu_seqlens, hidden.shape[0]), weighted)  # [2B]
+        seq_N = seq_index(cu_seqlens, hidden.shape[0])  # [N]
+        zeros = torch.zeros(n_seqs, device=hidden.device, dtype=torch.float32)
+        seq_logps = zeros.index_add(0, seq_N, weighted)  # [2B]
+        seq_lengths = zeros.index_add(0, seq_N, keep.float())  # [2B]
     else:
         seq_logps = weighted.sum(-1)  # [2B]
+        seq_lengths = keep.sum(-1)  # [2B]
     chosen, rejected = seq_logps.chunk(2)  # [B], [B]
+    chosen_lengths, rejected_lengths = seq_lengths.chunk(2)  # [B], [B]
     loss, metrics = dpo_loss(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
-                             label_smoothing=label_smoothing)
+                             label_smoothing=label_smoothing, chosen_lengths=chosen_lengths,
+                             rejected_lengths=rejected_lengths)
     metrics["logps/chosen"] = chosen.detach().mean()
     metrics["logps/rejected"] = rejected.detach().mean()
     return loss, metrics

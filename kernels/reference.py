@@ -174,12 +174,16 @@ def dpo_loss_ref(
     beta=0.1,
     loss_type="sigmoid",
     label_smoothing=0.0,
+    chosen_lengths=None,
+    rejected_lengths=None,
     upcast=True,
 ):
-    """DPO family on sequence log-probs ``[B]``, as TRL's ``DPOTrainer`` defines them.
+    """DPO family on sequence log-probs ``[B]``, as TRL 1.16's ``DPOTrainer`` defines them.
 
-    ``h = (π_c − π_r) − (ref_c − ref_r)``;
-    sigmoid: ``−(1 − ls) log σ(βh) − ls log σ(−βh)``; ipo: ``(h − 1/(2β))²``; hinge: ``relu(1 − βh)``;
+    ``c = π_c − ref_c``, ``r = π_r − ref_r``, ``h = c − r``;
+    sigmoid: ``−(1 − ls) log σ(βh) − ls log σ(−βh)`` (``ls > 0``: conservative DPO, which TRL's sigmoid no longer
+    applies; ``ls = 0`` is TRL's); ipo: ``(c/n_c − r/n_r − 1/(2β))²`` with ``n`` the completion lengths clamped to
+    ≥ 1 (TRL's per-token average), ``(h − 1/(2β))²`` when no lengths are given; hinge: ``relu(1 − βh)``;
     loss = mean over pairs. Metrics: ``rewards/chosen = β(π_c − ref_c)``, ``rewards/rejected = β(π_r − ref_r)``
     (means), ``rewards/accuracies`` (chosen reward > rejected reward), ``rewards/margins`` (mean difference).
     """
@@ -189,6 +193,9 @@ def dpo_loss_ref(
     if loss_type == "sigmoid":
         losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
     elif loss_type == "ipo":
+        if chosen_lengths is not None:
+            nc, nr = chosen_lengths.float().clamp(min=1.0), rejected_lengths.float().clamp(min=1.0)
+            h = (pc - rc) / nc - (pr - rr) / nr
         losses = (h - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * h)

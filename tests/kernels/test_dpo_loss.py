@@ -14,7 +14,7 @@ from fastgrpo.kernels._utils import unpad_padded
 from fastgrpo.kernels.dpo_loss import dpo_loss, fused_linear_dpo_loss
 from fastgrpo.kernels.reference import dpo_loss_ref, linear_logprobs_ref
 
-CASES = [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0)]
+CASES = [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("ipo+lengths", 0.0), ("hinge", 0.0)]
 
 
 def _assert_close(got, ref32, reflow=None, *, atol_rel=1e-5, what=""):
@@ -41,7 +41,11 @@ def _loss_and_grads(fn, pc, pr, rc, rr, up, **kw):
 def test_matches_reference(loss_type, label_smoothing, dtype):
     logps = _logps(13, dtype, seed=len(loss_type))
     up = torch.randn(())
-    kw = dict(beta=0.3, loss_type=loss_type, label_smoothing=label_smoothing)
+    kw = dict(beta=0.3, loss_type=loss_type.removesuffix("+lengths"), label_smoothing=label_smoothing)
+    if loss_type.endswith("+lengths"):  # token counts, one of them 0 (clamped to 1)
+        g = torch.Generator().manual_seed(4)
+        kw.update(chosen_lengths=torch.randint(0, 60, (13,), generator=g),
+                  rejected_lengths=torch.randint(1, 60, (13,), generator=g))
     got, m_got = _loss_and_grads(dpo_loss, *logps, up, **kw)
     want, m_want = _loss_and_grads(dpo_loss_ref, *logps, up, **kw)
     low = _loss_and_grads(dpo_loss_ref, *logps, up, upcast=False, **kw)[0] if dtype != torch.float32 else [None] * 3
@@ -64,6 +68,30 @@ def test_closed_form():
         assert {k: v.item() for k, v in metrics.items()} == want
 
 
+def test_ipo_with_lengths_is_trls_per_token_form():
+    """TRL 1.16: ipo squares c/n_c − r/n_r − 1/(2β) with n clamped to ≥ 1. Pair 0: c = 2 over 2 tokens, r = 0 over
+    0 tokens: (1 − ½)² = ¼; pair 1: c = 3 over 3, r = −1 over 4: (1 + ¼ − ½)² = 9/16; mean 13/32. The rewards
+    metrics keep the summed log-ratios."""
+    pc, rc = torch.tensor([-2.0, -3.0]), torch.tensor([-4.0, -6.0])
+    pr, rr = torch.tensor([-3.0, -5.0]), torch.tensor([-3.0, -4.0])
+    loss, metrics = dpo_loss(pc, pr, rc, rr, beta=1.0, loss_type="ipo", chosen_lengths=torch.tensor([2, 3]),
+                             rejected_lengths=torch.tensor([0, 4]))
+    assert loss.item() == pytest.approx(13 / 32, rel=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx(2.5) and metrics["rewards/rejected"].item() == -0.5
+    unnormalised = dpo_loss(pc, pr, rc, rr, beta=1.0, loss_type="ipo")[0]  # (2 − ½)², (4 − ½)²: mean 29/4
+    assert unnormalised.item() == pytest.approx(29 / 4, rel=1e-6)
+
+
+def test_sigmoid_label_smoothing_is_cdpo():
+    """``label_smoothing = 0`` is TRL 1.16's sigmoid, −log σ(βh); ``ls > 0`` the conservative-DPO mixture
+    −(1 − ls) log σ(βh) − ls log σ(−βh) (TRL's sigmoid ignores ls). One pair with βh = 1."""
+    pc, pr, rc, rr = torch.tensor([0.0]), torch.tensor([-1.0]), torch.tensor([0.0]), torch.tensor([0.0])
+    trl = dpo_loss(pc, pr, rc, rr, beta=1.0, loss_type="sigmoid")[0]
+    assert trl.item() == pytest.approx(-math.log(1 / (1 + math.exp(-1.0))), rel=1e-6)
+    cdpo = dpo_loss(pc, pr, rc, rr, beta=1.0, loss_type="sigmoid", label_smoothing=0.1)[0]
+    assert cdpo.item() == pytest.approx(0.9 * math.log1p(math.exp(-1.0)) + 0.1 * math.log1p(math.exp(1.0)), rel=1e-6)
+
+
 def test_reference_logps_get_no_gradient():
     pc, pr, rc, rr = (x.requires_grad_() for x in _logps(5, torch.float32, seed=3))
     dpo_loss(pc, pr, rc, rr)[0].backward()
@@ -84,6 +112,9 @@ def _bad_cases():
         ("beta", dict(base, beta=float("inf"))),
         ("loss_type", dict(base, loss_type="kto")),
         ("label_smoothing", dict(base, label_smoothing=0.7)),
+        ("chosen_lengths", dict(base, chosen_lengths=torch.ones(4))),
+        ("chosen_lengths", dict(base, chosen_lengths=torch.ones(3), rejected_lengths=torch.ones(4))),
+        ("rejected_lengths", dict(base, chosen_lengths=torch.ones(4), rejected_lengths=torch.ones(4).bool())),
     ]
 
 
@@ -95,9 +126,11 @@ def test_bad_input_names_the_argument(name, kwargs):
 
 # ---- fused_linear_dpo_loss: linear_logprobs_ref (fp32 logits) → masked sums → dpo_loss_ref ------------------------
 
+@pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.05), ("ipo", 0.0)])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_linear_dpo_loss(packed, dtype):
+def test_fused_linear_dpo_loss(packed, dtype, loss_type, label_smoothing):
+    """ipo: the completion lengths come from the mask (TRL's ``completion_mask.sum(1)``)."""
     B2, T, H, V = 4, 9, 20, 53  # 2 pairs: sequences 0, 1 chosen; 2, 3 rejected
     g = torch.Generator().manual_seed(53)
     hidden = torch.randn(B2, T, H, generator=g).to(dtype)
@@ -110,12 +143,14 @@ def test_fused_linear_dpo_loss(packed, dtype):
     ref_c, ref_r = -torch.rand(2, generator=g) * 20, -torch.rand(2, generator=g) * 20
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     up = torch.randn(())
-    kw = dict(beta=0.2, loss_type="sigmoid", label_smoothing=0.05)
+    kw = dict(beta=0.2, loss_type=loss_type, label_smoothing=label_smoothing)
 
     def ref_fn(h, w, b, upcast=True):
         logp = linear_logprobs_ref(h, w, targets, bias=b, temperature=0.9, upcast=upcast)  # [2B, T]
         seq = (logp * mask).sum(-1)  # [2B]
-        return dpo_loss_ref(seq[:2], seq[2:], ref_c, ref_r, upcast=upcast, **kw)
+        n = mask.sum(-1)  # [2B]
+        return dpo_loss_ref(seq[:2], seq[2:], ref_c, ref_r, upcast=upcast, chosen_lengths=n[:2],
+                            rejected_lengths=n[2:], **kw)
 
     def fused_fn(h, w, b):
         if packed:
