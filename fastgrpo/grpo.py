@@ -13,7 +13,7 @@ where the target is a completion token (and the completion is trained on: masked
 dynamic sampling, zero-variance groups get mask 0).
 
 The update of one optimizer step over the micro-batches ``m`` of every rank: each micro-batch's loss is
-``fused_linear_logprobs`` + ``grpo_loss`` (the composition inside ``fused_linear_grpo_loss``) on its own tokens,
+``fused_linear_grpo_loss`` on its own tokens (straight from the last hidden state and the LM head weight),
 re-weighted so that the sum over micro-batches and ranks is the loss of the whole optimizer-step batch; DDP then
 averages gradients over ranks, so every loss is also multiplied by ``world_size``::
 
@@ -36,8 +36,8 @@ import torch
 from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config
 from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync
-from fastgrpo.kernels.grpo_loss import grpo_loss, masked_linear_logprobs
-from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy, fused_linear_logprobs
+from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, masked_linear_logprobs
+from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 
@@ -314,29 +314,25 @@ class PolicyUpdate:
 
     def _loss(self, mb: MicroBatch, tokens: float, seqs: float, beta: float, epsilon_high: float | None,
               max_new_tokens: int):
-        """One micro-batch's re-weighted loss, its metrics, and its detached log-probs ``[N]``.
+        """One micro-batch's re-weighted loss, its metrics, and its detached log-probs ``[N]`` (0 where untrained).
 
-        ``fused_linear_logprobs`` then ``grpo_loss`` is exactly ``fused_linear_grpo_loss``'s composition, called in
-        two parts because the trainer needs the log-probs themselves: on-policy (one optimizer step per rollout)
-        they are also the old log-probs (ratio 1, as TRL), and they give the training–inference mismatch — one
-        pass over the vocabulary instead of a second no-grad one.
+        ``fused_linear_grpo_loss`` with ``return_logprobs``: on-policy (one optimizer step per rollout,
+        ``mb.old_logprobs`` None) the log-probs are also the old ones (ratio 1, as TRL), and they give the
+        training–inference mismatch — from the loss's own pass over the vocabulary, not a second no-grad one.
         """
         g = self.cfg.grpo
         hidden_NH, weight_VH, bias_V = _call(self.model, mb)
-        logp_N, entropy_N = fused_linear_logprobs(hidden_NH, weight_VH, mb.targets, bias=bias_V,
-                                                  temperature=self.cfg.rollout.temperature, return_entropy=True)
-        old = mb.old_logprobs if mb.old_logprobs is not None else logp_N.detach()
-        loss, metrics = grpo_loss(
-            logp_N, old, mb.advantages, mb.mask, ref_logprobs=mb.ref_logprobs, beta=beta,
-            epsilon_low=g.epsilon_low, epsilon_high=epsilon_high, delta=g.delta, dual_clip_c=g.dual_clip_c,
-            loss_type=g.loss_type, importance_sampling_level=g.importance_sampling_level,
-            max_completion_length=max_new_tokens, num_items_in_batch=tokens if g.loss_type == "dapo" else None,
-            cu_seqlens=mb.batch.cu_seqlens, per_token_advantages=False,
+        loss, metrics, logp_N = fused_linear_grpo_loss(
+            hidden_NH, weight_VH, mb.targets, mb.old_logprobs, mb.advantages, mb.mask, bias=bias_V,
+            temperature=self.cfg.rollout.temperature, return_entropy=True, return_logprobs=True,
+            ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_low=g.epsilon_low, epsilon_high=epsilon_high,
+            delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
+            importance_sampling_level=g.importance_sampling_level, max_completion_length=max_new_tokens,
+            num_items_in_batch=tokens if g.loss_type == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
+            per_token_advantages=False,
         )
-        with torch.no_grad():
-            metrics["entropy"] = (entropy_N * mb.mask).sum() / mb.mask.sum().clamp(min=1.0)
         if g.loss_type == "bnpo":
             loss = loss * float(mb.mask.sum()) / tokens
         elif g.loss_type in ("grpo", "dr_grpo"):
             loss = loss * mb.num_seqs / seqs
-        return loss, metrics, logp_N.detach()
+        return loss, metrics, logp_N

@@ -374,6 +374,43 @@ def test_fused_linear_grpo_loss_all_masked():
     assert all(x.grad is not None and not x.grad.any() for x in (hidden, weight, bias))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_linear_grpo_loss_on_policy_returns_logprobs(packed):
+    """``old_logprobs=None`` (on-policy: ratio 1) with ``return_logprobs``: loss and gradients of the fp32 reference
+    with old = its own detached log-probs, and the log-probs themselves (0 where the mask is 0)."""
+    B, T, H, V, lengths = 3, 7, 16, 29, [7, 0, 4]
+    hidden, weight, bias, targets = _fused_inputs(B, T, H, V, torch.float32, seed=5)
+    adv = torch.tensor([0.7, -1.2, 1.5])
+    mask = _lengths_to_mask(lengths, T)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    kw = dict(loss_type="dr_grpo", max_completion_length=T, epsilon_high=0.28)
+    up = torch.randn((), generator=torch.Generator().manual_seed(3))
+    got_logp = []
+
+    def fused_fn(h, w, b):
+        if packed:
+            out = fused_linear_grpo_loss(unpad_padded(h, cu), w, unpad_padded(targets, cu), None, adv,
+                                         unpad_padded(mask, cu), bias=b, cu_seqlens=cu, return_logprobs=True, **kw)
+        else:
+            out = fused_linear_grpo_loss(h, w, targets, None, adv, mask, bias=b, return_logprobs=True, **kw)
+        got_logp.append(out[2])
+        return out[:2]
+
+    def ref_fn(h, w, b):
+        lp = linear_logprobs_ref(h, w, targets, bias=b)
+        return grpo_loss_ref(lp, lp.detach(), adv, mask, **kw)
+
+    got, _ = _fused_value_and_grads(fused_fn, (hidden, weight, bias), up)
+    want, _ = _fused_value_and_grads(ref_fn, (hidden, weight, bias), up)
+    for name, a, r in zip(("loss", "hidden", "weight", "bias"), got, want):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    logp = got_logp[0]
+    assert logp.dtype == torch.float32 and not logp.requires_grad
+    with torch.no_grad():
+        want_logp = torch.where(mask, linear_logprobs_ref(hidden, weight, targets, bias=bias), 0.0)  # [B, T]
+    torch.testing.assert_close(logp, unpad_padded(want_logp, cu) if packed else want_logp, rtol=1e-5, atol=1e-5)
+
+
 # ---- GPU tier (bench/gpu_check.sh): compiled kernels at realistic sizes ---------------------------------------------
 
 @pytest.mark.gpu
