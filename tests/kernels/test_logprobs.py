@@ -11,6 +11,7 @@ import math
 import fastgrpo.kernels.logprobs as lp_mod
 import pytest
 import torch
+from checks import assert_flash
 from fastgrpo.kernels._utils import HAS_TRITON
 from fastgrpo.kernels.logprobs import logprobs_from_logits
 from fastgrpo.kernels.reference import logprobs_ref
@@ -62,12 +63,6 @@ def _ref(logits, targets, g_logp, g_entropy, temperature, upcast):
     return _run(fn, x, targets, g_logp, g_entropy)
 
 
-def _assert_flash(name, out, ref32, ref_lowp, atol):
-    err = (out.float() - ref32).abs().max().item()
-    bound = 2 * (ref_lowp.float() - ref32).abs().max().item() + atol
-    assert err <= bound, f"{name}: max |out − ref_fp32| = {err:.3g} > {bound:.3g}"
-
-
 def _check(logits, targets, *, temperature=1.0, entropy=True, upstream=("logp", "entropy"), seed=1):
     """Forward and backward of logprobs_from_logits against the fp32 and low-precision references."""
     g = torch.Generator().manual_seed(seed)
@@ -79,11 +74,11 @@ def _check(logits, targets, *, temperature=1.0, entropy=True, upstream=("logp", 
     rlp = _ref(logits, targets, g_logp, g_entropy, temperature, upcast=False)
     assert logp.dtype == torch.float32 and logp.shape == targets.shape
     assert grad.dtype == logits.dtype and grad.shape == logits.shape
-    _assert_flash("logp", logp, r32[0], rlp[0], ATOL_OUT)
+    assert_flash("logp", logp, r32[0], rlp[0], ATOL_OUT)
     if entropy:
         assert ent.dtype == torch.float32 and ent.shape == targets.shape
-        _assert_flash("entropy", ent, r32[1], rlp[1], ATOL_OUT)
-    _assert_flash("grad", grad, r32[2], rlp[2], ATOL_GRAD)
+        assert_flash("entropy", ent, r32[1], rlp[1], ATOL_OUT)
+    assert_flash("grad", grad, r32[2], rlp[2], ATOL_GRAD)
     return logp, ent, grad
 
 
@@ -251,9 +246,9 @@ def test_real_vocabulary_gpu(inplace):
                                inplace_backward=inplace)
     r32 = _ref(logits, targets, g_logp, g_entropy, 0.9, upcast=True)
     rlp = _ref(logits, targets, g_logp, g_entropy, 0.9, upcast=False)
-    _assert_flash("logp", logp, r32[0], rlp[0], ATOL_OUT)
-    _assert_flash("entropy", entropy, r32[1], rlp[1], ATOL_OUT)
-    _assert_flash("grad", grad, r32[2], rlp[2], ATOL_GRAD)
+    assert_flash("logp", logp, r32[0], rlp[0], ATOL_OUT)
+    assert_flash("entropy", entropy, r32[1], rlp[1], ATOL_OUT)
+    assert_flash("grad", grad, r32[2], rlp[2], ATOL_GRAD)
 
 
 def _bad_calls():
