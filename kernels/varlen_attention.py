@@ -76,6 +76,23 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _seq_bounds(CU, b):
+        """Start (int64, for pointer arithmetic) and length of sequence ``b`` from the offsets."""
+        start = tl.load(CU + b)
+        return start.to(tl.int64), (tl.load(CU + b + 1) - start).to(tl.int32)
+
+    @triton.jit
+    def _key_range(start_m, L, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys a query block starting at ``start_m`` visits: [0, full_end) need no mask, [full_end, hi) do."""
+        if CAUSAL:
+            full_end = start_m  # key blocks entirely left of the diagonal need no mask
+            hi = tl.minimum(start_m + BLOCK_M, L)
+        else:
+            full_end = (L // BLOCK_N) * BLOCK_N
+            hi = L
+        return full_end, hi
+
+    @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, lo, hi, offs_m, offs_n, offs_d, L, qk_scale,
                    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PREC: tl.constexpr):
@@ -111,9 +128,7 @@ if HAS_TRITON:
         the sequence end; writes o [BLOCK_M, D] and lse2 [BLOCK_M]. Heavier (later) blocks launch first."""
         m_block = tl.num_programs(0) - 1 - tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
-        b = tl.program_id(2)
-        seq_start = tl.load(CU + b).to(tl.int64)
-        L = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        seq_start, L = _seq_bounds(CU, tl.program_id(2))
         start_m = m_block * BLOCK_M
         if start_m >= L:
             return
@@ -131,12 +146,7 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if CAUSAL:
-            full_end = start_m  # key blocks entirely left of the diagonal need no mask
-            hi = tl.minimum(start_m + BLOCK_M, L)
-        else:
-            full_end = (L // BLOCK_N) * BLOCK_N
-            hi = L
+        full_end, hi = _key_range(start_m, L, CAUSAL, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K + kv_off, V + kv_off, stride_kt, 0, full_end, offs_m, offs_n,
                                    offs_d, L, qk_scale, HEAD_DIM, False, CAUSAL, EVEN_D, BLOCK_N, DOT_FP32, PREC)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K + kv_off, V + kv_off, stride_kt, full_end, hi, offs_m, offs_n,
@@ -199,9 +209,7 @@ if HAS_TRITON:
         GQA group from the diagonal (causal) to the sequence end; writes dk, dv [BLOCK_N, D] (no atomics)."""
         n_block = tl.program_id(0)  # causal: early key blocks see the most queries and launch first
         kvh = tl.program_id(1).to(tl.int64)
-        b = tl.program_id(2)
-        seq_start = tl.load(CU + b).to(tl.int64)
-        L = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        seq_start, L = _seq_bounds(CU, tl.program_id(2))
         start_n = n_block * BLOCK_N
         if start_n >= L:
             return
@@ -266,9 +274,7 @@ if HAS_TRITON:
         """One query block of one head: reads q/do/lse/delta once and k/v up to the diagonal; writes dq."""
         m_block = tl.num_programs(0) - 1 - tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
-        b = tl.program_id(2)
-        seq_start = tl.load(CU + b).to(tl.int64)
-        L = (tl.load(CU + b + 1) - tl.load(CU + b)).to(tl.int32)
+        seq_start, L = _seq_bounds(CU, tl.program_id(2))
         start_m = m_block * BLOCK_M
         if start_m >= L:
             return
@@ -289,12 +295,7 @@ if HAS_TRITON:
         delta = tl.load(DELTA + h * stride_lh + seq_start + offs_m, mask=rows_ok, other=0.0)
         kv_off = seq_start * stride_kt + (h // GROUP) * stride_kh
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if CAUSAL:
-            full_end = start_m
-            hi = tl.minimum(start_m + BLOCK_M, L)
-        else:
-            full_end = (L // BLOCK_N) * BLOCK_N
-            hi = L
+        full_end, hi = _key_range(start_m, L, CAUSAL, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, stride_kt, 0, full_end, offs_m, offs_n,
                            offs_d, L, qk_scale, HEAD_DIM, False, CAUSAL, EVEN_D, BLOCK_N, DOT_FP32, PREC)
         dq = _bwd_dq_inner(dq, q, do, lse, delta, K + kv_off, V + kv_off, stride_kt, full_end, hi, offs_m, offs_n,
@@ -314,10 +315,23 @@ _BLOCKS = {
     "dq": [(128, 32, 8, 3), (64, 32, 4, 2), (32, 16, 4, 1)],
 }
 _chosen: dict[tuple, int] = {}
+MAX_GRID_SEQS = 65535  # CUDA's limit on grid dims 1 and 2: more sequences than this launch as several grids
 
 
-def _launch(name, kernel, grid_block, grid_len, heads, num_seqs, args, consts):
-    """Launch ``kernel`` on the grid (blocks of ``grid_len`` tokens, ``heads``, ``num_seqs``).
+def _launch(name, kernel, grid_block, grid_len, heads, cu_seqlens, make_args, consts):
+    """Launch ``kernel`` on the grids (blocks of ``grid_len`` tokens, ``heads``, sequences).
+
+    ``make_args(cu)`` builds the kernel's arguments around the offsets ``cu``. Sequences go in groups of at most
+    ``MAX_GRID_SEQS``, each grid given its slice of ``cu_seqlens`` (the offsets in it stay absolute).
+    """
+    num_seqs = cu_seqlens.numel() - 1
+    for s0 in range(0, num_seqs, MAX_GRID_SEQS):
+        n = min(MAX_GRID_SEQS, num_seqs - s0)
+        _launch_grid(name, kernel, grid_block, grid_len, heads, n, make_args(cu_seqlens[s0 : s0 + n + 1]), consts)
+
+
+def _launch_grid(name, kernel, grid_block, grid_len, heads, num_seqs, args, consts):
+    """One grid (blocks of ``grid_len`` tokens, ``heads``, ``num_seqs``), block sizes from ``_BLOCKS[name]``.
 
     ``grid_block`` names the block (BLOCK_M or BLOCK_N) that tiles the grid's first axis.
     """
@@ -356,11 +370,10 @@ def _varlen_fwd(q, k, v, cu_seqlens, max_seqlen, causal, scale):
     T, Hq, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-    args = (q, k, v, o, lse, cu_seqlens, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            lse.stride(0))
     consts = {**_common_consts(q, k), "CAUSAL": causal}
-    num_seqs = cu_seqlens.numel() - 1
-    _launch("fwd", _varlen_fwd_kernel, "BLOCK_M", max_seqlen, Hq, num_seqs, args, consts)
+    _launch("fwd", _varlen_fwd_kernel, "BLOCK_M", max_seqlen, Hq, cu_seqlens,
+            lambda cu: (q, k, v, o, lse, cu, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                        lse.stride(0)), consts)
     return o, lse
 
 
@@ -376,11 +389,10 @@ def _varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), do.stride(0), do.stride(1), lse.stride(0))
     consts = {**_common_consts(q, k), "CAUSAL": causal}
-    num_seqs = cu_seqlens.numel() - 1
-    _launch("dkdv", _varlen_bwd_dkdv_kernel, "BLOCK_N", max_seqlen, Hkv, num_seqs,
-            (q, k, v, do, dk, dv, lse, delta, cu_seqlens, scale * LOG2E, scale, *strides), consts)
-    _launch("dq", _varlen_bwd_dq_kernel, "BLOCK_M", max_seqlen, Hq, num_seqs,
-            (q, k, v, do, dq, lse, delta, cu_seqlens, scale * LOG2E, scale, *strides), consts)
+    _launch("dkdv", _varlen_bwd_dkdv_kernel, "BLOCK_N", max_seqlen, Hkv, cu_seqlens,
+            lambda cu: (q, k, v, do, dk, dv, lse, delta, cu, scale * LOG2E, scale, *strides), consts)
+    _launch("dq", _varlen_bwd_dq_kernel, "BLOCK_M", max_seqlen, Hq, cu_seqlens,
+            lambda cu: (q, k, v, do, dq, lse, delta, cu, scale * LOG2E, scale, *strides), consts)
     return dq, dk, dv
 
 
@@ -467,6 +479,6 @@ def _scale(q, softmax_scale):
 
 def _dispatch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale):
     if use_triton(q):
-        q, k, v = (x.contiguous() for x in (q, k, v))
+        q, k, v, cu_seqlens = (x.contiguous() for x in (q, k, v, cu_seqlens))  # the kernels read unit strides
         return _VarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, bool(causal), _scale(q, softmax_scale))
     return _varlen_attention_torch(q, k, v, cu_seqlens, bool(causal), _scale(q, softmax_scale))

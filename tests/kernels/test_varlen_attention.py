@@ -5,11 +5,15 @@ reference in fp32: pass when ``max|kernel − ref32| ≤ 2 · max|ref_lowp − r
 dq/dk/dv with a random upstream gradient.
 """
 
+import importlib
+
 import pytest
 import torch
 from checks import assert_flash
 from fastgrpo.kernels.reference import varlen_attention_ref
 from fastgrpo.kernels.varlen_attention import varlen_attention, varlen_attention_torch
+
+va = importlib.import_module("fastgrpo.kernels.varlen_attention")  # the module (the package re-exports the function)
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
 
@@ -80,6 +84,17 @@ def test_sequences_do_not_see_each_other():
     o2 = varlen_attention(q, k2, v2, cu, 30)
     assert torch.equal(o[:9], o2[:9]) and torch.equal(o[39:], o2[39:])
     assert not torch.allclose(o[9:39], o2[9:39])
+
+
+def test_more_sequences_than_one_grid(monkeypatch):
+    """More sequences than a grid's third dim holds (CUDA: 65535; 2 here) launch as several grids, each reading its
+    slice of the offsets; a strided ``cu_seqlens`` view gives the same result (the kernels read it contiguous)."""
+    monkeypatch.setattr(va, "MAX_GRID_SEQS", 2)
+    _check([5, 0, 17, 3, 9], 2, 1, 16, torch.float32, seed=4)
+    q, k, v, _ = _inputs([5, 0, 17, 3, 9], 2, 1, 16, torch.float32)
+    cu = _offsets([5, 0, 17, 3, 9])
+    strided = torch.stack([cu, torch.zeros_like(cu)], dim=1)[:, 0]  # [6] with stride 2
+    assert torch.equal(varlen_attention(q, k, v, strided, 17), varlen_attention(q, k, v, cu, 17))
 
 
 @pytest.mark.slow
