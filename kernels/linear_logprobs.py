@@ -449,8 +449,8 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0
         hidden: ``[N, H]`` (packed) or ``[B, T, H]`` (padded; reshaped, masking is the caller's) fp32/bf16/fp16.
             Any strides: the kernel reads through them (a 3-D input is reshaped, which copies only when its
             layout requires).
-        weight: ``[V, H]`` LM head, same dtype and device; any strides. Tied embeddings need nothing special:
-            autograd adds this op's gradient to the embedding's.
+        weight: ``[V, H]`` LM head, same dtype and device; any strides (targets and bias too). Tied embeddings
+            need nothing special: autograd adds this op's gradient to the embedding's.
         targets: int64/int32 token ids in ``[0, V)``, shape ``hidden.shape[:-1]``.
         bias: optional ``[V]``, same dtype.
         temperature: ``T > 0``; the logits are divided by it.
@@ -466,8 +466,9 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0
     """
     _check_inputs(hidden, weight, targets, bias, temperature, grad_filter_eps)
     h_NH = hidden.reshape(-1, hidden.shape[-1])
-    y_N = targets.reshape(-1)
-    out = _LinearLogprobs.apply(h_NH, weight, bias, y_N, float(temperature), bool(return_entropy), grad_filter_eps)
+    y_N = targets.reshape(-1).contiguous()  # the kernels read targets and bias with unit stride
+    b_V = None if bias is None else bias.contiguous()
+    out = _LinearLogprobs.apply(h_NH, weight, b_V, y_N, float(temperature), bool(return_entropy), grad_filter_eps)
     if return_entropy:
         return out[0].view(targets.shape), out[1].view(targets.shape)
     return out.view(targets.shape)

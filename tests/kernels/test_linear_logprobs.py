@@ -92,6 +92,24 @@ def test_matches_reference(path, dtype, bias, entropy, temperature, scale):
     _compare(fn, ref, _leaves(h, w, b), upstream, dtype)
 
 
+def test_strided_targets_and_bias(path):
+    """Packed targets and bias that are strided views (the kernels read both with unit stride after a copy)."""
+    N, H, V = 19, 24, 150
+    h, w, _, _ = _inputs(N, H, V, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    b_big = torch.randn(V, 2, generator=g).requires_grad_()
+    y = torch.randint(0, V, (N, 3), generator=g)[:, 1]  # [N], stride 3
+    upstream = [torch.randn(N, generator=g)]
+
+    def fn():
+        return fused_linear_logprobs(h, w, y, bias=b_big[:, 0])
+
+    def ref(upcast):
+        return linear_logprobs_ref(h, w, y, bias=b_big[:, 0], upcast=upcast)
+
+    _compare(fn, ref, [h, w, b_big], upstream, torch.float32)
+
+
 def test_padded_strided_input_and_entropy_only_grad(path):
     """``[B, T, H]`` hidden that is a non-contiguous view, a strided weight, a mask on the result; grad of H only."""
     B, T, H, V = 3, 7, 40, 300
