@@ -192,5 +192,5 @@ def decode_attention(q, k, v, lengths, *, softmax_scale=None) -> torch.Tensor:
     _check_inputs(q, k, v, lengths)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if use_triton(q):
-        return _decode_attention_triton(q, k, v, lengths, scale)
+        return _decode_attention_triton(q, k, v, lengths.contiguous(), scale)  # the kernel reads lengths[s] at s
     return _decode_attention_torch(q, k, v, lengths, scale)
