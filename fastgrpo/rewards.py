@@ -5,9 +5,10 @@ its G samples), and every other dataset column (``answer`` at least) comes as a 
 per completion. The reward of a completion is ``Σ_i w_i · f_i``.
 
 Built-ins:
-- ``math``: 1 when the last ``\\boxed{...}`` of the completion equals the ground truth, checked first as a plain
-  string match or as two plain decimal numbers (fast paths) and otherwise with ``math-verify``
-  (``verify(parse(gold), parse(pred))``); else 0.
+- ``math``: 1 when the last ``\\boxed{...}`` of the completion equals the ground truth per ``math-verify``
+  (``verify(parse(gold), parse(pred))``); else 0. Exact fast paths (:func:`fast_verdict`: plain numbers, ``x=15``,
+  integer fractions and sums, an empty box) give math-verify's verdict without sympy; each distinct ground truth
+  is parsed once, and each distinct (ground truth, answer) pair verified once per process.
 - ``format``: 1 when the completion holds a complete ``\\boxed{...}``; else 0.
 
 User functions are named ``"package.module:function"``. A function that raises, returns a non-finite value or the
@@ -18,14 +19,17 @@ the run.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
+import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from fastgrpo.config import RewardConfig
 
@@ -75,34 +79,95 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _number(text: str) -> float | None:
-    """``text`` as a plain decimal number (``"12"``, ``"-3.5"``, ``"1,000"``), else None."""
-    t = text.strip().replace(",", "")
-    if not t or not all(ch.isdigit() or ch in "+-." for ch in t):
+# Fast paths of the math reward: forms whose math-verify verdict is certain without sympy. A decimal number (sign
+# glued on; thousands commas only on integers), optionally after "=" or "x =", or wrapped in brace-free "{...}";
+# \frac / \dfrac / \tfrac of two integers; a chain of integers joined by single + / - signs.
+_NUM = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)"
+_NUM_RE = re.compile(_NUM)
+_EQ_RE = re.compile(r"(?:[A-Za-z]\s*)?=\s*(" + _NUM + ")")
+_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*([+-]?\d+)\s*\}\s*\{\s*([+-]?\d+)\s*\}")
+_SUM_RE = re.compile(r"[+-]?\d+(?:\s*[+-]\s*\d+)+")
+_TERM_RE = re.compile(r"([+-]?)\s*(\d+)")
+VERDICT_CACHE_SIZE = 1 << 16
+
+
+@functools.lru_cache(maxsize=VERDICT_CACHE_SIZE)
+def _number(text: str) -> Fraction | None:
+    """``text`` (stripped) as an exact decimal number (``"12"``, ``"-3.5"``, ``"1,000"``), else None."""
+    t = text.strip()
+    return Fraction(t.replace(",", "")) if _NUM_RE.fullmatch(t) else None
+
+
+def _value(pred: str) -> Fraction | None:
+    """The exact value of a boxed answer in one of the fast-path forms, else None."""
+    t = pred.strip()
+    while len(t) >= 2 and t[0] == "{" and t[-1] == "}" and "{" not in t[1:-1] and "}" not in t[1:-1]:
+        t = t[1:-1].strip()
+    if (n := _number(t)) is not None:
+        return n
+    if m := _EQ_RE.fullmatch(t):
+        return _number(m.group(1))
+    if (m := _FRAC_RE.fullmatch(t)) and int(m.group(2)) != 0:
+        return Fraction(int(m.group(1)), int(m.group(2)))
+    if _SUM_RE.fullmatch(t):
+        return Fraction(sum(int(d) * (-1 if sign == "-" else 1) for sign, d in _TERM_RE.findall(t)))
+    return None
+
+
+def fast_verdict(gold: str, pred: str) -> float | None:
+    """math-verify's verdict on ``pred`` against ``gold`` when it is certain without sympy, else None.
+
+    1.0 for the same string (stripped) or the same exact value; 0.0 for an empty answer or two different
+    integers; None (ask math-verify) otherwise: a ``gold`` that is not a plain number, an answer in no fast-path
+    form, or different values of which one is not an integer (math-verify's numeric tolerance decides those).
+    Tested against math-verify on tricky and random answers (``tests/test_rewards.py``).
+    """
+    if pred.strip() == gold.strip():
+        return 1.0
+    if not pred.strip():
+        return 0.0  # math-verify parses nothing from an empty box
+    g = _number(gold)
+    if g is None:
         return None
-    try:
-        return float(t)
-    except ValueError:
+    v = _value(pred)
+    if v is None:
         return None
+    if v == g:
+        return 1.0
+    return 0.0 if v.denominator == 1 and g.denominator == 1 else None
+
+
+@functools.lru_cache(maxsize=VERDICT_CACHE_SIZE)
+def _parsed_gold(gold: str) -> list:
+    """math-verify's parse of a ground truth, once per distinct answer (the G completions of a prompt share it)."""
+    from math_verify import parse
+
+    return parse(f"${gold}$", parsing_timeout=None)
+
+
+_verdicts: dict[tuple[str, str], float] = {}  # math-verify verdicts already computed, (gold, pred) -> 0.0 / 1.0
 
 
 def _verify(gold: str, pred: str, timeout_s: float) -> float:
-    """1.0 when ``pred`` equals ``gold``: a plain string match or two plain numbers (fast paths), else
-    math-verify within ``timeout_s``."""
-    if pred.strip() == gold.strip():
-        return 1.0
-    a, b = _number(gold), _number(pred)
-    if a is not None and b is not None:
-        return 1.0 if a == b else 0.0
+    """1.0 when ``pred`` equals ``gold``: :func:`fast_verdict` when certain, else math-verify within ``timeout_s``
+    (each distinct (gold, pred) pair verified once per process)."""
+    fast = fast_verdict(gold, pred)
+    if fast is not None:
+        return fast
+    key = (gold, pred)
+    if key in _verdicts:
+        return _verdicts[key]
     from math_verify import parse, verify
 
     with time_limit(timeout_s) as status:
         # math-verify's own timeouts use signal.alarm too: off here, the guard above bounds the whole check
-        ok = verify(parse(f"${gold}$", parsing_timeout=None), parse(f"{BOXED}{pred}}}", parsing_timeout=None),
-                    timeout_seconds=None)
+        ok = verify(_parsed_gold(gold), parse(f"{BOXED}{pred}}}", parsing_timeout=None), timeout_seconds=None)
     if status["fired"]:
         raise RewardTimeout(f"math verification ran longer than {timeout_s} s")
-    return 1.0 if ok else 0.0
+    if len(_verdicts) >= VERDICT_CACHE_SIZE:
+        _verdicts.clear()
+    _verdicts[key] = 1.0 if ok else 0.0
+    return _verdicts[key]
 
 
 def math_reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], *,

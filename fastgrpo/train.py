@@ -246,7 +246,7 @@ class Trainer:
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
         with self.timer("reward"):
             texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            prompt_texts = [self.tokenizer.decode(p) for p in prompts for _ in range(G)]
+            prompt_texts = [text for p in prompts for text in [self.tokenizer.decode(p)] * G]  # decoded once each
             columns = {k: [v for v in vals for _ in range(G)] for k, vals in self.train_data.columns(idx).items()}
             result = self.rewards.score(prompt_texts, texts, columns)
         r_PG = torch.tensor(result.total, dtype=torch.float64).view(len(prompts), G)

@@ -1,6 +1,7 @@
 """Rewards: math correctness (fast path and math-verify), format, weights, and failures that score 0 and count."""
 
 import math
+import random
 import textwrap
 import time
 
@@ -25,6 +26,48 @@ def test_math_reward_exact_and_equivalent_answers():
     assert math_reward([""], ["\\boxed{x^2+2x+1}"], ["(x+1)^2"]) == [1.0]
     assert math_reward([""] * 3, ["\\boxed{1,000}", "\\boxed{-2.50}", "\\boxed{7-}"], ["1000", "-2.5", "7"]) == [
         1.0, 1.0, 0.0]
+
+
+def _math_verify(gold, pred):
+    from math_verify import parse, verify
+
+    return float(verify(parse(f"${gold}$", parsing_timeout=None), parse(f"\\boxed{{{pred}}}", parsing_timeout=None),
+                        timeout_seconds=None))
+
+
+TRICKY = ["15", "\\frac{30}{2}", "\\dfrac{30}{2}", "\\frac { 30 }{ 2 }", "\\frac{-30}{-2}", "-\\frac{30}{2}",
+          "\\frac{31}{2}", "\\frac{30}{0}", "\\frac30 2", "15.0", "15.", ".15", "1.50", " 15 ", "15\n", "1\n5",
+          "015", "+15", "-15", "- 15", "+ 15", "1,000", "1,5", "15,", ",15", "12,345", "x=15", "x = 15", "=15", "e=15",
+          "x=-15", "x=15.0", "15=x", "15=", "", "  ", "{15}", "{ 15 }", "{{15}}", "{15", "1+14", "1 + 2 + 12", "20-5",
+          "1++14", "1-+16", "+1+14", "15+", "1 5", "3*5", "30/2", "1c", "1w", "0o5", "15\\%", "1.5e1",
+          "15.0000001", "\\boxed{15}", "\\frac{1}{2}", "0.50", "+0.5", "x=0.5"]
+
+
+@pytest.mark.parametrize("gold", ["15", "1000", "-15", "0", "0.5", "1,000", "12345"])
+def test_fast_verdict_agrees_with_math_verify(gold):
+    """Wherever the fast path decides, math-verify gives the same verdict: tricky answers and random strings over the
+    digits, signs, separators and braces."""
+    from fastgrpo.rewards import fast_verdict
+
+    rng = random.Random(gold)
+    random_preds = ["".join(rng.choice("0123456789+-=,. {}x") for _ in range(rng.randint(1, 6))) for _ in range(40)]
+    decided = 0
+    for pred in TRICKY + random_preds:
+        fast = fast_verdict(gold, pred)
+        if fast is not None:
+            decided += 1
+            assert fast == _math_verify(gold, pred), (gold, pred)
+    assert decided >= (25 if "." not in gold else 6)  # most forms (unequal non-integers go to math-verify)
+
+
+def test_fast_verdict_leaves_uncertain_forms_to_math_verify():
+    from fastgrpo.rewards import fast_verdict
+
+    assert fast_verdict("15", "\\frac{30}{2}") == 1.0 and fast_verdict("1000", "1,000") == 1.0
+    assert fast_verdict("15", "x=15") == 1.0 and fast_verdict("15", "") == 0.0 and fast_verdict("15", "{15}") == 1.0
+    for gold, pred in [("15", "1c"), ("15", "3*5"), ("(x+1)^2", "x^2+2x+1"), ("15", "\\frac{31}{2}"),
+                       ("0.5", "0.50001"), ("15", "\\frac{30}{0}")]:
+        assert fast_verdict(gold, pred) is None, (gold, pred)
 
 
 def test_format_reward():
@@ -86,7 +129,7 @@ def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
 
     monkeypatch.setattr(math_verify, "verify", stuck)
     rs = RewardSet(RewardConfig(functions=["math"], timeout_s=0.1))
-    res = rs.score(["p", "p"], ["\\boxed{2}", "\\boxed{1+1}"], {"answer": ["2", "2"]})
+    res = rs.score(["p", "p"], ["\\boxed{2}", "\\boxed{2*1}"], {"answer": ["2", "2"]})
     assert res.per_function["math"] == [1.0, 0.0]  # the exact match never reaches math-verify
     assert res.failures["math"] == 1
 
