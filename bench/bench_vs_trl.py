@@ -1,7 +1,7 @@
 """fastgrpo vs TRL's GRPOTrainer: seconds per GRPO step on the same model, prompts, batch, G, length and loss.
 
     python bench/bench_vs_trl.py            # tiny recipe sizes: 32 prompts x 8 generations, 8 new tokens
-    python bench/bench_vs_trl.py --quick    # fewer steps
+    python bench/bench_vs_trl.py --quick    # fewer steps, one seed
     python bench/bench_vs_trl.py --prompts 16 --generations 8 --max-new-tokens 32 --steps 6
 
 Both sides start from the same checkpoint: the ``tiny`` recipe's Qwen2-shaped model (fp32) after ``--sft-steps``
@@ -21,7 +21,12 @@ validation, no checkpoints, the same number of CPU threads. Each side runs in it
 The reward (math-verify on every ``\\boxed{}`` answer) is the same function on both sides: ``reward_s`` shows how
 much of a step it takes, and ``no_reward_vs_fastgrpo`` compares the rest (the trainers' own work).
 
-The first ``--warmup`` steps of each are dropped; the table shows the median of the rest. The 1-minute load
+Each side runs once per seed (``--seeds``: the sampling seed, and the prompt order, of both trainers), and the
+first ``--warmup`` steps of each run are dropped; the table shows the median of the rest, pooled over the seeds.
+Several seeds matter for the reward's share: its time is almost all math-verify calls on the distinct boxed answers
+the fast paths cannot settle (``\\boxed{1qx6}``: sympy, ~1-10 ms each; a plain number costs microseconds), and how
+many such answers a step holds (0 to 41 of 256 at the default sizes) depends on where the sampled trajectory drifts, on
+either side: with one seed, one side's reward time may be 4x the other's by chance. The 1-minute load
 average is recorded with the rows: on a machine busier than its cores, multi-threaded CPU runs stall in OpenMP
 barriers (seconds per step instead of fractions) and only ``--threads 1`` gives comparable figures. TRL is not a
 dependency of fastgrpo: without it only fastgrpo runs, with a message (``pip install trl``; ``--trl-path DIR``
@@ -73,7 +78,7 @@ def warm_start(args, out_dir: Path) -> Path:
     return path
 
 
-def run_fastgrpo(args, out_dir: Path, model_path: Path) -> dict:
+def run_fastgrpo(args, out_dir: Path, model_path: Path, seed: int) -> dict:
     """Run the trainer in a subprocess and read its per-step rows back from metrics.jsonl."""
     from fastgrpo.metrics import read_jsonl
 
@@ -87,7 +92,7 @@ def run_fastgrpo(args, out_dir: Path, model_path: Path) -> dict:
         "grpo.baseline=mean", "grpo.scale=group", "grpo.dynamic_sampling=false",
         "grpo.mask_truncated_completions=false",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
-        "rollout.top_k=0", "checkpoint.save_final=false",
+        "rollout.top_k=0", "checkpoint.save_final=false", f"train.seed={seed}",
     ])
     rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "time/step" in r]
     out = {"step_s": [r["time/step"] for r in rows], "length": [r["response_length/mean"] for r in rows],
@@ -112,7 +117,7 @@ def write_prompts(model_path: Path, out_file: Path) -> None:
             f.write(json.dumps({"prompt": format_prompt(row["prompt"], tok, cfg.data), "answer": row["answer"]}) + "\n")
 
 
-def run_trl(args, out_dir: Path, model_path: Path) -> dict | None:
+def run_trl(args, out_dir: Path, model_path: Path, seed: int) -> dict | None:
     """The TRL side in its own process (``--trl-worker``); None when trl cannot be imported there."""
     env = dict(os.environ)
     if args.trl_path:
@@ -126,7 +131,7 @@ def run_trl(args, out_dir: Path, model_path: Path) -> dict | None:
            "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--device", args.device]
+           "--device", args.device, "--seed", str(seed)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -190,7 +195,7 @@ def trl_worker(args) -> None:
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
         beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=1.0, top_p=1.0, scale_rewards="group",
         num_iterations=1, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=use_cpu, bf16=False, fp16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        use_cpu=use_cpu, bf16=False, fp16=False, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
     )
     timer = StepTimes()
     trainer = GRPOTrainer(model=model, reward_funcs=timed_reward, args=cfg, train_dataset=data,
@@ -210,17 +215,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for each side (0: the visible cores)")
     parser.add_argument("--sft-steps", type=int, default=100, help="untimed supervised warm-up of the shared start")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--quick", action="store_true", help="3 timed steps")
+    parser.add_argument("--seeds", type=int, default=3, help="runs of each side, with seeds 0 .. SEEDS-1")
+    parser.add_argument("--quick", action="store_true", help="3 timed steps, one seed")
     parser.add_argument("--trl-path", default="", help="directory with trl (and deps) to put on PYTHONPATH")
     parser.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.threads = _threads(args.threads)
     if args.trl_worker:
         trl_worker(args)
         return
     if args.quick:
-        args.steps = 3
+        args.steps, args.seeds = 3, 1
     import torch
     from common import append_rows, print_table
 
@@ -233,31 +240,38 @@ def main() -> None:
         tmp = Path(tmp)
         print(f"shared start: {args.sft_steps} supervised warm-up steps ...", flush=True)
         start = warm_start(args, tmp / "warm")
-        print(f"fastgrpo: {args.warmup} + {args.steps} steps of {args.prompts} prompts x {args.generations} "
-              f"generations, {args.max_new_tokens} new tokens, {args.threads} threads, {device}", flush=True)
-        fg = run_fastgrpo(args, tmp / "fastgrpo", start)
-        print("TRL ...", flush=True)
-        trl = run_trl(args, tmp, start)
-    sides = {"fastgrpo": fg}
-    if trl is None:
-        print("trl is not installed: TRL's side is skipped (pip install trl, or --trl-path DIR with trl in it)")
-    else:
-        sides[f"trl {trl.pop('version')}"] = trl
+        sides: dict[str, list[dict]] = {"fastgrpo": []}
+        with_trl = True
+        for seed in range(args.seeds):
+            print(f"seed {seed}: fastgrpo {args.warmup} + {args.steps} steps of {args.prompts} prompts x "
+                  f"{args.generations} generations, {args.max_new_tokens} new tokens, {args.threads} threads, {device}",
+                  flush=True)
+            sides["fastgrpo"].append(run_fastgrpo(args, tmp / f"fastgrpo{seed}", start, seed))
+            if not with_trl:
+                continue
+            print(f"seed {seed}: TRL ...", flush=True)
+            trl = run_trl(args, tmp, start, seed)
+            if trl is None:
+                print("trl is not installed: TRL's side is skipped (pip install trl, or --trl-path DIR with trl in it)")
+                with_trl = False
+                continue
+            sides.setdefault(f"trl {trl.pop('version')}", []).append(trl)
     rows = []
-    for name, res in sides.items():
-        timed = res["step_s"][args.warmup:]
+    for name, runs in sides.items():
+        res = {k: [v for run in runs for v in run[k][args.warmup:]] for k in runs[0]}  # timed steps of every seed
+        timed = res["step_s"]
         if len(timed) < 1:
-            raise RuntimeError(f"{name}: only {len(res['step_s'])} steps recorded")
-        rest = [s - r for s, r in zip(res["step_s"], res["reward_s"])][args.warmup:]
+            raise RuntimeError(f"{name}: no timed step recorded")
+        rest = [s - r for s, r in zip(res["step_s"], res["reward_s"])]
         rows.append({"impl": name, "prompts": args.prompts, "generations": args.generations,
                      "max_new_tokens": args.max_new_tokens, "loss_type": "dapo", "threads": args.threads,
-                     "timed_steps": len(timed), "loadavg_1min": round(load, 2), "s_per_step": statistics.median(timed),
-                     "s_per_step_min": min(timed), "no_reward_s": statistics.median(rest),
-                     "response_length": statistics.mean(res["length"][args.warmup:]),
-                     "reward_mean": statistics.mean(res["reward"][args.warmup:]), "sft_steps": args.sft_steps})
+                     "seeds": len(runs), "timed_steps": len(timed), "loadavg_1min": round(load, 2),
+                     "s_per_step": statistics.median(timed), "s_per_step_min": min(timed),
+                     "no_reward_s": statistics.median(rest), "response_length": statistics.mean(res["length"]),
+                     "reward_mean": statistics.mean(res["reward"]), "sft_steps": args.sft_steps})
         for key in (f"{phase}_s" for phase in PHASES):
             if key in res:
-                rows[-1][key] = statistics.median(res[key][args.warmup:])
+                rows[-1][key] = statistics.median(res[key])
     for r in rows:
         r["vs_fastgrpo"] = r["s_per_step"] / rows[0]["s_per_step"]
         r["no_reward_vs_fastgrpo"] = r["no_reward_s"] / rows[0]["no_reward_s"]
