@@ -29,6 +29,6 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "tensorboard"],
     },
 )
