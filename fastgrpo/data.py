@@ -154,12 +154,13 @@ def read_hf_dataset(name: str, split: str) -> list[dict]:
     return [dict(r) for r in datasets.load_dataset(name, split=split)]
 
 
-def read_rows(path: str, split: str, cfg: DataConfig) -> list[dict]:
-    """Rows of a .jsonl / .parquet file or a Hugging Face dataset name, with the prompt/answer fields checked."""
+def read_rows(path: str, split: str, cfg: DataConfig, field: str = "data.path") -> list[dict]:
+    """Rows of a .jsonl / .parquet file or a Hugging Face dataset name, with the prompt/answer fields checked.
+    ``field``: the config field that named ``path`` (for the error messages)."""
     p = Path(path)
     if p.suffix in (".jsonl", ".json", ".parquet") or p.exists() or "/" in path and p.parent.exists():
         if not p.is_file():
-            raise ValueError(f"data file {path!r} does not exist")
+            raise ValueError(f"{field}: data file {path!r} does not exist")
         rows = read_parquet(p) if p.suffix == ".parquet" else read_jsonl(p)
         return _check_fields(rows, cfg, str(p))
     return _check_fields(read_hf_dataset(path, split), cfg, f"dataset {path!r} ({split})")
@@ -208,7 +209,8 @@ def load_datasets(cfg: DataConfig, tokenizer) -> tuple[PromptDataset, PromptData
         train = build_dataset(read_rows(cfg.path, cfg.split, cfg), tokenizer, cfg, cfg.path)
         held_out = None
     if cfg.eval_path:
-        held_out = build_dataset(read_rows(cfg.eval_path, cfg.eval_split, cfg), tokenizer, cfg, cfg.eval_path)
+        eval_rows = read_rows(cfg.eval_path, cfg.eval_split, cfg, "data.eval_path")
+        held_out = build_dataset(eval_rows, tokenizer, cfg, cfg.eval_path)
     if len(train) == 0:
         raise ValueError(f"{train.source}: every prompt is longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
     return train, held_out

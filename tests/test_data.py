@@ -40,8 +40,10 @@ def test_plain_prompt_without_chat_template(tok):
 
 
 def test_missing_file_and_field_errors(tmp_path):
-    with pytest.raises(ValueError, match="data file .*missing.jsonl.* does not exist"):
+    with pytest.raises(ValueError, match="data.path: data file .*missing.jsonl.* does not exist"):
         read_rows(str(tmp_path / "missing.jsonl"), "train", DataConfig())
+    with pytest.raises(ValueError, match="data.eval_path: data file .*missing.jsonl.* does not exist"):
+        load_datasets(DataConfig(eval_path=str(tmp_path / "missing.jsonl")), build_tiny_tokenizer())
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", "answer": "2"}])
     with pytest.raises(ValueError, match=r"row 0 has no field 'prompt' \(data.prompt_field\)"):
         read_rows(path, "train", DataConfig())
