@@ -43,7 +43,8 @@ def test_missing_file_and_field_errors(tmp_path):
     with pytest.raises(ValueError, match="data.path: data file .*missing.jsonl.* does not exist"):
         read_rows(str(tmp_path / "missing.jsonl"), "train", DataConfig())
     with pytest.raises(ValueError, match="data.eval_path: data file .*missing.jsonl.* does not exist"):
-        load_datasets(DataConfig(eval_path=str(tmp_path / "missing.jsonl")), build_tiny_tokenizer())
+        load_datasets(DataConfig(synthetic_num_terms=3, eval_path=str(tmp_path / "missing.jsonl")),
+                      build_tiny_tokenizer())
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", "answer": "2"}])
     with pytest.raises(ValueError, match=r"row 0 has no field 'prompt' \(data.prompt_field\)"):
         read_rows(path, "train", DataConfig())
