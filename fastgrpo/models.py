@@ -92,6 +92,8 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0):
         path = Path(cfg.path)
         if not path.is_dir():
             raise ValueError(f"model.path {cfg.path!r} is not a directory (a local Hugging Face model, or 'tiny')")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.path {cfg.path!r} has no config.json: not a Hugging Face model directory")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:

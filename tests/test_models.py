@@ -40,6 +40,9 @@ def test_tiny_model_saves_and_loads_as_a_hf_model(tmp_path):
     torch.testing.assert_close(same.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
     with pytest.raises(ValueError, match="model.path .* is not a directory"):
         load_model(ModelConfig(path=str(tmp_path / "nope")), CPU)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="model.path .* has no config.json"):
+        load_model(ModelConfig(path=str(tmp_path / "empty")), CPU)
 
 
 def test_bfloat16_model():
