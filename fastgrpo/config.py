@@ -431,7 +431,13 @@ def _coerce(value, tp, name: str):
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
             _fail(name, "must be a list", value)
-        return [_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(_coerce(v, item_tp, f"{name}[{i}]"))
+            except ValueError as e:  # an item's __post_init__ says "stages[].beta": name the item
+                raise ValueError(str(e).replace(f"{name}[].", f"{name}[{i}].")) from None
+        return out
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
