@@ -157,3 +157,24 @@ def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, dynamic)
     assert samples[0].completion_ids[-1] == trainer.tokenizer.eos_token_id and samples[0].sample_logprobs[0] == -0.5
     assert m["accuracy"] == 0.25 and m["frac_reward_zero_std"] == 0.5 and m["truncated_fraction"] == 0.5
     assert m["response_length/max"] == len(samples[0].completion_ids)
+
+
+def test_reference_model_only_when_some_stage_has_beta(tmp_path):
+    """β = 0 at the start and > 0 from a later stage (the DeepScaleR schedule): a frozen reference model exists,
+    a separate copy (its parameters are not the policy's), equal to the initial weights; β = 0 throughout: none."""
+    import torch
+
+    from fastgrpo.config import load_config
+    from fastgrpo.train import Trainer
+
+    base = [*SMALL, f"logging.output_dir={tmp_path}"]
+    assert Trainer(load_config(overrides=base)).ref_model is None
+    trainer = Trainer(load_config(overrides=[*base, "stages=[{at_step: 0, max_new_tokens: 6},"
+                                                    " {at_step: 2, max_new_tokens: 6, beta: 0.001}]"]))
+    ref, policy = trainer.ref_model, trainer.model
+    assert ref is not None and not ref.training
+    assert not any(p.requires_grad for p in ref.parameters())
+    policy_ptrs = {p.data_ptr() for p in policy.parameters()}
+    assert not any(p.data_ptr() in policy_ptrs for p in ref.parameters())
+    for a, b in zip(ref.parameters(), policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
