@@ -7,6 +7,11 @@ Advantages (one per completion, G completions per prompt, rewards ``r``)::
     A_i = (r_i − b_i) / (σ + ADV_EPS)               σ = std of the group ("group"), of the whole batch over all
                                                     ranks ("batch"), or no division ("none"); std is unbiased
 
+σ is the same for every baseline: with "group" it is the std of all G rewards of the group, r_i included, also under
+"leave_one_out". Since r_i − mean_{j≠i} r_j = G/(G−1) · (r_i − mean_j r_j), leave-one-out with group scaling equals
+the mean baseline times G/(G−1) (8/7 for G = 8). This departs from NeMo-RL, whose leave-one-out option divides by
+the std of the other G−1 rewards, a different σ per completion.
+
 Sequences (prompt + completion) are packed into micro-batches of at most ``train.max_tokens_per_microbatch``
 tokens. At packed position ``t`` the target is token ``t + 1`` of the same sequence; the loss mask is 1 exactly
 where the target is a completion token (and the completion is trained on: masked truncated completions and, with

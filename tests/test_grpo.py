@@ -31,6 +31,10 @@ def test_advantages_leave_one_out_and_other_scales():
     adv, _ = compute_advantages(r, "leave_one_out", "none")
     # r_i - mean of the others
     torch.testing.assert_close(adv, torch.tensor([[3.0, -1.5, -1.5], [-3.0, -1.5, 4.5]]))
+    # with group scaling (the DeepScaleR recipe): divided by the whole group's unbiased std, r_i included
+    adv_g, _ = compute_advantages(r, "leave_one_out", "group")
+    std_P1 = torch.tensor([[3.0**0.5], [7.0**0.5]])  # [3, 0, 0]: var (4+1+1)/2; [1, 2, 6]: var (4+1+9)/2
+    torch.testing.assert_close(adv_g, torch.tensor([[3.0, -1.5, -1.5], [-3.0, -1.5, 4.5]]) / (std_P1 + ADV_EPS))
     adv_b, _ = compute_advantages(r, "mean", "batch")
     centred = r - r.mean(1, keepdim=True)
     torch.testing.assert_close(adv_b, centred / (r.std() + ADV_EPS))
