@@ -111,6 +111,8 @@ class MicroBatch:
     completion_mask: torch.Tensor  # [N] bool, target is a completion token (trained or not)
     old_logprobs: torch.Tensor | None = None  # [N]
     ref_logprobs: torch.Tensor | None = None  # [N]
+    num_loss_tokens: int = 0
+    """Σ mask, counted on the host while packing (no device sync to read it)."""
 
     @property
     def num_seqs(self) -> int:
@@ -135,6 +137,7 @@ def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
         sample_logprobs=torch.tensor(slp, dtype=torch.float32, device=device),
         completion_mask=torch.tensor(comp, dtype=torch.bool, device=device),
+        num_loss_tokens=int(sum(mask)),
     )
 
 
@@ -189,22 +192,22 @@ def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_t
     mbs = plan(seqs, max_tokens, device)
     total = all_reduce(torch.tensor(float(sum(len(c) for _, c in samples)), device=device))
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), device=device)
     for i, mb in enumerate(mbs):
         with gradient_sync(model, enabled=i == len(mbs) - 1):
             hidden_NH, weight_VH, bias_V = _call(model, mb)
             targets = torch.where(mb.mask > 0, mb.targets, -100)
             loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
             (loss * world_size / total).backward()
-            loss_sum += float(loss.detach())  # sync: one scalar per micro-batch, for the log line
+            loss_sum += loss.detach()
     optimizer.step()
-    return float(all_reduce(torch.tensor(loss_sum, device=device))) / float(total)
+    return float(all_reduce(loss_sum)) / float(total)  # sync: one per warm-up step, for the log line
 
 
 def _mismatch(logp_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """Training–inference mismatch: mean |log p_train − log p_engine| over the micro-batch's trained tokens."""
-    keep = mb.mask != 0
-    return (logp_N - mb.sample_logprobs)[keep].abs().mean()
+    """Training–inference mismatch: mean |log p_train − log p_engine| over the micro-batch's trained tokens
+    (a device scalar: no host sync)."""
+    return ((logp_N - mb.sample_logprobs).abs() * mb.mask).sum() / max(mb.num_loss_tokens, 1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -226,9 +229,9 @@ class PolicyUpdate:
 
     def _normaliser(self, mbs: list[MicroBatch]) -> tuple[float, float]:
         """Global (all ranks) loss-token and sequence counts of one optimizer step."""
-        local = torch.tensor([sum(float(mb.mask.sum()) for mb in mbs), float(sum(mb.num_seqs for mb in mbs))],
+        local = torch.tensor([float(sum(mb.num_loss_tokens for mb in mbs)), float(sum(mb.num_seqs for mb in mbs))],
                              dtype=torch.float64, device=self.device)
-        tokens, seqs = all_reduce(local).tolist()
+        tokens, seqs = all_reduce(local).tolist()  # sync: the loss normalisers are host floats
         return tokens, seqs
 
     def run(self, samples: list[Sample], *, beta: float, epsilon_high: float | None,
@@ -244,10 +247,10 @@ class PolicyUpdate:
         steps = [samples[i : i + chunk] for i in range(0, per_rank, chunk)]
         plans = [plan(s, cfg.train.max_tokens_per_microbatch, self.device) for s in steps]
 
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor | float] = {}  # metric values stay on the device until the end of the rollout
 
         def add(key, value, weight=1.0):
-            sums[key] = sums.get(key, 0.0) + float(value) * weight
+            sums[key] = sums.get(key, 0.0) + value * weight
             sums[key + "#w"] = sums.get(key + "#w", 0.0) + weight
 
         # Every rank runs the same number of micro-batches per optimizer step (FSDP2 gathers weights in each
@@ -286,7 +289,7 @@ class PolicyUpdate:
                     (loss * weight * self.world_size).backward()
                 loss_total += loss.detach().double() * weight
                 if weight:
-                    n_tok = float(mb.mask.sum())
+                    n_tok = mb.num_loss_tokens
                     for k, v in metrics.items():
                         add(k, v, n_tok)
                     if mb.old_logprobs is None and n_tok:  # the update's own forward is pre-update here
@@ -308,11 +311,12 @@ class PolicyUpdate:
 
         for mbs in plans:  # mismatch from the pre-update forward when old log-probs were computed
             for mb in mbs:
-                n_tok = float(mb.mask.sum())
+                n_tok = mb.num_loss_tokens
                 if mb.old_logprobs is not None and n_tok:
                     add("mismatch/logprob_abs_diff", _mismatch(mb.old_logprobs, mb), n_tok)
 
-        out = {k: v / sums[k + "#w"] for k, v in sums.items() if not k.endswith("#w") and sums[k + "#w"] > 0}
+        # sync: one per metric per rollout, for the log row
+        out = {k: float(v) / sums[k + "#w"] for k, v in sums.items() if not k.endswith("#w") and sums[k + "#w"] > 0}
         out["optimizer_steps"] = float(len(plans) - num_bad - num_skipped)
         out["bad_steps"] = float(num_bad)
         return out
@@ -337,7 +341,7 @@ class PolicyUpdate:
             per_token_advantages=False,
         )
         if g.loss_type == "bnpo":
-            loss = loss * float(mb.mask.sum()) / tokens
+            loss = loss * mb.num_loss_tokens / tokens
         elif g.loss_type in ("grpo", "dr_grpo"):
             loss = loss * mb.num_seqs / seqs
         return loss, metrics, logp_N
