@@ -115,9 +115,11 @@ def test_update_matches_unpacked_reference_across_microbatches(loss_type):
     adv = torch.tensor([s.advantage for s in samples])
     ref_loss, _ = grpo_loss_ref(logp, logp.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
     ref_loss.backward()
-    assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-4, abs=1e-6)
+    # fp32 on both sides, summed in different orders (packed chunks vs padded rows): ~1e-6 relative apart. The
+    # weight change (lr = 1) is a difference of weights of size <= ~1 (norm weights are 1): <= 1.2e-7 absolute.
+    assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
     for k, p in model.named_parameters():
-        torch.testing.assert_close(delta[k], p.grad, rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(delta[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_several_optimizer_steps_per_rollout_use_old_logprobs():

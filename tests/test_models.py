@@ -64,4 +64,4 @@ def test_packed_forward_logprobs_equal_unpacked_forwards():
         for s, lp in zip(samples, b.unpack(packed)):
             logits = model(torch.tensor([s.tokens])).logits[0].float()  # [L, V]
             alone = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
-            torch.testing.assert_close(lp[:-1], alone, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lp[:-1], alone, rtol=1e-5, atol=1e-6)  # fp32, summation order only
