@@ -407,6 +407,11 @@ class Config:
         steps = [s.at_step for s in self.stages]
         if steps != sorted(steps) or len(set(steps)) != len(steps):
             _fail("stages", "must have strictly increasing at_step values", steps)
+        betas = [self.grpo.beta] + [s.beta for s in self.stages if s.beta is not None]
+        if self.train.sft_warmup_steps and max(betas) > 0:
+            # the reference model is model.path's weights as loaded, not the warmed-up policy GRPO starts from
+            _fail("train.sft_warmup_steps", "must be 0 when grpo.beta or a stage's beta is > 0 (the KL reference "
+                  "would be the weights before the warm-up)", self.train.sft_warmup_steps)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

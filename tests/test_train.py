@@ -167,7 +167,7 @@ def test_reference_model_only_when_some_stage_has_beta(tmp_path):
     from fastgrpo.config import load_config
     from fastgrpo.train import Trainer
 
-    base = [*SMALL, f"logging.output_dir={tmp_path}"]
+    base = [*SMALL, "train.sft_warmup_steps=0", f"logging.output_dir={tmp_path}"]
     assert Trainer(load_config(overrides=base)).ref_model is None
     trainer = Trainer(load_config(overrides=[*base, "stages=[{at_step: 0, max_new_tokens: 6},"
                                                     " {at_step: 2, max_new_tokens: 6, beta: 0.001}]"]))
