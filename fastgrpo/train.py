@@ -256,12 +256,13 @@ class Trainer:
                                         device=self._coll_device())).cpu().tolist()
             batch_std = math.sqrt(max(s[1] - s[0] ** 2 / s[2], 0.0) / max(s[2] - 1, 1))
         adv_PG, zero_std_P = compute_advantages(r_PG, g.baseline, g.scale, batch_std)
+        adv, zero_std = adv_PG.view(-1).tolist(), zero_std_P.tolist()  # CPU tensors: Python lists once
         samples = []
         for j, c in enumerate(completions):
             p = j // G
             keep = not (g.mask_truncated_completions and c.finish_reason == "length")
-            keep = keep and not (g.dynamic_sampling and bool(zero_std_P[p]))
-            samples.append(Sample(prompts[p], list(c.token_ids), list(c.logprobs), float(adv_PG.view(-1)[j]), keep))
+            keep = keep and not (g.dynamic_sampling and zero_std[p])
+            samples.append(Sample(prompts[p], list(c.token_ids), list(c.logprobs), adv[j], keep))
         lengths = [len(c.token_ids) for c in completions]
         correct = result.per_function.get("math", [float(x > 0) for x in result.total])
         m = {
