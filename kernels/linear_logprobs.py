@@ -289,50 +289,65 @@ def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_
 # ----------------------------------------------------------------------------------------------------------------------
 # Plain-torch path (CPU without the interpreter): chunked, same memory promise
 # ----------------------------------------------------------------------------------------------------------------------
-def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, lse_n=None):
-    """``z = (h @ W[v0:v1]ᵀ + b[v0:v1]) / T`` in fp32, ``[n, v1 − v0]``, minus ``lse_n`` per row when given.
-
-    One ``addmm`` where it can (bias, temperature and the LSE folded into it): each pass over a chunk costs.
-    """
+def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, out_nv, lse_n=None):
+    """``z = (h @ W[v0:v1]ᵀ + b[v0:v1]) / T`` in fp32 into ``out_nv`` ``[n, v1 − v0]``, minus ``lse_n`` per row when
+    given. One ``addmm`` where it can (bias, temperature and the LSE folded into it): each pass over a chunk costs."""
     w_vH = w_VH[v0:v1].float()
     if b_V is not None:
-        z_nv = torch.addmm(b_V[v0:v1].float(), h_nH, w_vH.t(), beta=inv_temp, alpha=inv_temp)
+        z_nv = torch.addmm(b_V[v0:v1].float(), h_nH, w_vH.t(), beta=inv_temp, alpha=inv_temp, out=out_nv)
         return z_nv if lse_n is None else z_nv.sub_(lse_n[:, None])
     if lse_n is not None:
-        return torch.addmm(-lse_n[:, None], h_nH, w_vH.t(), alpha=inv_temp)
-    z_nv = h_nH @ w_vH.t()
+        return torch.addmm(-lse_n[:, None], h_nH, w_vH.t(), alpha=inv_temp, out=out_nv)
+    z_nv = torch.mm(h_nH, w_vH.t(), out=out_nv)
     return z_nv if inv_temp == 1.0 else z_nv.mul_(inv_temp)
 
 
-def _target_in_chunk(y_n, v0, v1):
-    """Rows whose target lies in ``[v0, v1)`` and the column of that target inside the chunk."""
-    inside_n = (y_n >= v0) & (y_n < v1)
-    return inside_n, (y_n - v0).clamp(0, v1 - v0 - 1)
+def _chunk_buffers(count, n, device):
+    """``count`` flat fp32 buffers of one chunk, reused by every chunk (no allocator churn, no fresh pages)."""
+    return [torch.empty(min(n, TORCH_CHUNK_N) * TORCH_CHUNK_V, dtype=torch.float32, device=device)
+            for _ in range(count)]
+
+
+def _view(buf, n, v):
+    return buf[:n * v].view(n, v)
+
+
+def _target_logits(h_nH, w_VH, b_V, y_n, inv_temp):
+    """``z_{i, y_i} = (h_i · W_{y_i} + b_{y_i}) / T`` as a row dot product: one ``[n, H]`` gather, no logits."""
+    zy_n = torch.linalg.vecdot(h_nH, w_VH[y_n].float())
+    if b_V is not None:
+        zy_n += b_V[y_n].float()
+    return zy_n.mul_(inv_temp)
 
 
 def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
-    """Per token chunk, stream vocabulary chunks. Each chunk's own log-softmax (one fused pass) gives its LSE
-    ``lse_c = max z − max log_softmax(z)`` (exact to rounding: read where ``log p_c ≈ 0``) and its entropy
-    ``H_c = −Σ p_c log p_c``. Merging parts with weights ``w_c = exp(lse_c − lse)``:
-    ``lse = logaddexp(lse_a, lse_b)``, ``H = Σ_c w_c (H_c − log w_c)`` (all terms ≥ 0: no cancellation, unlike
-    ``lse − E[z]``). Chunk buffers: ``z``, its log-softmax (and ``p_c`` for the entropy)."""
+    """Target logits as row dot products (``_target_logits``); per token chunk, stream vocabulary chunks. Each
+    chunk's own log-softmax (one fused pass) gives its LSE ``lse_c = z_j − log_softmax(z)_j`` at the row's argmax
+    ``j`` (exact to rounding: ``log p_c ≈ 0`` there) and its entropy ``H_c = −Σ p_c log p_c``. Merging parts with
+    weights ``w_c = exp(lse_c − lse)``: ``lse = logaddexp(lse_a, lse_b)``, ``H = Σ_c w_c (H_c − log w_c)`` (all
+    terms ≥ 0: no cancellation, unlike ``lse − E[z]``). Chunk buffers, reused: ``z``, its log-softmax (and ``p_c``
+    for the entropy)."""
     N = h_NH.shape[0]
     V = w_VH.shape[0]
     f32 = dict(dtype=torch.float32, device=h_NH.device)
     lse_N, zy_N = torch.empty(N, **f32), torch.empty(N, **f32)
     ent_N = torch.empty(N, **f32) if entropy else None
+    bufs = _chunk_buffers(3 if entropy else 2, N, h_NH.device)
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
-        h_nH, y_n = h_NH[n0:n1].float(), y_N[n0:n1]
-        zy_n = torch.zeros(n1 - n0, **f32)
+        n = n1 - n0
+        h_nH = h_NH[n0:n1].float()
+        zy_N[n0:n1] = _target_logits(h_nH, w_VH, b_V, y_N[n0:n1], inv_temp)
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            z_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp)
-            inside_n, col_n = _target_in_chunk(y_n, v0, v1)
-            zy_n += torch.where(inside_n, z_nv.gather(1, col_n[:, None]).squeeze(1), 0.0)
-            logp_c_nv = torch.log_softmax(z_nv, dim=1)
-            lse_c_n = z_nv.amax(1) - logp_c_nv.amax(1)
-            ent_c_n = -torch.linalg.vecdot(logp_c_nv.exp(), logp_c_nv) if entropy else None
+            z_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, _view(bufs[0], n, v1 - v0))
+            zmax_n, arg_n1 = z_nv.max(1, keepdim=True)
+            logp_c_nv = torch.log_softmax(z_nv, 1, out=_view(bufs[1], n, v1 - v0))
+            lse_c_n = (zmax_n - logp_c_nv.gather(1, arg_n1)).squeeze(1)
+            ent_c_n = None
+            if entropy:
+                p_c_nv = torch.exp(logp_c_nv, out=_view(bufs[2], n, v1 - v0))
+                ent_c_n = torch.linalg.vecdot(p_c_nv, logp_c_nv).neg_()
             if v0 == 0:
                 lse_n, ent_n = lse_c_n, ent_c_n
                 continue
@@ -342,49 +357,67 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
                 ent_n = log_wa_n.exp() * (ent_n - log_wa_n) + log_wc_n.exp() * (ent_c_n - log_wc_n)
             lse_n = lse_new
         lse_N[n0:n1] = lse_n
-        zy_N[n0:n1] = zy_n
         if entropy:
             ent_N[n0:n1] = ent_n
     return zy_N - lse_N, lse_N, ent_N
 
 
+def _target_in_chunk(y_n, v0, v1):
+    """Rows whose target lies in ``[v0, v1)`` and the column of that target inside the chunk."""
+    inside_n = (y_n >= v0) & (y_n < v1)
+    return inside_n, (y_n - v0).clamp(0, v1 - v0 - 1)
+
+
 def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps, needs):
-    """Per (token chunk, vocabulary chunk): ``log p`` from one ``addmm``, ``dz`` in place in its buffers, then
-    ``grad_h_chunk += dz @ W_v`` and ``grad_W[v] += dzᵀ @ h_chunk`` in place. Chunk buffers: ``log p`` and ``p``."""
+    """Split ``dz = dz' + (g/T) 1[v = y]``. The target term is added once per token chunk (a gather and two
+    ``index_add_``). Per (token chunk, vocabulary chunk): ``log p`` from one ``addmm`` into a reused buffer, then
+    ``dz'``. Without the entropy ``dz' = −(g/T) p`` has a per-row factor, which goes into the matmuls instead of a
+    pass over the chunk: ``grad_h_chunk = −(g/T) ⊙ Σ_v p_v @ W_v``, ``grad_W[v] += p_vᵀ @ (−(g/T) ⊙ h_chunk)``,
+    ``grad_b[v] += p_vᵀ (−g/T)``. With it, ``dz' = −p (g + e (log p + H)) / T`` is built in place."""
     N, H = h_NH.shape
     V = w_VH.shape[0]
     f32 = dict(dtype=torch.float32, device=h_NH.device)
-    gh_NH = torch.empty(N, H, **f32) if needs[0] else None
+    gh_NH = torch.zeros(N, H, **f32) if needs[0] else None
     gw_VH = torch.zeros(V, H, **f32) if needs[1] else None  # the one fp32 [V, H] accumulator, added to in place
     gb_V = torch.zeros(V, **f32) if needs[2] else None
+    bufs = _chunk_buffers(1 if g_ent_N is None else 2, N, h_NH.device)
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
+        n = n1 - n0
         h_nH, y_n, lse_n = h_NH[n0:n1].float(), y_N[n0:n1], lse_N[n0:n1]
         g_n1 = g_logp_N[n0:n1, None] * inv_temp  # [n, 1]
-        if g_ent_N is not None:
+        if g_ent_N is None:
+            neg_g_n1 = -g_n1
+            hg_nH = h_nH * neg_g_n1  # −(g/T) ⊙ h
+        else:
             e_n1, ent_n1 = -g_ent_N[n0:n1, None] * inv_temp, ent_N[n0:n1, None]
-        gh_nH = torch.zeros(n1 - n0, H, **f32)
-        rows_n = torch.arange(n1 - n0, device=h_NH.device)
+        right_n = neg_g_n1[:, 0] if g_ent_N is None else torch.ones(n, **f32)  # grad_b[v] += dz_vᵀ right_n
+        gh_nH = gh_NH[n0:n1] if gh_NH is not None else None
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            logp_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, lse_n)
-            inside_n, col_n = _target_in_chunk(y_n, v0, v1)
-            if filter_eps is not None and not bool(inside_n.any()) and float(logp_nv.max()) < math.log(filter_eps):
+            logp_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, _view(bufs[0], n, v1 - v0), lse_n)
+            if filter_eps is not None and not bool(((y_n >= v0) & (y_n < v1)).any()) \
+                    and float(logp_nv.max()) < math.log(filter_eps):
                 continue  # host read: CPU tensors, no device sync
             if g_ent_N is None:
-                dz_nv = logp_nv.exp_().mul_(-g_n1)  # −g p / T
+                dz_nv, left_nH = logp_nv.exp_(), hg_nH  # p; the factor −g/T is in left_nH and applied to gh_nH
             else:  # −p (g + e (log p + H)) / T
-                p_nv = logp_nv.exp()
-                dz_nv = logp_nv.add_(ent_n1).mul_(e_n1).sub_(g_n1).mul_(p_nv)
-            dz_nv.index_put_((rows_n[inside_n], col_n[inside_n]), g_n1[inside_n, 0], accumulate=True)  # + g 1[v=y]/T
-            if gh_NH is not None:
+                p_nv = torch.exp(logp_nv, out=_view(bufs[1], n, v1 - v0))
+                dz_nv, left_nH = logp_nv.add_(ent_n1).mul_(e_n1).sub_(g_n1).mul_(p_nv), h_nH
+            if gh_nH is not None:
                 gh_nH.addmm_(dz_nv, w_VH[v0:v1].float())
             if gw_VH is not None:
-                gw_VH[v0:v1].addmm_(dz_nv.t(), h_nH)
+                gw_VH[v0:v1].addmm_(dz_nv.t(), left_nH)
             if gb_V is not None:
-                gb_V[v0:v1] += dz_nv.sum(0)
-        if gh_NH is not None:
-            gh_NH[n0:n1] = gh_nH
+                gb_V[v0:v1].addmv_(dz_nv.t(), right_n)
+        if gh_nH is not None:
+            if g_ent_N is None:
+                gh_nH.mul_(neg_g_n1)
+            gh_nH.addcmul_(w_VH[y_n].float(), g_n1)  # target term: + (g/T) W_y
+        if gw_VH is not None:
+            gw_VH.index_add_(0, y_n, h_nH * g_n1)  # target term: + (g/T) h into row y
+        if gb_V is not None:
+            gb_V.index_add_(0, y_n, g_n1[:, 0])
     return gh_NH, gw_VH, gb_V
 
 
