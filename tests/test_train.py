@@ -96,6 +96,27 @@ def test_bad_config_fails_before_starting():
         main(["train.nope=1"])
 
 
+def test_batch_sizes_must_split_over_the_processes():
+    """What `torchrun --nproc_per_node 2` checks before loading anything (the check alone, on a stand-in)."""
+    from types import SimpleNamespace
+
+    from fastgrpo.config import load_config
+    from fastgrpo.train import Trainer
+
+    def check(*overrides, world_size=2):
+        Trainer._check_divisibility(SimpleNamespace(cfg=load_config(overrides=list(overrides)),
+                                                    state=SimpleNamespace(world_size=world_size)))
+
+    check("grpo.num_prompts_per_step=4")
+    with pytest.raises(ValueError, match=r"grpo.num_prompts_per_step=3 must be a multiple of the number of processes"):
+        check("grpo.num_prompts_per_step=3")
+    with pytest.raises(ValueError, match="train.sequences_per_optimizer_step=6 must divide the rollout's 32"):
+        check("grpo.num_prompts_per_step=4", "grpo.num_generations=8", "train.sequences_per_optimizer_step=6")
+    with pytest.raises(ValueError, match="train.sequences_per_optimizer_step=1 must .* be a multiple of the number"):
+        check("grpo.num_prompts_per_step=4", "train.sequences_per_optimizer_step=1")  # divides 32, but not by 2
+    check("grpo.num_prompts_per_step=3", "train.sequences_per_optimizer_step=8", world_size=1)
+
+
 def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
     from fastgrpo.checkpoint import latest_checkpoint
     from fastgrpo.config import load_config
