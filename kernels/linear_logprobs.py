@@ -322,8 +322,8 @@ def _target_logits(h_nH, w_VH, b_V, y_n, inv_temp):
 
 def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     """Target logits as row dot products (``_target_logits``); per token chunk, stream vocabulary chunks. Each
-    chunk's own log-softmax (one fused pass) gives its LSE ``lse_c = z_j − log_softmax(z)_j`` at the row's argmax
-    ``j`` (exact to rounding: ``log p_c ≈ 0`` there) and its entropy ``H_c = −Σ p_c log p_c``. Merging parts with
+    chunk's own log-softmax (one fused pass) gives its LSE ``lse_c = max z − max log_softmax(z)`` (exact to
+    rounding: read where ``log p_c ≈ 0``) and its entropy ``H_c = −Σ p_c log p_c``. Merging parts with
     weights ``w_c = exp(lse_c − lse)``: ``lse = logaddexp(lse_a, lse_b)``, ``H = Σ_c w_c (H_c − log w_c)`` (all
     terms ≥ 0: no cancellation, unlike ``lse − E[z]``). Chunk buffers, reused: ``z``, its log-softmax (and ``p_c``
     for the entropy)."""
@@ -341,9 +341,8 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
             z_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, _view(bufs[0], n, v1 - v0))
-            zmax_n, arg_n1 = z_nv.max(1, keepdim=True)
             logp_c_nv = torch.log_softmax(z_nv, 1, out=_view(bufs[1], n, v1 - v0))
-            lse_c_n = (zmax_n - logp_c_nv.gather(1, arg_n1)).squeeze(1)
+            lse_c_n = z_nv.amax(1) - logp_c_nv.amax(1)  # two plain max passes: cheaper than one max with indices
             ent_c_n = None
             if entropy:
                 p_c_nv = torch.exp(logp_c_nv, out=_view(bufs[2], n, v1 - v0))
