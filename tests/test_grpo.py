@@ -179,7 +179,7 @@ def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
 
 def _fsdp_worker(out: str) -> None:
     """torchrun entry of test_fsdp2_several_optimizer_steps_match_ddp: the same shares under DDP and FSDP2."""
-    from fastgrpo.distributed import all_reduce, destroy
+    from fastgrpo.distributed import all_reduce, barrier, destroy
     from fastgrpo.grpo import plan
 
     state = init_distributed("cpu")
@@ -197,12 +197,13 @@ def _fsdp_worker(out: str) -> None:
         result[strategy] = {"metrics": metrics, "delta": delta}
     if state.rank == 0:
         torch.save(result, out)
+    barrier()  # no rank tears the process group down while another still uses it (a teardown abort was seen once)
     destroy()
 
 
 def _worker(out: str) -> None:
     """torchrun entry of test_two_processes_match_one_process: each rank trains on its share of the batch."""
-    from fastgrpo.distributed import destroy
+    from fastgrpo.distributed import barrier, destroy
 
     state = init_distributed("cpu")
     torch.set_num_threads(1)
@@ -216,6 +217,7 @@ def _worker(out: str) -> None:
         result[loss_type] = {"loss": metrics["loss"], "delta": delta}
     if state.rank == 0:
         torch.save(result, out)
+    barrier()  # no rank tears the process group down while another still uses it (a teardown abort was seen once)
     destroy()
 
 
