@@ -30,3 +30,26 @@ def total_variation(samples: torch.Tensor, want_V: torch.Tensor) -> tuple[torch.
     got = torch.bincount(samples, minlength=want_V.numel()).double() / N
     expected_tv = 0.5 * (2 * want_V * (1 - want_V) / (torch.pi * N)).sqrt().sum()
     return 0.5 * (got - want_V).abs().sum(), expected_tv
+
+
+class ScriptedEngine:
+    """Stands in for the generation engine where the sampler is not under test: prompt ``p`` gets the first
+    ``params.n`` entries of ``script[p]``, each a text (finished by EOS) or a ``(text, finish_reason)`` pair (a
+    ``"length"`` completion gets no EOS), with the constant sampling log-prob ``logprob`` per token."""
+
+    def __init__(self, tok, script, logprob=0.0):
+        self.tok, self.script, self.logprob = tok, script, logprob
+
+    def generate(self, prompts, params):
+        from fastgrpo.generation import Completion
+
+        out = []
+        for p in range(len(prompts)):
+            group = []
+            for entry in self.script[p][: params.n]:
+                text, reason = (entry, "stop") if isinstance(entry, str) else entry
+                ids = self.tok(text, add_special_tokens=False)["input_ids"]
+                ids = ids + [self.tok.eos_token_id] if reason == "stop" else ids
+                group.append(Completion(ids, [self.logprob] * len(ids), reason))
+            out.append(group)
+        return out

@@ -1,29 +1,12 @@
 """Evaluation: avg@k / pass@k against the closed form on scripted completions, and the command line."""
 
 import pytest
+from checks import ScriptedEngine
 
 from fastgrpo.config import DataConfig
 from fastgrpo.data import build_dataset
 from fastgrpo.eval import evaluate, main
-from fastgrpo.generation import Completion
 from fastgrpo.models import build_tiny_tokenizer
-
-
-class ScriptedEngine:
-    """Returns fixed completion texts per prompt (stands in for the sampler: the metric is under test)."""
-
-    def __init__(self, tok, texts):
-        self.tok, self.texts = tok, texts
-
-    def generate(self, prompts, params):
-        out = []
-        for i in range(len(prompts)):
-            group = []
-            for text in self.texts[i][: params.n]:
-                ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-                group.append(Completion(ids, [0.0] * len(ids), "stop"))
-            out.append(group)
-        return out
 
 
 def test_avg_and_pass_at_k_closed_form():

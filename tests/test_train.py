@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from checks import ScriptedEngine
 
 from fastgrpo.metrics import read_jsonl
 
@@ -136,26 +137,6 @@ def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
     assert [r["bad_steps"] for r in rows] == [1, 2] and math.isnan(rows[0]["loss"])
 
 
-class ScriptedEngine:
-    """Stands in for the sampler: prompt p gets the texts ``script[p]`` with the given finish reasons."""
-
-    def __init__(self, tok, script):
-        self.tok, self.script = tok, script
-
-    def generate(self, prompts, params):
-        from fastgrpo.generation import Completion
-
-        out = []
-        for p in range(len(prompts)):
-            group = []
-            for text, reason in self.script[p]:
-                ids = self.tok(text, add_special_tokens=False)["input_ids"]
-                ids = ids + [self.tok.eos_token_id] if reason == "stop" else ids
-                group.append(Completion(ids, [-0.5] * len(ids), reason))
-            out.append(group)
-        return out
-
-
 @pytest.mark.parametrize("mask_truncated, dynamic", [(False, False), (True, True)])
 def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, dynamic):
     from fastgrpo.config import load_config
@@ -170,7 +151,7 @@ def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, dynamic)
     trainer.engine = ScriptedEngine(trainer.tokenizer, [
         [(f"\\boxed{{{answers[0]}}}", "stop"), (f"\\boxed{{{wrong}}}", "length")],  # rewards 1, 0
         [("x", "stop"), ("yy", "length")],  # rewards 0, 0: zero std
-    ])
+    ], logprob=-0.5)
     samples, m = trainer.rollout({"max_new_tokens": 8})
     adv = 0.5 / (2**0.5 / 2 + 1e-4)  # (r - mean) / (unbiased std + ADV_EPS)
     assert [s.advantage for s in samples] == pytest.approx([adv, -adv, 0.0, 0.0])
