@@ -271,8 +271,8 @@ def _bad_calls():
         ("bias", lambda: fused_linear_logprobs(h, w, y, bias=b.half())),
         ("targets", lambda: fused_linear_logprobs(h, w, y[:3])),
         ("targets", lambda: fused_linear_logprobs(h, w, y.float())),
-        ("targets", lambda: fused_linear_logprobs(h, w, y + 7)),
-        ("targets", lambda: fused_linear_logprobs(h, w, y - 5)),
+        ("targets", lambda: fused_linear_logprobs(h, w, y + 10)),  # every id >= V = 10
+        ("targets", lambda: fused_linear_logprobs(h, w, y - 10)),  # every id < 0
         ("temperature", lambda: fused_linear_logprobs(h, w, y, temperature=0.0)),
         ("temperature", lambda: fused_linear_logprobs(h, w, y, temperature=float("nan"))),
         ("grad_filter_eps", lambda: fused_linear_logprobs(h, w, y, grad_filter_eps=1.5)),
