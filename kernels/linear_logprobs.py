@@ -361,12 +361,6 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     return zy_N - lse_N, lse_N, ent_N
 
 
-def _target_in_chunk(y_n, v0, v1):
-    """Rows whose target lies in ``[v0, v1)`` and the column of that target inside the chunk."""
-    inside_n = (y_n >= v0) & (y_n < v1)
-    return inside_n, (y_n - v0).clamp(0, v1 - v0 - 1)
-
-
 def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps, needs):
     """Split ``dz = dz' + (g/T) 1[v = y]``. The target term is added once per token chunk (a gather and two
     ``index_add_``). Per (token chunk, vocabulary chunk): ``log p`` from one ``addmm`` into a reused buffer, then
