@@ -86,6 +86,9 @@ class SamplingParams:
     """Extra stop tokens besides the engine's eos_token_ids; the stop token is included in the output."""
     seed: int | None = None
     """Seed of the sampling generator; None draws one from torch's default generator (torch.manual_seed)."""
+    max_sequence_tokens: int | None = None
+    """Prompt + response budget (NeMo-RL's max_total_sequence_length): each prompt's response limit is
+    ``min(max_new_tokens, max_sequence_tokens - len(prompt))``; None = max_new_tokens alone."""
 
     def __post_init__(self):
         def is_int(x):
@@ -108,10 +111,19 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        mst = self.max_sequence_tokens
+        if mst is not None and (not is_int(mst) or mst < 2):
+            raise ValueError(f"SamplingParams.max_sequence_tokens must be an integer >= 2 or None, got {mst!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def response_limit(self, prompt_len: int) -> int:
+        """Most tokens a completion of a ``prompt_len``-token prompt may have (may be < 1: no room)."""
+        if self.max_sequence_tokens is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.max_sequence_tokens - prompt_len)
 
 
 @dataclass
@@ -123,7 +135,7 @@ class Completion:
     logprobs: list[float] = field(repr=False)
     """log p(token) under softmax(logits / temperature) before top-p/top-k truncation (temperature 1 for greedy)."""
     finish_reason: str
-    """"stop" (an eos or stop token was sampled) or "length" (max_new_tokens reached)."""
+    """"stop" (an eos or stop token was sampled) or "length" (the response limit was reached)."""
 
 
 @dataclass
@@ -239,15 +251,27 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        on_group_done: Callable[[int, list[Completion]], None] | None = None,
+    ) -> list[list[Completion]]:
         """Sample ``params.n`` completions for each prompt; returns ``[prompt][sample]`` :class:`Completion`.
 
         The model runs in eval mode under ``no_grad`` and gets its previous mode back afterwards. A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
-        "stop") or after ``params.max_new_tokens`` tokens (reason "length").
+        "stop") or after ``params.response_limit(len(prompt))`` tokens (reason "length").
+
+        ``on_group_done(prompt_index, completions)`` is called as soon as all ``params.n`` samples of a prompt have
+        finished (in finishing order, each prompt exactly once, before ``generate`` returns), so a caller can score
+        a group while the others still decode. ``completions`` is the same list the return value holds.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if on_group_done is not None and not callable(on_group_done):
+            raise ValueError(f"on_group_done must be callable or None, got {type(on_group_done).__name__}")
         prompts = self._check_prompts(prompt_token_ids, params)
         if not prompts:
             return []
@@ -259,7 +283,7 @@ class GenerationEngine:
         param = next(model.parameters())
         device = param.device
         dtype = self._dtype or param.dtype
-        max_len = max(len(p) for p in prompts) + params.max_new_tokens  # T
+        max_len = max(len(p) + params.response_limit(len(p)) for p in prompts)  # T
         t_bucket = CUDA_T_BUCKET if device.type == "cuda" else 1
         max_len = -(-max_len // t_bucket) * t_bucket  # attention lengths T_b are multiples of t_bucket
         budget = self._budget_tokens(device, dtype)
@@ -279,7 +303,7 @@ class GenerationEngine:
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
                 for first, last, slots in waves:
                     run = _Run(self, prompts[first:last], params, slots, max_len, device, dtype, gen, cos_TD, sin_TD)
-                    results.extend(run.run())
+                    results.extend(run.run(first, on_group_done))
         finally:
             model.train(was_training)
         return results
@@ -304,9 +328,15 @@ class GenerationEngine:
                 raise ValueError(
                     f"prompt_token_ids[{i}] has ids in [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})"
                 )
-            if len(p) + params.max_new_tokens > self.max_positions:
+            limit = params.response_limit(len(p))
+            if limit < 1:
                 raise ValueError(
-                    f"prompt_token_ids[{i}] has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} that "
+                    f"prompt_token_ids[{i}] has {len(p)} tokens: no room for a response within "
+                    f"params.max_sequence_tokens={params.max_sequence_tokens}"
+                )
+            if len(p) + limit > self.max_positions:
+                raise ValueError(
+                    f"prompt_token_ids[{i}] has {len(p)} tokens; with a response limit of {limit} that "
                     f"exceeds the model's context of {self.max_positions} positions"
                 )
             prompts.append(list(p))
@@ -566,7 +596,8 @@ class _Run:
         self.stop_set = set(engine.eos_token_ids) | set(params.stop_token_ids)
         self.stop_ids = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=device)
 
-    def run(self) -> list[list[Completion]]:
+    def run(self, first: int, on_group_done) -> list[list[Completion]]:
+        """Decode this wave; ``first`` is the index of its first prompt in the call (for ``on_group_done``)."""
         e, P, n = self.e, len(self.prompts), self.params.n
         lengths = [len(p) for p in self.prompts]
         L, Hkv, D = len(e.layers), e.num_kv_heads, e.head_dim
@@ -579,7 +610,7 @@ class _Run:
         )
         offsets, last_hidden_PH = self._prefill_all(cache, lengths)
         try:
-            return self._decode(cache, lengths, offsets, last_hidden_PH, P, n)
+            return self._decode(cache, lengths, offsets, last_hidden_PH, P, n, first, on_group_done)
         finally:
             self.graphs = None  # the graphs hold the cache's addresses: drop them with it
 
@@ -628,18 +659,20 @@ class _Run:
             offset += total
         return offsets, torch.stack(last_hidden)  # [P, H]
 
-    def _decode(self, cache, lengths, offsets, last_hidden_PH, P, n) -> list[list[Completion]]:
+    def _decode(self, cache, lengths, offsets, last_hidden_PH, P, n, first, on_group_done) -> list[list[Completion]]:
         dev, S, max_new = self.device, self.S, self.max_new
         queue = [(p, j) for p in range(P) for j in range(n)]  # sample j of prompt p, prompt-major
         queue.reverse()  # pop() from the end takes them in order
         results: list[list[Completion | None]] = [[None] * n for _ in range(P)]
+        unfinished = [n] * P  # samples of each prompt still running or queued
         tok_S = torch.zeros(S, dtype=torch.long, device=dev)  # token fed at the next step
         pos_S = torch.zeros(S, dtype=torch.long, device=dev)  # its position (= tokens already in the cache)
         n_gen_S = torch.zeros(S, dtype=torch.long, device=dev)  # tokens generated so far
         done_S = torch.ones(S, dtype=torch.bool, device=dev)  # finished or free
         out_tok = torch.zeros(S, max_new, dtype=torch.long, device=dev)
         out_lp = torch.zeros(S, max_new, dtype=torch.float32, device=dev)
-        state = (tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp)
+        limit_S = torch.ones(S, dtype=torch.long, device=dev)  # the response limit of the sample in the slot
+        state = (tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S)
         owner: list[tuple[int, int] | None] = [None] * S  # host: which sample each slot holds
         upper: list[int] = [0] * S  # host: upper bound on each slot's pos (exact until it finishes)
         S_b = S  # slots [0, S_b) are stepped
@@ -661,6 +694,9 @@ class _Run:
                     stopped = tk[c - 1] in self.stop_set
                     results[p][j] = Completion(tk[:c], lp[:c], "stop" if stopped else "length")
                     owner[s] = None
+                    unfinished[p] -= 1
+                    if unfinished[p] == 0 and on_group_done is not None:
+                        on_group_done(first + p, results[p])
             free = [s for s in range(S_b) if owner[s] is None]
             if queue and free:
                 admit = free[: len(queue)]
@@ -675,6 +711,7 @@ class _Run:
                 break
             if not queue and len(live) <= S_b // 2:
                 S_b = self._compact(cache, state, live, owner, upper)
+                live = list(range(len(live)))  # the compaction moved them to the front
 
             # ---- sync_every decode steps without reading anything back
             steps = self.sync_every
@@ -688,7 +725,7 @@ class _Run:
                 out_tok[r, col] = torch.where(live_S, tok, out_tok[r, col])
                 out_lp[r, col] = torch.where(live_S, lp, out_lp[r, col])
                 n_gen_S[:S_b] += live_S
-                stop = torch.isin(tok, self.stop_ids) | (n_gen_S[:S_b] >= max_new)
+                stop = torch.isin(tok, self.stop_ids) | (n_gen_S[:S_b] >= limit_S[:S_b])
                 done_S[:S_b] |= live_S & stop
                 pos_S[:S_b] += live_S
                 tok_S[:S_b] = torch.where(live_S, tok, tok_S[:S_b])
@@ -698,7 +735,7 @@ class _Run:
 
     def _admit(self, cache, state, slots, samples, lengths, offsets, last_hidden_PH) -> None:
         """Give each admitted sample its prompt's K/V and its first token (sampled from the prompt's last state)."""
-        tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp = state
+        tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S = state
         dev = self.device
         by_prompt: dict[int, list[int]] = {}
         for s, (p, _) in zip(slots, samples):
@@ -717,7 +754,9 @@ class _Run:
         n_gen_S[idx] = 1
         out_tok[idx, 0] = tok
         out_lp[idx, 0] = lp
-        done_S[idx] = torch.isin(tok, self.stop_ids) | (self.max_new <= 1)
+        limits = torch.tensor([self.params.response_limit(lengths[p]) for p, _ in samples], device=dev)
+        limit_S[idx] = limits
+        done_S[idx] = torch.isin(tok, self.stop_ids) | (limits <= 1)
 
     def _compact(self, cache, state, live, owner, upper) -> int:
         """Move the live slots to the front (K/V and state) and return the new, smaller batch size."""

@@ -11,6 +11,8 @@ import weakref
 import pytest
 import torch
 from checks import total_variation
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import fastgrpo.generation as generation
@@ -164,6 +166,82 @@ def test_logprobs_match_teacher_forced_forward(params):
         for c in comps:
             ref = teacher_forced_logp(model, prompt, c.token_ids, temperature)
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+@settings(max_examples=4)
+@given(
+    arch=st.sampled_from(sorted(ARCHS)),
+    lengths=st.lists(st.integers(2, 12), min_size=6, max_size=10),
+    n=st.integers(3, 8),
+    stops=st.lists(st.integers(0, VOCAB - 1), min_size=6, max_size=12, unique=True),
+    max_batch_size=st.integers(8, 24),
+    sync_every=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_logprobs_exact_when_completions_end_at_different_times(
+    arch, lengths, n, stops, max_batch_size, sync_every, seed
+):
+    """Many stop ids, so samples finish at different steps while others refill and the batch compacts: every
+    log-prob equals a teacher-forced forward's (the issue's symptom: compaction once advanced the wrong slots'
+    lengths, so attention dropped the newest keys and some tokens were sampled from a wrong distribution)."""
+    model = tiny_model(arch, seed=seed % 3)
+    prompts = random_prompts(lengths, seed=seed)
+    engine = GenerationEngine(model, eos_token_ids=stops, max_batch_size=max_batch_size, sync_every=sync_every)
+    results = engine.generate(prompts, SamplingParams(n=n, max_new_tokens=20, seed=seed))
+    for prompt, comps in zip(prompts, results):
+        for c in comps:
+            ref = teacher_forced_logp(model, prompt, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_on_group_done_reports_each_group_once_when_it_finishes():
+    """All samples admitted at once, greedy, flags read every step: a group finishes at the step its longest
+    completion ends, so the callbacks come in non-decreasing order of that length, each prompt exactly once,
+    with the very lists ``generate`` returns, each complete when reported."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts([5, 9, 3, 7, 4, 6], seed=4)
+    free_runs = [hf_greedy(model, p, 12, None) for p in prompts]
+    eos = [free_runs[0][2], free_runs[3][6], free_runs[5][9]]
+    engine = GenerationEngine(model, eos_token_ids=eos, max_batch_size=64)
+    calls = []
+
+    def on_group_done(p, comps):
+        assert all(isinstance(c, Completion) for c in comps)
+        calls.append((p, comps, max(len(c.token_ids) for c in comps)))
+
+    params = SamplingParams(n=3, temperature=0.0, max_new_tokens=12)
+    results = engine.generate(prompts, params, on_group_done=on_group_done)
+    assert sorted(p for p, _, _ in calls) == list(range(len(prompts)))
+    for p, comps, _ in calls:
+        assert comps is results[p]
+    ends = [end for _, _, end in calls]
+    assert ends == sorted(ends) and len(set(ends)) > 1
+    # with refill and waves too: each prompt once, the returned lists
+    calls.clear()
+    engine = GenerationEngine(model, eos_token_ids=eos, max_batch_size=4, max_total_tokens=60, sync_every=3)
+    results = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=1), on_group_done=on_group_done)
+    assert sorted(p for p, _, _ in calls) == list(range(len(prompts)))
+    assert all(comps is results[p] for p, comps, _ in calls)
+    with pytest.raises(ValueError, match="on_group_done must be callable"):
+        engine.generate(prompts, params, on_group_done=3)
+
+
+def test_max_sequence_tokens_limits_each_prompt():
+    """Each prompt's response stops at min(max_new_tokens, max_sequence_tokens - len(prompt)) (reason "length"),
+    its tokens are HF's greedy continuation to that length and its log-probs a teacher-forced forward's."""
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 12, 7, 15], seed=6)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=3, sync_every=3)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10, max_sequence_tokens=17)
+    for prompt, comps in zip(prompts, engine.generate(prompts, params)):
+        limit = min(10, 17 - len(prompt))
+        for c in comps:
+            assert c.finish_reason == "length" and len(c.token_ids) == limit
+            assert c.token_ids == hf_greedy(model, prompt, limit, None)
+            ref = teacher_forced_logp(model, prompt, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] has 12 tokens: no room"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, max_sequence_tokens=12))
 
 
 # ---------------------------------------------------------------- the sampling distribution
@@ -362,6 +440,7 @@ def test_bad_prompts_raise(prompts, kwargs, match):
         ({"top_k": -1}, "top_k must"),
         ({"stop_token_ids": (-2,)}, "stop_token_ids must"),
         ({"seed": 1.5}, "seed must"),
+        ({"max_sequence_tokens": 1}, "max_sequence_tokens must"),
     ],
 )
 def test_bad_sampling_params_raise(kwargs, match):
