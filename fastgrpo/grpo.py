@@ -40,9 +40,9 @@ import torch
 
 from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config
-from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync
+from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync, reduce_metrics
+from fastgrpo.generation import SamplingParams
 from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, masked_linear_logprobs
-from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 
@@ -182,26 +182,6 @@ def packed_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     hidden_NH, weight_VH, bias_V = _call(model, mb)
     return masked_linear_logprobs(hidden_NH, weight_VH, mb.targets, mb.mask != 0, bias=bias_V,
                                   temperature=temperature)
-
-
-def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_tokens: int,
-             device: torch.device, world_size: int) -> float:
-    """One supervised step (the optional warm-up) through the same packed forward: mean −log p of the
-    completion tokens of ``(prompt_ids, completion_ids)`` pairs over all micro-batches and ranks."""
-    seqs = [Sample(p, c, [0.0] * len(c), 0.0) for p, c in samples]
-    mbs = plan(seqs, max_tokens, device)
-    total = all_reduce(torch.tensor(float(sum(len(c) for _, c in samples)), device=device))
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), device=device)
-    for i, mb in enumerate(mbs):
-        with gradient_sync(model, enabled=i == len(mbs) - 1):
-            hidden_NH, weight_VH, bias_V = _call(model, mb)
-            targets = torch.where(mb.mask > 0, mb.targets, -100)
-            loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
-            (loss * world_size / total).backward()
-            loss_sum += loss.detach()
-    optimizer.step()
-    return float(all_reduce(loss_sum)) / float(total)  # sync: one per warm-up step, for the log line
 
 
 def _mismatch(logp_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -345,3 +325,149 @@ class PolicyUpdate:
         elif g.loss_type in ("grpo", "dr_grpo"):
             loss = loss * mb.num_seqs / seqs
         return loss, metrics, logp_N
+
+
+# ---------------------------------------------------------------------------------------------- the algorithm
+
+SEED_STRIDE = 1_000_003  # separates the per-(step, rank) sampling seeds
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The rollout's prompts and optimizer steps must split evenly over ``world_size`` processes."""
+    if cfg.grpo.num_prompts_per_step % world_size:
+        raise ValueError(f"grpo.num_prompts_per_step={cfg.grpo.num_prompts_per_step} must be a multiple of the "
+                         f"number of processes ({world_size})")
+    seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations
+    per_step = cfg.train.sequences_per_optimizer_step
+    if per_step and (seqs % per_step or per_step % world_size):
+        raise ValueError(f"train.sequences_per_optimizer_step={per_step} must divide the rollout's {seqs} "
+                         f"sequences (grpo.num_prompts_per_step x grpo.num_generations) and be a multiple of "
+                         f"the number of processes ({world_size})")
+
+
+class GRPO:
+    """GRPO on ``train.py``'s loop: one step = rollout (sample, score, advantages) → :class:`PolicyUpdate`.
+
+    ``trainer`` gives the wrapped model, optimizer, scheduler, tokenizer, generation (``trainer.generate``) and the
+    shared avg@k validation (``trainer.accuracy_eval``). The frozen reference model (β > 0 in the config or a
+    stage) is ``model.path`` loaded again: the initial weights.
+    """
+
+    progress = {"reward": "reward/mean", "acc": "accuracy"}
+    """Progress-bar fields: label → metric."""
+
+    def __init__(self, trainer):
+        from fastgrpo.data import load_datasets
+        from fastgrpo.models import load_model
+        from fastgrpo.rewards import RewardSet
+
+        cfg, st = trainer.cfg, trainer.state
+        self.trainer = trainer
+        self.cfg = cfg
+        self.train_data, self.held_out = load_datasets(cfg.data, trainer.tokenizer)
+        self.rewards = RewardSet(cfg.reward)
+        self.ref_model = None
+        if cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages):
+            self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
+            self.ref_model.requires_grad_(False).eval()
+        self.update = PolicyUpdate(cfg, trainer.wrapped, trainer.optimizer, trainer.scheduler, self.ref_model,
+                                   st.device, st.world_size)
+
+    @property
+    def rows_per_step(self) -> int:
+        """Training rows (prompts) one step draws from the data sampler, all ranks together."""
+        return self.cfg.grpo.num_prompts_per_step
+
+    def describe_data(self) -> str:
+        dropped = self.train_data.num_dropped + (self.held_out.num_dropped if self.held_out else 0)
+        return (f"{len(self.train_data)} training prompts"
+                + (f", {len(self.held_out)} held-out" if self.held_out else "")
+                + (f", {dropped} dropped (longer than data.max_prompt_tokens)" if dropped else ""))
+
+    def warmup_examples(self) -> tuple[list[list[int]], list[str]]:
+        """``(prompt ids, reference completions)`` of the supervised warm-up: the answer in ``\\boxed{}``."""
+        from fastgrpo.data import sft_completion
+
+        return self.train_data.prompt_ids, [sft_completion(r["answer"]) for r in self.train_data.rows]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def validate(self) -> dict[str, float]:
+        """avg@k / pass@k on the held-out prompts (none: nothing to validate)."""
+        return self.trainer.accuracy_eval(self.held_out) if self.held_out is not None else {}
+
+    def rollout(self, indices: list[int], settings: dict) -> tuple[list[Sample], dict[str, float]]:
+        """Sample, score and compute advantages for this rank's share of the step's prompts ``indices``."""
+        t = self.trainer
+        cfg, st, g = self.cfg, t.state, self.cfg.grpo
+        per_rank = g.num_prompts_per_step // st.world_size
+        idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+        prompts = [self.train_data.prompt_ids[i] for i in idx]
+        G = g.num_generations
+        params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
+                                seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + st.rank)
+        with t.timer("generation"):
+            outs = t.generate(prompts, params)
+        completions = [c for group in outs for c in group]  # [P * G], prompt-major
+        with t.timer("reward"):
+            texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            prompt_texts = [text for p in prompts for text in [t.tokenizer.decode(p)] * G]  # decoded once each
+            columns = {k: [v for v in vals for _ in range(G)] for k, vals in self.train_data.columns(idx).items()}
+            result = self.rewards.score(prompt_texts, texts, columns)
+        r_PG = torch.tensor(result.total, dtype=torch.float64).view(len(prompts), G)
+        batch_std = None
+        if g.scale == "batch":
+            s = all_reduce(torch.tensor([r_PG.sum(), (r_PG**2).sum(), r_PG.numel()], dtype=torch.float64,
+                                        device=t.coll_device())).cpu().tolist()
+            batch_std = math.sqrt(max(s[1] - s[0] ** 2 / s[2], 0.0) / max(s[2] - 1, 1))
+        adv_PG, zero_std_P = compute_advantages(r_PG, g.baseline, g.scale, batch_std)
+        adv, zero_std = adv_PG.view(-1).tolist(), zero_std_P.tolist()  # CPU tensors: Python lists once
+        samples = []
+        for j, c in enumerate(completions):
+            p = j // G
+            keep = not (g.mask_truncated_completions and c.finish_reason == "length")
+            keep = keep and not (g.dynamic_sampling and zero_std[p])
+            samples.append(Sample(prompts[p], list(c.token_ids), list(c.logprobs), adv[j], keep))
+        lengths = [len(c.token_ids) for c in completions]
+        correct = result.per_function.get("math", [float(x > 0) for x in result.total])
+        m = {
+            "reward/sum": float(r_PG.sum()), "reward_sq/sum": float((r_PG**2).sum()), "completions/sum": len(lengths),
+            "accuracy": sum(c == 1.0 for c in correct) / len(correct),
+            "response_length/mean": sum(lengths) / len(lengths), "response_length/max": float(max(lengths)),
+            "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "frac_reward_zero_std": float(zero_std_P.double().mean()),
+            "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)),
+            **result.metrics(),
+        }
+        return samples, m
+
+    def step(self, indices: list[int], settings: dict) -> dict[str, float]:
+        """One GRPO step on the prompts ``indices`` (all ranks'); returns the step's metrics, reduced over ranks,
+        with ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps of this step)."""
+        t = self.trainer
+        samples, local = self.rollout(indices, settings)
+        with t.updating(), t.timer("update"):
+            upd = self.update.run(samples, beta=settings["beta"], epsilon_high=settings["epsilon_high"],
+                                  max_new_tokens=settings["max_new_tokens"])
+        # every rank has the same keys: metrics a rank lacks (no optimizer step succeeded) are NaN there
+        for key in ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                    "clip_ratio/region_mean", "mismatch/logprob_abs_diff") + (("kl",) if settings["beta"] else ()):
+            upd.setdefault(key, math.nan)
+        local.update(upd)
+        local["bad_steps/sum"] = local.pop("bad_steps")
+        local["optimizer_steps/max"] = local.pop("optimizer_steps")
+        local.update(t.timer.pop(prefix="time/"))
+        m = reduce_metrics(local)
+        n = m.pop("completions/sum")
+        mean = m.pop("reward/sum") / n
+        m["reward/mean"] = mean
+        m["reward/std"] = math.sqrt(max(m.pop("reward_sq/sum") / n - mean**2, 0.0) * n / max(n - 1, 1))
+        m["tokens"] = m.pop("tokens/sum")
+        m["max_new_tokens"] = settings["max_new_tokens"]
+        m["bad_steps"] = m.pop("bad_steps/sum")
+        return m

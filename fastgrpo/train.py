@@ -17,6 +17,10 @@ one metrics row in ``<run dir>/metrics.jsonl`` → a checkpoint every ``checkpoi
 on the held-out prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as
 ``eval/accuracy``. ``stages`` raise ``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high) at a step.
 Ctrl-C saves a checkpoint when the model is between steps, then stops.
+
+The loop here (data order, steps, validation, metrics, progress, checkpoints, resume) knows no algorithm: GRPO's
+rollout and update live in ``fastgrpo/grpo.py`` (:class:`fastgrpo.grpo.GRPO`), the supervised warm-up in
+``fastgrpo/sft.py``; :class:`Trainer` lists what an algorithm supplies.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import argparse  # noqa: E402
-import math  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
@@ -40,26 +43,22 @@ import torch  # noqa: E402
 
 from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from fastgrpo.config import Config, load_config, stage_settings  # noqa: E402
-from fastgrpo.data import PromptSampler, load_datasets, sft_completion  # noqa: E402
+from fastgrpo.data import PromptDataset, PromptSampler  # noqa: E402
 from fastgrpo.distributed import (  # noqa: E402
-    all_reduce,
     broadcast_object,
     destroy,
     fsdp_root,
     init_distributed,
     print0,
-    reduce_metrics,
     unwrap_model,
     wrap_model,
 )
 from fastgrpo.eval import evaluate  # noqa: E402
 from fastgrpo.generation import GenerationEngine, SamplingParams  # noqa: E402
-from fastgrpo.grpo import PolicyUpdate, Sample, compute_advantages, packed_forward, sft_step  # noqa: E402
+from fastgrpo.grpo import GRPO, check_world_size, packed_forward  # noqa: E402
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics  # noqa: E402
 from fastgrpo.models import eos_token_ids, load_model, set_cpu_threads  # noqa: E402
-from fastgrpo.rewards import RewardSet  # noqa: E402
-
-SEED_STRIDE = 1_000_003  # separates the per-(step, rank) sampling seeds
+from fastgrpo.sft import sft_warmup  # noqa: E402
 
 
 class TrainingAborted(RuntimeError):
@@ -95,7 +94,19 @@ def full_weights(model):
 
 
 class Trainer:
-    """Holds the run's state; :meth:`fit` is the whole run."""
+    """Holds the run's state; :meth:`fit` is the whole run.
+
+    The loop (data order, steps, validation, metrics, progress, checkpoints, resume, torchrun) is the same for
+    every algorithm. The algorithm (``fastgrpo.grpo.GRPO``) is built on the trainer and supplies:
+
+    - ``rows_per_step``: training rows one step draws from the data sampler (all ranks together);
+    - ``step(indices, settings) -> metrics``: one training step on those rows, metrics reduced over ranks, with
+      ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps in this step);
+    - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
+    - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
+    - ``warmup_examples()``: the supervised warm-up's ``(prompt ids, completions)``; ``describe_data()``;
+      ``progress``: the progress bar's fields.
+    """
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -103,21 +114,12 @@ class Trainer:
         st = self.state
         if st.device.type == "cpu":
             set_cpu_threads(cfg.train.num_threads, st.world_size)
-        self._check_divisibility()
+        check_world_size(cfg, st.world_size)
         random.seed(cfg.train.seed + st.rank)
         torch.manual_seed(cfg.train.seed + st.rank)
 
         self.run_dir = self._run_dir()
         self.model, self.tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed)
-        self.train_data, self.held_out = load_datasets(cfg.data, self.tokenizer)
-        self.sampler = PromptSampler(len(self.train_data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-        self.rewards = RewardSet(cfg.reward)
-        needs_ref = cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages)
-        self.ref_model = None
-        if needs_ref:  # the frozen reference: the initial weights (before any warm-up), loaded again
-            self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
-            self.ref_model.requires_grad_(False).eval()
-
         self.wrapped = wrap_model(self.model, st, cfg.train.strategy, forward=packed_forward)
         self.engine = GenerationEngine(unwrap_model(self.wrapped), eos_token_ids=eos_token_ids(self.model,
                                                                                                self.tokenizer),
@@ -129,28 +131,16 @@ class Trainer:
         warm = t.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-        self.update = PolicyUpdate(cfg, self.wrapped, self.optimizer, self.scheduler, self.ref_model, st.device,
-                                   st.world_size)
         self.timer = Timer(st.device)
         self.step = 0
         self.bad_in_a_row = 0
         self.total_bad = 0
         self.in_update = False
         self.last_saved = -1
+        self.algorithm = GRPO(self)
+        self.sampler = PromptSampler(len(self.algorithm.train_data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
     # ------------------------------------------------------------------ set-up
-
-    def _check_divisibility(self):
-        cfg, w = self.cfg, self.state.world_size
-        if cfg.grpo.num_prompts_per_step % w:
-            raise ValueError(f"grpo.num_prompts_per_step={cfg.grpo.num_prompts_per_step} must be a multiple of the "
-                             f"number of processes ({w})")
-        seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations
-        per_step = cfg.train.sequences_per_optimizer_step
-        if per_step and (seqs % per_step or per_step % w):
-            raise ValueError(f"train.sequences_per_optimizer_step={per_step} must divide the rollout's {seqs} "
-                             f"sequences (grpo.num_prompts_per_step x grpo.num_generations) and be a multiple of "
-                             f"the number of processes ({w})")
 
     def _run_dir(self) -> Path:
         if self.cfg.logging.output_dir:
@@ -175,6 +165,7 @@ class Trainer:
         self.step = int(ts["step"])
         self.sampler.load_state_dict(ts["sampler"])
         self.bad_in_a_row, self.total_bad = int(ts["bad_in_a_row"]), int(ts["total_bad"])
+        self.algorithm.load_state_dict(ts.get("algorithm", {}))
         self.last_saved = self.step
         print0(f"resumed from {path} at step {self.step}")
         return self.step
@@ -183,101 +174,57 @@ class Trainer:
         path = save_checkpoint(self.run_dir, self.step, model=self.wrapped, tokenizer=self.tokenizer,
                                optimizer=self.optimizer, scheduler=self.scheduler,
                                trainer_state={"sampler": self.sampler.state_dict(), "bad_in_a_row": self.bad_in_a_row,
-                                              "total_bad": self.total_bad},
+                                              "total_bad": self.total_bad,
+                                              "algorithm": self.algorithm.state_dict()},
                                keep_last=self.cfg.checkpoint.keep_last, state=self.state)
         self.last_saved = self.step
         return path
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ services for the algorithms
 
-    def sft_warmup(self):
-        """Optional supervised warm-up through the packed forward and ``fused_linear_cross_entropy``."""
-        t, st = self.cfg.train, self.state
-        if not t.sft_warmup_steps:
-            return
-        opt = torch.optim.AdamW(self.wrapped.parameters(), lr=t.sft_lr, weight_decay=0.0)
-        rng = random.Random(t.seed)  # the same examples on every rank; each takes its share
-        rows, ids = self.train_data.rows, self.train_data.prompt_ids
-        eos = [self.tokenizer.eos_token_id]
-        start = time.perf_counter()
-        for s in range(t.sft_warmup_steps):
-            picks = [rng.randrange(len(rows)) for _ in range(t.sft_batch_size)]
-            answers = [rows[rng.randrange(len(rows))]["answer"] if rng.random() < t.sft_answer_noise
-                       else rows[i]["answer"] for i in picks]
-            mine = list(range(st.rank, len(picks), st.world_size))
-            pairs = [(ids[picks[j]], self.tokenizer(sft_completion(answers[j]), add_special_tokens=False)["input_ids"]
-                      + eos) for j in mine]
-            loss = sft_step(self.wrapped, opt, pairs, t.max_tokens_per_microbatch, st.device, st.world_size)
-            if (s + 1) % max(1, t.sft_warmup_steps // 4) == 0 or s + 1 == t.sft_warmup_steps:
-                print0(f"warm-up step {s + 1}/{t.sft_warmup_steps}: loss {loss:.4f}")
-        print0(f"warm-up done in {time.perf_counter() - start:.1f} s")
+    def coll_device(self) -> torch.device:
+        """Where host values are reduced: the device under NCCL, else the CPU."""
+        return self.state.device if self.state.backend == "nccl" else torch.device("cpu")
 
-    def validate(self, logger: MetricsLogger) -> float | None:
+    @contextmanager
+    def updating(self):
+        """Marks the weights as mid-update: an interruption inside cannot save a consistent checkpoint."""
+        self.in_update = True
+        try:
+            yield
+        finally:
+            self.in_update = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams):
+        """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights."""
+        with full_weights(self.wrapped):
+            return self.engine.generate(prompts, params)
+
+    def accuracy_eval(self, prompts: PromptDataset) -> dict[str, float]:
+        """avg@k / pass@k (``eval.*`` settings, math reward) on held-out ``prompts``, as ``eval/...`` metrics."""
         e = self.cfg.eval
-        if self.held_out is None:
-            return None
         start = time.perf_counter()
         with full_weights(self.wrapped):
-            res = evaluate(unwrap_model(self.wrapped), self.tokenizer, self.held_out, e.k, temperature=e.temperature,
+            res = evaluate(unwrap_model(self.wrapped), self.tokenizer, prompts, e.k, temperature=e.temperature,
                            top_p=e.top_p, max_new_tokens=e.max_new_tokens or stage_settings(self.cfg, self.step)[
                                "max_new_tokens"], seed=self.cfg.train.seed + 7, num_prompts=e.num_prompts,
                            engine=self.engine, timeout_s=self.cfg.reward.timeout_s)
         acc = res[f"avg@{e.k}"]
-        logger.log(self.step, {"eval/accuracy": acc, f"eval/pass@{e.k}": res[f"pass@{e.k}"],
-                               "eval/response_length": res["response_length/mean"],
-                               "eval/num_prompts": int(res["num_prompts"]),
-                               "time/eval": time.perf_counter() - start})
         print0(f"step {self.step}: eval/accuracy (avg@{e.k} on {int(res['num_prompts'])} held-out prompts) "
                f"{acc:.3f}, pass@{e.k} {res[f'pass@{e.k}']:.3f}")
-        return acc
+        return {"eval/accuracy": acc, f"eval/pass@{e.k}": res[f"pass@{e.k}"],
+                "eval/response_length": res["response_length/mean"], "eval/num_prompts": int(res["num_prompts"]),
+                "time/eval": time.perf_counter() - start}
 
-    def rollout(self, settings: dict) -> tuple[list[Sample], dict[str, float]]:
-        """Sample, score and compute advantages for this rank's share of the step's prompts."""
-        cfg, st, g = self.cfg, self.state, self.cfg.grpo
-        per_rank = g.num_prompts_per_step // st.world_size
-        idx = self.sampler.next(g.num_prompts_per_step)[st.rank * per_rank : (st.rank + 1) * per_rank]
-        prompts = [self.train_data.prompt_ids[i] for i in idx]
-        G = g.num_generations
-        params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
-                                seed=(cfg.train.seed * SEED_STRIDE + self.step) * 1024 + st.rank)
-        with self.timer("generation"), full_weights(self.wrapped):
-            outs = self.engine.generate(prompts, params)
-        completions = [c for group in outs for c in group]  # [P * G], prompt-major
-        with self.timer("reward"):
-            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            prompt_texts = [text for p in prompts for text in [self.tokenizer.decode(p)] * G]  # decoded once each
-            columns = {k: [v for v in vals for _ in range(G)] for k, vals in self.train_data.columns(idx).items()}
-            result = self.rewards.score(prompt_texts, texts, columns)
-        r_PG = torch.tensor(result.total, dtype=torch.float64).view(len(prompts), G)
-        batch_std = None
-        if g.scale == "batch":
-            s = all_reduce(torch.tensor([r_PG.sum(), (r_PG**2).sum(), r_PG.numel()], dtype=torch.float64,
-                                        device=self._coll_device())).cpu().tolist()
-            batch_std = math.sqrt(max(s[1] - s[0] ** 2 / s[2], 0.0) / max(s[2] - 1, 1))
-        adv_PG, zero_std_P = compute_advantages(r_PG, g.baseline, g.scale, batch_std)
-        adv, zero_std = adv_PG.view(-1).tolist(), zero_std_P.tolist()  # CPU tensors: Python lists once
-        samples = []
-        for j, c in enumerate(completions):
-            p = j // G
-            keep = not (g.mask_truncated_completions and c.finish_reason == "length")
-            keep = keep and not (g.dynamic_sampling and zero_std[p])
-            samples.append(Sample(prompts[p], list(c.token_ids), list(c.logprobs), adv[j], keep))
-        lengths = [len(c.token_ids) for c in completions]
-        correct = result.per_function.get("math", [float(x > 0) for x in result.total])
-        m = {
-            "reward/sum": float(r_PG.sum()), "reward_sq/sum": float((r_PG**2).sum()), "completions/sum": len(lengths),
-            "accuracy": sum(c == 1.0 for c in correct) / len(correct),
-            "response_length/mean": sum(lengths) / len(lengths), "response_length/max": float(max(lengths)),
-            "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "frac_reward_zero_std": float(zero_std_P.double().mean()),
-            "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)),
-            **result.metrics(),
-        }
-        return samples, m
+    # ------------------------------------------------------------------ phases
 
-    def _coll_device(self) -> torch.device:
-        return self.state.device if self.state.backend == "nccl" else torch.device("cpu")
+    def validate(self, logger: MetricsLogger) -> float | None:
+        """The algorithm's validation, logged; returns ``eval/accuracy`` when it has one."""
+        m = self.algorithm.validate()
+        if not m:
+            return None
+        logger.log(self.step, m)
+        return m.get("eval/accuracy")
 
     def train_step(self, logger: MetricsLogger) -> dict[str, float]:
         cfg = self.cfg
@@ -287,33 +234,13 @@ class Trainer:
         for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
             group["lr"] = settings["lr"] * factor(self.scheduler.last_epoch)
         step_start = time.perf_counter()
-        samples, local = self.rollout(settings)
-        self.in_update = True
-        with self.timer("update"):
-            upd = self.update.run(samples, beta=settings["beta"], epsilon_high=settings["epsilon_high"],
-                                  max_new_tokens=settings["max_new_tokens"])
-        self.in_update = False
-        # every rank has the same keys: metrics a rank lacks (no optimizer step succeeded) are NaN there
-        for key in ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                    "clip_ratio/region_mean", "mismatch/logprob_abs_diff") + (("kl",) if settings["beta"] else ()):
-            upd.setdefault(key, math.nan)
-        local.update(upd)
-        local["bad_steps/sum"] = local.pop("bad_steps")
-        local["optimizer_steps/max"] = local.pop("optimizer_steps")
-        local.update(self.timer.pop(prefix="time/"))
-        m = reduce_metrics(local)
-        n = m.pop("completions/sum")
-        mean = m.pop("reward/sum") / n
-        m["reward/mean"] = mean
-        m["reward/std"] = math.sqrt(max(m.pop("reward_sq/sum") / n - mean**2, 0.0) * n / max(n - 1, 1))
-        m["tokens"] = m.pop("tokens/sum")
+        m = self.algorithm.step(self.sampler.next(self.algorithm.rows_per_step), settings)
         step_time = time.perf_counter() - step_start
         m["time/step"] = step_time
         m["tokens_per_second"] = m["tokens"] / step_time
         m["lr"] = self.optimizer.param_groups[0]["lr"]
-        m["max_new_tokens"] = settings["max_new_tokens"]
         m["peak_memory_gib"] = peak_memory_gib(self.state.device)
-        bad = int(m.pop("bad_steps/sum"))
+        bad = int(m.pop("bad_steps"))
         self.total_bad += bad
         self.bad_in_a_row = self.bad_in_a_row + bad if bad else 0
         m["bad_steps"] = self.total_bad
@@ -332,23 +259,20 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, enabled=st.is_main, tensorboard=cfg.logging.tensorboard,
                                wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, run_name=cfg.name,
                                config=cfg.to_dict(), resume_step=resumed)
-        dropped = self.train_data.num_dropped + (self.held_out.num_dropped if self.held_out else 0)
-        print0(f"run directory: {self.run_dir}  |  {len(self.train_data)} training prompts"
-               + (f", {len(self.held_out)} held-out" if self.held_out else "")
-               + (f", {dropped} dropped (longer than data.max_prompt_tokens)" if dropped else "")
-               + f"  |  {st.world_size} process(es) on {st.device}")
+        print0(f"run directory: {self.run_dir}  |  {self.algorithm.describe_data()}"
+               f"  |  {st.world_size} process(es) on {st.device}")
         result = {"start_accuracy": None, "end_accuracy": None}
         start = time.perf_counter()
         bar = None
         try:
             if resumed is None:
-                self.sft_warmup()
+                sft_warmup(self, *self.algorithm.warmup_examples())
                 if cfg.eval.at_start:
                     result["start_accuracy"] = self.validate(logger)
             bar = ProgressBar(cfg.train.max_steps, initial=self.step, enabled=st.is_main and cfg.logging.progress_bar)
             while self.step < cfg.train.max_steps:
                 m = self.train_step(logger)
-                bar.update(self.step, reward=m["reward/mean"], acc=m["accuracy"])
+                bar.update(self.step, **{label: m[key] for label, key in self.algorithm.progress.items()})
                 if self.bad_in_a_row >= cfg.train.max_bad_steps:
                     path = self.save()
                     raise TrainingAborted(f"{self.bad_in_a_row} optimizer steps in a row had a non-finite loss or "

@@ -99,14 +99,11 @@ def test_bad_config_fails_before_starting():
 
 def test_batch_sizes_must_split_over_the_processes():
     """What `torchrun --nproc_per_node 2` checks before loading anything (the check alone, on a stand-in)."""
-    from types import SimpleNamespace
-
     from fastgrpo.config import load_config
-    from fastgrpo.train import Trainer
+    from fastgrpo.grpo import check_world_size
 
     def check(*overrides, world_size=2):
-        Trainer._check_divisibility(SimpleNamespace(cfg=load_config(overrides=list(overrides)),
-                                                    state=SimpleNamespace(world_size=world_size)))
+        check_world_size(load_config(overrides=list(overrides)), world_size)
 
     check("grpo.num_prompts_per_step=4")
     with pytest.raises(ValueError, match=r"grpo.num_prompts_per_step=3 must be a multiple of the number of processes"):
@@ -146,13 +143,13 @@ def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, dynamic)
                                  "data.shuffle=false", f"grpo.mask_truncated_completions={str(mask_truncated).lower()}",
                                  f"grpo.dynamic_sampling={str(dynamic).lower()}", f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
-    answers = [trainer.train_data.rows[i]["answer"] for i in (0, 1)]
+    answers = [trainer.algorithm.train_data.rows[i]["answer"] for i in (0, 1)]
     wrong = str(int(answers[0]) + 1)
     trainer.engine = ScriptedEngine(trainer.tokenizer, [
         [(f"\\boxed{{{answers[0]}}}", "stop"), (f"\\boxed{{{wrong}}}", "length")],  # rewards 1, 0
         [("x", "stop"), ("yy", "length")],  # rewards 0, 0: zero std
     ], logprob=-0.5)
-    samples, m = trainer.rollout({"max_new_tokens": 8})
+    samples, m = trainer.algorithm.rollout(trainer.sampler.next(2), {"max_new_tokens": 8})
     adv = 0.5 / (2**0.5 / 2 + 1e-4)  # (r - mean) / (unbiased std + ADV_EPS)
     assert [s.advantage for s in samples] == pytest.approx([adv, -adv, 0.0, 0.0])
     assert [s.train for s in samples] == [True, not mask_truncated, not dynamic, not (dynamic or mask_truncated)]
@@ -170,10 +167,10 @@ def test_reference_model_only_when_some_stage_has_beta(tmp_path):
     from fastgrpo.train import Trainer
 
     base = [*SMALL, "train.sft_warmup_steps=0", f"logging.output_dir={tmp_path}"]
-    assert Trainer(load_config(overrides=base)).ref_model is None
+    assert Trainer(load_config(overrides=base)).algorithm.ref_model is None
     trainer = Trainer(load_config(overrides=[*base, "stages=[{at_step: 0, max_new_tokens: 6},"
                                                     " {at_step: 2, max_new_tokens: 6, beta: 0.001}]"]))
-    ref, policy = trainer.ref_model, trainer.model
+    ref, policy = trainer.algorithm.ref_model, trainer.model
     assert ref is not None and not ref.training
     assert not any(p.requires_grad for p in ref.parameters())
     policy_ptrs = {p.data_ptr() for p in policy.parameters()}
