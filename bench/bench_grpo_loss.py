@@ -32,7 +32,8 @@ from common import append_rows, copy_bandwidth_gbps, device_name, median_ms, pea
 
 os.environ.pop("TRITON_INTERPRET", None)  # on CPU this benchmark measures the plain-torch path
 
-from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, grpo_loss  # noqa: E402
+from fastgrpo.kernels.grpo_loss import grpo_loss  # noqa: E402
+from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss  # noqa: E402
 from fastgrpo.kernels.reference import grpo_loss_ref  # noqa: E402
 
 CONFIGS = {

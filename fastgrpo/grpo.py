@@ -42,7 +42,8 @@ from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config
 from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync, reduce_metrics
 from fastgrpo.generation import SamplingParams
-from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, masked_linear_logprobs
+from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
+from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 

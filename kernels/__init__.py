@@ -6,7 +6,8 @@ was set before import, and otherwise a plain-torch path with the same memory pro
 """
 
 from .dpo_loss import dpo_loss, fused_linear_dpo_loss
-from .grpo_loss import fused_linear_grpo_loss, grpo_loss
+from .grpo_loss import grpo_loss
+from .linear_grpo_loss import fused_linear_grpo_loss
 from .linear_logprobs import fused_linear_cross_entropy, fused_linear_logprobs
 from .logprobs import logprobs_from_logits
 from .varlen_attention import varlen_attention

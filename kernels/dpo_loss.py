@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, seq_index
-from .grpo_loss import masked_linear_logprobs
+from .linear_logprobs import masked_linear_logprobs
 from .reference import DPO_LOSS_TYPES
 
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
@@ -130,7 +130,7 @@ def fused_linear_dpo_loss(
     layout): padded ``hidden [2B, T, H]``, ``targets``/``mask`` ``[2B, T]``; or packed ``hidden [N, H]``,
     ``targets``/``mask`` ``[N]`` with ``cu_seqlens [2B + 1]``. The sequence log-prob is the masked sum
     ``Σ_t m_t logp_t`` with ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, computed
-    on the unmasked rows only (``grpo_loss.masked_linear_logprobs``: prompt rows cost nothing, their targets are
+    on the unmasked rows only (``linear_logprobs.masked_linear_logprobs``: prompt rows cost nothing, their targets are
     not read, ``-100`` is fine there; one host read of the kept-row count).
     ``ref_chosen_logps`` / ``ref_rejected_logps``: ``[B]`` constants. A sequence's completion length (``ipo``) is
     its number of nonzero mask entries. Metrics: those of :func:`dpo_loss` plus

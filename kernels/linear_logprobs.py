@@ -529,3 +529,28 @@ def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, ignore_ind
     if reduction == "sum":
         return nll_N.sum()
     return nll_N.sum() / keep_N.sum().clamp(min=1)
+
+
+def masked_linear_logprobs(hidden, weight, targets, keep, *, bias=None, temperature=1.0, return_entropy=False):
+    """``fused_linear_logprobs`` on the rows where ``keep`` is True only, 0 elsewhere (fp32, ``keep``'s shape).
+
+    Masked-out rows (prompt tokens, padding) cost no vocabulary work and their targets are never read. The kept
+    rows are gathered (a copy of ``K × H`` hidden values); their count is read back to the host once per call,
+    since it sets the shape of the work. With no kept row the result is zeros that still reach ``hidden``,
+    ``weight`` and ``bias`` (so that backward runs and gives zero gradients).
+    """
+    h_NH = hidden.reshape(-1, hidden.shape[-1])
+    keep_N = keep.reshape(-1)
+    kept = keep_N.nonzero().squeeze(1)  # [K], host sync: K sets the shape of the work
+    zero = h_NH[:1, :1].float().sum() * 0.0 + weight[:1, :1].float().sum() * 0.0  # 0-d, reaches the parameters
+    if bias is not None:
+        zero = zero + bias[:1].float().sum() * 0.0
+    outs = [zero + torch.zeros(keep_N.shape, device=hidden.device, dtype=torch.float32)
+            for _ in range(2 if return_entropy else 1)]  # [N] each
+    if kept.numel():
+        res = fused_linear_logprobs(h_NH.index_select(0, kept), weight, targets.reshape(-1)[kept], bias=bias,
+                                    temperature=temperature, return_entropy=return_entropy)
+        res = res if return_entropy else (res,)
+        outs = [o.index_put((kept,), r) for o, r in zip(outs, res)]
+    outs = [o.view(keep.shape) for o in outs]
+    return tuple(outs) if return_entropy else outs[0]
