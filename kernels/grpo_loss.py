@@ -9,6 +9,7 @@ Math (TRL 1.16 ``GRPOTrainer._compute_loss``; ``kernels/reference.py::grpo_loss_
     r1 = min(r, δ) (delta given)    r2 = clamp(r, 1 − ε_low, 1 + ε_high)
     ℓ  = −min(r1·A, r2·A)
     ℓ  = min(ℓ, −c·A) where A < 0   (dual_clip_c = c, NeMo-RL / veRL)
+    ℓ  = ω·ℓ                        (rollout IS weight ω per token, a constant: ``rollout_is.py``; rollout_is ≠ none)
     ℓ += β·(exp(ref − logp) − (ref − logp) − 1)   (k3 KL, β ≠ 0)
 
     grpo    mean_b Σ_t m ℓ / max(Σ_t m, 1)      bnpo  Σ m ℓ / max(Σ m, 1)
@@ -23,8 +24,9 @@ Kernels (forward: ``_grpo_loss_fwd_kernel`` + the one-program ``_grpo_loss_final
 ``_grpo_loss_bwd_kernel``):
 - forward, grid (B, C): each program streams its chunk of one sequence in blocks and writes K = 7 partial sums
   (Σ m ℓ, Σ m, Σ m·kl, three clip counts, S_b) to ``part [K, B·C]``. Traffic per token: read logp, old, mask
-  (+ ref when β ≠ 0, + the advantage when per token) once; write 28 bytes per program. At the sequence level C = 1:
-  a first pass reads logp, old, mask for ``log r_b``, the second reads logp, mask (+ ref, + advantage).
+  (+ ref when β ≠ 0, + the advantage when per token, + the fp32 IS weight when on) once; write 28 bytes per
+  program. At the sequence level C = 1: a first pass reads logp, old, mask for ``log r_b``, the second reads logp,
+  mask (+ ref, + advantage, + IS weight).
 - finalize, one program: reduces ``part`` over chunks and sequences in a fixed order (deterministic, no atomics),
   writes the loss, the 4 metrics and per-sequence backward coefficients ``w_b`` and ``w_b·S_b / max(Σ_t m, 1)``.
 - backward, grid (B, C): reads the same per-token inputs (the sequence level needs neither ``old`` nor the
@@ -47,6 +49,8 @@ import torch
 
 from ._utils import FLOAT_DTYPES, HAS_TRITON, check_cu_seqlens, check_shape, check_tensor, seq_index, use_triton
 from .reference import LOSS_TYPES
+from .rollout_is import MODES as ROLLOUT_IS_MODES
+from .rollout_is import rollout_is_weights
 
 LEVELS = ("token", "sequence")
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
@@ -103,15 +107,16 @@ if HAS_TRITON:  # absent on some platforms: the plain-torch path still works the
         return start, length, lo, hi
 
 
-    # Reads per token: logp, old, mask (+ ref when HAS_KL, + adv when ADV_PER_TOKEN); twice at SEQ_LEVEL.
+    # Reads per token: logp, old, mask (+ ref when HAS_KL, + adv when ADV_PER_TOKEN, + isw when HAS_IS); twice at
+    # SEQ_LEVEL.
     # Writes N_PARTS fp32 per program.
     @triton.jit
     def _grpo_loss_fwd_kernel(
-        logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, cu_ptr, part_ptr,
+        logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, isw_ptr, cu_ptr, part_ptr,
         T, n_chunks, chunk_len, n_progs,
         eps_low, eps_high, delta, dual_c, beta,
         PACKED: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_KL: tl.constexpr,
-        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_IS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)
@@ -159,6 +164,10 @@ if HAS_TRITON:  # absent on some platforms: the plain-torch path still works the
                 od = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
                 r = tl.exp(tl.where(valid, lp - od, 0.0))
             loss, dloss, r1 = _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA, HAS_DUAL)
+            if HAS_IS:  # rollout IS weight: the policy-gradient term only
+                isw = tl.load(isw_ptr + idx, mask=inb, other=0.0)
+                loss = isw * loss
+                dloss = isw * dloss
             if HAS_KL:
                 rf = tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32)
                 d = tl.where(valid, rf - lp, 0.0)
@@ -263,14 +272,14 @@ if HAS_TRITON:  # absent on some platforms: the plain-torch path still works the
                 tl.store(gseq_ptr + b1, w_b * s_b / cnt_b, mask=b1 < B)
 
 
-    # Reads per token: mask, logp (+ old and adv unless SEQ_LEVEL, + ref when HAS_KL); writes dlogp once.
+    # Reads per token: mask, logp (+ old, adv and isw unless SEQ_LEVEL, + ref when HAS_KL); writes dlogp once.
     @triton.jit
     def _grpo_loss_bwd_kernel(
-        grad_ptr, logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, cu_ptr, wseq_ptr, gseq_ptr, dlogp_ptr,
+        grad_ptr, logp_ptr, old_ptr, ref_ptr, adv_ptr, mask_ptr, isw_ptr, cu_ptr, wseq_ptr, gseq_ptr, dlogp_ptr,
         T, chunk_len,
         eps_low, eps_high, delta, dual_c, beta,
         PACKED: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_LEVEL: tl.constexpr, HAS_KL: tl.constexpr,
-        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_IS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64)
@@ -298,6 +307,8 @@ if HAS_TRITON:  # absent on some platforms: the plain-torch path still works the
                     a = tl.zeros([BLOCK], tl.float32) + a_seq
                 r = tl.exp(tl.where(valid, lp - od, 0.0))
                 _, dloss, _ = _clipped_pg(r, a, eps_low, eps_high, delta, dual_c, HAS_DELTA, HAS_DUAL)
+                if HAS_IS:
+                    dloss = tl.load(isw_ptr + idx, mask=inb, other=0.0) * dloss
                 d = w * m * dloss * r
             if HAS_KL:
                 rf = tl.load(ref_ptr + idx, mask=inb, other=0.0).to(tl.float32)
@@ -323,6 +334,9 @@ class _Options:
     n_seqs: int
     max_len: int
     packed: bool
+    rollout_is: str = "none"
+    rollout_is_cap: float = 3.0
+    rollout_is_min: float = 0.0
 
 
 def _launch_config(max_len: int, n_seqs: int) -> tuple[int, int, int, int]:
@@ -341,7 +355,7 @@ def _mask_for_kernel(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
-def _triton_forward(logp, old, ref, adv, mask, cu, o: _Options):
+def _triton_forward(logp, old, ref, adv, mask, isw, cu, o: _Options):
     B = o.n_seqs
     block, chunk, n_chunks, warps = _launch_config(o.max_len, o.n_seqs)
     if o.seq_level:
@@ -354,9 +368,10 @@ def _triton_forward(logp, old, ref, adv, mask, cu, o: _Options):
     ref_arg = ref if ref is not None else logp
     scalars = (o.eps_low, o.eps_high, o.delta or 0.0, o.dual_c or 0.0, o.beta)
     flags = dict(PACKED=o.packed, ADV_PER_TOKEN=o.adv_per_token, SEQ_LEVEL=o.seq_level, HAS_KL=o.beta != 0.0,
-                 HAS_DELTA=o.delta is not None, HAS_DUAL=o.dual_c is not None, BLOCK=block)
+                 HAS_DELTA=o.delta is not None, HAS_DUAL=o.dual_c is not None, HAS_IS=isw is not None, BLOCK=block)
     _grpo_loss_fwd_kernel[(B, n_chunks)](
-        logp, old, ref_arg, adv, _mask_for_kernel(mask), cu_arg, part, T, n_chunks, chunk, n_progs, *scalars,
+        logp, old, ref_arg, adv, _mask_for_kernel(mask), isw if isw is not None else logp, cu_arg, part, T, n_chunks,
+        chunk, n_progs, *scalars,
         **flags, num_warps=warps,
     )
     loss = torch.empty((), device=dev, dtype=torch.float32)
@@ -376,39 +391,41 @@ def _triton_forward(logp, old, ref, adv, mask, cu, o: _Options):
     return loss, metrics, wseq, gseq
 
 
-def _triton_backward(grad, logp, old, ref, adv, mask, cu, wseq, gseq, o: _Options):
+def _triton_backward(grad, logp, old, ref, adv, mask, isw, cu, wseq, gseq, o: _Options):
     block, chunk, n_chunks, warps = _launch_config(o.max_len, o.n_seqs)
     dlogp = torch.empty_like(logp)
     _grpo_loss_bwd_kernel[(o.n_seqs, n_chunks)](
-        grad, logp, old, ref if ref is not None else logp, adv, _mask_for_kernel(mask), cu if o.packed else wseq,
-        wseq, gseq, dlogp, 0 if o.packed else logp.shape[1], chunk,
-        o.eps_low, o.eps_high, o.delta or 0.0, o.dual_c or 0.0, o.beta,
+        grad, logp, old, ref if ref is not None else logp, adv, _mask_for_kernel(mask),
+        isw if isw is not None else logp, cu if o.packed else wseq, wseq, gseq, dlogp, 0 if o.packed else logp.shape[1],
+        chunk, o.eps_low, o.eps_high, o.delta or 0.0, o.dual_c or 0.0, o.beta,
         PACKED=o.packed, ADV_PER_TOKEN=o.adv_per_token, SEQ_LEVEL=o.seq_level, HAS_KL=o.beta != 0.0,
-        HAS_DELTA=o.delta is not None, HAS_DUAL=o.dual_c is not None, BLOCK=block, num_warps=warps,
+        HAS_DELTA=o.delta is not None, HAS_DUAL=o.dual_c is not None, HAS_IS=isw is not None, BLOCK=block,
+        num_warps=warps,
     )
     return dlogp
 
 
 class _GRPOLossFunction(torch.autograd.Function):
     """``seq`` is ``cu_seqlens`` on the Triton path, the packed tokens' sequence ids on the torch path (None when
-    padded). Both paths save only the inputs and two ``[B]`` vectors for backward."""
+    padded); ``isw`` the rollout IS weights (None: off). Both paths save only the inputs and two ``[B]`` vectors for
+    backward."""
 
     @staticmethod
-    def forward(ctx, logp, old, ref, adv, mask, seq, o: _Options, triton_path: bool):
+    def forward(ctx, logp, old, ref, adv, mask, isw, seq, o: _Options, triton_path: bool):
         fwd = _triton_forward if triton_path else _torch_forward
-        loss, metrics, wseq, gseq = fwd(logp, old, ref, adv, mask, seq, o)
-        ctx.save_for_backward(logp, old, ref, adv, mask, seq, wseq, gseq)
+        loss, metrics, wseq, gseq = fwd(logp, old, ref, adv, mask, isw, seq, o)
+        ctx.save_for_backward(logp, old, ref, adv, mask, isw, seq, wseq, gseq)
         ctx.options, ctx.triton_path = o, triton_path
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):
-        logp, old, ref, adv, mask, seq, wseq, gseq = ctx.saved_tensors
+        logp, old, ref, adv, mask, isw, seq, wseq, gseq = ctx.saved_tensors
         grad = grad_loss.to(torch.float32).contiguous()
         bwd = _triton_backward if ctx.triton_path else _torch_backward
-        dlogp = bwd(grad, logp, old, ref, adv, mask, seq, wseq, gseq, ctx.options)
-        return dlogp, None, None, None, None, None, None, None
+        dlogp = bwd(grad, logp, old, ref, adv, mask, isw, seq, wseq, gseq, ctx.options)
+        return dlogp, None, None, None, None, None, None, None, None
 
 
 def _clipped_pg_torch(r, a, o: _Options, *, with_grad: bool = True):
@@ -448,7 +465,7 @@ def _torch_chunks(sid_N, o: _Options, n_tok: int):
             yield sl, (lambda acc, x, sid=sid: acc.index_add_(0, sid, x)), (lambda x_B, sid=sid: x_B[sid])
 
 
-def _torch_forward(logp, old, ref, adv, mask, sid_N, o: _Options):
+def _torch_forward(logp, old, ref, adv, mask, isw, sid_N, o: _Options):
     """The kernels' algorithm in torch, chunk by chunk: per-sequence sums, then the finaliser's formulas.
 
     Temporaries are a few chunk-sized fp32 tensors; what backward needs is two ``[B]`` vectors."""
@@ -456,12 +473,15 @@ def _torch_forward(logp, old, ref, adv, mask, sid_N, o: _Options):
     zeros = lambda: torch.zeros(B, dtype=torch.float32, device=dev)  # noqa: E731
     num_B, cnt_B, kl_B, low_B, high_B, reg_B, s_B = (zeros() for _ in range(N_PARTS))
     chunks = list(_torch_chunks(sid_N, o, logp.shape[0]))
-    if o.seq_level:  # first pass: log r_b = Σ m (logp − old) / max(Σ m, 1)
+    if o.seq_level:  # first pass: log r_b = Σ m (logp − old) / max(Σ m, 1), and Σ m·isw for the [B] shortcut
         lr_B = zeros()
+        wm_B = cnt_B if isw is None else zeros()
         for sl, seq_add, _ in chunks:
             m = mask[sl].float()
             seq_add(lr_B, torch.where(m != 0, m * (logp[sl].float() - old[sl].float()), 0.0))
             seq_add(cnt_B, m)
+            if isw is not None:
+                seq_add(wm_B, m * isw[sl])
         r_B = torch.exp(lr_B / cnt_B.clamp(min=1.0))  # [B]
     adv_f = adv.float()
     pg_per_seq = o.seq_level and not o.adv_per_token  # the policy term is one value per sequence: done on [B]
@@ -484,6 +504,10 @@ def _torch_forward(logp, old, ref, adv, mask, sid_N, o: _Options):
         else:
             r = torch.exp(torch.where(valid, lp - old[sl].float(), 0.0))
         loss, dloss, r1 = _clipped_pg_torch(r, a, o, with_grad=o.seq_level)
+        if isw is not None:
+            loss = isw[sl] * loss
+            if o.seq_level:
+                dloss = isw[sl] * dloss
         seq_add(num_B, torch.where(valid, m * loss, 0.0))
         low, high = ((r1 < 1.0 - o.eps_low) & (a < 0)).float(), ((r1 > 1.0 + o.eps_high) & (a > 0)).float()
         seq_add(low_B, m * low)
@@ -493,8 +517,8 @@ def _torch_forward(logp, old, ref, adv, mask, sid_N, o: _Options):
             seq_add(s_B, torch.where(valid, m * dloss * r, 0.0))
     if pg_per_seq:
         pg_B, dpg_B, _ = _clipped_pg_torch(r_B, adv_f, o, with_grad=True)  # [B]
-        num_B += pg_B * cnt_B
-        s_B = dpg_B * r_B * cnt_B
+        num_B += pg_B * wm_B
+        s_B = dpg_B * r_B * wm_B
     total_cnt = cnt_B.sum()
     tok_denom = total_cnt.clamp(min=1.0)
     cnt_c = cnt_B.clamp(min=1.0)
@@ -524,7 +548,7 @@ def _torch_forward(logp, old, ref, adv, mask, sid_N, o: _Options):
     return loss, metrics, w_B.contiguous(), g_B
 
 
-def _torch_backward(grad, logp, old, ref, adv, mask, sid_N, w_B, g_B, o: _Options):
+def _torch_backward(grad, logp, old, ref, adv, mask, isw, sid_N, w_B, g_B, o: _Options):
     """``dlogp`` chunk by chunk, from the per-sequence coefficients of :func:`_torch_forward`."""
     dlogp = torch.empty_like(logp)
     adv_f = adv.float()
@@ -538,7 +562,8 @@ def _torch_backward(grad, logp, old, ref, adv, mask, sid_N, w_B, g_B, o: _Option
         else:
             a = adv_f[sl] if o.adv_per_token else per_token(adv_f)
             r = torch.exp(torch.where(valid, lp - old[sl].float(), 0.0))
-            d = w * m * _clipped_pg_torch(r, a, o)[1] * r
+            dloss = _clipped_pg_torch(r, a, o)[1]
+            d = w * m * (dloss if isw is None else isw[sl] * dloss) * r
         if o.beta != 0.0:
             d = d + w * m * o.beta * (1.0 - torch.exp(torch.where(valid, ref[sl].float() - lp, 0.0)))
         dlogp[sl] = torch.where(valid, grad * d, 0.0).to(logp.dtype)
@@ -556,7 +581,8 @@ def _check_scalar(name: str, value, *, low: float | None = None, strict: bool = 
 
 def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, beta, epsilon_low, epsilon_high, delta,
               dual_clip_c, loss_type, importance_sampling_level, max_completion_length, num_items_in_batch,
-              cu_seqlens, per_token_advantages) -> _Options:
+              cu_seqlens, per_token_advantages, sampling_logprobs, rollout_is, rollout_is_cap,
+              rollout_is_min) -> _Options:
     check_tensor("logprobs", logprobs, ndim=(1, 2), dtypes=FLOAT_DTYPES)
     dev = logprobs.device
     packed = cu_seqlens is not None
@@ -577,6 +603,15 @@ def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, beta, epsi
     if ref_logprobs is not None:
         check_tensor("ref_logprobs", ref_logprobs, dtypes=FLOAT_DTYPES, device=dev)
         check_shape("ref_logprobs", ref_logprobs, logprobs.shape, like)
+    if rollout_is not in ROLLOUT_IS_MODES:
+        raise ValueError(f"rollout_is must be one of {ROLLOUT_IS_MODES}, got {rollout_is!r}")
+    if sampling_logprobs is not None:
+        check_tensor("sampling_logprobs", sampling_logprobs, dtypes=FLOAT_DTYPES, device=dev)
+        check_shape("sampling_logprobs", sampling_logprobs, logprobs.shape, like)
+    elif rollout_is != "none":
+        raise ValueError(f"sampling_logprobs is required when rollout_is={rollout_is!r} (the sampler's log-probs)")
+    _check_scalar("rollout_is_min", rollout_is_min, low=0.0, allow_none=False)
+    _check_scalar("rollout_is_cap", rollout_is_cap, low=rollout_is_min, strict=True, allow_none=False)
     if packed:
         check_tensor("cu_seqlens", cu_seqlens, device=dev)
         check_cu_seqlens(cu_seqlens, logprobs.shape[0])
@@ -639,7 +674,8 @@ def _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, beta, epsi
         beta=float(beta), eps_low=float(epsilon_low), eps_high=float(eps_high),
         delta=None if delta is None else float(delta), dual_c=None if dual_clip_c is None else float(dual_clip_c),
         max_completion_length=max_completion_length or max_len, num_items=num_items, n_seqs=n_seqs,
-        max_len=max_len, packed=packed,
+        max_len=max_len, packed=packed, rollout_is=rollout_is, rollout_is_cap=float(rollout_is_cap),
+        rollout_is_min=float(rollout_is_min),
     )
 
 
@@ -661,6 +697,10 @@ def grpo_loss(
     num_items_in_batch: float | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     per_token_advantages: bool | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    rollout_is: str = "none",
+    rollout_is_cap: float = 3.0,
+    rollout_is_min: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-family loss and TRL's metrics; the math is in the module docstring.
 
@@ -671,14 +711,23 @@ def grpo_loss(
     reference's rule) unless ``per_token_advantages=True`` says otherwise. Only ``logprobs`` receives a gradient:
     ``old_logprobs``, ``ref_logprobs`` and ``advantages`` are constants (TRL passes them detached).
 
+    Rollout importance sampling (``kernels/rollout_is.py``, TRL's ``vllm_importance_sampling_*``):
+    ``sampling_logprobs`` are the sampler's log-probs of the same tokens (a constant, like ``old_logprobs``);
+    ``rollout_is`` one of none, token_truncate, token_mask, sequence_truncate, sequence_mask re-weights each token's
+    policy-gradient term (not the KL term) by ``π_old / π_sampler`` (``exp(old − sampling)`` per token, or its
+    product over the sequence), clamped to ``[rollout_is_min, rollout_is_cap]`` (truncate) or set to 0 outside it
+    (mask). With ``sampling_logprobs`` and ``rollout_is="none"`` the loss is unchanged and only the
+    ``sampling/sampling_logp_difference`` metrics are added.
+
     Returns ``(loss, metrics)``: loss a 0-d fp32 tensor; metrics detached 0-d fp32 tensors ``kl`` (β ≠ 0),
     ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (token means over the mask;
-    at the sequence level with per-sequence advantages, means over sequences, as TRL). No host synchronisation
-    beyond input validation (packed input reads the B + 1 offsets once). Non-contiguous inputs are copied.
+    at the sequence level with per-sequence advantages, means over sequences, as TRL), and with
+    ``sampling_logprobs`` the ``sampling/...`` metrics of ``rollout_is.py``. No host synchronisation beyond input
+    validation (packed input reads the B + 1 offsets once). Non-contiguous inputs are copied.
     """
     o = _validate(logprobs, old_logprobs, advantages, mask, ref_logprobs, beta, epsilon_low, epsilon_high, delta,
                   dual_clip_c, loss_type, importance_sampling_level, max_completion_length, num_items_in_batch,
-                  cu_seqlens, per_token_advantages)
+                  cu_seqlens, per_token_advantages, sampling_logprobs, rollout_is, rollout_is_cap, rollout_is_min)
     ref = ref_logprobs.detach().contiguous() if o.beta != 0.0 else None
     old = old_logprobs.detach().contiguous()
     adv = advantages.detach().reshape(-1) if not o.adv_per_token else advantages.detach()
@@ -686,10 +735,13 @@ def grpo_loss(
     mask = mask.contiguous()
     logprobs = logprobs.contiguous()
     triton_path = use_triton(logprobs)
-    if triton_path:
-        seq = cu_seqlens.contiguous() if o.packed else None
-    else:
-        seq = seq_index(cu_seqlens, logprobs.shape[0]) if o.packed else None
-    loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, adv, mask, seq, o, triton_path)
+    need_sid = o.packed and (not triton_path or o.rollout_is.startswith("sequence"))
+    sid_N = seq_index(cu_seqlens, logprobs.shape[0]) if need_sid else None  # [N], no host sync
+    isw, is_metrics = None, {}
+    if sampling_logprobs is not None:
+        isw, is_metrics = rollout_is_weights(old, sampling_logprobs, mask, mode=o.rollout_is, cap=o.rollout_is_cap,
+                                             low=o.rollout_is_min, sid_N=sid_N, n_seqs=o.n_seqs)
+    seq = cu_seqlens.contiguous() if triton_path and o.packed else sid_N
+    loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, adv, mask, isw, seq, o, triton_path)
     names = METRIC_NAMES if o.beta != 0.0 else METRIC_NAMES[1:]
-    return loss, {name: metrics[METRIC_NAMES.index(name)].detach() for name in names}
+    return loss, {**{name: metrics[METRIC_NAMES.index(name)].detach() for name in names}, **is_metrics}

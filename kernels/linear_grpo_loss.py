@@ -40,6 +40,10 @@ def fused_linear_grpo_loss(
     num_items_in_batch: float | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     per_token_advantages: bool | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    rollout_is: str = "none",
+    rollout_is_cap: float = 3.0,
+    rollout_is_min: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """:func:`grpo_loss` on ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, no logits.
 
@@ -52,6 +56,8 @@ def fused_linear_grpo_loss(
 
     ``old_logprobs=None`` is the on-policy case (one optimizer step per rollout, as TRL's default): the old
     log-probs are the detached ``logp`` themselves (ratio 1; the gradient is that of the clipped surrogate at 1).
+    They are then also ``π_old`` of the rollout importance-sampling weight ``exp(logp − sampling_logprobs)``
+    (``rollout_is``; TRL computes the same old log-probs with a separate no-grad forward before the update).
     ``return_logprobs=True`` returns ``(loss, metrics, logp)`` instead of ``(loss, metrics)``: ``logp`` the detached
     fp32 log-probs (``mask``'s shape, 0 where the mask is 0), e.g. to keep as the old log-probs of later optimizer
     steps or to compare with the sampler's — at no extra cost, from the same single pass over the vocabulary.
@@ -71,6 +77,8 @@ def fused_linear_grpo_loss(
         epsilon_high=epsilon_high, delta=delta, dual_clip_c=dual_clip_c, loss_type=loss_type,
         importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, per_token_advantages=per_token_advantages,
+        sampling_logprobs=sampling_logprobs, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
+        rollout_is_min=rollout_is_min,
     )
     if return_entropy:
         with torch.no_grad():

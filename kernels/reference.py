@@ -76,6 +76,10 @@ def grpo_loss_ref(
     max_completion_length=None,
     num_items_in_batch=None,
     cu_seqlens=None,
+    sampling_logprobs=None,
+    rollout_is="none",
+    rollout_is_cap=3.0,
+    rollout_is_min=0.0,
     upcast=True,
 ):
     """GRPO-family loss, written the way TRL 1.16's ``GRPOTrainer._compute_loss`` computes it.
@@ -98,6 +102,18 @@ def grpo_loss_ref(
         dr_grpo  Σ m ℓ / (B · max_completion_length)      (max_completion_length defaults to T)
         dapo     Σ m ℓ / max(num_items_in_batch, 1)        (num_items_in_batch defaults to Σ m)
 
+    Rollout importance sampling, as TRL's ``vllm_importance_sampling_*`` (the ratio is computed in
+    ``GRPOTrainer._generate_and_score_completions``; ``_compute_loss`` multiplies ``per_token_loss`` by it before
+    adding the KL term)::
+
+        d = (old − sampling) · m;  ρ = exp(d) per token (token_*), exp(Σ_t d) per sequence (sequence_*)
+        ρ ← clamp(ρ, min, cap) (*_truncate), or ρ ← 0 where ρ < min or ρ > cap (*_mask);  ℓ_pg ← ρ · ℓ_pg
+
+    with metrics ``sampling/sampling_logp_difference/{mean,max}`` of ``|old − sampling|`` over the tokens with
+    ``m ≠ 0`` (whenever ``sampling_logprobs`` is given), ``sampling/importance_sampling_ratio/{min,mean,max}`` of
+    the bounded ρ over those tokens (token_*) or over all sequences (sequence_*), and ``sampling/is_clipped_fraction``
+    (the share of those tokens whose ρ was outside [min, cap]; fastgrpo's, not TRL's).
+
     Metrics (detached, fp32 scalars): ``kl`` (when β ≠ 0), ``clip_ratio/low_mean`` (r < 1 − ε_low and A < 0),
     ``clip_ratio/high_mean`` (r > 1 + ε_high and A > 0), ``clip_ratio/region_mean`` (either); token means over
     the mask, or means over sequences at the sequence level. As in TRL, ``r`` in the metrics is after the
@@ -109,6 +125,7 @@ def grpo_loss_ref(
         per_token_adv = advantages.dim() == 1 and advantages.numel() == logprobs.numel() != cu_seqlens.numel() - 1
         logprobs, old_logprobs, mask = (pad_packed(x, cu_seqlens) for x in (logprobs, old_logprobs, mask))
         ref_logprobs = None if ref_logprobs is None else pad_packed(ref_logprobs, cu_seqlens)
+        sampling_logprobs = None if sampling_logprobs is None else pad_packed(sampling_logprobs, cu_seqlens)
         if per_token_adv:
             advantages = pad_packed(advantages, cu_seqlens)
     logp, old, ref, adv = (_maybe_upcast(x, upcast) for x in (logprobs, old_logprobs, ref_logprobs, advantages))
@@ -130,6 +147,10 @@ def grpo_loss_ref(
     per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
     if dual_clip_c is not None:
         per_token_loss = torch.where(adv < 0, torch.min(per_token_loss, -dual_clip_c * adv), per_token_loss)
+    if rollout_is != "none":
+        is_ratio, is_outside = _rollout_is_ratio_ref(old.detach().float(), sampling_logprobs.float(), m.float(),
+                                                     rollout_is, rollout_is_cap, rollout_is_min)
+        per_token_loss = per_token_loss * is_ratio.to(per_token_loss.dtype)
     if beta != 0.0:
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
         per_token_loss = per_token_loss + beta * per_token_kl
@@ -162,7 +183,34 @@ def grpo_loss_ref(
         }
         if beta != 0.0:
             metrics["kl"] = masked_mean(per_token_kl)
+        if sampling_logprobs is not None:
+            sel = m != 0
+            delta_t = (old.float() - sampling_logprobs.float()).abs()[sel]
+            metrics["sampling/sampling_logp_difference/mean"] = delta_t.mean() if delta_t.numel() else m.new_zeros(())
+            metrics["sampling/sampling_logp_difference/max"] = delta_t.max() if delta_t.numel() else m.new_zeros(())
+        if rollout_is != "none":
+            flat = is_ratio.flatten() if rollout_is.startswith("sequence") else is_ratio[sel]
+            for stat in ("min", "mean", "max"):
+                value = getattr(flat, stat)() if flat.numel() else m.new_zeros(())
+                metrics[f"sampling/importance_sampling_ratio/{stat}"] = value
+            clipped = is_outside.expand_as(m)[sel].float()
+            metrics["sampling/is_clipped_fraction"] = clipped.mean() if clipped.numel() else m.new_zeros(())
     return loss, metrics
+
+
+def _rollout_is_ratio_ref(old, sampling, m, mode, cap, low):
+    """TRL's bounded importance ratio ``[B, T]`` (token modes) or ``[B, 1]`` (sequence modes), and where the raw
+    ratio lay outside ``[low, cap]``."""
+    d = (old - sampling) * m  # [B, T]
+    if mode.startswith("sequence"):
+        d = d.sum(-1, keepdim=True)  # [B, 1]
+    ratio = torch.exp(d)
+    outside = (ratio < low) | (ratio > cap)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=cap), outside
+    if mode.endswith("mask"):
+        return ratio.masked_fill(outside, 0.0), outside
+    raise ValueError(f"rollout_is must be token_/sequence_ truncate or mask, got {mode!r}")
 
 
 def dpo_loss_ref(

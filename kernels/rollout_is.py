@@ -1,0 +1,95 @@
+"""Rollout importance-sampling (IS) correction: per-token weights for the policy-gradient term of ``grpo_loss``.
+
+The sampler (a generation engine, vLLM) may not sample from exactly the distribution the trainer differentiates
+(bf16 logits, other kernels, a stale policy). The correction re-weights each token's policy-gradient term by the
+ratio of the trainer's old policy to the sampler's, truncated or masked (Yao et al. 2025, "Your efficient RL
+framework secretly brings you off-policy RL training"). With the mask ``m``, ``old`` the trainer's log-probs of the
+rollout (``π_train_old``) and ``samp`` the sampler's::
+
+    δ_t   = m_t · (old_t − samp_t)                      (0 where m_t = 0)
+    log ρ = δ_t                                         token_*    one ratio per token
+    log ρ = Σ_t δ_t  for every token of the sequence    sequence_* the product of the token ratios
+    truncate:  w = clamp(ρ, c_min, c_max)
+    mask:      w = ρ if c_min ≤ ρ ≤ c_max else 0
+
+and ``grpo_loss`` uses ``w_t · ℓ^pg_t + β · kl_t`` per token (the KL term is not re-weighted); ``w`` is a constant
+(no gradient flows through it). This is TRL's ``vllm_importance_sampling_correction`` (checked against
+huggingface/trl ``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._generate_and_score_completions`` for the ratio and
+its metrics, ``GRPOTrainer._compute_loss`` for where it multiplies; commit f2cd577, VERSION 1.10.0.dev0):
+``vllm_importance_sampling_mode`` / ``_clip_max`` / ``_clip_min``; TRL's ``clip_min=None`` is ``c_min = 0`` here
+(the same weights, since ρ > 0). As in TRL, the sequence ratio is the full product (a sum of log-ratios, not GSPO's
+length-normalised mean), and a float mask scales the log-ratio (TRL multiplies by the mask).
+
+Metrics (detached fp32 0-d tensors, TRL's names; no host synchronisation):
+- ``sampling/sampling_logp_difference/mean``, ``/max``: ``|old − samp|`` over tokens with ``m ≠ 0`` (0 if none);
+- ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max``: of ``w`` (after truncation or masking, as TRL),
+  over tokens with ``m ≠ 0`` (token modes) or over all B sequences (sequence modes, TRL's flatten of ``[B, 1]``);
+- ``sampling/is_clipped_fraction``: the fraction of tokens with ``m ≠ 0`` whose ``ρ`` lay outside ``[c_min, c_max]``
+  (truncated or masked; in sequence modes every token of such a sequence counts). Not in TRL.
+
+Cost: a few elementwise passes and ``[N]`` fp32 temporaries (4 bytes a token: 4 MB per million tokens, nothing next
+to the log-prob kernels' work); the weights ``[N]`` fp32 are kept for the loss's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+DIFF_NAMES = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+RATIO_NAMES = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+               "sampling/importance_sampling_ratio/max", "sampling/is_clipped_fraction")
+
+
+def rollout_is_weights(
+    old: torch.Tensor,
+    sampling: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str,
+    cap: float,
+    low: float,
+    sid_N: torch.Tensor | None,
+    n_seqs: int,
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Per-token weights ``w`` (fp32, ``old``'s shape; None when ``mode == "none"``) and the metrics above.
+
+    ``old``, ``sampling``, ``mask``: padded ``[B, T]`` (``sid_N`` None) or packed ``[N]`` with ``sid_N`` ``[N]``
+    the sequence index of every token; ``n_seqs`` is B. ``cap`` and ``low`` are ``c_max`` and ``c_min``.
+    Inputs are assumed validated (``grpo_loss`` does it).
+    """
+    with torch.no_grad():
+        valid = mask != 0
+        m = mask.float()
+        diff = torch.where(valid, old.float() - sampling.float(), 0.0)  # log π_old − log π_sampler, 0 off the mask
+        n_valid = valid.sum().float()
+        denom = n_valid.clamp(min=1.0)
+        abs_diff = diff.abs()
+        metrics = {DIFF_NAMES[0]: abs_diff.sum() / denom, DIFF_NAMES[1]: abs_diff.max()}
+        if mode == "none":
+            return None, metrics
+        log_rho = m * diff
+        if mode.startswith("sequence"):
+            if sid_N is None:
+                log_rho_B = log_rho.sum(-1)  # [B]
+            else:
+                log_rho_B = torch.zeros(n_seqs, device=old.device, dtype=torch.float32).index_add_(0, sid_N, log_rho)
+            rho_B = torch.exp(log_rho_B)
+            w_B, out_B = _bound(rho_B, mode, cap, low)
+            w = w_B[:, None].expand_as(m) if sid_N is None else w_B[sid_N]
+            out = out_B[:, None].expand_as(m) if sid_N is None else out_B[sid_N]
+            stats = (w_B.min(), w_B.mean(), w_B.max())
+        else:
+            w, out = _bound(torch.exp(log_rho), mode, cap, low)
+            stats = (torch.where(n_valid > 0, torch.where(valid, w, torch.inf).min(), 0.0),
+                     torch.where(valid, w, 0.0).sum() / denom, torch.where(valid, w, 0.0).max())
+        clipped = (out & valid).sum() / denom
+        metrics.update(zip(RATIO_NAMES, (*stats, clipped)))
+        return w.contiguous(), metrics
+
+
+def _bound(rho: torch.Tensor, mode: str, cap: float, low: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, outside)``: ``ρ`` truncated to or masked outside ``[low, cap]``, and where ``ρ`` lay outside."""
+    outside = (rho < low) | (rho > cap)
+    w = rho.clamp(low, cap) if mode.endswith("truncate") else torch.where(outside, 0.0, rho)
+    return w, outside
