@@ -290,6 +290,14 @@ def _bad_cases():
         ("num_items_in_batch", dict(base, num_items_in_batch=torch.ones(2))),
         ("num_items_in_batch", dict(base, num_items_in_batch=-1)),
         ("beta", dict(base, beta=float("nan"), ref_logprobs=ref)),
+        ("rollout_is", dict(base, sampling_logprobs=old, rollout_is="token")),
+        ("sampling_logprobs", dict(base, rollout_is="sequence_mask")),
+        ("sampling_logprobs", dict(base, sampling_logprobs=old[:, :3])),
+        ("sampling_logprobs", dict(base, sampling_logprobs=old.long())),
+        ("rollout_is_min", dict(base, sampling_logprobs=old, rollout_is="token_mask", rollout_is_min=-0.1)),
+        ("rollout_is_cap", dict(base, sampling_logprobs=old, rollout_is="token_mask", rollout_is_cap=0.5,
+                                rollout_is_min=0.5)),
+        ("rollout_is_cap", dict(base, sampling_logprobs=old, rollout_is="token_mask", rollout_is_cap=float("inf"))),
     ]
 
 
@@ -297,6 +305,134 @@ def _bad_cases():
 def test_bad_input_names_the_argument(name, kwargs):
     with pytest.raises(ValueError, match=name):
         grpo_loss(**kwargs)
+
+
+# ---- rollout importance sampling (sampling_logprobs, rollout_is): against the reference's TRL-literal math ----------
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _sampling(old, seed, spread=0.5):
+    """Sampler log-probs near ``old``: per-token ratios ``exp(old − sampling)`` on both sides of [0.5, 2], and
+    sequence products (sums of up to T log-ratios) often far outside it."""
+    g = torch.Generator().manual_seed(seed)
+    return (old.float() + torch.randn(old.shape, generator=g) * spread).to(old.dtype)
+
+
+def _packed_case(lengths, seed, per_token_adv=False):
+    """The same random case padded ``[B, T]`` and packed ``[N]`` (+ ``cu_seqlens``), with a hole in one mask."""
+    B, T = len(lengths), max(max(lengths), 2)
+    logp, old, ref, adv, mask = _inputs(B, T, per_token_adv=per_token_adv, lengths=lengths, seed=seed)
+    samp = _sampling(old, seed + 1)
+    long_seq = max(range(B), key=lambda b: lengths[b])
+    mask[long_seq, lengths[long_seq] // 2] = False  # a hole inside a sequence
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return (logp, old, ref, adv, mask, samp), cu
+
+
+@pytest.mark.parametrize("mode", ("none", *IS_MODES))
+@pytest.mark.parametrize("packed", [False, True])
+def test_rollout_is_matches_reference(path, mode, packed):
+    """Every mode on both paths (Triton kernel / torch), padded and packed, both GSPO levels: loss, gradient and
+    metrics of the fp32 reference. min 0.5 and cap 2 are crossed on both sides, so truncation and masking act."""
+    lengths = [9, 0, 17, 1, 13]
+    (logp, old, ref, adv, mask, samp), cu = _packed_case(lengths, seed=71)
+    up = torch.randn(())
+    for level, loss_type in (("token", "grpo"), ("sequence", "dapo")):
+        kw = dict(beta=0.05, loss_type=loss_type, importance_sampling_level=level, rollout_is=mode,
+                  rollout_is_cap=2.0, rollout_is_min=0.5, epsilon_high=0.28)
+        want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                    sampling_logprobs=samp, **kw)
+        if packed:
+            l2, m2, g2 = _run(grpo_loss, unpad_padded(logp, cu), up, old_logprobs=unpad_padded(old, cu), advantages=adv,
+                              mask=unpad_padded(mask, cu), ref_logprobs=unpad_padded(ref, cu),
+                              sampling_logprobs=unpad_padded(samp, cu), cu_seqlens=cu, **kw)
+            got = (l2, m2, pad_packed(g2, cu))
+        else:
+            got = _run(grpo_loss, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                       sampling_logprobs=samp, **kw)
+        _compare(got, want, f"{path} {mode} {level}")
+        if mode != "none":
+            assert 0 < want[1]["sampling/is_clipped_fraction"] < 1, "the case must truncate/mask some tokens"
+
+
+def test_rollout_is_none_leaves_the_loss_unchanged():
+    """``rollout_is="none"`` with ``sampling_logprobs``: the loss and gradient of the call without them (exactly),
+    plus the two logp-difference metrics only."""
+    logp, old, ref, adv, mask = _inputs(3, 23, seed=73)
+    up = torch.randn(())
+    kw = dict(old_logprobs=old, advantages=adv, mask=mask, loss_type="bnpo")
+    base = _run(grpo_loss, logp, up, **kw)
+    with_s = _run(grpo_loss, logp, up, sampling_logprobs=_sampling(old, 74), **kw)
+    assert torch.equal(base[0], with_s[0]) and torch.equal(base[2], with_s[2])
+    assert set(with_s[1]) - set(base[1]) == {"sampling/sampling_logp_difference/mean",
+                                             "sampling/sampling_logp_difference/max"}
+
+
+def test_rollout_is_weights_the_policy_term_only():
+    """Closed form: on-policy (old = logp, ratio 1, no clipping), dapo, the gradient of token ``t`` is
+    ``−A_b · ω_t / Σ m`` from the policy term plus the KL term's ``β (1 − exp(ref − logp)) / Σ m``, ω the truncated
+    token ratio; the KL term is not re-weighted."""
+    logp, _, ref, adv, mask = _inputs(2, 11, seed=75)
+    samp = _sampling(logp, 76, spread=1.0)
+    x = logp.clone().requires_grad_()
+    beta, cap = 0.2, 1.5
+    loss, _ = grpo_loss(x, logp, adv, mask, ref_logprobs=ref, beta=beta, loss_type="dapo", sampling_logprobs=samp,
+                        rollout_is="token_truncate", rollout_is_cap=cap)
+    loss.backward()
+    m = mask.float()
+    omega = torch.exp(logp - samp).clamp(max=cap)
+    want = m * (-adv[:, None] * omega + beta * (1 - torch.exp(ref - logp))) / m.sum()
+    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-7)
+    assert (omega[mask] == cap).any() and (omega[mask] < 1).any()
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_rollout_is_bf16_flash_rule(mode):
+    """bf16 log-probs (the IS weight is computed and applied in fp32): within twice the bf16 reference's error."""
+    logp, old, ref, adv, mask = _inputs(4, 31, seed=77)
+    samp = _sampling(old, 78)
+    low = [x.to(torch.bfloat16) for x in (logp, old, ref, adv, samp)]
+    up = torch.randn(())
+    kw = dict(old_logprobs=low[1], advantages=low[3], mask=mask, ref_logprobs=low[2], beta=0.04, loss_type="grpo",
+              sampling_logprobs=low[4], rollout_is=mode, rollout_is_cap=2.0, rollout_is_min=0.5)
+    l1, m1, g1 = _run(grpo_loss, low[0], up, **kw)
+    l32, m32, g32 = _run(grpo_loss_ref, low[0], up, **kw)
+    llo, _, glo = _run(grpo_loss_ref, low[0], up, upcast=False, **kw)
+    _assert_close(l1, l32, llo, what=f"{mode} loss")
+    _assert_close(g1, g32, glo, what=f"{mode} grad")
+    for k in m32:  # the metrics read the same bf16 values in fp32 on both sides
+        _assert_close(m1[k], m32[k], what=k)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 30), min_size=1, max_size=5), seed=st.integers(0, 2**16),
+    mode=st.sampled_from(IS_MODES), level=st.sampled_from(G.LEVELS), loss_type=st.sampled_from(G.LOSS_TYPES),
+    cap=st.floats(1.05, 4.0), low=st.floats(0.0, 0.95), packed=st.booleans(), torch_path=st.booleans(),
+    per_token=st.booleans(),
+)
+def test_property_rollout_is(lengths, seed, mode, level, loss_type, cap, low, packed, torch_path, per_token):
+    (logp, old, ref, adv, mask, samp), cu = _packed_case(lengths, seed, per_token_adv=per_token)
+    up = torch.randn(())
+    kw = dict(beta=0.1, loss_type=loss_type, importance_sampling_level=level, max_completion_length=30,
+              rollout_is=mode, rollout_is_cap=cap, rollout_is_min=low)
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                sampling_logprobs=samp, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        if torch_path:
+            mp.setattr(G, "use_triton", lambda t: False)
+            mp.setattr(G, "TORCH_CHUNK", 8)
+        if packed:
+            l2, m2, g2 = _run(grpo_loss, unpad_padded(logp, cu), up, old_logprobs=unpad_padded(old, cu),
+                              advantages=unpad_padded(adv, cu) if per_token else adv, mask=unpad_padded(mask, cu),
+                              ref_logprobs=unpad_padded(ref, cu), sampling_logprobs=unpad_padded(samp, cu),
+                              cu_seqlens=cu, per_token_advantages=per_token, **kw)
+            got = (l2, m2, pad_packed(g2, cu))
+        else:
+            got = _run(grpo_loss, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                       sampling_logprobs=samp, **kw)
+    _compare(got, want, "property")
 
 
 # ---- fused_linear_grpo_loss: against linear_logprobs_ref (fp32 logits) → grpo_loss_ref ----------------------------
@@ -412,6 +548,49 @@ def test_fused_linear_grpo_loss_on_policy_returns_logprobs(packed):
     torch.testing.assert_close(logp, unpad_padded(want_logp, cu) if packed else want_logp, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_fused_linear_grpo_loss_rollout_is_on_policy(packed, mode):
+    """On-policy (``old_logprobs=None``) with ``sampling_logprobs``: π_old is the detached ``logp`` of the same pass;
+    loss, gradients and the sampling/ metrics of the fp32 reference given old = its own detached log-probs."""
+    B, T, H, V, lengths = 4, 9, 16, 37, [9, 0, 5, 8]
+    hidden, weight, bias, targets = _fused_inputs(B, T, H, V, torch.float32, seed=81)
+    adv = torch.tensor([0.7, -1.2, 1.5, -0.4])
+    mask = _lengths_to_mask(lengths, T)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    with torch.no_grad():
+        samp = _sampling(linear_logprobs_ref(hidden, weight, targets, bias=bias), 82, spread=0.3)  # [B, T]
+    kw = dict(loss_type="grpo", rollout_is=mode, rollout_is_cap=1.5, rollout_is_min=0.7)
+    up = torch.randn((), generator=torch.Generator().manual_seed(83))
+    metrics = []
+
+    def fused_fn(h, w, b):
+        if packed:
+            out = fused_linear_grpo_loss(unpad_padded(h, cu), w, unpad_padded(targets, cu), None, adv,
+                                         unpad_padded(mask, cu), bias=b, cu_seqlens=cu,
+                                         sampling_logprobs=unpad_padded(samp, cu), **kw)
+        else:
+            out = fused_linear_grpo_loss(h, w, targets, None, adv, mask, bias=b, sampling_logprobs=samp, **kw)
+        metrics.append(out[1])
+        return out
+
+    def ref_fn(h, w, b):
+        lp = linear_logprobs_ref(h, w, targets, bias=b)
+        out = grpo_loss_ref(lp, lp.detach(), adv, mask, sampling_logprobs=samp, **kw)
+        metrics.append(out[1])
+        return out
+
+    got, _ = _fused_value_and_grads(fused_fn, (hidden, weight, bias), up)
+    want, _ = _fused_value_and_grads(ref_fn, (hidden, weight, bias), up)
+    for name, a, r in zip(("loss", "hidden", "weight", "bias"), got, want):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    m_got, m_want = metrics
+    assert set(m_got) == set(m_want)
+    for k in m_want:
+        torch.testing.assert_close(m_got[k], m_want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert 0 < m_want["sampling/is_clipped_fraction"] < 1
+
+
 # ---- GPU tier (bench/gpu_check.sh): compiled kernels at realistic sizes ---------------------------------------------
 
 @pytest.mark.gpu
@@ -433,6 +612,22 @@ def test_gpu_matches_reference(dtype, level):
         for k in m32:
             _assert_close(m1[k], m32[k], atol_rel=1e-4, what=k)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_gpu_rollout_is(mode):
+    """The compiled kernels with the rollout IS weight, packed, at a realistic length (fp32)."""
+    lengths = [3000, 0, 1700, 2900, 45]
+    (logp, old, ref, adv, mask, samp), cu = _packed_case(lengths, seed=85)
+    up = torch.randn(())
+    kw = dict(beta=0.04, loss_type="dapo", rollout_is=mode, rollout_is_cap=2.0, rollout_is_min=0.5)
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                sampling_logprobs=samp, **kw)
+    packed = [unpad_padded(x, cu).cuda() for x in (logp, old, ref, mask, samp)]
+    l2, m2, g2 = _run(grpo_loss, packed[0], up.cuda(), old_logprobs=packed[1], advantages=adv.cuda(),
+                      mask=packed[3], ref_logprobs=packed[2], sampling_logprobs=packed[4], cu_seqlens=cu.cuda(), **kw)
+    _compare((l2.cpu(), {k: v.cpu() for k, v in m2.items()}, pad_packed(g2.cpu(), cu)), want, f"gpu {mode}")
 
 
 @pytest.mark.gpu
