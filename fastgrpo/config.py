@@ -28,6 +28,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "none")
 IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add",)
 
@@ -183,6 +184,13 @@ class GRPOConfig:
     """Completions cut at max_new_tokens get no loss."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (their advantage is 0) before the update."""
+    rollout_is: str = "none"
+    """Rollout importance-sampling correction against the engine's log-probs (TRL's vllm_importance_sampling_mode):
+    none, token_truncate, token_mask, sequence_truncate or sequence_mask (fastgrpo/kernels/rollout_is.py)."""
+    rollout_is_cap: float = 3.0
+    """Upper bound of the rollout IS ratio: truncated to it, or masked above it."""
+    rollout_is_min: float = 0.0
+    """Lower bound of the rollout IS ratio: truncated to it, or masked below it (0: none)."""
 
     def __post_init__(self):
         _check_min("grpo.num_prompts_per_step", self.num_prompts_per_step, 1)
@@ -199,6 +207,9 @@ class GRPOConfig:
             _check_min("grpo.delta", self.delta, 1, strict=True)
         if self.dual_clip_c is not None:
             _check_min("grpo.dual_clip_c", self.dual_clip_c, 1, strict=True)
+        _check_choice("grpo.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
+        _check_min("grpo.rollout_is_min", self.rollout_is_min, 0)
+        _check_min("grpo.rollout_is_cap", self.rollout_is_cap, self.rollout_is_min, strict=True)
 
 
 @dataclass

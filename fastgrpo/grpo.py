@@ -44,6 +44,7 @@ from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync, redu
 from fastgrpo.generation import SamplingParams
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
+from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 
@@ -185,10 +186,6 @@ def packed_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
                                   temperature=temperature)
 
 
-def _mismatch(logp_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """Training–inference mismatch: mean |log p_train − log p_engine| over the micro-batch's trained tokens
-    (a device scalar: no host sync)."""
-    return ((logp_N - mb.sample_logprobs).abs() * mb.mask).sum() / max(mb.num_loss_tokens, 1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -229,8 +226,14 @@ class PolicyUpdate:
         plans = [plan(s, cfg.train.max_tokens_per_microbatch, self.device) for s in steps]
 
         sums: dict[str, torch.Tensor | float] = {}  # metric values stay on the device until the end of the rollout
+        extremes: dict[str, torch.Tensor] = {}  # ".../min" and ".../max" metrics: extremes over micro-batches
 
         def add(key, value, weight=1.0):
+            if key.endswith(("/min", "/max")):
+                if weight:  # a micro-batch without loss tokens has no extremes
+                    pick = torch.minimum if key.endswith("/min") else torch.maximum
+                    extremes[key] = pick(extremes[key], value) if key in extremes else value
+                return
             sums[key] = sums.get(key, 0.0) + value * weight
             sums[key + "#w"] = sums.get(key + "#w", 0.0) + weight
 
@@ -266,15 +269,12 @@ class PolicyUpdate:
                 mb = mbs[min(i, len(mbs) - 1)]
                 weight = 0.0 if i >= len(mbs) else 1.0
                 with gradient_sync(self.model, enabled=i == n_mb - 1):
-                    loss, metrics, logp_N = self._loss(mb, tokens, seqs, beta, epsilon_high, max_new_tokens)
+                    loss, metrics = self._loss(mb, tokens, seqs, beta, epsilon_high, max_new_tokens)
                     (loss * weight * self.world_size).backward()
                 loss_total += loss.detach().double() * weight
                 if weight:
-                    n_tok = mb.num_loss_tokens
                     for k, v in metrics.items():
-                        add(k, v, n_tok)
-                    if mb.old_logprobs is None and n_tok:  # the update's own forward is pre-update here
-                        add("mismatch/logprob_abs_diff", _mismatch(logp_N, mb), n_tok)
+                        add(k, v, mb.num_loss_tokens)
             loss_value = float(all_reduce(loss_total))  # the optimizer step's full loss, all ranks
             if self.cfg.train.max_grad_norm > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
@@ -290,42 +290,41 @@ class PolicyUpdate:
             add("loss", loss_value)
             add("grad_norm", grad_norm)
 
-        for mbs in plans:  # mismatch from the pre-update forward when old log-probs were computed
-            for mb in mbs:
-                n_tok = mb.num_loss_tokens
-                if mb.old_logprobs is not None and n_tok:
-                    add("mismatch/logprob_abs_diff", _mismatch(mb.old_logprobs, mb), n_tok)
-
         # sync: one per metric per rollout, for the log row
         out = {k: float(v) / sums[k + "#w"] for k, v in sums.items() if not k.endswith("#w") and sums[k + "#w"] > 0}
+        out.update((k, float(v)) for k, v in extremes.items())
         out["optimizer_steps"] = float(len(plans) - num_bad - num_skipped)
         out["bad_steps"] = float(num_bad)
         return out
 
     def _loss(self, mb: MicroBatch, tokens: float, seqs: float, beta: float, epsilon_high: float | None,
               max_new_tokens: int):
-        """One micro-batch's re-weighted loss, its metrics, and its detached log-probs ``[N]`` (0 where untrained).
+        """One micro-batch's re-weighted loss and its metrics.
 
-        ``fused_linear_grpo_loss`` with ``return_logprobs``: on-policy (one optimizer step per rollout,
-        ``mb.old_logprobs`` None) the log-probs are also the old ones (ratio 1, as TRL), and they give the
-        training–inference mismatch — from the loss's own pass over the vocabulary, not a second no-grad one.
+        On-policy (one optimizer step per rollout, ``mb.old_logprobs`` None) the loss's own log-probs are also the
+        old ones (ratio 1, as TRL). The engine's log-probs go in as ``sampling_logprobs``: the loss measures the
+        training–inference gap against the old log-probs (``sampling/sampling_logp_difference/{mean,max}``, from
+        the loss's own pass over the vocabulary, not a second no-grad one) and, with ``grpo.rollout_is``, corrects
+        it by importance sampling (``sampling/importance_sampling_ratio/{min,mean,max}``,
+        ``sampling/is_clipped_fraction``).
         """
         g = self.cfg.grpo
         hidden_NH, weight_VH, bias_V = _call(self.model, mb)
-        loss, metrics, logp_N = fused_linear_grpo_loss(
+        loss, metrics = fused_linear_grpo_loss(
             hidden_NH, weight_VH, mb.targets, mb.old_logprobs, mb.advantages, mb.mask, bias=bias_V,
-            temperature=self.cfg.rollout.temperature, return_entropy=True, return_logprobs=True,
+            temperature=self.cfg.rollout.temperature, return_entropy=True,
             ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_low=g.epsilon_low, epsilon_high=epsilon_high,
             delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
             importance_sampling_level=g.importance_sampling_level, max_completion_length=max_new_tokens,
             num_items_in_batch=tokens if g.loss_type == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
-            per_token_advantages=False,
+            per_token_advantages=False, sampling_logprobs=mb.sample_logprobs, rollout_is=g.rollout_is,
+            rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min,
         )
         if g.loss_type == "bnpo":
             loss = loss * mb.num_loss_tokens / tokens
         elif g.loss_type in ("grpo", "dr_grpo"):
             loss = loss * mb.num_seqs / seqs
-        return loss, metrics, logp_N
+        return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------- the algorithm
@@ -457,7 +456,8 @@ class GRPO:
                                   max_new_tokens=settings["max_new_tokens"])
         # every rank has the same keys: metrics a rank lacks (no optimizer step succeeded) are NaN there
         for key in ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                    "clip_ratio/region_mean", "mismatch/logprob_abs_diff") + (("kl",) if settings["beta"] else ()):
+                    "clip_ratio/region_mean", *DIFF_NAMES) + (("kl",) if settings["beta"] else ()) + (
+                        RATIO_NAMES if self.cfg.grpo.rollout_is != "none" else ()):
             upd.setdefault(key, math.nan)
         local.update(upd)
         local["bad_steps/sum"] = local.pop("bad_steps")

@@ -1,8 +1,9 @@
 """Config: recipes, typed overrides, validation errors that name the field, stages."""
 
 import pytest
+from fastgrpo.kernels.rollout_is import MODES
 
-from fastgrpo.config import Config, load_config, parse_override, recipe_names, stage_settings
+from fastgrpo.config import ROLLOUT_IS_MODES, Config, load_config, parse_override, recipe_names, stage_settings
 
 
 def test_default_is_tiny_and_recipes_ship():
@@ -45,6 +46,10 @@ def test_overrides_are_typed():
     ("train.max_steps=abc", "train.max_steps must be an integer, got 'abc'"),
     ("train.max_steps=1.5", "train.max_steps must be an integer"),
     ("grpo.loss_type=ppo", "grpo.loss_type must be one of"),
+    ("grpo.rollout_is=sequence", "grpo.rollout_is must be one of"),
+    ("grpo.rollout_is_min=-0.5", "grpo.rollout_is_min must be >= 0, got -0.5"),
+    ("grpo.rollout_is_cap=0", "grpo.rollout_is_cap must be > 0.0, got 0.0"),
+    ("grpo.rollout_is_cap=.inf", "grpo.rollout_is_cap must be > 0.0, got inf"),
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
     ("grpo.nope=1", "unknown config key(s) ['grpo.nope']"),
     ("nogroup.x=1", "unknown config key(s) ['nogroup']"),
@@ -84,3 +89,10 @@ def test_saved_yaml_loads_back_identically(tmp_path):
     path.write_text(cfg.to_yaml())
     again = load_config(config_file=str(path))
     assert again == cfg and isinstance(again, Config)
+
+
+def test_rollout_is_modes_are_the_kernels():
+    """config.py keeps its own copy of the mode names (it imports nothing of fastgrpo): the kernels' list."""
+    assert ROLLOUT_IS_MODES == MODES
+    cfg = load_config(overrides=["grpo.rollout_is=sequence_mask", "grpo.rollout_is_cap=2", "grpo.rollout_is_min=0.5"])
+    assert (cfg.grpo.rollout_is, cfg.grpo.rollout_is_cap, cfg.grpo.rollout_is_min) == ("sequence_mask", 2.0, 0.5)

@@ -88,6 +88,21 @@ TINY = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "train.m
         "rollout.max_new_tokens=8"]
 
 
+def teacher_forced(model, samples):
+    """Each sequence alone through the HF forward: completion log-probs ``[B, T]`` (right-padded with 0) and the
+    loss mask ``[B, T]`` (0 for padding and for samples not trained on)."""
+    T = max(len(s.completion_ids) for s in samples)
+    mask = torch.zeros(len(samples), T)
+    rows = []
+    for b, s in enumerate(samples):
+        ids = torch.tensor([s.tokens])
+        logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].float()  # [C, V]
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        rows.append(lp)
+        mask[b, : len(lp)] = float(s.train)
+    return torch.stack([torch.nn.functional.pad(r, (0, T - len(r))) for r in rows]), mask
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_update_matches_unpacked_reference_across_microbatches(loss_type):
     state = init_distributed("cpu")
@@ -101,17 +116,7 @@ def test_update_matches_unpacked_reference_across_microbatches(loss_type):
         for k, p in model.named_parameters():
             p.copy_(before[k])
     model.zero_grad()
-    T = max(len(s.completion_ids) for s in samples)
-    logp = torch.zeros(len(samples), T)
-    mask = torch.zeros(len(samples), T)
-    rows = []
-    for b, s in enumerate(samples):
-        ids = torch.tensor([s.tokens])
-        logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].float()  # [C, V]
-        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
-        rows.append(lp)
-        mask[b, : len(lp)] = float(s.train)
-    logp = torch.stack([torch.nn.functional.pad(r, (0, T - len(r))) for r in rows])
+    logp, mask = teacher_forced(model, samples)
     adv = torch.tensor([s.advantage for s in samples])
     ref_loss, _ = grpo_loss_ref(logp, logp.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
     ref_loss.backward()
@@ -122,13 +127,55 @@ def test_update_matches_unpacked_reference_across_microbatches(loss_type):
         torch.testing.assert_close(delta[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_update_rollout_is_uses_the_engine_logprobs(mode):
+    """``grpo.rollout_is``: the update weighs each micro-batch's policy term by the ratio of its own (on-policy)
+    log-probs to the engine's, which travel packed with the samples. Expected: the unpacked fp32 reference given
+    the engine log-probs as ``sampling_logprobs``; the sampling/ metrics (token means over micro-batches,
+    extremes over micro-batches) equal the reference's over the whole batch."""
+    state = init_distributed("cpu")
+    samples = make_samples()
+    cfg = load_config(overrides=[*TINY, f"grpo.rollout_is={mode}", "grpo.rollout_is_cap=2",
+                                 "grpo.rollout_is_min=0.5", "train.max_tokens_per_microbatch=24"])
+    model0, _ = load_model(cfg.model, state.device, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        logp0, _ = teacher_forced(model0, samples)
+    for b, s in enumerate(samples):  # an engine whose log-probs are off by up to ~1 nat per token
+        noise = torch.randn(len(s.completion_ids), generator=g) * 0.5
+        s.sample_logprobs = (logp0[b, : len(s.completion_ids)] + noise).tolist()
+    metrics, delta, model, before = run_update(cfg, samples, state)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(before[k])
+    model.zero_grad()
+    logp, mask = teacher_forced(model, samples)
+    samp = torch.stack([torch.nn.functional.pad(torch.tensor(s.sample_logprobs), (0, logp.shape[1] -
+                                                len(s.sample_logprobs))) for s in samples])
+    adv = torch.tensor([s.advantage for s in samples])
+    ref_loss, ref_metrics = grpo_loss_ref(logp, logp.detach(), adv, mask, sampling_logprobs=samp, rollout_is=mode,
+                                          rollout_is_cap=2.0, rollout_is_min=0.5)
+    ref_loss.backward()
+    assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(delta[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    keys = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+            "sampling/is_clipped_fraction"]
+    if mode.startswith("token"):  # sequence modes: TRL's stats are over sequences, the log's over micro-batches
+        keys += [f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")]
+    for key in keys:
+        assert metrics[key] == pytest.approx(float(ref_metrics[key]), rel=1e-5, abs=1e-6), key
+    assert 0 < metrics["sampling/is_clipped_fraction"] < 1
+
+
 def test_several_optimizer_steps_per_rollout_use_old_logprobs():
     state = init_distributed("cpu")
     cfg = load_config(overrides=[*TINY, "train.sequences_per_optimizer_step=4", "grpo.num_prompts_per_step=4",
                                  "grpo.num_generations=2"])
     metrics, delta, _, _ = run_update(cfg, make_samples(), state)
     assert metrics["optimizer_steps"] == 2
-    assert metrics["mismatch/logprob_abs_diff"] > 0  # the engine log-probs here are fake (-1): a real gap
+    assert metrics["sampling/sampling_logp_difference/mean"] > 0  # the engine log-probs here are fake (-1)
+    assert metrics["sampling/sampling_logp_difference/max"] >= metrics["sampling/sampling_logp_difference/mean"]
     assert any(d.abs().max() > 0 for d in delta.values())
 
 
@@ -171,7 +218,8 @@ def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
     ddp, fsdp = res["ddp"], res["fsdp2"]
     assert ddp["metrics"]["optimizer_steps"] == fsdp["metrics"]["optimizer_steps"] == 2
     assert res["counts"][0] != res["counts"][1]  # rank 0 and rank 1 hold different numbers of micro-batches
-    for key in ("loss", "grad_norm", "mismatch/logprob_abs_diff", "clip_ratio/region_mean", "entropy"):
+    for key in ("loss", "grad_norm", "sampling/sampling_logp_difference/mean",
+                "sampling/sampling_logp_difference/max", "clip_ratio/region_mean", "entropy"):
         assert fsdp["metrics"][key] == pytest.approx(ddp["metrics"][key], rel=1e-5, abs=1e-7), key
     for k in ddp["delta"]:
         torch.testing.assert_close(fsdp["delta"][k], ddp["delta"][k], rtol=1e-4, atol=1e-6)

@@ -62,7 +62,8 @@ def test_end_to_end_tiny_run(full_run):
                 "response_length/mean", "response_length/max", "truncated_fraction", "entropy",
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "grad_norm", "lr", "tokens",
                 "time/generation", "time/reward", "time/update", "tokens_per_second", "peak_memory_gib",
-                "frac_reward_zero_std", "mismatch/logprob_abs_diff", "bad_steps", "max_new_tokens", "loss"}
+                "frac_reward_zero_std", "sampling/sampling_logp_difference/mean",
+                "sampling/sampling_logp_difference/max", "bad_steps", "max_new_tokens", "loss"}
     assert expected <= set(train_rows[0]), expected - set(train_rows[0])
     assert all(r["response_length/max"] <= 6 for r in train_rows)
     ckpt = run_dir / "checkpoints" / "step_00000004"
