@@ -186,8 +186,6 @@ def packed_logprobs(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
                                   temperature=temperature)
 
 
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (FSDP2's total gradient norm) as a plain tensor; other tensors unchanged."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
