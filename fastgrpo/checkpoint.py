@@ -5,8 +5,8 @@ Layout of ``run_dir/checkpoints/step_{step:08d}/``::
     config.json, generation_config.json   the model config (HF ``save_pretrained``)
     model.safetensors                     the full weights (sharded files + index for very large models)
     tokenizer.json, tokenizer_config.json …
-    trainer_state.pt                      {"step", "world_size", "trainer_state", "optimizer", "scheduler"};
-                                          the optimizer state keyed by parameter name (see below)
+    trainer_state.pt                      {"step", "world_size", "trainer_state", "optimizer", "scheduler",
+                                          "masters"}; the optimizer state keyed by parameter name (see below)
     rng_rank{r}.pt                        python / numpy / torch CPU / CUDA RNG states of rank r
     COMPLETE                              marker, written last (JSON: step, world size, time)
 
@@ -24,6 +24,12 @@ FSDP2 the model and optimizer state are gathered *full* on rank 0's CPU (``get_m
 (``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``, names from the user's module), so a
 checkpoint resumes under any strategy (DDP ↔ FSDP2) and world size, at the cost of rank 0 holding the full state in
 host memory while saving. The run directory must be on a file system every rank sees (one node).
+
+Mixed precision (``fastgrpo.precision``): ``model.safetensors`` holds the compute dtype (``dtype``, bf16) that HF
+loads, and ``"masters"`` the full fp32 master weights by parameter name (``MasterAdamW``'s, or the FSDP2 sharded
+fp32 parameters gathered): a resume loads the masters, and the compute weights are rounded from them, so it
+continues bit for bit. Without masters (fp32 training, or an HF bf16 model) ``"masters"`` is None and the weights
+come from the safetensors.
 
 Loading copies values into the existing parameters (``load_state_dict`` copies in place): the co-located
 generation engine holds those very tensors, so no ``Parameter`` is ever replaced.
@@ -55,6 +61,7 @@ from fastgrpo.distributed import (
     get_world_size,
     unwrap_model,
 )
+from fastgrpo.precision import MasterAdamW
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -139,9 +146,11 @@ def _fsync_dir(path: Path) -> None:
 def _param_names(optimizer: torch.optim.Optimizer, inner: nn.Module) -> list[list[str]]:
     """The parameter names (``inner.named_parameters()``) of every optimizer param group, in order."""
     names = {id(p): n for n, p in inner.named_parameters()}
+    if isinstance(optimizer, MasterAdamW):  # it holds fp32 masters: name them after their module parameters
+        names.update({id(m): names.get(id(p)) for m, p in zip(optimizer.masters, optimizer.model_params)})
     groups = []
     for g in optimizer.param_groups:
-        missing = [tuple(p.shape) for p in g["params"] if id(p) not in names]
+        missing = [tuple(p.shape) for p in g["params"] if names.get(id(p)) is None]
         if missing:
             raise ValueError(f"optimizer holds parameters that are not in model (shapes {missing[:3]})")
         groups.append([names[id(p)] for p in g["params"]])
@@ -225,13 +234,16 @@ def save_checkpoint(
     trainer_state: Mapping | None = None,
     keep_last: int | None = 3,
     state: DistState | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:08d}/`` atomically and return its path (on every rank).
 
     ``trainer_state``: the trainer's own resumable state (step, data position, counters …) as python numbers,
     strings, tensors, lists and dicts; it comes back from ``load_checkpoint``. ``keep_last``: how many complete
     checkpoints to keep (older ones are deleted, never the one just written); ``None`` keeps all. A checkpoint
-    already at this step is replaced. Every rank must call this (FSDP2 gathers are collectives).
+    already at this step is replaced. ``dtype``: the compute dtype the safetensors are written in (None: the
+    parameters' own); FSDP2's fp32 sharded parameters behind a bf16 compute dtype, like ``MasterAdamW``'s masters,
+    are also saved in fp32 as ``"masters"``. Every rank must call this (FSDP2 gathers are collectives).
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -259,6 +271,14 @@ def save_checkpoint(
             optim_sd = _unprefixed(optim_sd, fqn_prefix(fsdp, inner)) if rank == 0 else None
         elif rank == 0:  # not sharded, or no step taken yet (the DCP helper would take a fake one)
             optim_sd = _optimizer_to_named(optimizer, inner)
+    masters = None  # fp32 values behind lower-precision compute weights: name -> full tensor on the CPU
+    if rank == 0 and isinstance(optimizer, MasterAdamW):
+        names = {id(p): n for n, p in inner.named_parameters()}
+        masters = {names[id(p)]: m.detach().cpu() for p, m in zip(optimizer.model_params, optimizer.masters)}
+    elif rank == 0 and model_sd is not None and dtype is not None:
+        if any(v.is_floating_point() and v.dtype != dtype for v in model_sd.values()):
+            masters = model_sd
+            model_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
 
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +299,7 @@ def save_checkpoint(
             "trainer_state": {**trainer_state, "step": step},
             "optimizer": optim_sd,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "masters": masters,
         }
         torch.save(payload, tmp / TRAINER_STATE)
     barrier()  # every rank's RNG file is on disk
@@ -388,6 +409,7 @@ def load_checkpoint(
     payload = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True,
                          mmap=fsdp is not None and rank != 0)
     saved_optim = payload["optimizer"]
+    masters = payload.get("masters")  # fp32 masters when saved under mixed precision: they win over the safetensors
     if optimizer is not None and saved_optim is None:
         raise ValueError(f"path {path} holds no optimizer state (saved with optimizer=None)")
 
@@ -400,7 +422,8 @@ def load_checkpoint(
 
         prefix = fqn_prefix(fsdp, inner)
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        sd = {prefix + k: v for k, v in _complete_tied(_read_safetensors(path), inner).items()} if rank == 0 else {}
+        weights = masters if masters is not None else (_read_safetensors(path) if rank == 0 else None)
+        sd = {prefix + k: v for k, v in _complete_tied(dict(weights), inner).items()} if rank == 0 else {}
         set_model_state_dict(fsdp, sd, options=opts)
         if optimizer is not None and saved_optim["state"]:
             osd = _prefixed(saved_optim, prefix) if rank == 0 else {}
@@ -408,9 +431,9 @@ def load_checkpoint(
         elif optimizer is not None:  # saved before any step: hyper-parameters only, no tensors to scatter
             optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))
     else:
-        sd = _complete_tied(_read_safetensors(path), inner)
+        sd = _complete_tied(dict(masters) if masters is not None else _read_safetensors(path), inner)
         try:
-            result = inner.load_state_dict(sd, strict=False)  # copies into the existing tensors
+            result = inner.load_state_dict(sd, strict=False)  # copies (rounded to the parameters' dtype) in place
         except RuntimeError as e:  # shape mismatches
             raise ValueError(f"path {path} does not match the model: {e}") from None
         if result.missing_keys or result.unexpected_keys:
@@ -418,6 +441,9 @@ def load_checkpoint(
                              f"unexpected {result.unexpected_keys[:5]}")
         if optimizer is not None:
             optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))
+        if isinstance(optimizer, MasterAdamW):  # the masters exactly (or, without any, the loaded weights upcast)
+            names = {id(p): n for n, p in inner.named_parameters()}
+            optimizer.load_masters(sd if masters is not None else None, names)
     if scheduler is not None:
         if payload["scheduler"] is None:
             raise ValueError(f"path {path} holds no scheduler state (saved with scheduler=None)")

@@ -269,6 +269,8 @@ class TrainConfig:
     """"auto" (CUDA when available), "cpu" or "cuda"."""
     strategy: str = "ddp"
     """Data parallelism across torchrun processes: ddp, fsdp2 or none."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (less memory, ~1 more forward)."""
     num_threads: int = 0
     """CPU threads per process (0: cores / processes)."""
     sft_warmup_steps: int = 0

@@ -23,7 +23,13 @@ of the inner model.
 Parameter sharing with the co-located generation engine: DDP keeps the module's ``Parameter`` objects (it copies
 rank 0's values into them at construction), so an engine built on ``unwrap_model(model)`` sees every optimizer
 update. FSDP2 (``fully_shard``) replaces each parameter by a sharded ``DTensor`` parameter; the engine must be built
-after wrapping and read full weights inside ``unshard()`` / ``reshard()`` of the FSDP modules.
+after wrapping and read full weights inside ``unshard()`` / ``reshard()`` of the FSDP modules. With a bf16 model the
+sharded parameters are fp32 masters and ``unshard()`` gathers bf16 copies: the engine reads those, the same tensors
+a training forward would use (:mod:`fastgrpo.precision`).
+
+Mixed precision (``model.dtype`` bf16) under DDP or one process: the module keeps bf16 parameters and the optimizer
+(:class:`fastgrpo.precision.MasterAdamW`) fp32 masters; gradients are then all-reduced in fp32 by the optimizer, not
+by DDP (micro-batches run under ``no_sync``): see :func:`fastgrpo.precision.accumulate`.
 
 Host↔device synchronisations are marked ``# sync:`` with the reason.
 """
@@ -329,7 +335,9 @@ def wrap_model(
       ranks during backward, so a per-rank mean loss on equal shards gives the full-batch mean's gradient.
       Rank 0's parameter values are copied into the other ranks' parameters (same objects) at construction.
     - ``"fsdp2"``: ``fully_shard`` on every decoder layer, then on the root; ``mp_policy`` is an optional
-      ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 gradient reduction),
+      ``torch.distributed.fsdp.MixedPrecisionPolicy``. By default a model in a low precision (bf16) is upcast in
+      place to fp32 sharded parameters (the fp32 master weights) with ``param_dtype`` = its dtype (bf16 all-gather,
+      forward and backward) and ``reduce_dtype=float32`` (see :mod:`fastgrpo.precision`); an fp32 model stays fp32.
       ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
       Every forward all-gathers, so all ranks must run the same number of forwards per step.
     - ``"none"``: the model unchanged.
@@ -365,8 +373,16 @@ def wrap_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(state.device.type, (state.world_size,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-              "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
+    if mp_policy is None:
+        low = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
+        if len(low) > 1:
+            raise ValueError(f"model parameters mix dtypes {sorted(map(str, low))}; give mp_policy explicitly")
+        if low:  # fp32 sharded parameters (the optimizer's masters), gathered in the compute dtype
+            model.float()
+            mp_policy = MixedPrecisionPolicy(param_dtype=low.pop(), reduce_dtype=torch.float32)
+        else:
+            mp_policy = MixedPrecisionPolicy()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
     for layer in layers:
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, LM head) stays gathered from forward to backward: backward needs it at

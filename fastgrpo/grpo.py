@@ -40,13 +40,14 @@ import torch
 
 from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config
-from fastgrpo.distributed import ForwardWrapper, all_reduce, gradient_sync, reduce_metrics
+from fastgrpo.distributed import ForwardWrapper, all_reduce, reduce_metrics
 from fastgrpo.generation import SamplingParams
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.precision import accumulate, optimizer_params, train_mode
 
 ADV_EPS = 1e-4  # added to the reward std before dividing (TRL's value): a zero-variance group gets A = 0
 
@@ -266,7 +267,7 @@ class PolicyUpdate:
             for i in range(n_mb):
                 mb = mbs[min(i, len(mbs) - 1)]
                 weight = 0.0 if i >= len(mbs) else 1.0
-                with gradient_sync(self.model, enabled=i == n_mb - 1):
+                with train_mode(self.model), accumulate(self.model, self.optimizer, last=i == n_mb - 1):
                     loss, metrics = self._loss(mb, tokens, seqs, beta, epsilon_high, max_new_tokens)
                     (loss * weight * self.world_size).backward()
                 loss_total += loss.detach().double() * weight
@@ -274,10 +275,9 @@ class PolicyUpdate:
                     for k, v in metrics.items():
                         add(k, v, mb.num_loss_tokens)
             loss_value = float(all_reduce(loss_total))  # the optimizer step's full loss, all ranks
-            if self.cfg.train.max_grad_norm > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
+            max_norm = self.cfg.train.max_grad_norm if self.cfg.train.max_grad_norm > 0 else math.inf
+            # the fp32 gradients the optimizer steps (fp32 masters' under mixed precision)
+            grad_norm = torch.nn.utils.clip_grad_norm_(optimizer_params(self.optimizer), max_norm)
             grad_norm = float(_local(grad_norm))  # sync: the finiteness check decides whether to step
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 num_bad += 1

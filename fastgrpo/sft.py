@@ -9,6 +9,9 @@ Each micro-batch's summed cross-entropy comes from ``fused_linear_cross_entropy`
 the global ``C`` and multiplied by ``world_size`` (DDP averages gradients over ranks), so W processes give the
 gradients of one process on the whole batch. Prompt tokens are targets of no loss (``-100``).
 
+Under ``model.dtype=bfloat16`` the gradients are accumulated and reduced in fp32 and the step updates fp32 master
+weights (:mod:`fastgrpo.precision`); the warm-up's optimizer steps the main optimizer's masters.
+
 The warm-up (``train.sft_warmup_steps``) runs before the main algorithm with its own AdamW at ``train.sft_lr``:
 ``train.sft_batch_size`` examples drawn with replacement from the algorithm's ``(prompt, reference completion)``
 pairs by ``random.Random(train.seed)`` (the same on every rank; each rank takes every ``world_size``-th example),
@@ -22,9 +25,10 @@ import time
 
 import torch
 
-from fastgrpo.distributed import all_reduce, gradient_sync, print0
+from fastgrpo.distributed import all_reduce, print0
 from fastgrpo.grpo import Sample, _call, plan
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
+from fastgrpo.precision import accumulate, make_optimizer, train_mode
 
 
 def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_tokens: int,
@@ -37,7 +41,7 @@ def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_t
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     for i, mb in enumerate(mbs):
-        with gradient_sync(model, enabled=i == len(mbs) - 1):
+        with train_mode(model), accumulate(model, optimizer, last=i == len(mbs) - 1):
             hidden_NH, weight_VH, bias_V = _call(model, mb)
             targets = torch.where(mb.mask > 0, mb.targets, -100)
             loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
@@ -53,7 +57,7 @@ def sft_warmup(trainer, prompt_ids: list[list[int]], completions: list[str]) -> 
     t, st = trainer.cfg.train, trainer.state
     if not t.sft_warmup_steps:
         return
-    opt = torch.optim.AdamW(trainer.wrapped.parameters(), lr=t.sft_lr, weight_decay=0.0)
+    opt = make_optimizer(trainer.wrapped, lr=t.sft_lr, share_masters_with=trainer.optimizer)  # the same fp32 masters
     rng = random.Random(t.seed)  # the same examples on every rank; each takes its share
     eos = [trainer.tokenizer.eos_token_id]
     start = time.perf_counter()

@@ -57,7 +57,14 @@ from fastgrpo.eval import evaluate  # noqa: E402
 from fastgrpo.generation import GenerationEngine, SamplingParams  # noqa: E402
 from fastgrpo.grpo import GRPO, check_world_size, packed_forward  # noqa: E402
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics  # noqa: E402
-from fastgrpo.models import eos_token_ids, load_model, set_cpu_threads  # noqa: E402
+from fastgrpo.models import (  # noqa: E402
+    DTYPES,
+    enable_activation_checkpointing,
+    eos_token_ids,
+    load_model,
+    set_cpu_threads,
+)
+from fastgrpo.precision import make_optimizer  # noqa: E402
 from fastgrpo.sft import sft_warmup  # noqa: E402
 
 
@@ -120,14 +127,18 @@ class Trainer:
 
         self.run_dir = self._run_dir()
         self.model, self.tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed)
+        self.model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
+        if cfg.train.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
         self.wrapped = wrap_model(self.model, st, cfg.train.strategy, forward=packed_forward)
         self.engine = GenerationEngine(unwrap_model(self.wrapped), eos_token_ids=eos_token_ids(self.model,
                                                                                                self.tokenizer),
                                        max_batch_size=cfg.rollout.max_batch_size,
                                        max_total_tokens=cfg.rollout.max_total_tokens or None)
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.wrapped.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                           betas=(t.adam_beta1, t.adam_beta2))
+        # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
+        self.optimizer = make_optimizer(self.wrapped, lr=t.lr, weight_decay=t.weight_decay,
+                                        betas=(t.adam_beta1, t.adam_beta2))
         warm = t.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -176,7 +187,8 @@ class Trainer:
                                trainer_state={"sampler": self.sampler.state_dict(), "bad_in_a_row": self.bad_in_a_row,
                                               "total_bad": self.total_bad,
                                               "algorithm": self.algorithm.state_dict()},
-                               keep_last=self.cfg.checkpoint.keep_last, state=self.state)
+                               keep_last=self.cfg.checkpoint.keep_last, state=self.state,
+                               dtype=DTYPES[self.cfg.model.dtype])
         self.last_saved = self.step
         return path
 

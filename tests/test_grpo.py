@@ -13,7 +13,8 @@ from fastgrpo.kernels.reference import grpo_loss_ref
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.grpo import ADV_EPS, PolicyUpdate, Sample, compute_advantages, make_microbatch, packed_forward
-from fastgrpo.models import load_model
+from fastgrpo.models import enable_activation_checkpointing, load_model
+from fastgrpo.precision import MasterAdamW, make_optimizer
 
 
 def test_advantages_mean_baseline_group_scale():
@@ -72,8 +73,10 @@ def full(t):
 
 def run_update(cfg, samples, state, *, seed=0, strategy="ddp", lr=1.0):
     """One rollout's update with SGD: returns the metrics and the parameter change (= minus lr x the gradient for
-    one optimizer step)."""
+    one optimizer step). With ``train.activation_checkpointing`` the model recomputes its layers in backward."""
     model, _ = load_model(cfg.model, state.device, seed=seed)
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     wrapped = wrap_model(model, state, strategy, forward=packed_forward)
     opt = torch.optim.SGD(wrapped.parameters(), lr=lr)
@@ -82,6 +85,26 @@ def run_update(cfg, samples, state, *, seed=0, strategy="ddp", lr=1.0):
         samples, beta=0.0, epsilon_high=cfg.grpo.epsilon_high, max_new_tokens=cfg.rollout.max_new_tokens)
     delta = {k: before[k] - full(v) for k, v in model.named_parameters()}
     return metrics, delta, model, before
+
+
+def run_mixed(cfg, samples, state, *, strategy="ddp"):
+    """One rollout's update in bf16 with the trainer's optimizer (fp32 masters): the metrics and the fp32 gradients
+    the optimizer stepped, by parameter name (the masters' under DDP, the sharded fp32 parameters' under FSDP2)."""
+    model, _ = load_model(cfg.model, state.device)
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    wrapped = wrap_model(model, state, strategy, forward=packed_forward)
+    opt = make_optimizer(wrapped, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = PolicyUpdate(cfg, wrapped, opt, sched, None, state.device, state.world_size).run(
+        samples, beta=0.0, epsilon_high=cfg.grpo.epsilon_high, max_new_tokens=cfg.rollout.max_new_tokens)
+    if isinstance(opt, MasterAdamW):
+        names = {id(p): n for n, p in model.named_parameters()}
+        grads = {names[id(p)]: m.grad.clone() for p, m in zip(opt.model_params, opt.masters)}
+    else:
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    return metrics, grads
 
 
 TINY = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "train.max_grad_norm=0",
@@ -198,15 +221,51 @@ def _torchrun(nproc, out, tmp_path, mode="ddp"):
     return torch.load(out)
 
 
+def _torchrun_two_nodes(out, tmp_path):
+    """Two torchrun launches of one process each, as two "nodes" on localhost (c10d rendezvous, the README's
+    multi-node command)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=test", str(Path(__file__).resolve()), str(out), "ddp"]
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    logs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), "\n".join(log[-3000:] for log in logs)
+    return torch.load(out)
+
+
 def test_two_processes_match_one_process(tmp_path):
-    """The same global batch (8 sequences) on 1 process and split over 2: same loss, same gradients."""
+    """The same global batch (8 sequences) on 1 process and split over 2 (on one node, and on two "nodes" of one
+    process each): same loss, same gradients; in fp32, with activation checkpointing, and in bf16 with fp32 masters.
+    """
     one = _torchrun(1, tmp_path / "one.pt", tmp_path)
     two = _torchrun(2, tmp_path / "two.pt", tmp_path)
-    for loss_type in ("dapo", "grpo"):
+    for loss_type in ("dapo", "grpo", "dapo_ac"):
         a, b = one[loss_type], two[loss_type]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         for k in a["delta"]:
             torch.testing.assert_close(a["delta"][k], b["delta"][k], rtol=1e-4, atol=1e-6)
+    for res in (one, two):  # checkpointing recomputes the same ops: fp32 rounding apart at most
+        assert res["dapo_ac"]["loss"] == pytest.approx(res["dapo"]["loss"], rel=1e-6)
+        for k in res["dapo"]["delta"]:
+            torch.testing.assert_close(res["dapo_ac"]["delta"][k], res["dapo"]["delta"][k], rtol=1e-5, atol=1e-7)
+    # bf16: each rank packs its own micro-batches, so matmuls of other shapes round differently in bf16; the
+    # fp32-accumulated gradients then differ by a few bf16 ulps (2^-8 relative) of the larger entries.
+    a, b = one["bf16"], two["bf16"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
+    for k in a["grads"]:
+        scale = float(a["grads"][k].abs().max())
+        torch.testing.assert_close(b["grads"][k], a["grads"][k], rtol=2e-2, atol=2e-2 * scale)
+    nodes = _torchrun_two_nodes(tmp_path / "nodes.pt", tmp_path)  # the same ranks and shards: the same numbers
+    for case in ("dapo", "grpo", "bf16"):
+        assert nodes[case]["loss"] == two[case]["loss"], case
+        got, want = nodes[case].get("delta", nodes[case].get("grads")), two[case].get("delta", two[case].get("grads"))
+        assert all(torch.equal(got[k], want[k]) for k in want), case
 
 
 def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
@@ -223,6 +282,13 @@ def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
         assert fsdp["metrics"][key] == pytest.approx(ddp["metrics"][key], rel=1e-5, abs=1e-7), key
     for k in ddp["delta"]:
         torch.testing.assert_close(fsdp["delta"][k], ddp["delta"][k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(res["fsdp2_ac"]["delta"][k], ddp["delta"][k], rtol=1e-4, atol=1e-6)
+    # bf16 compute, fp32 masters (DDP: MasterAdamW; FSDP2: fp32 shards, bf16 gather, fp32 reduce), checkpointing on:
+    # both compute each micro-batch's bf16 gradient alike and sum it in fp32; the sums differ in order only.
+    ddp, fsdp = res["ddp_bf16"], res["fsdp2_bf16"]
+    assert fsdp["metrics"]["loss"] == pytest.approx(ddp["metrics"]["loss"], rel=1e-5)
+    for k in ddp["grads"]:
+        torch.testing.assert_close(fsdp["grads"][k], ddp["grads"][k], rtol=1e-4, atol=1e-6)
 
 
 def _fsdp_worker(out: str) -> None:
@@ -235,14 +301,22 @@ def _fsdp_worker(out: str) -> None:
     samples = make_samples(16)
     share = len(samples) // state.world_size
     mine = samples[state.rank * share : (state.rank + 1) * share]
-    cfg = load_config(overrides=[*TINY, "train.sequences_per_optimizer_step=8", "grpo.num_prompts_per_step=8",
-                                 "grpo.num_generations=2", "train.max_tokens_per_microbatch=16"])
+    cfg_overrides = [*TINY, "train.sequences_per_optimizer_step=8", "grpo.num_prompts_per_step=8",
+                     "grpo.num_generations=2", "train.max_tokens_per_microbatch=16"]
+    cfg = load_config(overrides=cfg_overrides)
     counts = torch.zeros(2, dtype=torch.long)
     counts[state.rank] = len(plan(mine[:4], 16, state.device))  # the first optimizer step's micro-batches
     result = {"counts": all_reduce(counts).tolist()}
     for strategy in ("ddp", "fsdp2"):
         metrics, delta, _, _ = run_update(cfg, mine, state, strategy=strategy, lr=0.1)
         result[strategy] = {"metrics": metrics, "delta": delta}
+    ac = load_config(overrides=[*cfg_overrides, "train.activation_checkpointing=true"])
+    metrics, delta, _, _ = run_update(ac, mine, state, strategy="fsdp2", lr=0.1)
+    result["fsdp2_ac"] = {"metrics": metrics, "delta": delta}
+    bf16 = load_config(overrides=[*cfg_overrides, "model.dtype=bfloat16", "train.activation_checkpointing=true"])
+    for strategy in ("ddp", "fsdp2"):
+        metrics, grads = run_mixed(bf16, mine, state, strategy=strategy)
+        result[f"{strategy}_bf16"] = {"metrics": metrics, "grads": grads}
     if state.rank == 0:
         torch.save(result, out)
     barrier()  # no rank tears the process group down while another still uses it (a teardown abort was seen once)
@@ -259,10 +333,14 @@ def _worker(out: str) -> None:
     share = len(samples) // state.world_size
     mine = samples[state.rank * share : (state.rank + 1) * share]
     result = {}
-    for loss_type in ("dapo", "grpo"):
-        cfg = load_config(overrides=[*TINY, f"grpo.loss_type={loss_type}", "train.max_tokens_per_microbatch=24"])
+    for case in ("dapo", "grpo", "dapo_ac"):
+        cfg = load_config(overrides=[*TINY, f"grpo.loss_type={case[:4]}", "train.max_tokens_per_microbatch=24",
+                                     f"train.activation_checkpointing={case.endswith('_ac')}"])
         metrics, delta, _, _ = run_update(cfg, mine, state)
-        result[loss_type] = {"loss": metrics["loss"], "delta": delta}
+        result[case] = {"loss": metrics["loss"], "delta": delta}
+    bf16 = load_config(overrides=[*TINY, "model.dtype=bfloat16", "train.max_tokens_per_microbatch=24"])
+    metrics, grads = run_mixed(bf16, mine, state)
+    result["bf16"] = {"loss": metrics["loss"], "grads": grads}
     if state.rank == 0:
         torch.save(result, out)
     barrier()  # no rank tears the process group down while another still uses it (a teardown abort was seen once)
