@@ -26,7 +26,7 @@ DEFAULT_RECIPE = "tiny"
 DTYPES = ("float32", "bfloat16")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 BASELINES = ("mean", "leave_one_out")
-SCALINGS = ("group", "batch", "none")
+SCALINGS = ("group", "batch", "group_loo", "none")
 IS_LEVELS = ("token", "sequence")
 ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STRATEGIES = ("ddp", "fsdp2", "none")
@@ -167,7 +167,8 @@ class GRPOConfig:
     baseline: str = "mean"
     """Group baseline: "mean" or "leave_one_out" (mean of the other G-1 rewards)."""
     scale: str = "group"
-    """Divide advantages by the reward std of the group, the batch, or "none"."""
+    """Divide advantages by the reward std of the group, the batch, "group_loo" (NeMo-RL's: the std of the other
+    G-1 rewards, no division where it is 0; needs baseline leave_one_out), or "none"."""
     beta: float = 0.0
     """KL coefficient against the frozen reference model (0: no reference model is loaded)."""
     epsilon_low: float = 0.2
@@ -198,6 +199,9 @@ class GRPOConfig:
         _check_choice("grpo.loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("grpo.baseline", self.baseline, BASELINES)
         _check_choice("grpo.scale", self.scale, SCALINGS)
+        if self.scale == "group_loo" and self.baseline != "leave_one_out":
+            _fail("grpo.scale", "'group_loo' needs grpo.baseline=leave_one_out (it is the std of the other G-1 "
+                  f"rewards, the leave-one-out baseline's own spread); grpo.baseline is {self.baseline!r}", self.scale)
         _check_choice("grpo.importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         _check_min("grpo.beta", self.beta, 0)
         _check_min("grpo.epsilon_low", self.epsilon_low, 0)
@@ -228,6 +232,9 @@ class RolloutConfig:
     """Sequences the engine decodes at once."""
     max_total_tokens: int = 0
     """KV-cache budget in tokens (0: the engine's default)."""
+    max_sequence_tokens: int = 0
+    """Longest prompt + completion (0: no such bound): a completion ends at min(max_new_tokens,
+    max_sequence_tokens - prompt length) tokens, as NeMo-RL's max_total_sequence_length (vLLM's max_model_len)."""
 
     def __post_init__(self):
         _check_min("rollout.temperature", self.temperature, 0, strict=True)
@@ -237,6 +244,7 @@ class RolloutConfig:
         _check_min("rollout.max_new_tokens", self.max_new_tokens, 1)
         _check_min("rollout.max_batch_size", self.max_batch_size, 1)
         _check_min("rollout.max_total_tokens", self.max_total_tokens, 0)
+        _check_min("rollout.max_sequence_tokens", self.max_sequence_tokens, 0)
 
 
 @dataclass
@@ -254,7 +262,10 @@ class TrainConfig:
     adam_beta2: float = 0.999
     """AdamW beta2."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up, in optimizer steps (then constant)."""
+    """Linear learning-rate warm-up, in GRPO steps (one per rollout, as NeMo-RL steps its scheduler; not optimizer
+    steps): the lr factor goes from warmup_start_factor at step 0 to 1 at step warmup_steps, then stays 1."""
+    warmup_start_factor: float = 0.1
+    """Learning-rate factor at the first warm-up step (torch LinearLR's start_factor), in (0, 1]."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0: off)."""
     sequences_per_optimizer_step: int = 0
@@ -290,7 +301,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not 0 <= v < 1:
                 _fail(f"train.{name}", "must be in [0, 1)", v)
-        _check_min("train.warmup_steps", self.warmup_steps, 0)
+        _check_min("train.warmup_steps", self.warmup_steps, 0)  # GRPO steps
+        if not 0 < self.warmup_start_factor <= 1:
+            _fail("train.warmup_start_factor", "must be in (0, 1]", self.warmup_start_factor)
         _check_min("train.max_grad_norm", self.max_grad_norm, 0)
         _check_min("train.sequences_per_optimizer_step", self.sequences_per_optimizer_step, 0)
         _check_min("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1)
@@ -308,7 +321,8 @@ class TrainConfig:
 
 @dataclass
 class StageConfig:
-    """From GRPO step ``at_step`` on: a new maximum response length, and optionally lr / beta / epsilon_high."""
+    """From GRPO step ``at_step`` on: a new maximum response length, and optionally lr / beta / epsilon_high /
+    prompt + response budget, a warm-up that starts again, a fresh optimizer state and a new KL reference."""
 
     at_step: int = 0
     """First GRPO step of the stage."""
@@ -320,6 +334,16 @@ class StageConfig:
     """grpo.beta from this step on (None: unchanged)."""
     epsilon_high: float | None = None
     """grpo.epsilon_high from this step on (None: unchanged)."""
+    max_sequence_tokens: int | None = None
+    """rollout.max_sequence_tokens from this step on (None: unchanged; 0: no bound)."""
+    restart_warmup: bool = False
+    """Run the train.warmup_steps warm-up again from at_step, as a new run started from the previous stage's
+    weights does (NeMo-RL's DeepScaleR stages are separate runs)."""
+    reset_optimizer: bool = False
+    """Clear AdamW's moments and step counts at at_step, as a new run's fresh optimizer."""
+    reset_reference: bool = False
+    """Make the KL reference model the policy's weights at at_step, as a new run's reference is its starting weights
+    (saved once as <run dir>/reference/step_N.pt, ~2 bytes per parameter in bf16, for a resumed run)."""
 
     def __post_init__(self):
         _check_min("stages[].at_step", self.at_step, 0)
@@ -330,6 +354,8 @@ class StageConfig:
             _check_min("stages[].beta", self.beta, 0)
         if self.epsilon_high is not None:
             _check_min("stages[].epsilon_high", self.epsilon_high, 0)
+        if self.max_sequence_tokens is not None:
+            _check_min("stages[].max_sequence_tokens", self.max_sequence_tokens, 0)
 
 
 @dataclass
@@ -381,7 +407,7 @@ class EvalConfig:
     top_p: float = 1.0
     """Nucleus sampling mass of validation."""
     max_new_tokens: int = 0
-    """Longest validation completion (0: rollout.max_new_tokens)."""
+    """Longest validation completion (0: the stage's max_new_tokens); the stage's max_sequence_tokens also bounds it."""
     num_prompts: int = 0
     """Validation prompts used (0: all)."""
     at_start: bool = True
@@ -420,6 +446,12 @@ class Config:
         steps = [s.at_step for s in self.stages]
         if steps != sorted(steps) or len(set(steps)) != len(steps):
             _fail("stages", "must have strictly increasing at_step values", steps)
+        budgets = [("rollout.max_sequence_tokens", self.rollout.max_sequence_tokens)] + [
+            (f"stages[{i}].max_sequence_tokens", s.max_sequence_tokens) for i, s in enumerate(self.stages)]
+        for name, budget in budgets:
+            if budget and budget <= self.data.max_prompt_tokens:
+                _fail(name, f"must be 0 or > data.max_prompt_tokens={self.data.max_prompt_tokens} (room for a "
+                      "response after the longest prompt)", budget)
         betas = [self.grpo.beta] + [s.beta for s in self.stages if s.beta is not None]
         if self.train.sft_warmup_steps and max(betas) > 0:
             # the reference model is model.path's weights as loaded, not the warmed-up policy GRPO starts from
@@ -565,16 +597,29 @@ def load_config(recipe: str | None = None, config_file: str | None = None, overr
 
 
 def stage_settings(cfg: Config, step: int) -> dict:
-    """The settings in force at (0-based) GRPO step ``step``: ``max_new_tokens``, ``lr``, ``beta``,
-    ``epsilon_high``. Stages apply in order from their ``at_step`` on; an override a stage leaves unset (None)
-    keeps the previous stage's value (or the base config's)."""
-    out = {"max_new_tokens": cfg.rollout.max_new_tokens, "lr": cfg.train.lr, "beta": cfg.grpo.beta,
-           "epsilon_high": cfg.grpo.epsilon_high}
+    """The settings in force at (0-based) GRPO step ``step``: ``max_new_tokens``, ``max_sequence_tokens``, ``lr``,
+    ``beta``, ``epsilon_high``, and ``warmup_factor``. Stages apply in order from their ``at_step`` on; an override a
+    stage leaves unset (None) keeps the previous stage's value (or the base config's).
+
+    The learning rate of the step is ``lr * warmup_factor``, with the linear warm-up (torch LinearLR's closed form,
+    counted in GRPO steps from the start of the run or of the last stage with ``restart_warmup``)::
+
+        warmup_factor = f + (1 - f) * min(step - start, W) / W
+
+    with f = train.warmup_start_factor and W = train.warmup_steps (1 when W = 0).
+    """
+    out = {"max_new_tokens": cfg.rollout.max_new_tokens, "max_sequence_tokens": cfg.rollout.max_sequence_tokens,
+           "lr": cfg.train.lr, "beta": cfg.grpo.beta, "epsilon_high": cfg.grpo.epsilon_high}
+    start = 0
     for s in cfg.stages:
         if s.at_step > step:
             break
         out["max_new_tokens"] = s.max_new_tokens
-        for key in ("lr", "beta", "epsilon_high"):
+        for key in ("max_sequence_tokens", "lr", "beta", "epsilon_high"):
             if getattr(s, key) is not None:
                 out[key] = getattr(s, key)
+        if s.restart_warmup:
+            start = s.at_step
+    W, f = cfg.train.warmup_steps, cfg.train.warmup_start_factor
+    out["warmup_factor"] = f + (1 - f) * min(step - start, W) / W if W else 1.0
     return out

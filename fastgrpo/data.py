@@ -1,4 +1,13 @@
-"""Prompt datasets with verifiable answers: JSONL, Parquet, Hugging Face ``datasets``, and a built-in task.
+"""Prompt datasets with verifiable answers: JSONL, JSON, Parquet, Hugging Face ``datasets``, and a built-in task.
+
+Files: ``.jsonl`` (one JSON object per line), ``.json`` (the same, or one top-level array of objects), ``.parquet``.
+Every row needs ``data.prompt_field`` (a non-empty string) and ``data.answer_field`` (a string or a number); a row
+without them is an error naming the row and the field. A row whose answer is empty or null is dropped and counted
+(DeepScaleR-Preview has a few: no answer, no reward to learn from). The DeepScaleR recipe reads the public
+DeepScaleR-Preview training set (fields ``problem``, ``answer``, ``solution``) and AIME 2024 (``problem``,
+``answer``, plus ``id``/``solution``/``url``/``year`` in HuggingFaceH4/aime_2024); samples of both formats are
+``tests/data/deepscaler_sample.jsonl`` and ``tests/data/aime24_sample.jsonl``, and the README's "Reproducing
+DeepScaleR" gives the download commands.
 
 Every source becomes a :class:`PromptDataset`: rows (dicts holding at least ``prompt``, the question as given,
 and ``answer``, the ground truth as a string, plus every other column of the source, handed to reward functions
@@ -38,6 +47,8 @@ class PromptDataset:
     prompt_ids: list[list[int]]
     num_dropped: int = 0
     """Prompts dropped for being longer than data.max_prompt_tokens."""
+    num_no_answer: int = 0
+    """Rows dropped for an empty or null answer."""
     source: str = ""
 
     def __len__(self) -> int:
@@ -115,12 +126,32 @@ def _check_fields(rows: list[dict], cfg: DataConfig, source: str) -> list[dict]:
         for name, key in (("data.prompt_field", cfg.prompt_field), ("data.answer_field", cfg.answer_field)):
             if key not in row:
                 raise ValueError(f"{source}: row {i} has no field {key!r} ({name}); its fields are {sorted(row)}")
+        prompt, answer = row[cfg.prompt_field], row[cfg.answer_field]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{source}: row {i} field {cfg.prompt_field!r} (data.prompt_field) must be a non-empty "
+                             f"string, got {prompt!r}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float, type(None))):
+            raise ValueError(f"{source}: row {i} field {cfg.answer_field!r} (data.answer_field) must be a string or a "
+                             f"number, got {answer!r}")
         extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field)}
-        out.append({**extra, "prompt": str(row[cfg.prompt_field]), "answer": str(row[cfg.answer_field])})
+        out.append({**extra, "prompt": prompt, "answer": "" if answer is None else str(answer).strip()})
     return out
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file, or of a ``.json`` file holding one array of objects."""
+    if path.suffix == ".json":
+        with open(path) as f:
+            head = f.read(4096).lstrip()
+        if head.startswith("["):
+            try:
+                rows = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+            bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ValueError(f"{path}: array item {bad} must be a JSON object, got {type(rows[bad]).__name__}")
+            return rows
     rows = []
     with open(path) as f:
         for i, line in enumerate(f):
@@ -182,9 +213,13 @@ def format_prompt(question: str, tokenizer, cfg: DataConfig) -> str:
 
 
 def build_dataset(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> PromptDataset:
-    """Tokenise every prompt; prompts over ``data.max_prompt_tokens`` are dropped and counted, or raise."""
-    kept_rows, kept_ids, dropped = [], [], 0
+    """Tokenise every prompt; prompts over ``data.max_prompt_tokens`` are dropped and counted, or raise; rows
+    without an answer are dropped and counted."""
+    kept_rows, kept_ids, dropped, no_answer = [], [], 0, 0
     for i, row in enumerate(rows):
+        if not row["answer"]:
+            no_answer += 1
+            continue
         ids = tokenizer(format_prompt(row["prompt"], tokenizer, cfg), add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_tokens:
             if not cfg.drop_long_prompts:
@@ -196,7 +231,8 @@ def build_dataset(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> 
             raise ValueError(f"{source}: prompt {i} is empty after tokenisation")
         kept_rows.append(row)
         kept_ids.append(ids)
-    return PromptDataset(rows=kept_rows, prompt_ids=kept_ids, num_dropped=dropped, source=source)
+    return PromptDataset(rows=kept_rows, prompt_ids=kept_ids, num_dropped=dropped, num_no_answer=no_answer,
+                         source=source)
 
 
 def load_datasets(cfg: DataConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:

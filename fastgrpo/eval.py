@@ -27,12 +27,13 @@ from fastgrpo.rewards import math_reward
 
 
 def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
-             max_new_tokens: int = 256, seed: int = 0, num_prompts: int = 0, engine: GenerationEngine | None = None,
-             timeout_s: float = 5.0, model_device: str | None = None) -> dict[str, float]:
+             max_new_tokens: int = 256, max_sequence_tokens: int = 0, seed: int = 0, num_prompts: int = 0,
+             engine: GenerationEngine | None = None, timeout_s: float = 5.0,
+             model_device: str | None = None) -> dict[str, float]:
     """``{"avg@k", "pass@k", "response_length/mean", "num_prompts"}`` over the first ``num_prompts`` prompts of
     ``dataset`` (0: all), this rank's share sampled here and the counts summed over ranks. ``engine``: a
     :class:`GenerationEngine` already built on ``model`` (one is built when None); ``model_device``: where the
-    counts are reduced (default: the model's device)."""
+    counts are reduced (default: the model's device); ``max_sequence_tokens``: prompt + response budget (0: none)."""
     from fastgrpo.models import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
@@ -44,7 +45,7 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     correct = first_correct = length = 0.0
     if mine:
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                seed=seed * 1000 + rank)
+                                max_sequence_tokens=max_sequence_tokens or None, seed=seed * 1000 + rank)
         outs = engine.generate([dataset.prompt_ids[i] for i in mine], params)
         texts, answers = [], []
         for i, group in zip(mine, outs):
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise ValueError("no validation prompts: set data.eval_path (or use data.path=synthetic)")
     k = args.k or cfg.eval.k
     result = evaluate(model, tokenizer, held_out, k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, seed=cfg.train.seed,
+                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                      max_sequence_tokens=cfg.rollout.max_sequence_tokens, seed=cfg.train.seed,
                       num_prompts=cfg.eval.num_prompts, timeout_s=cfg.reward.timeout_s)
     print0(" ".join(f"{key}={value:.4f}" for key, value in result.items()))
     destroy()

@@ -6,11 +6,22 @@ Advantages (one per completion, G completions per prompt, rewards ``r``)::
               b_i = (Σ_j r_j − r_i) / (G − 1)         ("leave_one_out", RLOO / NeMo-RL)
     A_i = (r_i − b_i) / (σ + ADV_EPS)               σ = std of the group ("group"), of the whole batch over all
                                                     ranks ("batch"), or no division ("none"); std is unbiased
+    A_i = (r_i − b_i) / (σ_−i + LOO_STD_EPS)  if σ_−i > 0, else r_i − b_i        ("group_loo", leave_one_out only)
+                                                    σ_−i = unbiased std of the other G − 1 rewards of the group
 
-σ is the same for every baseline: with "group" it is the std of all G rewards of the group, r_i included, also under
-"leave_one_out". Since r_i − mean_{j≠i} r_j = G/(G−1) · (r_i − mean_j r_j), leave-one-out with group scaling equals
-the mean baseline times G/(G−1) (8/7 for G = 8). This departs from NeMo-RL, whose leave-one-out option divides by
-the std of the other G−1 rewards, a different σ per completion.
+With "group", σ is the std of all G rewards of the group, r_i included, also under "leave_one_out". Since
+r_i − mean_{j≠i} r_j = G/(G−1) · (r_i − mean_j r_j), leave-one-out with group scaling equals the mean baseline times
+G/(G−1) (8/7 for G = 8). "group_loo" is NeMo-RL's normalisation (``use_leave_one_out_baseline: true``,
+``normalize_rewards: true``): a different σ_−i per completion, and no division where it is 0 (NVIDIA-NeMo/RL
+@7ea279a, ``nemo_rl/algorithms/utils.py`` ``calculate_baseline_and_std_per_prompt`` and
+``nemo_rl/algorithms/advantage_estimator.py`` ``GRPOAdvantageEstimator``). With binary rewards, a group with one
+correct completion gives that completion A = 1 − 0 = 1 (its others all tie at 0), and the wrong ones
+A = −(1/7) / σ_−i with σ_−i = sqrt(1/7) (G = 8). NeMo-RL computes σ_−i in float32 as
+sqrt((E_−i[r²] − E_−i[r]²)·k/(k−1)) (k = G − 1); fastgrpo computes it in float64 from the deviations, and exactly 0
+where the others tie, so the two agree exactly on 0/1 rewards and up to float32 rounding otherwise.
+
+Only valid completions (``valid_PG``; all of them unless a filter says otherwise) enter b and σ; an invalid one
+gets A = 0. A group with at most one valid completion gets b_i = r_i, so A = 0 (NeMo-RL's rule).
 
 Sequences (prompt + completion) are packed into micro-batches of at most ``train.max_tokens_per_microbatch``
 tokens. At packed position ``t`` the target is token ``t + 1`` of the same sequence; the loss mask is 1 exactly
@@ -40,7 +51,7 @@ import torch
 
 from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config
-from fastgrpo.distributed import ForwardWrapper, all_reduce, reduce_metrics
+from fastgrpo.distributed import ForwardWrapper, all_reduce, print0, reduce_metrics
 from fastgrpo.generation import SamplingParams
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
@@ -50,34 +61,58 @@ from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 from fastgrpo.precision import accumulate, optimizer_params, train_mode
 
 ADV_EPS = 1e-4  # added to the reward std before dividing (TRL's value): a zero-variance group gets A = 0
+LOO_STD_EPS = 1e-6  # "group_loo": NeMo-RL's epsilon, added only where the leave-one-out std is > 0
 
 
 def compute_advantages(rewards_PG: torch.Tensor, baseline: str = "mean", scale: str = "group",
-                       batch_std: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages ``[P, G]`` and a ``[P]`` bool mask of groups whose rewards are all equal (see module docstring).
+                       batch_std: float | None = None,
+                       valid_PG: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages ``[P, G]`` and a ``[P]`` bool mask of groups whose valid rewards are all equal (see module
+    docstring).
 
-    ``batch_std``: the std of every reward in the batch (all ranks) for ``scale="batch"``; computed from
-    ``rewards_PG`` when None.
+    ``batch_std``: the std of every reward in the batch (all ranks) for ``scale="batch"``; computed from the valid
+    rewards of ``rewards_PG`` when None. ``valid_PG``: bool ``[P, G]``, False for completions left out of the baseline
+    and the std (they get A = 0); None: every completion is valid.
     """
     if rewards_PG.dim() != 2 or rewards_PG.shape[1] < 2:
         raise ValueError(f"rewards_PG must be [P, G] with G >= 2, got shape {tuple(rewards_PG.shape)}")
+    if valid_PG is not None and (valid_PG.shape != rewards_PG.shape or valid_PG.dtype != torch.bool):
+        raise ValueError(f"valid_PG must be a bool tensor of shape {tuple(rewards_PG.shape)}, got "
+                         f"{valid_PG.dtype} {tuple(valid_PG.shape)}")
+    if scale == "group_loo" and baseline != "leave_one_out":
+        raise ValueError(f"scale 'group_loo' needs baseline 'leave_one_out', got {baseline!r}")
     r = rewards_PG.double()
     G = r.shape[1]
+    v = torch.ones_like(r) if valid_PG is None else valid_PG.double()  # [P, G] 1 = valid
+    n_P1 = v.sum(1, keepdim=True)
+    sum_P1 = (r * v).sum(1, keepdim=True)
     if baseline == "mean":
-        b = r.mean(1, keepdim=True)  # [P, 1]
+        b = sum_P1 / n_P1.clamp(min=1)  # [P, 1]
     elif baseline == "leave_one_out":
-        b = (r.sum(1, keepdim=True) - r) / (G - 1)  # [P, G]
+        b = (sum_P1 - r * v) / (n_P1 - v).clamp(min=1)  # [P, G] mean of the other valid rewards
     else:
         raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
-    adv = r - b
-    zero_std_P = (r.max(1).values - r.min(1).values) == 0
+    adv = torch.where((v > 0) & (n_P1 > 1), r - b, 0.0)  # ≤ 1 valid in the group: b = r, A = 0
+    hi_P = torch.where(v > 0, r, -math.inf).max(1).values
+    zero_std_P = hi_P <= torch.where(v > 0, r, math.inf).min(1).values  # also True with no valid reward
     if scale == "group":
-        adv = adv / (r.std(1, keepdim=True) + ADV_EPS)
+        mean_P1 = sum_P1 / n_P1.clamp(min=1)
+        var_P1 = (v * (r - mean_P1) ** 2).sum(1, keepdim=True) / (n_P1 - 1).clamp(min=1)
+        adv = adv / (var_P1.sqrt() + ADV_EPS)
     elif scale == "batch":
-        std = r.std() if batch_std is None else torch.tensor(batch_std, dtype=r.dtype)
+        std = r[v > 0].std() if batch_std is None else torch.tensor(batch_std, dtype=r.dtype)
         adv = adv / (std + ADV_EPS)
+    elif scale == "group_loo":
+        others_PGG = v[:, None, :] * (1 - torch.eye(G, dtype=r.dtype))  # [P, i, j]: j is a valid other of i
+        k_PG = others_PGG.sum(2)
+        dev_PGG = (r[:, None, :] - b[:, :, None]) ** 2 * others_PGG
+        var_PG = dev_PGG.sum(2) / (k_PG - 1).clamp(min=1)  # unbiased; k ≤ 1 others: no spread, σ = 0
+        hi = torch.where(others_PGG > 0, r[:, None, :], -math.inf).max(2).values
+        lo = torch.where(others_PGG > 0, r[:, None, :], math.inf).min(2).values
+        std_PG = torch.where((k_PG > 1) & (hi > lo), var_PG.sqrt(), 0.0)  # tied others: exactly 0, not rounding
+        adv = torch.where(std_PG > 0, adv / (std_PG + LOO_STD_EPS), adv)
     elif scale != "none":
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+        raise ValueError(f"scale must be 'group', 'batch', 'group_loo' or 'none', got {scale!r}")
     return adv.float(), zero_std_P
 
 
@@ -348,7 +383,9 @@ class GRPO:
 
     ``trainer`` gives the wrapped model, optimizer, scheduler, tokenizer, generation (``trainer.generate``) and the
     shared avg@k validation (``trainer.accuracy_eval``). The frozen reference model (β > 0 in the config or a
-    stage) is ``model.path`` loaded again: the initial weights.
+    stage) is ``model.path`` loaded again: the initial weights; from a stage with ``reset_reference`` on, the
+    policy's weights at that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in
+    :meth:`state_dict`, so a resumed run loads them back).
     """
 
     progress = {"reward": "reward/mean", "acc": "accuracy"}
@@ -368,6 +405,8 @@ class GRPO:
         if cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages):
             self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
             self.ref_model.requires_grad_(False).eval()
+        self.reference_step: int | None = None
+        """The step whose policy weights the reference holds (None: the initial weights)."""
         self.update = PolicyUpdate(cfg, trainer.wrapped, trainer.optimizer, trainer.scheduler, self.ref_model,
                                    st.device, st.world_size)
 
@@ -378,9 +417,11 @@ class GRPO:
 
     def describe_data(self) -> str:
         dropped = self.train_data.num_dropped + (self.held_out.num_dropped if self.held_out else 0)
+        no_answer = self.train_data.num_no_answer + (self.held_out.num_no_answer if self.held_out else 0)
         return (f"{len(self.train_data)} training prompts"
                 + (f", {len(self.held_out)} held-out" if self.held_out else "")
-                + (f", {dropped} dropped (longer than data.max_prompt_tokens)" if dropped else ""))
+                + (f", {dropped} dropped (longer than data.max_prompt_tokens)" if dropped else "")
+                + (f", {no_answer} dropped (no answer)" if no_answer else ""))
 
     def warmup_examples(self) -> tuple[list[list[int]], list[str]]:
         """``(prompt ids, reference completions)`` of the supervised warm-up: the answer in ``\\boxed{}``."""
@@ -389,10 +430,36 @@ class GRPO:
         return self.train_data.prompt_ids, [sft_completion(r["answer"]) for r in self.train_data.rows]
 
     def state_dict(self) -> dict:
-        return {}
+        return {"reference_step": self.reference_step}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        step = state.get("reference_step")
+        if step is None or self.ref_model is None:
+            return
+        path = self._reference_path(step)
+        if not path.is_file():
+            raise ValueError(f"resuming needs the KL reference saved at step {step} (stages[].reset_reference), but "
+                             f"{path} does not exist")
+        self.ref_model.load_state_dict(torch.load(path, map_location=self.trainer.state.device, weights_only=True))
+        self.reference_step = step
+
+    def _reference_path(self, step: int):
+        return self.trainer.run_dir / "reference" / f"step_{step:08d}.pt"
+
+    @torch.no_grad()
+    def _reference_from_policy(self) -> None:
+        """The KL reference becomes the policy's current weights (a stage with ``reset_reference``: a NeMo-RL stage is
+        a new run from the previous stage's weights, which are its reference); rank 0 saves them once, written to a
+        temporary name and then renamed."""
+        t = self.trainer
+        t.copy_policy_into(self.ref_model)
+        self.reference_step = t.step
+        if t.state.is_main:
+            path = self._reference_path(t.step)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.ref_model.state_dict(), path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        print0(f"step {t.step}: the KL reference is now the policy's weights")
 
     def validate(self) -> dict[str, float]:
         """avg@k / pass@k on the held-out prompts (none: nothing to validate)."""
@@ -408,6 +475,7 @@ class GRPO:
         G = g.num_generations
         params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
+                                max_sequence_tokens=settings["max_sequence_tokens"] or None,
                                 seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + st.rank)
         with t.timer("generation"):
             outs = t.generate(prompts, params)
@@ -448,6 +516,8 @@ class GRPO:
         """One GRPO step on the prompts ``indices`` (all ranks'); returns the step's metrics, reduced over ranks,
         with ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps of this step)."""
         t = self.trainer
+        if self.ref_model is not None and any(s.reset_reference and s.at_step == t.step for s in self.cfg.stages):
+            self._reference_from_policy()
         samples, local = self.rollout(indices, settings)
         with t.updating(), t.timer("update"):
             upd = self.update.run(samples, beta=settings["beta"], epsilon_high=settings["epsilon_high"],

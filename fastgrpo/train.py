@@ -139,9 +139,10 @@ class Trainer:
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
         self.optimizer = make_optimizer(self.wrapped, lr=t.lr, weight_decay=t.weight_decay,
                                         betas=(t.adam_beta1, t.adam_beta2))
-        warm = t.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        # The lr is a function of the GRPO step (stage_settings: the stage's lr times the warm-up factor, counted per
+        # GRPO step as NeMo-RL's scheduler is), set before each step; the scheduler, stepped per optimizer step,
+        # holds it there.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
         self.timer = Timer(st.device)
         self.step = 0
         self.bad_in_a_row = 0
@@ -212,15 +213,23 @@ class Trainer:
         with full_weights(self.wrapped):
             return self.engine.generate(prompts, params)
 
+    @torch.no_grad()
+    def copy_policy_into(self, module: torch.nn.Module) -> None:
+        """Copy the policy's full (gathered) weights into ``module``, a plain copy of the same architecture."""
+        with full_weights(self.wrapped):
+            for dst, src in zip(module.parameters(), unwrap_model(self.wrapped).parameters(), strict=True):
+                dst.copy_(src)
+
     def accuracy_eval(self, prompts: PromptDataset) -> dict[str, float]:
         """avg@k / pass@k (``eval.*`` settings, math reward) on held-out ``prompts``, as ``eval/...`` metrics."""
         e = self.cfg.eval
         start = time.perf_counter()
+        settings = stage_settings(self.cfg, self.step)  # validation has the stage's length budgets (as NeMo-RL's)
         with full_weights(self.wrapped):
             res = evaluate(unwrap_model(self.wrapped), self.tokenizer, prompts, e.k, temperature=e.temperature,
-                           top_p=e.top_p, max_new_tokens=e.max_new_tokens or stage_settings(self.cfg, self.step)[
-                               "max_new_tokens"], seed=self.cfg.train.seed + 7, num_prompts=e.num_prompts,
-                           engine=self.engine, timeout_s=self.cfg.reward.timeout_s)
+                           top_p=e.top_p, max_new_tokens=e.max_new_tokens or settings["max_new_tokens"],
+                           max_sequence_tokens=settings["max_sequence_tokens"], seed=self.cfg.train.seed + 7,
+                           num_prompts=e.num_prompts, engine=self.engine, timeout_s=self.cfg.reward.timeout_s)
         acc = res[f"avg@{e.k}"]
         print0(f"step {self.step}: eval/accuracy (avg@{e.k} on {int(res['num_prompts'])} held-out prompts) "
                f"{acc:.3f}, pass@{e.k} {res[f'pass@{e.k}']:.3f}")
@@ -241,10 +250,12 @@ class Trainer:
     def train_step(self, logger: MetricsLogger) -> dict[str, float]:
         cfg = self.cfg
         settings = stage_settings(cfg, self.step)
-        # the stage's learning rate, times the warm-up factor of the scheduler's current position
-        self.scheduler.base_lrs = [settings["lr"]] * len(self.optimizer.param_groups)
-        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group["lr"] = settings["lr"] * factor(self.scheduler.last_epoch)
+        lr = settings["lr"] * settings["warmup_factor"]  # the stage's learning rate at this step of the warm-up
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if any(s.reset_optimizer and s.at_step == self.step for s in cfg.stages):
+            self.optimizer.state.clear()  # AdamW's moments and step counts start again, as in a new run
         step_start = time.perf_counter()
         m = self.algorithm.step(self.sampler.next(self.algorithm.rows_per_step), settings)
         step_time = time.perf_counter() - step_start

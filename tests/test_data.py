@@ -103,3 +103,40 @@ def test_sampler_is_deterministic_per_epoch_and_resumes():
     assert c.next(7) == first[7:]
     assert PromptSampler(10, seed=4).next(10) != first[:10]
     assert PromptSampler(5, shuffle=False).next(7) == [0, 1, 2, 3, 4, 0, 1]
+
+
+PROMPT_MSG = r"field 'prompt' \(data.prompt_field\) must be a non-empty string"
+ANSWER_MSG = r"field 'answer' \(data.answer_field\) must be a string or a number"
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": None, "answer": "2"}, "row 0 " + PROMPT_MSG + ", got None"),
+    ({"prompt": "  ", "answer": "2"}, PROMPT_MSG),
+    ({"prompt": 12, "answer": "2"}, PROMPT_MSG + ", got 12"),
+    ({"prompt": "1+1=", "answer": True}, ANSWER_MSG + ", got True"),
+    ({"prompt": "1+1=", "answer": ["2"]}, ANSWER_MSG),
+])
+def test_field_values_are_checked(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(ValueError, match=message):
+        read_rows(path, "train", DataConfig())
+
+
+def test_rows_without_an_answer_are_dropped_and_counted(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": None},
+                                              {"prompt": "3+3=", "answer": " "}, {"prompt": "4+4=", "answer": "8"}])
+    train, _ = load_datasets(DataConfig(path=path), tok)
+    assert [r["answer"] for r in train.rows] == ["2", "8"] and train.num_no_answer == 2 and train.num_dropped == 0
+
+
+def test_json_array_file(tmp_path):
+    """A .json file may hold one array of objects (how some dataset repositories ship their file) or JSON lines."""
+    rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": "4", "level": 1}]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=1))
+    assert read_rows(str(tmp_path / "a.json"), "train", DataConfig()) == [
+        {"prompt": "1+1=", "answer": "2"}, {"level": 1, "prompt": "2+2=", "answer": "4"}]
+    (tmp_path / "l.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(read_rows(str(tmp_path / "l.json"), "train", DataConfig())) == 2
+    (tmp_path / "b.json").write_text(json.dumps([{"prompt": "1", "answer": "1"}, 3]))
+    with pytest.raises(ValueError, match="b.json: array item 1 must be a JSON object, got int"):
+        read_rows(str(tmp_path / "b.json"), "train", DataConfig())

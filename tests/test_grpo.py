@@ -2,6 +2,7 @@
 micro-batches against an unpacked fp32 reference, skipped non-finite steps, and 1 vs 2 torchrun processes."""
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 from fastgrpo.kernels.reference import grpo_loss_ref
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
-from fastgrpo.grpo import ADV_EPS, PolicyUpdate, Sample, compute_advantages, make_microbatch, packed_forward
+from fastgrpo.grpo import (
+    ADV_EPS,
+    LOO_STD_EPS,
+    PolicyUpdate,
+    Sample,
+    compute_advantages,
+    make_microbatch,
+    packed_forward,
+)
 from fastgrpo.models import enable_activation_checkpointing, load_model
 from fastgrpo.precision import MasterAdamW, make_optimizer
 
@@ -43,6 +54,70 @@ def test_advantages_leave_one_out_and_other_scales():
     torch.testing.assert_close(adv_given, centred / (2.0 + ADV_EPS))
     with pytest.raises(ValueError, match="rewards_PG must be"):
         compute_advantages(torch.ones(3), "mean", "group")
+
+
+def loo_advantages_ref(rewards: list[list[float]], valid: list[list[bool]]) -> list[list[float]]:
+    """NeMo-RL's GRPO advantage with ``use_leave_one_out_baseline`` and ``normalize_rewards``, one group and one
+    completion at a time in exact arithmetic (``statistics``): the others are the group's other valid
+    completions; A = (r − mean(others)) / (stdev(others) + 1e-6) where that stdev is > 0, else undivided;
+    a group with ≤ 1 valid completion (and an invalid completion) gets 0."""
+    out = []
+    for rs, vs in zip(rewards, valid):
+        row = []
+        for i, (r, ok) in enumerate(zip(rs, vs)):
+            others = [x for j, (x, o) in enumerate(zip(rs, vs)) if o and j != i]
+            if not ok or sum(vs) <= 1:
+                row.append(0.0)
+                continue
+            a = r - statistics.fmean(others)
+            sd = statistics.stdev(others) if len(others) > 1 else 0.0
+            row.append(a / (sd + 1e-6) if sd > 0 else a)
+        out.append(row)
+    return out
+
+
+def test_advantages_group_loo_by_hand():
+    # binary rewards, G = 4: the lone correct completion's others tie at 0 (σ_−i = 0: undivided, A = 1); a wrong
+    # one's others are [1, 0, 0] (mean 1/3, unbiased std sqrt(1/3)); a tied group gets 0 everywhere
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    adv, zero = compute_advantages(r, "leave_one_out", "group_loo")
+    wrong = -(1 / 3) / (3 ** -0.5 + LOO_STD_EPS)
+    torch.testing.assert_close(adv, torch.tensor([[1.0, wrong, wrong, wrong], [0.0, 0.0, 0.0, 0.0]]))
+    assert zero.tolist() == [False, True]
+    # ≤ 1 valid completion: baseline = the reward itself, A = 0 (NeMo-RL's rule); invalid completions get 0
+    valid = torch.tensor([[True, False, False, False], [True, True, False, True]])
+    adv, zero = compute_advantages(torch.tensor([[5.0, 1.0, 2.0, 3.0], [1.0, 0.0, 9.0, 0.0]]), "leave_one_out",
+                                   "group_loo", valid_PG=valid)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0, 0.0, 0.0],
+                                                  [1.0, -0.5 / (0.5**0.5 + LOO_STD_EPS), 0.0,
+                                                   -0.5 / (0.5**0.5 + LOO_STD_EPS)]]))
+    assert zero.tolist() == [True, False]
+
+
+@given(st.data())
+def test_advantages_group_loo_match_the_formula(data):
+    P = data.draw(st.integers(1, 4), label="P")
+    G = data.draw(st.integers(2, 9), label="G")
+    # a few values drawn again and again make ties (whole groups, and a completion's others), plus any float
+    value = st.one_of(st.sampled_from([0.0, 1.0, 0.1, -0.5, 2.5]),
+                      st.floats(-10, 10, allow_nan=False, width=32))
+    rewards = data.draw(st.lists(st.lists(value, min_size=G, max_size=G), min_size=P, max_size=P), label="r")
+    valid = data.draw(st.one_of(st.none(), st.lists(st.lists(st.booleans(), min_size=G, max_size=G),
+                                                    min_size=P, max_size=P)), label="valid")
+    valid_PG = None if valid is None else torch.tensor(valid)
+    adv, zero = compute_advantages(torch.tensor(rewards, dtype=torch.float64), "leave_one_out", "group_loo",
+                                   valid_PG=valid_PG)
+    valid = valid or [[True] * G] * P
+    expected = torch.tensor(loo_advantages_ref(rewards, valid), dtype=torch.float64)
+    torch.testing.assert_close(adv.double(), expected, rtol=1e-6, atol=1e-6)  # adv is float32: 6e-8 relative
+    assert zero.tolist() == [len({x for x, o in zip(rs, vs) if o}) <= 1 for rs, vs in zip(rewards, valid)]
+
+
+def test_group_loo_needs_the_leave_one_out_baseline():
+    with pytest.raises(ValueError, match="scale 'group_loo' needs baseline 'leave_one_out'"):
+        compute_advantages(torch.ones(2, 4), "mean", "group_loo")
+    with pytest.raises(ValueError, match="valid_PG must be a bool tensor of shape"):
+        compute_advantages(torch.ones(2, 4), "leave_one_out", "group_loo", valid_PG=torch.ones(2, 4))
 
 
 def test_microbatch_targets_and_mask():

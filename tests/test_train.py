@@ -150,7 +150,7 @@ def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, dynamic)
         [(f"\\boxed{{{answers[0]}}}", "stop"), (f"\\boxed{{{wrong}}}", "length")],  # rewards 1, 0
         [("x", "stop"), ("yy", "length")],  # rewards 0, 0: zero std
     ], logprob=-0.5)
-    samples, m = trainer.algorithm.rollout(trainer.sampler.next(2), {"max_new_tokens": 8})
+    samples, m = trainer.algorithm.rollout(trainer.sampler.next(2), {"max_new_tokens": 8, "max_sequence_tokens": 0})
     adv = 0.5 / (2**0.5 / 2 + 1e-4)  # (r - mean) / (unbiased std + ADV_EPS)
     assert [s.advantage for s in samples] == pytest.approx([adv, -adv, 0.0, 0.0])
     assert [s.train for s in samples] == [True, not mask_truncated, not dynamic, not (dynamic or mask_truncated)]
@@ -178,3 +178,102 @@ def test_reference_model_only_when_some_stage_has_beta(tmp_path):
     assert not any(p.data_ptr() in policy_ptrs for p in ref.parameters())
     for a, b in zip(ref.parameters(), policy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_lr_warms_up_per_grpo_step_and_restarts_with_a_stage(tmp_path, monkeypatch):
+    """The lr of every optimizer step of a rollout is the stage's lr times the warm-up factor of the GRPO step
+    (NeMo-RL steps its LinearLR once per GRPO step): constant across the rollout's optimizer steps, 0.5 → 0.75 → 1
+    over 2 steps, then 1e-3 × the warm-up again from the stage that restarts it, which also clears AdamW's state."""
+    import torch
+
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo import PolicyUpdate
+    from fastgrpo.train import Trainer
+
+    seen, fresh = [], []
+
+    def record(self, samples, **kwargs):  # three optimizer steps (zero gradients), each then stepping the scheduler
+        fresh.append(len(self.optimizer.state) == 0)
+        lrs = []
+        for _ in range(3):
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            self.scheduler.step()
+        seen.append(lrs)
+        return {"optimizer_steps": 3.0, "bad_steps": 0.0}
+
+    monkeypatch.setattr(PolicyUpdate, "run", record)
+    cfg = load_config(overrides=[*SMALL, "train.sft_warmup_steps=0", "eval.at_start=false", "eval.at_end=false",
+                                 "train.max_steps=6", "checkpoint.every_steps=0", "checkpoint.save_final=false",
+                                 "train.lr=2e-3", "train.warmup_steps=2", "train.warmup_start_factor=0.5",
+                                 "stages=[{at_step: 4, max_new_tokens: 6, lr: 1e-3, restart_warmup: true, "
+                                 "reset_optimizer: true}]", f"logging.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    trainer.engine = ScriptedEngine(trainer.tokenizer, [["x"] * 4] * 4)
+    trainer.fit()
+    expected = [2e-3 * 0.5, 2e-3 * 0.75, 2e-3, 2e-3, 1e-3 * 0.5, 1e-3 * 0.75]
+    assert seen == [[pytest.approx(lr)] * 3 for lr in expected]
+    assert [r["lr"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == pytest.approx(expected)
+    assert fresh == [True, False, False, False, True, False]
+
+
+def test_sequence_budget_bounds_prompt_plus_completion(tmp_path):
+    """rollout.max_sequence_tokens (a stage's, here) reaches the engine: every prompt + completion of the rollout
+    fits in it, and validation gets the same budget."""
+    from fastgrpo.config import load_config, stage_settings
+    from fastgrpo.train import Trainer
+
+    cfg = load_config(overrides=[*SMALL, "train.sft_warmup_steps=0", "rollout.max_new_tokens=64",
+                                 "stages=[{at_step: 0, max_new_tokens: 64, max_sequence_tokens: 40}]",
+                                 f"logging.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    samples, _ = trainer.algorithm.rollout(trainer.sampler.next(4), stage_settings(cfg, 0))
+    assert all(len(s.prompt_ids) + len(s.completion_ids) <= 40 for s in samples)
+    assert any(len(s.prompt_ids) + len(s.completion_ids) == 40 for s in samples)  # the budget, not EOS, ended some
+    seen = []
+    generate = trainer.engine.generate
+    trainer.engine.generate = lambda prompts, params: seen.append(params) or generate(prompts, params)
+    trainer.accuracy_eval(trainer.algorithm.held_out)
+    assert [p.max_sequence_tokens for p in seen] == [40]
+
+
+def test_stage_resets_the_kl_reference_and_a_resume_loads_it(tmp_path, monkeypatch):
+    """A stage with reset_reference: from its step on the reference model is the policy's weights at that step (a
+    new NeMo-RL run's reference is its starting weights), also after a resume from a later checkpoint."""
+    import torch
+
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo import PolicyUpdate
+    from fastgrpo.train import Trainer
+
+    holder, seen = {}, []
+
+    def flat(model):
+        return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+    def perturb(self, samples, **kwargs):  # records (reference, policy) then moves the policy
+        trainer = holder["trainer"]
+        seen.append((trainer.step, flat(trainer.algorithm.ref_model), flat(trainer.model)))
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.01)
+        return {"optimizer_steps": 1.0, "bad_steps": 0.0}
+
+    monkeypatch.setattr(PolicyUpdate, "run", perturb)
+    base = [*SMALL, "train.sft_warmup_steps=0", "eval.at_start=false", "eval.at_end=false", "checkpoint.every_steps=1",
+            "stages=[{at_step: 0, max_new_tokens: 6}, {at_step: 2, max_new_tokens: 6, beta: 0.01, "
+            "reset_reference: true}]", f"logging.output_dir={tmp_path}"]
+    for steps in (3, 4):
+        holder["trainer"] = trainer = Trainer(load_config(overrides=[*base, f"train.max_steps={steps}"]))
+        trainer.engine = ScriptedEngine(trainer.tokenizer, [["x"] * 4] * 4)
+        trainer.fit()
+    assert [s for s, _, _ in seen] == [0, 1, 2, 3]
+    initial = seen[0][1]
+    torch.testing.assert_close(seen[0][2], initial)
+    torch.testing.assert_close(seen[1][1], initial)
+    torch.testing.assert_close(seen[2][1], seen[2][2], rtol=0, atol=0)  # the policy at the stage's start
+    assert not torch.equal(seen[2][1], initial)
+    torch.testing.assert_close(seen[3][1], seen[2][2], rtol=0, atol=0)  # resumed at step 3: loaded back
+    assert (tmp_path / "reference" / "step_00000002.pt").is_file()
