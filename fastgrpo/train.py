@@ -105,7 +105,9 @@ class Trainer:
     - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
     - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
     - ``warmup_examples()``: the supervised warm-up's ``(prompt ids, completions)``; ``describe_data()``;
-      ``progress``: the progress bar's fields.
+      ``progress``: the progress bar's fields;
+    - optionally ``close()``: stop what it runs beside the trainer (GRPO's reward workers); :meth:`fit` calls it
+      at the end of the run, also on Ctrl-C and errors.
     """
 
     def __init__(self, cfg: Config):
@@ -180,6 +182,12 @@ class Trainer:
         self.last_saved = self.step
         return path
 
+    def close(self) -> None:
+        """Stop the algorithm's helpers (GRPO's reward worker processes); safe to call more than once."""
+        close = getattr(self.algorithm, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------------ services for the algorithms
 
     def coll_device(self) -> torch.device:
@@ -195,10 +203,11 @@ class Trainer:
         finally:
             self.in_update = False
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams):
-        """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, on_group_done=None):
+        """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights;
+        ``on_group_done(prompt_index, completions)`` as each prompt's samples finish."""
         with full_weights(self.wrapped):
-            return self.engine.generate(prompts, params)
+            return self.engine.generate(prompts, params, on_group_done=on_group_done)
 
     def accuracy_eval(self, prompts: PromptDataset) -> dict[str, float]:
         """avg@k / pass@k (``eval.*`` settings, math reward) on held-out ``prompts``, as ``eval/...`` metrics."""
@@ -298,6 +307,8 @@ class Trainer:
                 print0(f"interrupted ({type(exc).__name__}): saved {self.save()}")
             logger.close()
             raise
+        finally:
+            self.close()
         logger.close()
         if st.is_main:
             png = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png")

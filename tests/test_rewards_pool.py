@@ -63,6 +63,10 @@ USER_MODULE = """
     def sleepy(prompts, completions, **kw):
         time.sleep(SLEEP_S * sum("SLOW" in c for c in completions))
         return [1.0] * len(completions)
+
+    def sleep_each(prompts, completions, **kw):
+        time.sleep(SLEEP_S * len(completions))
+        return [1.0] * len(completions)
 """
 FUNCTIONS = ["math", "format", "pool_user:initialized", "pool_user:raises", "pool_user:nan_second",
              "pool_user:wrong_length", "pool_user:hang", "pool_user:die", "pool_user:length", "pool_user:sleepy",
@@ -255,3 +259,25 @@ def test_default_num_workers(monkeypatch):
 def test_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         RewardConfig(**{field: value})
+
+
+def test_a_training_rollout_scores_while_generating(user_modules, tmp_path):
+    """The trainer's rollout with the real engine (waves of 2 groups) and a reward that sleeps per completion:
+    groups are scored while later waves decode, so the step waits for less than the reward time."""
+    from fastgrpo.config import load_config
+    from fastgrpo.train import Trainer
+
+    cfg = load_config(overrides=[
+        "grpo.num_prompts_per_step=8", "grpo.num_generations=4", "rollout.max_new_tokens=16",
+        "rollout.max_batch_size=8", "train.sft_warmup_steps=0", "train.num_threads=1", "eval.at_start=false",
+        "logging.progress_bar=false", f"logging.output_dir={tmp_path}", "reward.num_workers=1",
+        f"reward.timeout_s={TIMEOUT_S}", "reward.functions=[math,pool_user:sleep_each]"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.algorithm.rollout(trainer.sampler.next(8), {"max_new_tokens": 16})  # the worker has started
+        samples, m = trainer.algorithm.rollout(trainer.sampler.next(8), {"max_new_tokens": 16})
+    finally:
+        trainer.close()
+    assert len(samples) == 32 and m["reward/sleep_each/timeouts"] == 0 and m["reward/workers_respawned"] == 0
+    assert m["time/reward_wait"] < m["time/reward"]
+    assert not trainer.algorithm.rewards._workers[0].proc  # closed: no worker left
