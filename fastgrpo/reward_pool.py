@@ -10,26 +10,30 @@ every score, in prompt order, before computing advantages (:meth:`RewardPool.gat
 
 Work is cut into tasks: one reward function on one chunk of at most ``CHUNK_SIZE`` = 4 completions of a group
 (the same fixed chunks :class:`fastgrpo.rewards.RewardSet` scores in process, so scores do not depend on
-``num_workers`` nor on the order groups finish). Each worker runs one task at a time under a parent-side
-supervisor thread, which kills the worker when the task runs past ``k × reward.timeout_s`` (k its completions):
-those k completions score 0 and count in ``reward/<name>/timeouts``, and a new worker is spawned at once. A worker
-that dies during a task (segfault, OOM kill) counts the task's completions in ``reward/<name>/failures`` and is
-respawned the same way. ``reward/workers_respawned`` counts both.
+``num_workers`` nor on the order groups finish). A parent-side supervisor thread per worker keeps
+``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never idles waiting for the
+thread, which shares the GIL with the generation loop). The worker runs them one at a time; a task's budget,
+``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it answered).
+Past it, the worker is killed: the k completions score 0 and count in ``reward/<name>/timeouts``, the task waiting
+behind it goes back to the queue, and a new worker is spawned at once. A worker that dies during a task (segfault,
+OOM kill) counts the task's completions in ``reward/<name>/failures`` and is replaced the same way.
+``reward/workers_respawned`` counts both.
 
-**Longest wait.** With W workers and T tasks left when generation ends, a task holds a worker at most
-``4 × timeout_s`` plus its dispatch, and a respawned worker must start (``start_s``: a Python interpreter, the
-imports, ``reward.worker_init``; at most :data:`WORKER_START_TIMEOUT_S`, after which its task fails) before it
-takes the next task. Greedy dispatch keeps every worker busy while tasks wait, so
-``time/reward_wait ≤ (⌈T/W⌉ + 1) · 4 · timeout_s + time/reward_worker_start`` (the summed waits for workers to
-become ready: the first step's start-up, then respawns; 0 when nothing hung or died) plus the dispatch overhead,
-milliseconds per task.
+**Longest wait.** A task holds a worker at most ``B = 4 × timeout_s`` (plus the dispatch, milliseconds). With W
+workers and T tasks not finished when generation ends, the last task to finish entered its worker's pipe at the
+latest after ``(T − 1)/W`` budgets (until then every worker is busy), waits at most one budget for the task ahead
+of it and runs at most one, so ``time/reward_wait ≤ (⌈T/W⌉ + 2) · 4 · timeout_s + time/reward_worker_start``, the
+last term being the summed waits for workers to become ready (the first step's start-up, then each respawn: a
+Python interpreter, the imports, ``reward.worker_init``; at most :data:`WORKER_START_TIMEOUT_S` each, after which
+the task fails). With the demo's math reward (timeout_s = 5 s) and no hang the wait is the scoring time itself.
 
 **Isolation and memory.** Workers are ``spawn``ed: a fresh interpreter that inherits no CUDA context, no
 tensors and no open files of the trainer; only strings and the dataset columns are sent to them (pickled over a
-pipe, about the size of the text). Each worker imports the ``fastgrpo`` package (torch, ~0.3 GB resident, 1-7 s to
-start on a loaded 2-core machine) and runs torch on one thread; under ``torchrun fastgrpo/train.py`` spawn also
-re-imports that script in the worker. The real run's 8 ranks x ~11 workers of a 96-core node hold ~30 GB of host
-memory. Workers ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them down), exit
+pipe, about the size of the text). A worker imports ``fastgrpo.rewards`` (no torch: ``fastgrpo`` loads its kernels
+lazily; ~20 MB, 0.5 s) and math-verify with sympy (~60 MB, ~2 s) when the ``math`` reward is on. Under ``torchrun
+fastgrpo/train.py`` spawn also re-imports that script in the worker, which imports torch (~0.3 GB resident, a few
+seconds; torch then runs on one thread there): the real run's 8 ranks × ~11 workers of a 96-core node hold ~30 GB
+of host memory. Workers ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them down), exit
 when their pipe closes, and on Linux get SIGKILL when the trainer thread that started them exits, so a killed
 trainer leaves none behind. A reward function cannot start ``multiprocessing`` children of its own (workers are
 daemonic); ``subprocess`` works.
@@ -46,6 +50,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +72,7 @@ from fastgrpo.rewards import (
 WORKER_START_TIMEOUT_S = 300.0  # a (re)spawned worker not ready by then is killed and its task fails
 WORKER_STOP_TIMEOUT_S = 2.0  # close(): how long a worker may take to exit after being asked, before it is killed
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a process gets when its parent thread exits
+PIPELINE_DEPTH = 2  # tasks sent ahead to a worker: the next one waits in its pipe while it runs one
 GATHER_POLL_S = 0.5  # gather() wakes this often, so Ctrl-C is seen while it waits
 
 
@@ -300,57 +306,96 @@ class RewardPool:
     # ------------------------------------------------------------------ supervisor threads
 
     def _supervise(self, worker: _Worker) -> None:
-        """Feed one worker, task after task; every task gets a result, whatever happens to the worker."""
-        while True:
-            task = self._queue.get()
-            if task is None or self._closed:
-                return
+        """Feed one worker; every task taken gets a result or goes back to the queue, whatever the worker does."""
+        inflight: deque[_Task] = deque()  # sent to the worker, in order: it runs the head, the rest wait in its pipe
+        deadline = 0.0  # when the head's budget runs out
+        while not self._closed:
             try:
-                result = self._run(worker, task)
-            except Exception as e:  # noqa: BLE001 - e.g. close() pulled the pipe away: the task still gets an answer
+                # PIPELINE_DEPTH tasks at the worker: it never waits for this thread (and the GIL it shares with the
+                # generation loop) between two tasks
+                while len(inflight) < PIPELINE_DEPTH:
+                    try:
+                        task = self._queue.get_nowait() if inflight else self._queue.get()
+                    except queue.Empty:
+                        break
+                    if task is None or self._closed:
+                        return
+                    if not inflight and not self._ready(worker):
+                        self._store(task, no_scores(len(task.completions), "failures"))
+                        continue
+                    try:
+                        worker.conn.send((task.function, task.prompts, task.completions, task.columns))
+                    except OSError:  # it died since its last answer: the poll below, or the next _ready, sees it
+                        self._queue.put(task)
+                        break
+                    if not inflight:
+                        deadline = time.perf_counter() + len(task.completions) * self.cfg.timeout_s
+                    inflight.append(task)
+                if not inflight:
+                    continue
+                head = inflight[0]
+                if not worker.conn.poll(max(deadline - time.perf_counter(), 0.0)):
+                    result = self._lose(worker, inflight, "timeouts")  # killing it is the only way to stop any code
+                else:
+                    try:
+                        result = worker.conn.recv()
+                        inflight.popleft()
+                    except (EOFError, OSError):  # died mid-task (segfault, SIGKILL, os._exit): EOF or a reset pipe
+                        result = self._lose(worker, inflight, "failures")
+                self._store(head, result)
+                if inflight:  # the worker started the next task when it sent this answer
+                    deadline = time.perf_counter() + len(inflight[0].completions) * self.cfg.timeout_s
+            except Exception as e:  # noqa: BLE001 - e.g. close() pulled the pipe away: the tasks still get an answer
                 if self._closed:
                     return
                 self._errors.add(f"reward worker error: {type(e).__name__}: {e}")
                 worker.kill()
-                result = no_scores(len(task.completions), "failures")
-            with self._lock:
-                self._results[task.key] = result
-                self._last_result = time.perf_counter()
-                self._lock.notify_all()
+                while inflight:
+                    task = inflight.popleft()
+                    self._store(task, no_scores(len(task.completions), "failures"))
 
-    def _run(self, worker: _Worker, task: _Task) -> tuple[list[float], dict[str, int]]:
-        n = len(task.completions)
+    def _ready(self, worker: _Worker) -> bool:
+        """Start the worker if it is not running (counted when it died) and wait until it has loaded the functions;
+        False when it died or did not start within WORKER_START_TIMEOUT_S."""
         if worker.proc is None or not worker.proc.is_alive():  # killed after its last task, or died while idle
             if worker.proc is not None:
                 worker.kill()
                 self._count_respawn()
             self._start(worker)
-        if not worker.ready:
-            start = time.perf_counter()
-            errors = None
-            if worker.conn.poll(WORKER_START_TIMEOUT_S):
-                try:
-                    errors = worker.conn.recv()
-                except EOFError:  # died while importing or in reward.worker_init
-                    pass
-            with self._lock:
-                self._start_wait_s += time.perf_counter() - start
-            if errors is None:
-                self._errors.add(f"a reward worker died or did not start within {WORKER_START_TIMEOUT_S} s")
-                worker.kill()
-                self._count_respawn()
-                return no_scores(n, "failures")
-            self._errors.update(e for e in errors if e)
-            worker.ready = True
-        worker.conn.send((task.function, task.prompts, task.completions, task.columns))
-        if not worker.conn.poll(n * self.cfg.timeout_s):
-            self._respawn(worker)  # hung past its budget: killing it is the only way to stop arbitrary code
-            return no_scores(n, "timeouts")
-        try:
-            return worker.conn.recv()
-        except EOFError:  # died mid-task (segfault, SIGKILL, os._exit)
-            self._respawn(worker)
-            return no_scores(n, "failures")
+        if worker.ready:
+            return True
+        start = time.perf_counter()
+        errors = None
+        if worker.conn.poll(WORKER_START_TIMEOUT_S):
+            try:
+                errors = worker.conn.recv()
+            except (EOFError, OSError):  # died while importing or in reward.worker_init
+                pass
+        with self._lock:
+            self._start_wait_s += time.perf_counter() - start
+        if errors is None:
+            self._errors.add(f"a reward worker died or did not start within {WORKER_START_TIMEOUT_S} s")
+            worker.kill()
+            self._count_respawn()
+            return False
+        self._errors.update(e for e in errors if e)
+        worker.ready = True
+        return True
+
+    def _lose(self, worker: _Worker, inflight: deque[_Task], fault: str) -> tuple[list[float], dict[str, int]]:
+        """The worker hung or died in the head task: respawn it; the head scores 0 as ``fault``, the tasks waiting
+        behind it (never started) go back to the queue."""
+        head = inflight.popleft()
+        while inflight:
+            self._queue.put(inflight.popleft())
+        self._respawn(worker)
+        return no_scores(len(head.completions), fault)
+
+    def _store(self, task: _Task, result: tuple[list[float], dict[str, int]]) -> None:
+        with self._lock:
+            self._results[task.key] = result
+            self._last_result = time.perf_counter()
+            self._lock.notify_all()
 
     def _start(self, worker: _Worker) -> None:
         with self._spawn_lock:

@@ -235,7 +235,7 @@ def load_functions(functions: Sequence[str], worker_init: str) -> tuple[list[Cal
 
     Returns the functions and, per function, the error that made it unusable (None when fine): its import or
     lookup error, or the initializer's error for every function. Never raises: a function that cannot be loaded
-    scores 0 and counts as a failure on every completion.
+    scores 0 and counts as a failure on every completion. The ``math`` built-in's verifier is imported here.
     """
     if worker_init:
         try:
@@ -251,6 +251,8 @@ def load_functions(functions: Sequence[str], worker_init: str) -> tuple[list[Cal
         except ValueError as e:
             fns.append(None)
             errors.append(str(e))
+    if math_reward in fns:
+        _parsed_gold("1")  # imports math-verify and sympy now (seconds), not in the middle of a step
     return fns, errors
 
 

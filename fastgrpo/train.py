@@ -11,11 +11,12 @@ Launch (torchrun only; one process needs no flags)::
     torchrun fastgrpo/train.py --config my.yaml logging.output_dir=runs/mine checkpoint.resume=auto
 
 One GRPO step (see DESIGN.md): each rank takes its share of ``grpo.num_prompts_per_step`` prompts → the generation
-engine samples ``grpo.num_generations`` completions per prompt with the policy's own parameters → reward functions
-→ group advantages → packed micro-batches → old / reference log-probs when needed → clipped-surrogate update(s) →
-one metrics row in ``<run dir>/metrics.jsonl`` → a checkpoint every ``checkpoint.every_steps``. Validation (avg@k
-on the held-out prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as
-``eval/accuracy``. ``stages`` raise ``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high) at a step.
+engine samples ``grpo.num_generations`` completions per prompt with the policy's own parameters, while the reward
+worker processes score each group as it finishes (``fastgrpo/reward_pool.py``) → group advantages → packed
+micro-batches → old / reference log-probs when needed → clipped-surrogate update(s) → one metrics row in
+``<run dir>/metrics.jsonl`` → a checkpoint every ``checkpoint.every_steps``. Validation (avg@k on the held-out
+prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as ``eval/accuracy``. ``stages`` raise
+``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high) at a step.
 Ctrl-C saves a checkpoint when the model is between steps, then stops.
 
 The loop here (data order, steps, validation, metrics, progress, checkpoints, resume) knows no algorithm: GRPO's

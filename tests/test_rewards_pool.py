@@ -65,13 +65,13 @@ USER_MODULE = """
         return [1.0] * len(completions)
 
     def sleep_each(prompts, completions, **kw):
-        time.sleep(SLEEP_S * len(completions))
+        time.sleep(0.01 * len(completions))
         return [1.0] * len(completions)
 """
-FUNCTIONS = ["math", "format", "pool_user:initialized", "pool_user:raises", "pool_user:nan_second",
+FUNCTIONS = ["format", "pool_user:initialized", "pool_user:raises", "pool_user:nan_second",
              "pool_user:wrong_length", "pool_user:hang", "pool_user:die", "pool_user:length", "pool_user:sleepy",
              "pool_broken:f"]
-WEIGHTS = [1.0, 0.5, 0.125, 3.0, 0.25, 5.0, 2.0, 4.0, 1.5, 0.0625, 7.0]
+WEIGHTS = [0.5, 0.125, 3.0, 0.25, 5.0, 2.0, 4.0, 1.5, 0.0625, 7.0]
 
 
 def make_cfg(**kw) -> RewardConfig:
@@ -124,7 +124,7 @@ def run(pool, groups, order=None):
 def wait_bound(groups, num_workers, times):
     """The docstring's bound on time/reward_wait, plus 0.5 s for dispatch (milliseconds per task)."""
     tasks = len(FUNCTIONS) * sum(math.ceil(len(g[1]) / CHUNK_SIZE) for g in groups)
-    return ((math.ceil(tasks / num_workers) + 1) * CHUNK_SIZE * TIMEOUT_S + times["time/reward_worker_start"]
+    return ((math.ceil(tasks / num_workers) + 2) * CHUNK_SIZE * TIMEOUT_S + times["time/reward_worker_start"]
             + 0.5)
 
 
@@ -144,7 +144,7 @@ def test_each_fault_is_counted_and_the_run_goes_on(pools):
     assert result.per_function["die"] == [0.25] * 14 + [0.0] and f["die"] == {"failures": 1, "timeouts": 0,
                                                                                "nonfinite": 0}
     assert result.per_function["initialized"] == [1.0] * n and f["initialized"]["failures"] == 0
-    assert result.per_function["math"] == [float(j == p) for p in range(3) for j in range(5)]
+    assert result.per_function["format"] == [1.0] * 14 + [0.0]
     assert times["reward/workers_respawned"] == 2  # the hung worker and the dead one
     assert times["time/reward_wait"] <= wait_bound(groups, 3, times)
     names = list(result.per_function)
@@ -190,13 +190,27 @@ def test_scores_do_not_depend_on_workers_or_submission_order(pools, texts, rng):
     assert results[0][1]["length"] == flat.per_function["length"]
 
 
+def test_the_math_reward_in_a_worker_matches_in_process(user_modules):
+    """The built-in math reward (fast paths and math-verify, imported when the worker starts) in a worker."""
+    texts = [["\\boxed{12}", "so \\boxed{ 12 }", "\\boxed{\\frac{24}{2}}", "\\boxed{13}", "12"],
+             ["\\boxed{x^2+2x+1}", "\\boxed{(x+1)^2}", "\\boxed{"]]
+    groups = [(["p"] * 5, texts[0], {"answer": ["12"] * 5}), (["q"] * 3, texts[1], {"answer": ["(x+1)^2"] * 3})]
+    cfg = RewardConfig(functions=["math"], timeout_s=5.0)
+    with RewardPool(cfg, 1) as pool:
+        got, _ = run(pool, groups, order=[1, 0])
+    expected = RewardSet(cfg).score(groups[0][0] + groups[1][0], texts[0] + texts[1],
+                                    {"answer": groups[0][2]["answer"] + groups[1][2]["answer"]})
+    assert got.per_function == expected.per_function == {"math": [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]}
+    assert got.faults == expected.faults == {"math": dict.fromkeys(FAULTS, 0)}
+
+
 def test_a_worker_killed_while_idle_is_respawned(pools):
     pool = pools[1]
     pool._workers[0].proc.kill()
     pool._workers[0].proc.join()
     result, times = run(pool, groups_of([["\\boxed{0}"] * 3]))
     assert times["reward/workers_respawned"] == 1
-    assert result.per_function["math"] == [1.0] * 3 and result.faults["math"] == dict.fromkeys(FAULTS, 0)
+    assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
 
 
 def test_scoring_overlaps_the_submitter(pools):
@@ -261,23 +275,38 @@ def test_config_validation(field, value, message):
         RewardConfig(**{field: value})
 
 
-def test_a_training_rollout_scores_while_generating(user_modules, tmp_path):
-    """The trainer's rollout with the real engine (waves of 2 groups) and a reward that sleeps per completion:
-    groups are scored while later waves decode, so the step waits for less than the reward time."""
+def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modules, tmp_path, monkeypatch):
+    """GRPO steps with the real engine (3 waves of 2 groups) and a reward that sleeps per completion: groups are
+    scored while later waves decode, so the logged wait is below the reward time; Ctrl-C (in the third update)
+    leaves no worker behind."""
     from fastgrpo.config import load_config
+    from fastgrpo.grpo import PolicyUpdate
+    from fastgrpo.metrics import read_jsonl
     from fastgrpo.train import Trainer
 
+    real_run, calls = PolicyUpdate.run, []
+
+    def run_then_interrupt(self, samples, **kwargs):
+        calls.append(len(samples))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run(self, samples, **kwargs)
+
+    monkeypatch.setattr(PolicyUpdate, "run", run_then_interrupt)
     cfg = load_config(overrides=[
-        "grpo.num_prompts_per_step=8", "grpo.num_generations=4", "rollout.max_new_tokens=16",
-        "rollout.max_batch_size=8", "train.sft_warmup_steps=0", "train.num_threads=1", "eval.at_start=false",
-        "logging.progress_bar=false", f"logging.output_dir={tmp_path}", "reward.num_workers=1",
-        f"reward.timeout_s={TIMEOUT_S}", "reward.functions=[math,pool_user:sleep_each]"])
+        "grpo.num_prompts_per_step=6", "grpo.num_generations=4", "rollout.max_new_tokens=8",
+        "rollout.max_batch_size=8", "train.sft_warmup_steps=0", "train.num_threads=1", "train.max_steps=5",
+        "eval.at_start=false", "eval.every_steps=0", "checkpoint.every_steps=0", "logging.progress_bar=false",
+        f"logging.output_dir={tmp_path}", "reward.num_workers=1", f"reward.timeout_s={TIMEOUT_S}",
+        "reward.functions=[pool_user:sleep_each]"])
     trainer = Trainer(cfg)
-    try:
-        trainer.algorithm.rollout(trainer.sampler.next(8), {"max_new_tokens": 16})  # the worker has started
-        samples, m = trainer.algorithm.rollout(trainer.sampler.next(8), {"max_new_tokens": 16})
-    finally:
-        trainer.close()
-    assert len(samples) == 32 and m["reward/sleep_each/timeouts"] == 0 and m["reward/workers_respawned"] == 0
-    assert m["time/reward_wait"] < m["time/reward"]
-    assert not trainer.algorithm.rewards._workers[0].proc  # closed: no worker left
+    pool = trainer.algorithm.rewards
+    procs = [w.proc for w in pool._workers]
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert not any(p.is_alive() for p in procs) and all(w.proc is None for w in pool._workers)
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "time/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2] and calls == [24, 24, 24]
+    second = rows[1]  # the first also waits for the worker to start
+    assert second["reward/sleep_each/timeouts"] == 0 and second["reward/workers_respawned"] == 0
+    assert second["time/reward_wait"] < second["time/reward"]
