@@ -142,7 +142,14 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)
     """One weight per function (empty: all 1.0); the reward is the weighted sum."""
     timeout_s: float = 5.0
-    """Seconds one math verification may take before it scores 0."""
+    """Seconds one completion's score may take (a reward call on k completions gets k x timeout_s); past it the
+    completion scores 0 and counts in reward/<name>/timeouts."""
+    num_workers: int | None = None
+    """Reward worker processes per rank, scoring while generation runs (None: the CPU cores the trainer leaves
+    free, divided among the node's ranks, at least 1; 0: score in the training process after generation)."""
+    worker_init: str = ""
+    """"module:function" called once in each reward worker before scoring (a sandbox, a verifier client); empty:
+    none. With num_workers=0 it is called once in the training process."""
 
     def __post_init__(self):
         if not self.functions:
@@ -152,6 +159,14 @@ class RewardConfig:
         if any(not math.isfinite(w) for w in self.weights):
             _fail("reward.weights", "must be finite", self.weights)
         _check_min("reward.timeout_s", self.timeout_s, 0, strict=True)
+        if self.num_workers is not None:
+            _check_min("reward.num_workers", self.num_workers, 0)
+        if self.worker_init and ":" not in self.worker_init:
+            _fail("reward.worker_init", "must be 'module:function' or empty", self.worker_init)
+        metric_names = [f if ":" not in f else f.split(":")[-1] for f in self.functions]
+        if len(set(metric_names)) != len(metric_names):
+            _fail("reward.functions", "must have distinct function names (they name the reward/<name>/ metrics)",
+                  self.functions)
 
 
 @dataclass

@@ -45,6 +45,7 @@ A step whose loss or gradient norm is not finite is skipped (no optimizer step) 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -362,6 +363,7 @@ class PolicyUpdate:
 
 # ---------------------------------------------------------------------------------------------- the algorithm
 
+REWARD_COUNTS = ("/failures", "/timeouts", "/nonfinite", "/workers_respawned")  # summed over ranks
 SEED_STRIDE = 1_000_003  # separates the per-(step, rank) sampling seeds
 
 
@@ -385,7 +387,9 @@ class GRPO:
     shared avg@k validation (``trainer.accuracy_eval``). The frozen reference model (β > 0 in the config or a
     stage) is ``model.path`` loaded again: the initial weights; from a stage with ``reset_reference`` on, the
     policy's weights at that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in
-    :meth:`state_dict`, so a resumed run loads them back).
+    :meth:`state_dict`, so a resumed run loads them back). Rewards are scored by a
+    :class:`fastgrpo.reward_pool.RewardPool` (its workers start here, during the model set-up and warm-up; the
+    trainer calls :meth:`close`).
     """
 
     progress = {"reward": "reward/mean", "acc": "accuracy"}
@@ -394,13 +398,17 @@ class GRPO:
     def __init__(self, trainer):
         from fastgrpo.data import load_datasets
         from fastgrpo.models import load_model
-        from fastgrpo.rewards import RewardSet
+        from fastgrpo.reward_pool import RewardPool, default_num_workers
 
         cfg, st = trainer.cfg, trainer.state
         self.trainer = trainer
         self.cfg = cfg
         self.train_data, self.held_out = load_datasets(cfg.data, trainer.tokenizer)
-        self.rewards = RewardSet(cfg.reward)
+        workers = cfg.reward.num_workers
+        if workers is None:  # a rank keeps its torch threads busy on CPU, one core (its Python thread) on GPU
+            busy = torch.get_num_threads() if st.device.type == "cpu" else 1
+            workers = default_num_workers(busy, int(os.environ.get("LOCAL_WORLD_SIZE", st.world_size)))
+        self.rewards = RewardPool(cfg.reward, workers)
         self.ref_model = None
         if cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages):
             self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
@@ -465,8 +473,16 @@ class GRPO:
         """avg@k / pass@k on the held-out prompts (none: nothing to validate)."""
         return self.trainer.accuracy_eval(self.held_out) if self.held_out is not None else {}
 
+    def close(self) -> None:
+        """Stop the reward workers."""
+        self.rewards.close()
+
     def rollout(self, indices: list[int], settings: dict) -> tuple[list[Sample], dict[str, float]]:
-        """Sample, score and compute advantages for this rank's share of the step's prompts ``indices``."""
+        """Sample, score and compute advantages for this rank's share of the step's prompts ``indices``.
+
+        Each group goes to the reward pool as soon as the engine finishes it (decoded here, in the engine's
+        callback), so scoring overlaps the decoding of the other groups; the scores come back in prompt order.
+        """
         t = self.trainer
         cfg, st, g = self.cfg, t.state, self.cfg.grpo
         per_rank = g.num_prompts_per_step // st.world_size
@@ -477,14 +493,18 @@ class GRPO:
                                 top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
                                 max_sequence_tokens=settings["max_sequence_tokens"] or None,
                                 seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + st.rank)
+        prompt_texts = [t.tokenizer.decode(p) for p in prompts]
+        columns = self.train_data.columns(idx)  # column -> one value per prompt
+
+        def score(p: int, group: list) -> None:
+            texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+            self.rewards.submit(p, [prompt_texts[p]] * len(group), texts,
+                                {k: [vals[p]] * len(group) for k, vals in columns.items()})
+
         with t.timer("generation"):
-            outs = t.generate(prompts, params)
+            outs = t.generate(prompts, params, on_group_done=score)
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
-        with t.timer("reward"):
-            texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            prompt_texts = [text for p in prompts for text in [t.tokenizer.decode(p)] * G]  # decoded once each
-            columns = {k: [v for v in vals for _ in range(G)] for k, vals in self.train_data.columns(idx).items()}
-            result = self.rewards.score(prompt_texts, texts, columns)
+        result, reward_times = self.rewards.gather()
         r_PG = torch.tensor(result.total, dtype=torch.float64).view(len(prompts), G)
         batch_std = None
         if g.scale == "batch":
@@ -508,7 +528,7 @@ class GRPO:
             "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
             "frac_reward_zero_std": float(zero_std_P.double().mean()),
             "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)),
-            **result.metrics(),
+            **result.metrics(), **reward_times,
         }
         return samples, m
 
@@ -531,7 +551,8 @@ class GRPO:
         local["bad_steps/sum"] = local.pop("bad_steps")
         local["optimizer_steps/max"] = local.pop("optimizer_steps")
         local.update(t.timer.pop(prefix="time/"))
-        m = reduce_metrics(local)
+        counts = {k: "sum" for k in local if k.startswith("reward/") and k.endswith(REWARD_COUNTS)}
+        m = reduce_metrics(local, ops=counts)
         n = m.pop("completions/sum")
         mean = m.pop("reward/sum") / n
         m["reward/mean"] = mean

@@ -11,11 +11,12 @@ Launch (torchrun only; one process needs no flags)::
     torchrun fastgrpo/train.py --config my.yaml logging.output_dir=runs/mine checkpoint.resume=auto
 
 One GRPO step (see DESIGN.md): each rank takes its share of ``grpo.num_prompts_per_step`` prompts → the generation
-engine samples ``grpo.num_generations`` completions per prompt with the policy's own parameters → reward functions
-→ group advantages → packed micro-batches → old / reference log-probs when needed → clipped-surrogate update(s) →
-one metrics row in ``<run dir>/metrics.jsonl`` → a checkpoint every ``checkpoint.every_steps``. Validation (avg@k
-on the held-out prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as
-``eval/accuracy``. ``stages`` raise ``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high) at a step.
+engine samples ``grpo.num_generations`` completions per prompt with the policy's own parameters, while the reward
+worker processes score each group as it finishes (``fastgrpo/reward_pool.py``) → group advantages → packed
+micro-batches → old / reference log-probs when needed → clipped-surrogate update(s) → one metrics row in
+``<run dir>/metrics.jsonl`` → a checkpoint every ``checkpoint.every_steps``. Validation (avg@k on the held-out
+prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as ``eval/accuracy``. ``stages`` raise
+``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high) at a step.
 Ctrl-C saves a checkpoint when the model is between steps, then stops.
 
 The loop here (data order, steps, validation, metrics, progress, checkpoints, resume) knows no algorithm: GRPO's
@@ -112,7 +113,9 @@ class Trainer:
     - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
     - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
     - ``warmup_examples()``: the supervised warm-up's ``(prompt ids, completions)``; ``describe_data()``;
-      ``progress``: the progress bar's fields.
+      ``progress``: the progress bar's fields;
+    - optionally ``close()``: stop what it runs beside the trainer (GRPO's reward workers); :meth:`fit` calls it
+      at the end of the run, also on Ctrl-C and errors.
     """
 
     def __init__(self, cfg: Config):
@@ -193,6 +196,12 @@ class Trainer:
         self.last_saved = self.step
         return path
 
+    def close(self) -> None:
+        """Stop the algorithm's helpers (GRPO's reward worker processes); safe to call more than once."""
+        close = getattr(self.algorithm, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------------ services for the algorithms
 
     def coll_device(self) -> torch.device:
@@ -208,10 +217,11 @@ class Trainer:
         finally:
             self.in_update = False
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams):
-        """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, on_group_done=None):
+        """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights;
+        ``on_group_done(prompt_index, completions)`` as each prompt's samples finish."""
         with full_weights(self.wrapped):
-            return self.engine.generate(prompts, params)
+            return self.engine.generate(prompts, params, on_group_done=on_group_done)
 
     @torch.no_grad()
     def copy_policy_into(self, module: torch.nn.Module) -> None:
@@ -321,6 +331,8 @@ class Trainer:
                 print0(f"interrupted ({type(exc).__name__}): saved {self.save()}")
             logger.close()
             raise
+        finally:
+            self.close()
         logger.close()
         if st.is_main:
             png = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png")

@@ -40,7 +40,7 @@ class ScriptedEngine:
     def __init__(self, tok, script, logprob=0.0):
         self.tok, self.script, self.logprob = tok, script, logprob
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, *, on_group_done=None):
         from fastgrpo.generation import Completion
 
         out = []
@@ -52,4 +52,7 @@ class ScriptedEngine:
                 ids = ids + [self.tok.eos_token_id] if reason == "stop" else ids
                 group.append(Completion(ids, [self.logprob] * len(ids), reason))
             out.append(group)
+        if on_group_done is not None:
+            for p in reversed(range(len(out))):  # groups finish in any order, not the prompts'
+                on_group_done(p, out[p])
         return out

@@ -1,4 +1,4 @@
-"""Rewards: math correctness (fast path and math-verify), format, weights, and failures that score 0 and count."""
+"""Rewards: math correctness (fast path and math-verify), format, weights, and faults that score 0 and count."""
 
 import math
 import random
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from fastgrpo.config import RewardConfig
-from fastgrpo.rewards import RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
+from fastgrpo.rewards import FAULTS, RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
 
 
 def test_last_boxed_balances_braces():
@@ -106,19 +106,19 @@ def user_rewards(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-def test_failures_score_zero_and_are_counted(user_rewards):
+def test_faults_score_zero_and_are_counted(user_rewards):
     names = ["my_rewards:raises", "my_rewards:nan_second", "my_rewards:slow", "my_rewards:wrong_length", "math"]
     rs = RewardSet(RewardConfig(functions=names, timeout_s=0.1))
-    start = time.perf_counter()
     res = rs.score(["p"] * 3, ["\\boxed{1}", "x", "y"], {"answer": ["1", "1", "1"]})
-    assert time.perf_counter() - start < 10  # the 30 s sleep was cut short (a generous bound, not a benchmark)
-    assert res.per_function["raises"] == [0.0, 0.0, 0.0] and res.failures["raises"] == 3
-    assert res.per_function["nan_second"] == [1.0, 0.0, 2.0] and res.failures["nan_second"] == 1
-    assert res.per_function["slow"] == [0.0, 0.0, 0.0] and res.failures["slow"] == 3
-    assert res.failures["wrong_length"] == 3 and res.failures["math"] == 0
+    assert res.per_function["raises"] == [0.0, 0.0, 0.0] and res.faults["raises"]["failures"] == 3
+    assert res.per_function["nan_second"] == [1.0, 0.0, 2.0] and res.faults["nan_second"]["nonfinite"] == 1
+    assert res.per_function["slow"] == [0.0, 0.0, 0.0] and res.faults["slow"]["timeouts"] == 3
+    assert res.faults["wrong_length"]["failures"] == 3 and res.faults["math"] == dict.fromkeys(FAULTS, 0)
     assert res.total == [1.0 + 1.0, 0.0, 2.0]
     assert all(math.isfinite(t) for t in res.total)
-    assert res.metrics()["reward/slow/failures/sum"] == 3.0
+    m = res.metrics()
+    assert (m["reward/slow/timeouts"], m["reward/slow/failures"], m["reward/nan_second/nonfinite"]) == (3.0, 0.0, 1.0)
+    assert "reward/slow/failures/sum" not in m
 
 
 def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
@@ -131,13 +131,13 @@ def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
     rs = RewardSet(RewardConfig(functions=["math"], timeout_s=0.1))
     res = rs.score(["p", "p"], ["\\boxed{2}", "\\boxed{2*1}"], {"answer": ["2", "2"]})
     assert res.per_function["math"] == [1.0, 0.0]  # the exact match never reaches math-verify
-    assert res.failures["math"] == 1
+    assert res.faults["math"] == {"failures": 0, "timeouts": 1, "nonfinite": 0}
 
 
 def test_dataset_columns_reach_user_functions(user_rewards):
     rs = RewardSet(RewardConfig(functions=["my_rewards:uses_columns"]))
     res = rs.score(["p", "p"], ["ab", "abc"], {"answer": ["2", "2"], "level": ["easy", "easy"]})
-    assert res.total == [1.0, 0.0] and res.failures["uses_columns"] == 0
+    assert res.total == [1.0, 0.0] and res.faults["uses_columns"]["failures"] == 0
 
 
 def test_resolve_errors():

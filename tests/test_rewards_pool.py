@@ -1,0 +1,312 @@
+"""The reward worker pool: every fault scored 0 and counted in its own counter, hard timeouts within the stated
+bound, dead workers respawned, the same scores in the same order for 0, 1 and 3 workers and any submission order,
+overlap with the submitter, and clean shutdown.
+
+Two pools (1 and 3 workers) are shared by the module: spawning a worker costs about a second here.
+"""
+
+import math
+import os
+import random
+import textwrap
+import time
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastgrpo.config import RewardConfig
+from fastgrpo.reward_pool import RewardPool, default_num_workers
+from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet
+
+TIMEOUT_S = 0.25
+SLEEP_S = 0.05  # sleepy(): seconds per "SLOW" completion
+USER_MODULE = """
+    import math, os, signal, time
+
+    STATE = {}
+
+    def init():
+        STATE["ready"] = True
+
+    def broken_init():
+        raise RuntimeError("no sandbox")
+
+    def initialized(prompts, completions, **kw):
+        if not STATE.get("ready"):
+            raise RuntimeError("worker_init did not run")
+        return [1.0] * len(completions)
+
+    def raises(prompts, completions, **kw):
+        raise RuntimeError("boom")
+
+    def nan_second(prompts, completions, **kw):
+        return [1.0, math.nan, 2.0, -math.inf][: len(completions)]
+
+    def wrong_length(prompts, completions, **kw):
+        return [1.0] * (len(completions) + 1)
+
+    def hang(prompts, completions, **kw):
+        if any("HANG" in c for c in completions):
+            time.sleep(30)
+        return [0.5] * len(completions)
+
+    def die(prompts, completions, **kw):
+        if any("DIE" in c for c in completions):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [0.25] * len(completions)
+
+    def length(prompts, completions, level, **kw):
+        return [len(c) / 10 + (lv == "hard") + len(p) / 100 for p, c, lv in zip(prompts, completions, level)]
+
+    def sleepy(prompts, completions, **kw):
+        time.sleep(SLEEP_S * sum("SLOW" in c for c in completions))
+        return [1.0] * len(completions)
+
+    def sleep_each(prompts, completions, **kw):
+        time.sleep(0.01 * len(completions))
+        return [1.0] * len(completions)
+"""
+FUNCTIONS = ["format", "pool_user:initialized", "pool_user:raises", "pool_user:nan_second",
+             "pool_user:wrong_length", "pool_user:hang", "pool_user:die", "pool_user:length", "pool_user:sleepy",
+             "pool_broken:f"]
+WEIGHTS = [0.5, 0.125, 3.0, 0.25, 5.0, 2.0, 4.0, 1.5, 0.0625, 7.0]
+
+
+def make_cfg(**kw) -> RewardConfig:
+    return RewardConfig(functions=FUNCTIONS, weights=WEIGHTS, timeout_s=TIMEOUT_S, worker_init="pool_user:init", **kw)
+
+
+@pytest.fixture(scope="module")
+def user_modules(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pool_rewards")
+    (path / "pool_user.py").write_text(textwrap.dedent(USER_MODULE).replace("SLEEP_S", repr(SLEEP_S)))
+    (path / "pool_broken.py").write_text("raise ImportError('this reward module is broken')\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(path))  # spawned workers get the parent's sys.path
+        yield path
+
+
+def _pool(n):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the broken module, warned by the in-process set
+        return RewardPool(make_cfg(), n)
+
+
+@pytest.fixture(scope="module")
+def pools(user_modules):
+    made = {n: _pool(n) for n in (0, 1, 3)}
+    yield made
+    for pool in made.values():
+        pool.close()
+
+
+def groups_of(texts_per_group, seed=0):
+    """(prompts, completions, columns) per group: the group's prompt repeated, one column value per completion."""
+    rng = random.Random(seed)
+    out = []
+    for p, texts in enumerate(texts_per_group):
+        prompt = f"question {p}" + "?" * rng.randrange(3)
+        out.append(([prompt] * len(texts), list(texts), {"answer": [str(p)] * len(texts),
+                                                          "level": [rng.choice(["easy", "hard"]) for _ in texts]}))
+    return out
+
+
+def run(pool, groups, order=None):
+    for i in order if order is not None else range(len(groups)):
+        pool.submit(i, *groups[i])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return pool.gather()
+
+
+def wait_bound(groups, num_workers, times):
+    """The docstring's bound on time/reward_wait, plus 0.5 s for dispatch (milliseconds per task)."""
+    tasks = len(FUNCTIONS) * sum(math.ceil(len(g[1]) / CHUNK_SIZE) for g in groups)
+    return ((math.ceil(tasks / num_workers) + 2) * CHUNK_SIZE * TIMEOUT_S + times["time/reward_worker_start"]
+            + 0.5)
+
+
+def test_each_fault_is_counted_and_the_run_goes_on(pools):
+    pool = pools[3]
+    texts = [[f"\\boxed{{{j}}}" for j in range(5)] for _ in range(3)]  # chunks [0:4] and [4:5] per group
+    texts[1][2] = "HANG \\boxed{2}"  # hang() past its budget on chunk [0:4] of group 1
+    texts[2][4] = "DIE"  # die() SIGKILLs its worker on chunk [4:5] of group 2
+    groups = groups_of(texts)
+    result, times = run(pool, groups, order=[2, 0, 1])
+    f, n = result.faults, 15
+    assert result.per_function["raises"] == [0.0] * n and f["raises"] == {"failures": n, "timeouts": 0, "nonfinite": 0}
+    assert f["wrong_length"]["failures"] == n and f["f"]["failures"] == n
+    assert result.per_function["nan_second"] == [1.0, 0.0, 2.0, 0.0, 1.0] * 3 and f["nan_second"]["nonfinite"] == 6
+    assert result.per_function["hang"] == [0.5] * 5 + [0.0] * 4 + [0.5] * 6
+    assert f["hang"] == {"failures": 0, "timeouts": 4, "nonfinite": 0}
+    assert result.per_function["die"] == [0.25] * 14 + [0.0] and f["die"] == {"failures": 1, "timeouts": 0,
+                                                                               "nonfinite": 0}
+    assert result.per_function["initialized"] == [1.0] * n and f["initialized"]["failures"] == 0
+    assert result.per_function["format"] == [1.0] * 14 + [0.0]
+    assert times["reward/workers_respawned"] == 2  # the hung worker and the dead one
+    assert times["time/reward_wait"] <= wait_bound(groups, 3, times)
+    names = list(result.per_function)
+    assert result.total == [sum(w * result.per_function[k][j] for k, w in zip(names, WEIGHTS)) for j in range(n)]
+    assert all(math.isfinite(t) for t in result.total)
+    assert result.metrics()["reward/hang/timeouts"] == 4 and result.metrics()["reward/die/failures"] == 1
+    assert set(result.metrics()) == {f"reward/{k}/{x}" for k in names for x in ("mean", *FAULTS)}
+
+    # the next step: the respawned workers score normally
+    again, times = run(pool, groups_of([[f"\\boxed{{{j}}}" for j in range(5)]] * 2))
+    assert again.faults["hang"]["timeouts"] == 0 and again.faults["die"]["failures"] == 0
+    assert again.per_function["hang"] == [0.5] * 10 and times["reward/workers_respawned"] == 0
+
+
+def test_zero_one_and_three_workers_give_identical_results(pools):
+    texts = [[f"\\boxed{{{(p * j) % 4}}} step {j}" for j in range(2 + 3 * p)] for p in range(4)]
+    texts[3][6] = "HANG"
+    groups = groups_of(texts, seed=1)
+    results = {n: run(pools[n], groups, order=random.Random(n).sample(range(4), 4))[0] for n in pools}
+    for n in (1, 3):
+        assert results[n].total == results[0].total
+        assert results[n].per_function == results[0].per_function
+        assert results[n].faults == results[0].faults
+    assert results[0].faults["hang"]["timeouts"] == CHUNK_SIZE
+
+
+@settings(max_examples=8)
+@given(st.lists(st.lists(st.text("0123456789{}\\boxed SLOW", max_size=12), min_size=1, max_size=6), min_size=1,
+                max_size=4), st.randoms(use_true_random=False))
+def test_scores_do_not_depend_on_workers_or_submission_order(pools, texts, rng):
+    groups = groups_of(texts, seed=len(texts))
+    results = []
+    for n in (0, 1, 3):
+        order = list(range(len(groups)))
+        rng.shuffle(order)
+        res, _ = run(pools[n], groups, order=order)
+        results.append((res.total, res.per_function, res.faults))
+    assert results[0] == results[1] == results[2]
+    # a per-completion function scores the same in one flat in-process call
+    flat = RewardSet(RewardConfig(functions=["pool_user:length"])).score(
+        [p for g in groups for p in g[0]], [c for g in groups for c in g[1]],
+        {"level": [v for g in groups for v in g[2]["level"]]})
+    assert results[0][1]["length"] == flat.per_function["length"]
+
+
+def test_the_math_reward_in_a_worker_matches_in_process(user_modules):
+    """The built-in math reward (fast paths and math-verify, imported when the worker starts) in a worker."""
+    texts = [["\\boxed{12}", "so \\boxed{ 12 }", "\\boxed{\\frac{24}{2}}", "\\boxed{13}", "12"],
+             ["\\boxed{x^2+2x+1}", "\\boxed{(x+1)^2}", "\\boxed{"]]
+    groups = [(["p"] * 5, texts[0], {"answer": ["12"] * 5}), (["q"] * 3, texts[1], {"answer": ["(x+1)^2"] * 3})]
+    cfg = RewardConfig(functions=["math"], timeout_s=5.0)
+    with RewardPool(cfg, 1) as pool:
+        got, _ = run(pool, groups, order=[1, 0])
+    expected = RewardSet(cfg).score(groups[0][0] + groups[1][0], texts[0] + texts[1],
+                                    {"answer": groups[0][2]["answer"] + groups[1][2]["answer"]})
+    assert got.per_function == expected.per_function == {"math": [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]}
+    assert got.faults == expected.faults == {"math": dict.fromkeys(FAULTS, 0)}
+
+
+def test_a_worker_killed_while_idle_is_respawned(pools):
+    pool = pools[1]
+    pool._workers[0].proc.kill()
+    pool._workers[0].proc.join()
+    result, times = run(pool, groups_of([["\\boxed{0}"] * 3]))
+    assert times["reward/workers_respawned"] == 1
+    assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
+
+
+def test_scoring_overlaps_the_submitter(pools):
+    """With a slow reward and groups submitted over time (as the engine finishes them), most of the reward time is
+    hidden: the wait after the last submission is below the total reward time."""
+    for n, pool in pools.items():
+        for i in range(4):
+            if i:
+                time.sleep(4 * SLEEP_S + 0.05)  # "generation" of the next group
+            pool.submit(i, *groups_of([["SLOW"] * 4])[0])
+        _, times = run(pool, [])
+        if n:  # only the last group's 4 x SLEEP_S is left after the last submission; without overlap, >= 2 groups'
+            assert times["time/reward_wait"] < 2 * 4 * SLEEP_S < times["time/reward"]
+        else:  # in process, every group is scored after the last one is submitted
+            assert times["time/reward_wait"] == times["time/reward"]
+
+
+def test_close_kills_hung_workers_and_is_idempotent(user_modules):
+    with pytest.raises(KeyboardInterrupt):
+        with _pool(2) as pool:
+            pool.submit(0, *groups_of([["HANG"] * 4])[0])
+            procs = [w.proc for w in pool._workers]
+            raise KeyboardInterrupt  # Ctrl-C while a worker hangs
+    assert all(not p.is_alive() for p in procs)
+    assert all(w.proc is None for w in pool._workers) and not any(t.is_alive() for t in pool._threads)
+    pool.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.submit(1, ["p"], ["c"], {})
+
+
+def test_in_process_worker_init_failure_counts_every_function(user_modules):
+    cfg = RewardConfig(functions=["math", "pool_user:initialized"], worker_init="pool_user:broken_init")
+    with pytest.warns(RuntimeWarning, match="worker_init 'pool_user:broken_init' failed: RuntimeError: no sandbox"):
+        rs = RewardSet(cfg)
+    res = rs.score(["p"] * 2, ["\\boxed{1}"] * 2, {"answer": ["1", "1"]})
+    assert res.total == [0.0, 0.0] and res.faults["math"]["failures"] == 2
+
+
+def test_submit_checks_its_arguments(pools):
+    with pytest.raises(ValueError, match=r"\['answer'\] must hold one entry per completion \(2\)"):
+        pools[0].submit(0, ["p", "p"], ["a", "b"], {"answer": ["1"]})
+    pools[0].submit(0, ["p"], ["a"], {"answer": ["1"], "level": ["easy"]})
+    with pytest.raises(ValueError, match="batch index 0 was already submitted"):
+        pools[0].submit(0, ["p"], ["a"], {"answer": ["1"], "level": ["easy"]})
+    run(pools[0], [])
+
+
+def test_default_num_workers(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    assert default_num_workers(1, 8) == 11  # 8 GPU ranks of a 96-core node: 88 free cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert default_num_workers(2, 1) == 1  # the CPU demo keeps both cores busy: still one worker
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_workers", -1, "reward.num_workers must be >= 0"),
+    ("worker_init", "no_colon", "reward.worker_init must be 'module:function'"),
+    ("functions", ["a:f", "b:f"], "reward.functions must have distinct function names"),
+])
+def test_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        RewardConfig(**{field: value})
+
+
+def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modules, tmp_path, monkeypatch):
+    """GRPO steps with the real engine (3 waves of 2 groups) and a reward that sleeps per completion: groups are
+    scored while later waves decode, so the logged wait is below the reward time; Ctrl-C (in the third update)
+    leaves no worker behind."""
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo import PolicyUpdate
+    from fastgrpo.metrics import read_jsonl
+    from fastgrpo.train import Trainer
+
+    real_run, calls = PolicyUpdate.run, []
+
+    def run_then_interrupt(self, samples, **kwargs):
+        calls.append(len(samples))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run(self, samples, **kwargs)
+
+    monkeypatch.setattr(PolicyUpdate, "run", run_then_interrupt)
+    cfg = load_config(overrides=[
+        "grpo.num_prompts_per_step=6", "grpo.num_generations=4", "rollout.max_new_tokens=8",
+        "rollout.max_batch_size=8", "train.sft_warmup_steps=0", "train.num_threads=1", "train.max_steps=5",
+        "eval.at_start=false", "eval.every_steps=0", "checkpoint.every_steps=0", "logging.progress_bar=false",
+        f"logging.output_dir={tmp_path}", "reward.num_workers=1", f"reward.timeout_s={TIMEOUT_S}",
+        "reward.functions=[pool_user:sleep_each]"])
+    trainer = Trainer(cfg)
+    pool = trainer.algorithm.rewards
+    procs = [w.proc for w in pool._workers]
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert not any(p.is_alive() for p in procs) and all(w.proc is None for w in pool._workers)
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "time/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2] and calls == [24, 24, 24]
+    second = rows[1]  # the first also waits for the worker to start
+    assert second["reward/sleep_each/timeouts"] == 0 and second["reward/workers_respawned"] == 0
+    assert second["time/reward_wait"] < second["time/reward"]
