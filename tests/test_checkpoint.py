@@ -323,6 +323,8 @@ def _worker(out_dir: Path) -> None:
                                       for k, v in saved.items())
             report[f"{tag}{saved_by}->{resumed_by}"] = rep
     (out_dir / f"rank{r}.json").write_text(json.dumps(report))
+    del model, opt, sched, model2, opt2, sched2  # destroy() then collects the FSDP2 cycles that hold the group
+    D.barrier()  # no rank tears down while another still uses the group
     D.destroy()
 
 
