@@ -194,8 +194,9 @@ def _unprefixed(named: dict, prefix: str) -> dict:
             "param_groups": [{**g, "params": [p[n:] for p in g["params"]]} for g in named["param_groups"]]}
 
 
-def _save_model(model: nn.Module, out: Path, sd: dict | None) -> None:
-    """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone."""
+def _save_model(model: nn.Module, out: Path, sd: dict | None, dtype: torch.dtype | None = None) -> None:
+    """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone. ``dtype``: the
+    weights' dtype for ``config.json`` (HF reads the dtype of the parameters, fp32 shards under FSDP2)."""
     inner = unwrap_model(model)
     if hasattr(inner, "save_pretrained"):
         from transformers.utils import logging as hf_logging
@@ -207,6 +208,9 @@ def _save_model(model: nn.Module, out: Path, sd: dict | None) -> None:
         finally:
             if bar:
                 hf_logging.enable_progress_bar()
+        if dtype is not None and hasattr(inner, "config"):
+            inner.config.dtype = str(dtype).removeprefix("torch.")
+            inner.config.to_json_file(out / "config.json")
         return
     import safetensors.torch
 
@@ -289,7 +293,7 @@ def save_checkpoint(
     barrier()  # the temporary directory exists before any rank writes into it
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
-        _save_model(model, tmp, model_sd)
+        _save_model(model, tmp, model_sd, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         payload = {

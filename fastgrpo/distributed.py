@@ -37,6 +37,7 @@ Host↔device synchronisations are marked ``# sync:`` with the reason.
 from __future__ import annotations
 
 import builtins
+import gc
 import os
 import zlib
 from collections.abc import Callable, Mapping
@@ -484,6 +485,14 @@ def full_state_dict(model: nn.Module, state: DistState | None = None) -> dict[st
 
 
 def destroy() -> None:
-    """Tear the process group down (no-op when none is running)."""
+    """Tear the process group down (no-op when none is running).
+
+    Unreachable objects are collected first: FSDP2 modules live in reference cycles and, through their DTensor
+    parameters and device mesh, keep the process group's backend and the work handles of their last collectives
+    alive after their last reference is gone, until a garbage-collector pass. Left to the interpreter's exit, the
+    backend would be destroyed (its gloo worker threads joined, tensors held by its work freed) while Python is
+    being torn down, which can abort the process. Callers drop their references to wrapped models first.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

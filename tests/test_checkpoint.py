@@ -20,6 +20,7 @@ from torch import nn
 
 from fastgrpo import checkpoint as C
 from fastgrpo import distributed as D
+from fastgrpo.precision import MasterAdamW, make_optimizer
 
 VOCAB = ["<pad>", "<unk>", "<eos>", *"0123456789+=ab"]
 
@@ -153,7 +154,7 @@ def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
     opt, _ = make_optim(model)
     first = C.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, trainer_state={})
 
-    def crash(model, out, sd):
+    def crash(model, out, sd, dtype):
         (out / "model.safetensors").write_bytes(b"half a file")
         raise OSError("disk full")
 
@@ -261,10 +262,13 @@ def hidden_and_head(model, ids_BT):
 
 
 def dp_train_step(model, optimizer, scheduler, ids_BT) -> float:
-    hidden_BTH, weight_VH = model(ids_BT)
-    logits_BTV = hidden_BTH[:, :-1] @ weight_VH.T
-    loss = nn.functional.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
-    loss.backward()
+    from fastgrpo.precision import accumulate
+
+    with accumulate(model, optimizer, last=True):  # DDP / FSDP2 reduce, or (bf16 masters) fold + fp32 all-reduce
+        hidden_BTH, weight_VH = model(ids_BT)
+        logits_BTV = hidden_BTH[:, :-1].float() @ weight_VH.float().T
+        loss = nn.functional.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
+        loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -278,49 +282,63 @@ def _worker(out_dir: Path) -> None:
     r, report = state.rank, {}
     shard = slice(2 * r, 2 * r + 2)  # this rank's half of the global batch of 4
 
-    def fresh(strategy, seed):
-        model = D.wrap_model(tiny_model(seed), state, strategy, forward=hidden_and_head)
-        return (model, *make_optim(model))
+    def fresh(strategy, seed, dtype):
+        model = D.wrap_model(tiny_model(seed).to(dtype), state, strategy, forward=hidden_and_head)
+        opt = make_optimizer(model, lr=1e-2, weight_decay=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
-    for saved_by in ("ddp", "fsdp2"):
-        model, opt, sched = fresh(saved_by, 0)
+    def masters(model, opt):  # the fp32 values behind the weights: MasterAdamW's, or FSDP2's fp32 shards gathered
+        if isinstance(opt, MasterAdamW):
+            names = {id(p): n for n, p in D.unwrap_model(model).named_parameters()}
+            return {names[id(p)]: m.detach().clone() for p, m in zip(opt.model_params, opt.masters)}
+        sd = D.full_state_dict(model, state)  # on rank 0; tied weights once, as named_parameters() names them
+        return None if sd is None else {n: sd[n].clone() for n, _ in D.unwrap_model(model).named_parameters()}
+
+    for saved_by, dtype in [(s, d) for d in (torch.float32, torch.bfloat16) for s in ("ddp", "fsdp2")]:
+        tag = "" if dtype == torch.float32 else "bf16:"
+        model, opt, sched = fresh(saved_by, 0, dtype)
         for s in range(2):
             dp_train_step(model, opt, sched, batch(s)[shard])
         seed_all(100 + r)  # a different stream on each rank: each must get its own back
-        path = C.save_checkpoint(out_dir / saved_by, 2, model=model, optimizer=opt, scheduler=sched,
-                                 trainer_state={"data_pos": 16}, state=state)
+        path = C.save_checkpoint(out_dir / f"{tag}{saved_by}", 2, model=model, optimizer=opt, scheduler=sched,
+                                 trainer_state={"data_pos": 16}, state=state, dtype=dtype)
         expected = draws()
-        saved = clone(D.full_state_dict(model, state))
+        saved = masters(model, opt)
         loss3 = dp_train_step(model, opt, sched, batch(2)[shard])
-        after3 = D.full_state_dict(model, state)
+        after3 = masters(model, opt)
         for resumed_by in ("ddp", "fsdp2"):
-            model2, opt2, sched2 = fresh(resumed_by, 1)
+            model2, opt2, sched2 = fresh(resumed_by, 1, dtype)
             seed_all(0)
             trainer = C.load_checkpoint(path, model=model2, optimizer=opt2, scheduler=sched2, state=state)
             rep = {"path": str(path.relative_to(out_dir)), "trainer": trainer, "rng_equal": draws() == expected,
                    "rng_files": sorted(p.name for p in path.glob("rng_rank*.pt"))}
-            loaded = clone(D.full_state_dict(model2, state))  # DDP's is a live view: copy before training
+            loaded = masters(model2, opt2)  # DDP's is a live view: copied before training
             rep["loss3_diff"] = abs(dp_train_step(model2, opt2, sched2, batch(2)[shard]) - loss3)
-            resumed3 = D.full_state_dict(model2, state)
+            resumed3 = masters(model2, opt2)
             if r == 0:
                 rep["weights_equal"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
                 rep["resumed_maxdiff"] = max((resumed3[k] - v).abs().max().item() for k, v in after3.items())
-                hf = AutoModelForCausalLM.from_pretrained(path).state_dict()
-                rep["hf_equal"] = all(torch.equal(hf[k], v) for k, v in saved.items())
-            report[f"{saved_by}->{resumed_by}"] = rep
+                hf = AutoModelForCausalLM.from_pretrained(path).state_dict()  # the safetensors: compute dtype
+                rep["hf_equal"] = all(hf[k].dtype == dtype and torch.equal(hf[k], v.to(dtype))
+                                      for k, v in saved.items())
+            report[f"{tag}{saved_by}->{resumed_by}"] = rep
     (out_dir / f"rank{r}.json").write_text(json.dumps(report))
+    del model, opt, sched, model2, opt2, sched2  # destroy() then collects the FSDP2 cycles that hold the group
+    D.barrier()  # no rank tears down while another still uses the group
     D.destroy()
 
 
 def test_two_processes_save_and_resume(tmp_path):
     """DDP and FSDP2 checkpoints, each resumed under DDP and under FSDP2: same weights, RNG streams per rank,
-    and the same next step as the run that kept going."""
+    and the same next step as the run that kept going; in fp32, and in bf16 with fp32 masters (bf16 safetensors,
+    fp32 masters in the trainer state, the masters compared)."""
     from test_distributed import run_torchrun
 
     run_torchrun(__file__, "worker", str(tmp_path))
     for r in range(2):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert sorted(report) == ["ddp->ddp", "ddp->fsdp2", "fsdp2->ddp", "fsdp2->fsdp2"]
+        cases = ["ddp->ddp", "ddp->fsdp2", "fsdp2->ddp", "fsdp2->fsdp2"]
+        assert sorted(report) == sorted(cases + [f"bf16:{c}" for c in cases])
         for case, rep in report.items():
             assert rep["path"] == f"{case.split('->')[0]}/checkpoints/step_00000002"
             assert rep["trainer"] == {"data_pos": 16, "step": 2}

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -275,9 +276,12 @@ def _worker(out_dir: Path) -> None:
     report["fsdp_accum_grad_maxdiff"] = _max_grad_diff(fsdp, ref_grads)
     sd = D.full_state_dict(fsdp, state)
     report["fsdp_wrapped_keys"] = None if sd is None else sorted(sd)
-    D.barrier()
     (out_dir / f"rank{r}.json").write_text(json.dumps(report))
+    freed = weakref.ref(fsdp)
+    del ddp, fsdp  # destroy() collects the FSDP2 cycles that hold the group once nothing references them
+    D.barrier()  # no rank tears down while another still uses the group
     D.destroy()
+    (out_dir / f"rank{r}.freed").write_text(str(freed() is None))
 
 
 def run_torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 180) -> None:
@@ -312,6 +316,8 @@ def test_two_processes_gloo(tmp_path):
     assert reports[0]["ddp_state_dict"] == keys and reports[1]["ddp_state_dict"] is None
     assert reports[0]["fsdp_wrapped_keys"] == keys and reports[1]["fsdp_wrapped_keys"] is None
     assert reports[0]["fsdp_state_dict_maxdiff"] == 0.0 and reports[1]["fsdp_state_dict_maxdiff"] is None
+    # destroy() freed the FSDP2 model (reference cycles holding the group) before the group went, not at exit
+    assert [(tmp_path / f"rank{r}.freed").read_text() for r in range(2)] == ["True", "True"]
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "worker":

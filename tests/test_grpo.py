@@ -270,7 +270,7 @@ def test_several_optimizer_steps_per_rollout_use_old_logprobs():
     state = init_distributed("cpu")
     cfg = load_config(overrides=[*TINY, "train.sequences_per_optimizer_step=4", "grpo.num_prompts_per_step=4",
                                  "grpo.num_generations=2"])
-    metrics, delta, _, _ = run_update(cfg, make_samples(), state)
+    metrics, delta = run_update(cfg, make_samples(), state)[:2]
     assert metrics["optimizer_steps"] == 2
     assert metrics["sampling/sampling_logp_difference/mean"] > 0  # the engine log-probs here are fake (-1)
     assert metrics["sampling/sampling_logp_difference/max"] >= metrics["sampling/sampling_logp_difference/mean"]
@@ -282,7 +282,7 @@ def test_non_finite_loss_skips_the_step():
     samples = make_samples()
     samples[0].advantage = float("nan")
     cfg = load_config(overrides=TINY)
-    metrics, delta, _, _ = run_update(cfg, samples, state)
+    metrics, delta = run_update(cfg, samples, state)[:2]
     assert metrics["bad_steps"] == 1 and metrics["optimizer_steps"] == 0
     assert all(float(d.abs().max()) == 0 for d in delta.values())
 
@@ -383,10 +383,10 @@ def _fsdp_worker(out: str) -> None:
     counts[state.rank] = len(plan(mine[:4], 16, state.device))  # the first optimizer step's micro-batches
     result = {"counts": all_reduce(counts).tolist()}
     for strategy in ("ddp", "fsdp2"):
-        metrics, delta, _, _ = run_update(cfg, mine, state, strategy=strategy, lr=0.1)
+        metrics, delta = run_update(cfg, mine, state, strategy=strategy, lr=0.1)[:2]
         result[strategy] = {"metrics": metrics, "delta": delta}
     ac = load_config(overrides=[*cfg_overrides, "train.activation_checkpointing=true"])
-    metrics, delta, _, _ = run_update(ac, mine, state, strategy="fsdp2", lr=0.1)
+    metrics, delta = run_update(ac, mine, state, strategy="fsdp2", lr=0.1)[:2]
     result["fsdp2_ac"] = {"metrics": metrics, "delta": delta}
     bf16 = load_config(overrides=[*cfg_overrides, "model.dtype=bfloat16", "train.activation_checkpointing=true"])
     for strategy in ("ddp", "fsdp2"):
@@ -394,8 +394,8 @@ def _fsdp_worker(out: str) -> None:
         result[f"{strategy}_bf16"] = {"metrics": metrics, "grads": grads}
     if state.rank == 0:
         torch.save(result, out)
-    barrier()  # no rank tears the process group down while another still uses it (a teardown abort was seen once)
-    destroy()
+    barrier()  # no rank tears the process group down while another still uses it
+    destroy()  # no wrapped model is referenced here any more: destroy() frees FSDP2's cycles, then the group
 
 
 def _worker(out: str) -> None:
@@ -411,15 +411,15 @@ def _worker(out: str) -> None:
     for case in ("dapo", "grpo", "dapo_ac"):
         cfg = load_config(overrides=[*TINY, f"grpo.loss_type={case[:4]}", "train.max_tokens_per_microbatch=24",
                                      f"train.activation_checkpointing={case.endswith('_ac')}"])
-        metrics, delta, _, _ = run_update(cfg, mine, state)
+        metrics, delta = run_update(cfg, mine, state)[:2]
         result[case] = {"loss": metrics["loss"], "delta": delta}
     bf16 = load_config(overrides=[*TINY, "model.dtype=bfloat16", "train.max_tokens_per_microbatch=24"])
     metrics, grads = run_mixed(bf16, mine, state)
     result["bf16"] = {"loss": metrics["loss"], "grads": grads}
     if state.rank == 0:
         torch.save(result, out)
-    barrier()  # no rank tears the process group down while another still uses it (a teardown abort was seen once)
-    destroy()
+    barrier()  # no rank tears the process group down while another still uses it
+    destroy()  # no wrapped model is referenced here any more: destroy() frees FSDP2's cycles, then the group
 
 
 if __name__ == "__main__":
