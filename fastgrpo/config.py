@@ -316,7 +316,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not 0 <= v < 1:
                 _fail(f"train.{name}", "must be in [0, 1)", v)
-        _check_min("train.warmup_steps", self.warmup_steps, 0)  # GRPO steps
+        if self.warmup_steps < 0:
+            _fail("train.warmup_steps", "must be >= 0 (GRPO steps, not optimizer steps)", self.warmup_steps)
         if not 0 < self.warmup_start_factor <= 1:
             _fail("train.warmup_start_factor", "must be in (0, 1]", self.warmup_start_factor)
         _check_min("train.max_grad_norm", self.max_grad_norm, 0)

@@ -16,7 +16,9 @@ worker processes score each group as it finishes (``fastgrpo/reward_pool.py``) �
 micro-batches → old / reference log-probs when needed → clipped-surrogate update(s) → one metrics row in
 ``<run dir>/metrics.jsonl`` → a checkpoint every ``checkpoint.every_steps``. Validation (avg@k on the held-out
 prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as ``eval/accuracy``. ``stages`` raise
-``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high) at a step.
+``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high / the prompt + response budget, and start the
+warm-up, AdamW and the KL reference afresh) at a step. The lr of step s is the stage's lr times the linear warm-up
+factor, counted in GRPO steps (``config.stage_settings``).
 Ctrl-C saves a checkpoint when the model is between steps, then stops.
 
 The loop here (data order, steps, validation, metrics, progress, checkpoints, resume) knows no algorithm: GRPO's

@@ -61,6 +61,7 @@ def test_stage_settings_warmup_and_sequence_budget():
     ("logging.wandb=3", "logging.wandb must be true or false"),
     ("grpo.scale=group_loo", "grpo.scale 'group_loo' needs grpo.baseline=leave_one_out"),
     ("train.warmup_start_factor=0", "train.warmup_start_factor must be in (0, 1]"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0 (GRPO steps, not optimizer steps), got -1"),
     ("rollout.max_sequence_tokens=32", "rollout.max_sequence_tokens must be 0 or > data.max_prompt_tokens=32"),
     ("stages=[{at_step: 0, max_new_tokens: 8, max_sequence_tokens: 20}]",
      "stages[0].max_sequence_tokens must be 0 or > data.max_prompt_tokens=32"),
