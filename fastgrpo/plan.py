@@ -249,7 +249,7 @@ class MemoryPlan:
             row("master weights (fp32)", self.masters),
             row("optimizer state (AdamW, fp32)", self.optimizer),
             row("gradients", self.gradients),
-            row("training: weights + transient grads", self.train_extra,
+            row("training: gathered weights, grads", self.train_extra,
                 "gathered root + 2 layers, unsharded fp32 grads" if t.strategy == "fsdp2" else "weights, compute-dtype "
                 "grads of a backward"),
             row(f"activations ({'with' if self.checkpointing else 'without'} checkpointing)", self.activations,

@@ -323,6 +323,13 @@ _BLOCKS = {
     "dkdv": [(32, 64, 8, 3), (32, 64, 4, 2), (16, 32, 4, 1)],
     "dq": [(128, 32, 8, 3), (64, 32, 4, 2), (32, 16, 4, 1)],
 }
+# fp32 with head dims above 64: the tiles above spill tens of KB per thread (fp32 q/acc tiles of 128 columns), so
+# smaller ones (compiled for sm_90: dkdv and dq without spills, fwd spills 3.5 KB at the first entry, 0.7 KB next).
+_BLOCKS_FP32_WIDE = {
+    "fwd": [(32, 32, 4, 2), (32, 16, 4, 1), (16, 16, 4, 1)],
+    "dkdv": [(16, 32, 4, 2), (16, 16, 4, 1), (16, 16, 2, 1)],
+    "dq": [(32, 16, 4, 2), (16, 16, 4, 1), (16, 16, 2, 1)],
+}
 MAX_GRID_SEQS = 65535  # CUDA's limit on grid dims 1 and 2: more sequences than this launch as several grids
 
 
@@ -349,13 +356,14 @@ def _launch_grid(name, kernel, grid_block, grid_len, heads, num_seqs, args, cons
             *args, **consts, BLOCK_M=m, BLOCK_N=n)
         return
     key = (name, consts["HEAD_DIM"], args[0].dtype, args[0].device.index)
+    wide_fp32 = args[0].dtype == torch.float32 and consts["HEAD_DIM"] > 64
 
     def launch(config):
         m, n, warps, stages = config
         grid = (triton.cdiv(grid_len, {"BLOCK_M": m, "BLOCK_N": n}[grid_block]), heads, num_seqs)
         kernel[grid](*args, **consts, BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
 
-    launch_first_fitting(key, _BLOCKS[name], launch)
+    launch_first_fitting(key, (_BLOCKS_FP32_WIDE if wide_fp32 else _BLOCKS)[name], launch)
 
 
 def _common_consts(q, k):

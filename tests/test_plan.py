@@ -164,3 +164,18 @@ def test_cli_exit_code_and_last_line(capsys):
     assert last.startswith("does not fit: ") and "train.max_tokens_per_microbatch<=" in last
     with pytest.raises(ValueError, match="--nproc"):
         main(["--recipe", "tiny", "--nproc", "0"])
+
+
+def test_trainer_check_stops_on_cuda_when_it_does_not_fit(monkeypatch):
+    """The start-up check (CUDA only) raises SystemExit with the plan's verdict; CPU runs are never stopped."""
+    from types import SimpleNamespace
+
+    from fastgrpo.plan import check_fits
+
+    cfg = load_config("tiny", overrides=["train.max_tokens_per_microbatch=400000"])
+    check_fits(cfg, 1, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=2**30))
+    with pytest.raises(SystemExit, match="does not fit: .*train.max_tokens_per_microbatch<="):
+        check_fits(cfg, 1, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
+    check_fits(cfg, 1, torch.device("cuda", 0))
