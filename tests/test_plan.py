@@ -76,21 +76,23 @@ def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
 
 
 def _policy_step_peak(cfg, seq_len: int) -> int:
-    """Peak extra resident bytes of: build the model, AdamW, and two GRPO updates of one full micro-batch."""
+    """Peak extra resident bytes of: build the model, its optimizer, and two GRPO updates of two full micro-batches
+    each (the second micro-batch runs with the first one's accumulated gradients in place, as in a real step)."""
     from fastgrpo.distributed import init_distributed, wrap_model
     from fastgrpo.grpo import PolicyUpdate, Sample, packed_forward
     from fastgrpo.models import load_model
+    from fastgrpo.precision import make_optimizer
 
     def run():
         st = init_distributed("cpu")
         model, _ = load_model(cfg.model, st.device, seed=0)
         wrapped = wrap_model(model, st, "none", forward=packed_forward)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        opt = make_optimizer(wrapped, lr=1e-4)  # bf16: fp32 masters (MasterAdamW), as the trainer
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         update = PolicyUpdate(cfg, wrapped, opt, sched, None, st.device, 1)
         g = torch.Generator().manual_seed(0)
         V = model.config.vocab_size
-        n = cfg.train.max_tokens_per_microbatch // seq_len
+        n = 2 * (cfg.train.max_tokens_per_microbatch // seq_len)  # two full micro-batches per optimizer step
         P = cfg.data.max_prompt_tokens
         samples = [Sample(torch.randint(1, V, (P,), generator=g).tolist(),
                           torch.randint(1, V, (seq_len - P,), generator=g).tolist(), [-1.0] * (seq_len - P),
@@ -102,18 +104,18 @@ def _policy_step_peak(cfg, seq_len: int) -> int:
     return peak_extra_bytes(run, "cpu")
 
 
-@pytest.mark.parametrize("size", ["tiny", "30m"])
-def test_cpu_peak_matches_plan(monkeypatch, size):
+@pytest.mark.parametrize("size,dtype", [("tiny", "float32"), ("30m", "float32"), ("30m", "bfloat16")])
+def test_cpu_peak_matches_plan(monkeypatch, size, dtype):
     for name in ("linear_logprobs", "grpo_loss"):  # the CPU trainer's loss path (the suite runs the interpreter)
         monkeypatch.setattr(importlib.import_module(f"fastgrpo.kernels.{name}"), "use_triton", lambda t: False)
     torch.set_num_threads(1)
     seq_len = 128
-    over = ["model.dtype=float32", "data.max_prompt_tokens=32", f"rollout.max_new_tokens={seq_len - 32}",
+    over = [f"model.dtype={dtype}", "data.max_prompt_tokens=32", f"rollout.max_new_tokens={seq_len - 32}",
             "grpo.num_prompts_per_step=1", "grpo.num_generations=2", "rollout.max_batch_size=2"]
     if size == "tiny":
         over += ["train.max_tokens_per_microbatch=4096"]
-    else:  # 30.3M parameters, a 8K vocabulary
-        over += ["train.max_tokens_per_microbatch=1024", "model.tiny_hidden_size=512", "model.tiny_num_layers=8",
+    else:  # 28.3M parameters, an 8K vocabulary
+        over += ["train.max_tokens_per_microbatch=512", "model.tiny_hidden_size=512", "model.tiny_num_layers=8",
                  "model.tiny_num_heads=8", "model.tiny_num_kv_heads=2", "model.tiny_intermediate_size=1536"]
     cfg = load_config("tiny", overrides=over)
     if size == "30m":
@@ -121,7 +123,7 @@ def test_cpu_peak_matches_plan(monkeypatch, size):
     plan = memory_plan(cfg, 1, 80, activation_checkpointing=False, kernel_loss=False, shape=model_shape(cfg))
     measured = _policy_step_peak(cfg, seq_len)
     predicted = plan.training_peak
-    print(f"{size} ({plan.shape.params / 1e6:.1f}M parameters, {plan.tokens} tokens): predicted "
+    print(f"{size} {dtype} ({plan.shape.params / 1e6:.1f}M parameters, {plan.tokens} tokens): predicted "
           f"{predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert abs(measured - predicted) <= PEAK_RTOL * measured, (size, predicted / 2**20, measured / 2**20)
 
