@@ -67,6 +67,7 @@ from fastgrpo.models import (  # noqa: E402
     load_model,
     set_cpu_threads,
 )
+from fastgrpo.plan import check_fits  # noqa: E402
 from fastgrpo.precision import make_optimizer  # noqa: E402
 from fastgrpo.sft import sft_warmup  # noqa: E402
 
@@ -127,6 +128,7 @@ class Trainer:
         if st.device.type == "cpu":
             set_cpu_threads(cfg.train.num_threads, st.world_size)
         check_world_size(cfg, st.world_size)
+        check_fits(cfg, st.world_size, st.device)  # on CUDA: stop before loading weights when the plan does not fit
         random.seed(cfg.train.seed + st.rank)
         torch.manual_seed(cfg.train.seed + st.rank)
 

@@ -11,7 +11,7 @@ fix from the message alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ except ImportError:  # pragma: no cover - depends on the platform
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# SMs assumed for a launch that is not on a CUDA tensor (the ahead-of-time compile gate, tests/kernels/
+# test_gpu_compile.py, launches with CPU tensors): an H100 / H200.
+DEFAULT_NUM_SMS = 132
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -36,6 +39,38 @@ def use_triton(t: torch.Tensor) -> bool:
 def dot_in_fp32(t: torch.Tensor) -> bool:
     """Feed ``tl.dot`` fp32 operands under the interpreter: bf16 arithmetic there is wrong (DESIGN.md)."""
     return INTERPRET and not t.is_cuda
+
+
+def num_sms(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of ``t``'s GPU (``DEFAULT_NUM_SMS`` for a CPU tensor)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else DEFAULT_NUM_SMS
+
+
+# Index of the launch configuration that fitted, per launch key (see ``launch_first_fitting``).
+_CHOSEN: dict[tuple, int] = {}
+
+
+def launch_first_fitting(key: tuple, configs: Sequence, launch: Callable[[object], None]) -> None:
+    """Call ``launch(config)`` with the first of ``configs`` (largest tiles first) that the GPU accepts.
+
+    A configuration needing more shared memory (or registers per thread) than the device has raises triton's
+    ``OutOfResources`` when it is launched; the next one is tried, and the last one's failure is raised. The index
+    that fitted is remembered per ``key`` (kernel, dtype, shape class, device), so later calls start there and
+    compile nothing twice. Every kernel with large tiles launches through this, so each has a fallback that fits
+    sm_80 (163 KiB of dynamic shared memory per block) as well as sm_90 (227 KiB); ``pytest -m gpu_compile``
+    compiles every entry for both.
+    """
+    from triton.runtime.errors import OutOfResources
+
+    for i in range(min(_CHOSEN.get(key, 0), len(configs) - 1), len(configs)):
+        try:
+            launch(configs[i])
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _CHOSEN[key] = i
+        return
 
 
 def check_tensor(

@@ -32,7 +32,17 @@ import math
 
 import torch
 
-from ._utils import FLOAT_DTYPES, HAS_TRITON, check_shape, check_targets, check_tensor, dot_in_fp32, use_triton
+from ._utils import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    check_shape,
+    check_targets,
+    check_tensor,
+    dot_in_fp32,
+    launch_first_fitting,
+    num_sms,
+    use_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -214,21 +224,36 @@ if HAS_TRITON:
                                   mask=mask_v[:, None] & mask_k[None, :], sem="relaxed")
 
 
-def _kernel_config(t: torch.Tensor) -> dict:
-    """Block sizes and warps, from one place. Under the interpreter: few, large tiles (it runs per operation)."""
-    if not t.is_cuda:
-        return dict(fwd=dict(BLOCK_N=16, BLOCK_V=128, BLOCK_K=64), bwd=dict(BLOCK_N=16, BLOCK_V=128, BLOCK_K=64),
-                    target_programs=8)
-    sms = torch.cuda.get_device_properties(t.device).multi_processor_count
-    return dict(fwd=dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3),
-                bwd=dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=2),
-                target_programs=2 * sms)
+# Launch configurations (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, largest tiles first, tried in
+# order until one fits (``_utils.launch_first_fitting``), keyed by the element size. Shared memory is dominated by
+# the pipelined K loop of ``_tile_logits``: num_stages·(BLOCK_N + BLOCK_V)·BLOCK_K elements (the backward also
+# stages its dz tile and the grad tiles), so fp32 takes half the tiles of bf16/fp16. The first entries fit sm_80's
+# 163 KiB and sm_90's 227 KiB per block with no register spills in bf16; `pytest -m gpu_compile` checks every entry.
+_FWD_CONFIGS = {
+    2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 2), (32, 64, 32, 4, 1)],
+    4: [(64, 128, 32, 8, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 1)],
+}
+_BWD_CONFIGS = {
+    2: [(128, 128, 64, 8, 2), (64, 128, 64, 4, 2), (32, 64, 32, 4, 1)],
+    4: [(64, 128, 32, 8, 2), (64, 64, 32, 4, 2), (32, 64, 32, 4, 1)],
+}
+# Under the interpreter: few, large tiles (it runs per operation).
+_INTERPRET_CONFIG = (16, 128, 64, 4, 1)
+_GROUP_N = 16  # backward: token tiles per program group (they share W and h tiles in L2)
+
+
+def _configs(t: torch.Tensor, table: dict) -> list[tuple[int, int, int, int, int]]:
+    return [_INTERPRET_CONFIG] if dot_in_fp32(t) else table[t.element_size()]
+
+
+def _launch_key(name: str, t: torch.Tensor) -> tuple:
+    return ("linear_logprobs", name, t.dtype, t.device.index)
 
 
 def _input_precision(t: torch.Tensor) -> str:
     """fp32 inputs on a GPU: 3xTF32 (≈ fp32 accuracy); bf16/fp16: the setting is moot (tensor cores); the
     interpreter: plain fp32."""
-    if not t.is_cuda:
+    if dot_in_fp32(t):
         return "ieee"
     return "tf32x3" if t.dtype == torch.float32 else "tf32"
 
@@ -236,20 +261,28 @@ def _input_precision(t: torch.Tensor) -> str:
 def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     N, H = h_NH.shape
     V = w_VH.shape[0]
-    cfg = _kernel_config(h_NH)
-    blk = cfg["fwd"]
-    n_tiles = triton.cdiv(N, blk["BLOCK_N"])
-    v_tiles = triton.cdiv(V, blk["BLOCK_V"])
-    splits = min(v_tiles, max(1, triton.cdiv(cfg["target_programs"], n_tiles)))
-    tiles_per_split = triton.cdiv(v_tiles, splits)
-    splits = triton.cdiv(v_tiles, tiles_per_split)  # every split holds at least one tile
-    m_SN, s_SN, t_SN, zy_SN = (torch.empty(splits, N, device=h_NH.device, dtype=torch.float32) for _ in range(4))
-    _linear_logprobs_fwd_kernel[(n_tiles, splits)](
-        h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, m_SN, s_SN, t_SN, zy_SN,
-        N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp, tiles_per_split,
-        HAS_BIAS=b_V is not None, ENTROPY=entropy, DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH),
-        **blk,
-    )
+    target_programs = 8 if dot_in_fp32(h_NH) else 2 * num_sms(h_NH)
+    parts = []
+
+    def launch(config):
+        block_n, block_v, block_k, warps, stages = config
+        n_tiles = triton.cdiv(N, block_n)
+        v_tiles = triton.cdiv(V, block_v)
+        splits = min(v_tiles, max(1, triton.cdiv(target_programs, n_tiles)))
+        tiles_per_split = triton.cdiv(v_tiles, splits)
+        splits = triton.cdiv(v_tiles, tiles_per_split)  # every split holds at least one tile
+        m_SN, s_SN, t_SN, zy_SN = (torch.empty(splits, N, device=h_NH.device, dtype=torch.float32) for _ in range(4))
+        _linear_logprobs_fwd_kernel[(n_tiles, splits)](
+            h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, m_SN, s_SN, t_SN, zy_SN,
+            N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp, tiles_per_split,
+            HAS_BIAS=b_V is not None, ENTROPY=entropy, DOT_FP32=dot_in_fp32(h_NH),
+            INPUT_PRECISION=_input_precision(h_NH), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k,
+            num_warps=warps, num_stages=stages,
+        )
+        parts[:] = [m_SN, s_SN, t_SN, zy_SN]
+
+    launch_first_fitting(_launch_key("fwd", h_NH), _configs(h_NH, _FWD_CONFIGS), launch)
+    m_SN, s_SN, t_SN, zy_SN = parts
     # Combine the splits' partials: O(S·N). Re-centred on the global max m_N: s_s → s_s·a_s,
     # t_s → a_s·(t_s + s_s·(m_s − m_N)) with a_s = exp(m_s − m_N).
     m_N = m_SN.max(0).values
@@ -266,23 +299,28 @@ def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
 def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_temp, filter_eps, needs):
     N, H = h_NH.shape
     V = w_VH.shape[0]
-    blk = _kernel_config(h_NH)["bwd"]
     f32 = dict(dtype=torch.float32, device=h_NH.device)
     gh_NH = torch.zeros(N, H, **f32) if needs[0] else None
     gw_VH = torch.zeros(V, H, **f32) if needs[1] else None  # the one fp32 [V, H] accumulator
     gb_V = torch.zeros(V, **f32) if needs[2] else None
     dummy = lse_N
-    grid = (triton.cdiv(N, blk["BLOCK_N"]) * triton.cdiv(V, blk["BLOCK_V"]),)
-    _linear_logprobs_bwd_kernel[grid](
-        h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, lse_N,
-        ent_N if g_ent_N is not None else lse_N, g_logp_N, g_ent_N if g_ent_N is not None else g_logp_N,
-        *(x if x is not None else dummy for x in (gh_NH, gw_VH, gb_V)),
-        N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp,
-        filter_eps if filter_eps is not None else 0.0,
-        HAS_BIAS=b_V is not None, GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2],
-        ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
-        DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH), GROUP_N=16, **blk,
-    )
+
+    def launch(config):  # a config that does not fit fails at launch, before any atomic add
+        block_n, block_v, block_k, warps, stages = config
+        grid = (triton.cdiv(N, block_n) * triton.cdiv(V, block_v),)
+        _linear_logprobs_bwd_kernel[grid](
+            h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, lse_N,
+            ent_N if g_ent_N is not None else lse_N, g_logp_N, g_ent_N if g_ent_N is not None else g_logp_N,
+            *(x if x is not None else dummy for x in (gh_NH, gw_VH, gb_V)),
+            N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp,
+            filter_eps if filter_eps is not None else 0.0,
+            HAS_BIAS=b_V is not None, GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2],
+            ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
+            DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH), GROUP_N=_GROUP_N,
+            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )
+
+    launch_first_fitting(_launch_key("bwd", h_NH), _configs(h_NH, _BWD_CONFIGS), launch)
     return gh_NH, gw_VH, gb_V
 
 

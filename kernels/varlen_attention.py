@@ -17,12 +17,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import FLOAT_DTYPES, HAS_TRITON, INTERPRET, check_cu_seqlens, check_tensor, dot_in_fp32, use_triton
+from ._utils import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    INTERPRET,
+    check_cu_seqlens,
+    check_tensor,
+    dot_in_fp32,
+    launch_first_fitting,
+    use_triton,
+)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.runtime.errors import OutOfResources
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x · log2 e)
@@ -304,17 +312,24 @@ if HAS_TRITON:
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
 
 # Block sizes (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages), tried in order on a GPU until one fits the
-# shared memory (bigger head dims and fp32 need the smaller ones); the choice is remembered per kernel, head dim and
-# dtype. The first entries were picked by compiling for sm_90 here (no GPU to time them): for D = 128 in bf16 they
-# leave no register spills (ptxas stack 0 for fwd and dkdv, 24 bytes for dq) and fit the H200's 227 KB of shared
-# memory. The interpreter takes the last but one entry: small tiles keep the numpy emulation quick and still cross
-# block boundaries. The causal loop split needs BLOCK_M % BLOCK_N == 0 for fwd and dq.
+# shared memory (bigger head dims and fp32 need the smaller ones; ``_utils.launch_first_fitting``); the choice is
+# remembered per kernel, head dim and dtype. The first entries were picked by compiling for sm_90 here (no GPU to
+# time them): for D = 128 in bf16 they leave no register spills (ptxas stack 0 for fwd and dkdv, 24 bytes for dq)
+# and fit the H200's 227 KB of shared memory. The interpreter takes the last but one entry: small tiles keep the
+# numpy emulation quick and still cross block boundaries. The causal loop split needs BLOCK_M % BLOCK_N == 0 for
+# fwd and dq.
 _BLOCKS = {
     "fwd": [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 1)],
     "dkdv": [(32, 64, 8, 3), (32, 64, 4, 2), (16, 32, 4, 1)],
     "dq": [(128, 32, 8, 3), (64, 32, 4, 2), (32, 16, 4, 1)],
 }
-_chosen: dict[tuple, int] = {}
+# fp32 with head dims above 64: the tiles above spill tens of KB per thread (fp32 q/acc tiles of 128 columns), so
+# smaller ones (compiled for sm_90: dkdv and dq without spills, fwd spills 3.5 KB at the first entry, 0.7 KB next).
+_BLOCKS_FP32_WIDE = {
+    "fwd": [(32, 32, 4, 2), (32, 16, 4, 1), (16, 16, 4, 1)],
+    "dkdv": [(16, 32, 4, 2), (16, 16, 4, 1), (16, 16, 2, 1)],
+    "dq": [(32, 16, 4, 2), (16, 16, 4, 1), (16, 16, 2, 1)],
+}
 MAX_GRID_SEQS = 65535  # CUDA's limit on grid dims 1 and 2: more sequences than this launch as several grids
 
 
@@ -341,17 +356,14 @@ def _launch_grid(name, kernel, grid_block, grid_len, heads, num_seqs, args, cons
             *args, **consts, BLOCK_M=m, BLOCK_N=n)
         return
     key = (name, consts["HEAD_DIM"], args[0].dtype, args[0].device.index)
-    for i in range(_chosen.get(key, 0), len(_BLOCKS[name])):
-        m, n, warps, stages = _BLOCKS[name][i]
+    wide_fp32 = args[0].dtype == torch.float32 and consts["HEAD_DIM"] > 64
+
+    def launch(config):
+        m, n, warps, stages = config
         grid = (triton.cdiv(grid_len, {"BLOCK_M": m, "BLOCK_N": n}[grid_block]), heads, num_seqs)
-        try:
-            kernel[grid](*args, **consts, BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
-        except OutOfResources:
-            if i == len(_BLOCKS[name]) - 1:
-                raise
-            continue
-        _chosen[key] = i
-        return
+        kernel[grid](*args, **consts, BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+
+    launch_first_fitting(key, (_BLOCKS_FP32_WIDE if wide_fp32 else _BLOCKS)[name], launch)
 
 
 def _common_consts(q, k):

@@ -110,9 +110,9 @@ DEPARTURES = [
      "fastgrpo packs sequences up to train.max_tokens_per_microbatch; the loss is normalised by the optimizer step's "
      "token count either way, so only memory and speed change"),
     ("memory at 16K / 24K", "tensor_parallel_size 2, cpu_offload, activation_checkpointing (8K/16K/24K files)",
-     lambda c: c.train.strategy == "ddp",
-     "fastgrpo trains a 1.5B model data-parallel with chunked fused log-probs; its memory plan (issue 9) gives "
-     "the verdict per GPU size"),
+     lambda c: c.train.strategy == "fsdp2" and c.train.activation_checkpointing,
+     "fastgrpo shards masters, AdamW state and gradients (FSDP2) and checkpoints activations per layer, with chunked "
+     "fused log-probs; python -m fastgrpo.plan gives the memory verdict (fits 8 x 80 GiB)"),
     ("validation at start / end", "val_at_start false, val_at_end false", lambda c: c.eval.at_start and c.eval.at_end,
      "two more AIME24 evaluations, which change no weight, give the curve's step-0 and final points"),
     ("prompt length bound", "prompts of >= max_total_sequence_length tokens get no loss",

@@ -1,0 +1,348 @@
+"""Per-GPU memory plan of a run, from the config and ``model.path``'s ``config.json`` alone (no weights, no GPU).
+
+    python -m fastgrpo.plan --recipe deepscaler-1.5b model.path=/models/DeepSeek-R1-Distill-Qwen-1.5B \\
+        --nproc 8 --gpu-memory-gib 80
+
+The model is built on the meta device (the built-in tiny model too) to count its parameters and read its shape.
+It prints bytes per GPU for each component below, the peaks of the generation and the training phase, and as its
+last line ``fits: ...`` or ``does not fit: ...`` with the cure; exit code 0 when it fits, 1 when it does not. The
+trainer runs the same plan at start-up on CUDA (:func:`check_fits`) and stops with that line before loading weights.
+
+Model (P parameters, c bytes per element of the compute dtype ``model.dtype``, W processes), the design of
+``fastgrpo.precision`` (fp32 masters, fp32 AdamW, fp32 gradient accumulation; with fp32 compute the parameters are
+the masters)::
+
+                        ddp / none                  fsdp2
+    weights             c·P                         c·P while gathered: all of it in generation; in training the
+                                                    root (embedding, head) and two decoder layers
+    masters             4·P (0 when c = 4)          in the sharded parameters (4·P / W)
+    optimizer           8·P (AdamW m, v fp32)       8·P / W
+    gradients           4·P fp32; + c·P (c < 4)     4·P / W; + 4·P unsharded fp32 while micro-batches accumulate
+                        during a backward
+
+Activations of one micro-batch of T tokens (``train.max_tokens_per_microbatch``, at least the longest sequence:
+one sequence is never split). What the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward,
+per token (h hidden, n_q / n_kv heads of d, I MLP width)::
+
+    A = 2·(4·h + 4 + 2·c·h)             two RMSNorms: the fp32 input (pow, mul), 1/rms, the normalised row in the
+                                        compute dtype (weight mul) and the norm's output (the projections' input)
+      + (4 + c)·(n_q + n_kv)·d          Qwen3's q_norm / k_norm (fp32 input, 1/rms, normalised; their outputs go
+        + 4·(n_q + n_kv)                through rotary, which saves only cos / sin), else 0
+      + c·(2·n_q + 2·n_kv)·d + 4·n_q    varlen attention: q, k, v, o (o is o_proj's input) and the fp32 LSE
+      + 4·c·I                           MLP: gate (SiLU's input), SiLU(gate), up, their product (down's input)
+
+Per token once: the final norm ``4·h + 4 + c·h``, the loss's copy of the kept hidden rows ``c·h``, cos/sin
+``2·c·d`` and ``PER_TOKEN_LOSS_BYTES`` of fp32 per-token vectors; the backward's largest transient adds
+``c·(2·I + 2·h)``.
+Without checkpointing a micro-batch keeps ``L·A`` per token; with ``train.activation_checkpointing`` (per decoder
+layer) it keeps each layer's input ``L·c·h`` and recomputes one layer at a time (``+ A``).
+``tests/test_plan.py`` checks ``A`` against the bytes autograd actually saves (storages counted once).
+
+The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators ``grad_W`` ``[V, H]`` and
+``grad_h`` ``[T, H]``, their casts to the compute dtype (c < 4), the scatter of ``grad_h`` back into ``[T, H]``;
+forward partials ``4 × [S, T]`` fp32 (S vocabulary splits). The plain-torch path (CPU) adds its chunk buffers.
+
+Generation keeps the weights, masters, optimizer state and the last step's gradients (zeroed at the next step),
+a prefill working set (one layer's activations over the rank's prompt tokens) and fp32 logits for the decoding
+batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes per token (paged or not). It fits when the cache holds the
+decoding batch, ``min(rollout.max_batch_size, sequences per rank)``, at full length (:func:`longest_sequence`).
+Training peaks at its static part + activations + the loss workspace.
+A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation and kernels' scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from fastgrpo.config import Config, load_config, stage_settings
+
+GIB = 1 << 30
+RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
+PER_TOKEN_LOSS_BYTES = 48  # fp32 per-token vectors of the loss: log-probs, LSE, entropy, old log-probs, mask, ...
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
+TORCH_LOSS_CHUNK = (2048, 1024)  # kernels/linear_logprobs.py TORCH_CHUNK_N, TORCH_CHUNK_V
+TRITON_LOSS_BLOCK_N = 128  # kernels/linear_logprobs.py: forward token tile (sets the vocabulary splits)
+SPLIT_PROGRAMS = 2 * 132  # the forward's target program count on an H100 / H200
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: counts and dimensions (read from a meta-device instance)."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    qk_norm: bool
+    layer_params: int
+    """Parameters of one decoder layer."""
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    """Build ``cfg.model`` on the meta device (no weights) and read its shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastgrpo.models import build_tiny_model, build_tiny_tokenizer
+
+    with torch.device("meta"):
+        if cfg.model.path == "tiny":
+            return shape_of(build_tiny_model(cfg.model, build_tiny_tokenizer()))
+        hf = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        return shape_of(AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.model.trust_remote_code))
+
+
+def shape_of(model) -> ModelShape:
+    """The :class:`ModelShape` of a Hugging Face causal LM (any device, meta included)."""
+    c = model.config
+    layer = model.get_decoder().layers[0]
+    heads = c.num_attention_heads
+    return ModelShape(
+        params=sum(p.numel() for p in model.parameters()), layers=c.num_hidden_layers, hidden=c.hidden_size,
+        heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate=c.intermediate_size,
+        vocab=c.vocab_size, qk_norm=hasattr(layer.self_attn, "q_norm"),
+        layer_params=sum(p.numel() for p in layer.parameters()))
+
+
+def layer_saved_bytes_per_token(s: ModelShape, c: int) -> int:
+    """``A``: bytes one decoder layer's packed forward saves for backward, per token (module docstring)."""
+    qk = (s.heads + s.kv_heads) * s.head_dim
+    qk_norm = (4 + c) * qk + 4 * (s.heads + s.kv_heads) if s.qk_norm else 0
+    return 2 * (4 * s.hidden + 4 + 2 * c * s.hidden) + qk_norm + c * 2 * qk + 4 * s.heads + 4 * c * s.intermediate
+
+
+def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool) -> int:
+    """Activations of one micro-batch of ``tokens`` tokens, at the start of its backward (module docstring)."""
+    per_layer = layer_saved_bytes_per_token(s, c)
+    once = 4 * s.hidden + 4 + 2 * c * s.hidden + 2 * c * s.head_dim + PER_TOKEN_LOSS_BYTES
+    transient = c * (2 * s.intermediate + 2 * s.hidden)
+    kept = s.layers * c * s.hidden + per_layer if checkpointing else s.layers * per_layer
+    return tokens * (kept + once + transient)
+
+
+def loss_workspace_bytes(s: ModelShape, c: int, tokens: int, kernel: bool) -> int:
+    """The fused loss's backward workspace (``kernel``: the Triton path; else the chunked torch path)."""
+    V, H = s.vocab, s.hidden
+    out = 4 * V * H + 4 * tokens * H + c * tokens * H + (c * (V + tokens) * H if c < 4 else 0)
+    if kernel:
+        n_tiles = math.ceil(tokens / TRITON_LOSS_BLOCK_N)
+        splits = min(math.ceil(V / 128), max(1, math.ceil(SPLIT_PROGRAMS / n_tiles)))
+        return out + 16 * splits * tokens
+    rows, cols = min(tokens, TORCH_LOSS_CHUNK[0]), min(V, TORCH_LOSS_CHUNK[1])
+    return out + 4 * (2 * rows * cols + rows * H)  # two reused chunk buffers and the fp32 chunk of h
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU of each component and phase; ``lines()`` is the printed report."""
+
+    cfg: Config
+    shape: ModelShape
+    nproc: int
+    gpu_bytes: int
+    checkpointing: bool
+    tokens: int
+    weights: int
+    masters: int
+    optimizer: int
+    gradients: int
+    train_extra: int
+    activations: int
+    activations_other: int
+    loss_workspace: int
+    generation_workspace: int
+    kv_bytes_per_token: int
+    seq_len: int
+    batch: int
+
+    @property
+    def usable(self) -> int:
+        return int(self.gpu_bytes * (1 - RESERVED_FRACTION))
+
+    @property
+    def static(self) -> int:
+        return self.masters + self.optimizer + self.gradients
+
+    @property
+    def generation_base(self) -> int:
+        return self.static + self.weights + self.generation_workspace
+
+    @property
+    def kv_cache(self) -> int:
+        return max(0, self.usable - self.generation_base)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_cache // self.kv_bytes_per_token
+
+    @property
+    def kv_sequences(self) -> int:
+        return self.kv_tokens // self.seq_len
+
+    @property
+    def generation_peak(self) -> int:
+        return self.generation_base + self.batch * self.seq_len * self.kv_bytes_per_token
+
+    @property
+    def training_peak(self) -> int:
+        return self.static + self.train_extra + self.activations + self.loss_workspace
+
+    @property
+    def fits(self) -> bool:
+        return self.training_peak <= self.usable and self.kv_sequences >= self.batch
+
+    def verdict(self) -> str:
+        """``fits: ...`` or ``does not fit: ...`` with the cure."""
+        gib = self.gpu_bytes / GIB
+        if self.fits:
+            return (f"fits: {self.nproc} x {gib:g} GiB, training peak {self.training_peak / GIB:.1f} GiB, generation "
+                    f"peak {self.generation_peak / GIB:.1f} GiB of {self.usable / GIB:.1f} GiB usable")
+        cures = []
+        t = self.cfg.train
+        if self.training_peak > self.usable:
+            cures.append(self._training_cure())
+        if self.kv_sequences < self.batch:
+            cures.append(f"rollout.max_batch_size<={max(self.kv_sequences, 0)} (the KV cache holds "
+                         f"{self.kv_sequences} sequences of {self.seq_len} tokens, the batch is {self.batch})"
+                         + ("" if t.strategy == "fsdp2" or self.nproc == 1 else " or train.strategy=fsdp2"))
+        return (f"does not fit: {self.nproc} x {gib:g} GiB (training peak {self.training_peak / GIB:.1f} GiB, usable "
+                f"{self.usable / GIB:.1f} GiB); cure: " + "; ".join(cures))
+
+    def _training_cure(self) -> str:
+        room = self.usable - self.static - self.train_extra - self.loss_workspace
+        per_token = self.activations / self.tokens
+        options = []
+        if not self.checkpointing:
+            options.append("train.activation_checkpointing=true")
+        fit_tokens = int(room // per_token) if room > 0 else 0
+        if fit_tokens >= self.seq_len:
+            options.append(f"train.max_tokens_per_microbatch<={fit_tokens}")
+        if self.cfg.train.strategy != "fsdp2" and self.nproc > 1:
+            options.append("train.strategy=fsdp2")
+        if not options:
+            options.append("a GPU with more memory, or a shorter rollout.max_new_tokens")
+        return " or ".join(options)
+
+    def lines(self) -> list[str]:
+        s, t = self.shape, self.cfg.train
+
+        def row(name, value, note=""):
+            return f"  {name:34s} {value / GIB:9.3f} GiB  {note}".rstrip()
+
+        other = "without" if self.checkpointing else "with"
+        return [
+            f"memory plan: {self.cfg.name}, model {self.cfg.model.path} ({s.params / 1e6:.1f}M parameters, "
+            f"{s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads}x{s.head_dim}, vocab {s.vocab}), "
+            f"{self.cfg.model.dtype}, {t.strategy} on {self.nproc} GPU(s) of {self.gpu_bytes / GIB:g} GiB "
+            f"({self.usable / GIB:.1f} usable)",
+            "per GPU:",
+            row("weights (compute dtype)", self.weights, "gathered in generation" if t.strategy == "fsdp2" else ""),
+            row("master weights (fp32)", self.masters),
+            row("optimizer state (AdamW, fp32)", self.optimizer),
+            row("gradients", self.gradients),
+            row("training: gathered weights, grads", self.train_extra,
+                "gathered root + 2 layers, unsharded fp32 grads" if t.strategy == "fsdp2" else "weights, compute-dtype "
+                "grads of a backward"),
+            row(f"activations ({'with' if self.checkpointing else 'without'} checkpointing)", self.activations,
+                f"one micro-batch of {self.tokens} tokens"),
+            row(f"activations ({other} checkpointing)", self.activations_other),
+            row("loss workspace (fused linear loss)", self.loss_workspace),
+            row("generation workspace", self.generation_workspace),
+            row("KV cache the rest allows", self.kv_cache,
+                f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
+                f"{self.seq_len} (decoding batch {self.batch})"),
+            row("generation peak", self.generation_peak),
+            row("training peak", self.training_peak),
+            self.verdict(),
+        ]
+
+
+def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_checkpointing: bool | None = None,
+                kernel_loss: bool = True, shape: ModelShape | None = None) -> MemoryPlan:
+    """The plan of ``cfg`` on ``nproc`` GPUs of ``gpu_memory_gib`` GiB each (see the module docstring).
+
+    ``activation_checkpointing``: None reads ``train.activation_checkpointing`` (False while that field does not
+    exist). ``kernel_loss``: the Triton loss (GPU); False models the plain-torch path (CPU).
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc must be a positive integer, got {nproc!r}")
+    if not gpu_memory_gib > 0:
+        raise ValueError(f"--gpu-memory-gib must be > 0, got {gpu_memory_gib!r}")
+    s = shape or model_shape(cfg)
+    t, r, g = cfg.train, cfg.rollout, cfg.grpo
+    ckpt = activation_checkpointing
+    if ckpt is None:
+        ckpt = getattr(t, "activation_checkpointing", False)
+    c = ELEMENT_BYTES[cfg.model.dtype]
+    P = s.params
+    fsdp = t.strategy == "fsdp2" and nproc > 1
+    seq_len = longest_sequence(cfg)
+    tokens = max(t.max_tokens_per_microbatch, seq_len)
+    if fsdp:
+        masters, optimizer, gradients = 4 * P // nproc, 8 * P // nproc, 4 * P // nproc
+        root = P - s.layers * s.layer_params
+        train_extra = c * (root + 2 * s.layer_params) + 4 * P  # gathered root + 2 layers; unsharded fp32 grads
+    else:
+        masters = 0 if c == 4 else 4 * P
+        optimizer, gradients = 8 * P, 4 * P
+        train_extra = c * P + (c * P if c < 4 else 0)  # the weights; the compute-dtype gradients of a backward
+    per_rank_seqs = max(1, g.num_prompts_per_step * g.num_generations // nproc)
+    batch = min(r.max_batch_size, per_rank_seqs)
+    prompt_tokens = math.ceil(g.num_prompts_per_step / nproc) * cfg.data.max_prompt_tokens
+    qk = (s.heads + 2 * s.kv_heads) * s.head_dim
+    prefill = prompt_tokens * c * (3 * s.hidden + qk + 3 * s.intermediate)  # one layer's working set
+    gen_ws = prefill + 3 * 4 * batch * s.vocab  # fp32 logits, log-softmax and noise of the decoding batch
+    return MemoryPlan(
+        cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
+        weights=c * P, masters=masters, optimizer=optimizer, gradients=gradients, train_extra=train_extra,
+        activations=activation_bytes(s, c, tokens, ckpt), activations_other=activation_bytes(s, c, tokens, not ckpt),
+        loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss), generation_workspace=gen_ws,
+        kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch)
+
+
+def longest_sequence(cfg: Config) -> int:
+    """Longest prompt + completion of any stage: ``data.max_prompt_tokens + max_new_tokens``, capped by the
+    stage's ``max_sequence_tokens`` when that is set."""
+    out = 0
+    for step in [0] + [s.at_step for s in cfg.stages]:
+        st = stage_settings(cfg, step)
+        n = cfg.data.max_prompt_tokens + st["max_new_tokens"]
+        out = max(out, min(n, st["max_sequence_tokens"]) if st["max_sequence_tokens"] else n)
+    return out
+
+
+def check_fits(cfg: Config, world_size: int, device: torch.device) -> None:
+    """Trainer start-up on CUDA: raise ``SystemExit`` with the plan's verdict when the run does not fit."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    plan = memory_plan(cfg, world_size, total / GIB)
+    if not plan.fits:
+        raise SystemExit("\n".join(plan.lines()) + "\n(python -m fastgrpo.plan prints this plan)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="fastgrpo: per-GPU memory plan from the config alone")
+    parser.add_argument("--recipe", default=None, help="shipped recipe name (default: tiny)")
+    parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB")
+    parser.add_argument("overrides", nargs="*", help="group.field=value overrides, e.g. train.lr=1e-5")
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(args.recipe, args.config, args.overrides)
+    plan = memory_plan(cfg, args.nproc, args.gpu_memory_gib)
+    print("\n".join(plan.lines()))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

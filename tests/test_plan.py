@@ -1,0 +1,183 @@
+"""The memory plan against what autograd saves and what a CPU training step uses, and the DeepScaleR verdict.
+
+- Per layer: the bytes the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward (unique
+  storages seen by ``saved_tensors_hooks``, parameters excluded, attention through the varlen kernel's own autograd
+  function as on a GPU) equal ``layer_saved_bytes_per_token`` × tokens exactly, in fp32 and bf16.
+- Whole step: the predicted training peak of one micro-batch (``kernel_loss=False``: the CPU loss path) is within
+  25% of the resident high-water mark of building the model and running two real ``PolicyUpdate`` steps on CPU
+  (``bench/common.peak_extra_bytes``: exact resident-size tracking), for the tiny demo model and a ~30M model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fastgrpo.kernels.varlen_attention import varlen_attention_unchecked
+
+from fastgrpo import attention
+from fastgrpo.config import load_config
+from fastgrpo.packing import pack
+from fastgrpo.plan import layer_saved_bytes_per_token, main, memory_plan, model_shape, shape_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import peak_extra_bytes  # noqa: E402
+
+QWEN_1P5B = str(Path(__file__).resolve().parent / "data" / "deepseek-r1-distill-qwen-1.5b")
+PEAK_RTOL = 0.25
+
+
+def _hf_model(family: str, dtype: torch.dtype):
+    """A small random model of ``family`` with the packed attention (hidden 64, 3 layers, GQA 4/2, head dim 16)."""
+    import transformers
+
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+    cfg = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+           "qwen3": transformers.Qwen3Config}[family](**kw, **({"head_dim": 16} if family == "qwen3" else {}))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    attention.enable_packed_attention(model)
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
+    # the GPU's attention: the varlen kernel's autograd function (the interpreter runs it on CPU)
+    monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
+    model = _hf_model(family, dtype).train()
+    batch = pack([list(range(1, 20)), list(range(5, 34)), list(range(40, 52))])  # 60 tokens, 3 sequences
+    T = batch.input_ids.numel()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    owner: dict[int, int] = {}  # storage -> the first layer whose forward saved it
+    nbytes: dict[int, int] = {}
+    current = [-1]
+
+    def pack_hook(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in owner:
+            owner[ptr], nbytes[ptr] = current[0], t.untyped_storage().nbytes()
+        return t
+
+    layers = model.get_decoder().layers
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1))
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        attention.packed_hidden_states(model, batch)
+    per_layer = [sum(n for p, n in nbytes.items() if owner[p] == i) for i in range(len(layers))]
+    expected = layer_saved_bytes_per_token(shape_of(model), dtype.itemsize) * T
+    # layer 0 also saves what every layer shares (rotary cos / sin, the offsets): the later layers are exact
+    assert per_layer[1:] == [expected] * (len(layers) - 1)
+    assert expected <= per_layer[0] <= expected + 8 * 16 * T + 64
+
+
+def _policy_step_peak(cfg, seq_len: int) -> int:
+    """Peak extra resident bytes of: build the model, its optimizer, and two GRPO updates of two full micro-batches
+    each (the second micro-batch runs with the first one's accumulated gradients in place, as in a real step)."""
+    from fastgrpo.distributed import init_distributed, wrap_model
+    from fastgrpo.grpo import PolicyUpdate, Sample, packed_forward
+    from fastgrpo.models import load_model
+    from fastgrpo.precision import make_optimizer
+
+    def run():
+        st = init_distributed("cpu")
+        model, _ = load_model(cfg.model, st.device, seed=0)
+        wrapped = wrap_model(model, st, "none", forward=packed_forward)
+        opt = make_optimizer(wrapped, lr=1e-4)  # bf16: fp32 masters (MasterAdamW), as the trainer
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        update = PolicyUpdate(cfg, wrapped, opt, sched, None, st.device, 1)
+        g = torch.Generator().manual_seed(0)
+        V = model.config.vocab_size
+        n = 2 * (cfg.train.max_tokens_per_microbatch // seq_len)  # two full micro-batches per optimizer step
+        P = cfg.data.max_prompt_tokens
+        samples = [Sample(torch.randint(1, V, (P,), generator=g).tolist(),
+                          torch.randint(1, V, (seq_len - P,), generator=g).tolist(), [-1.0] * (seq_len - P),
+                          float(i % 3 - 1)) for i in range(n)]
+        for _ in range(2):  # the second one runs with the optimizer state in place: the steady state
+            update.run(samples, beta=0.0, epsilon_high=0.28, max_new_tokens=seq_len - P)
+        return model
+
+    return peak_extra_bytes(run, "cpu")
+
+
+@pytest.mark.parametrize("size,dtype", [("tiny", "float32"), ("30m", "float32"), ("30m", "bfloat16")])
+def test_cpu_peak_matches_plan(monkeypatch, size, dtype):
+    for name in ("linear_logprobs", "grpo_loss"):  # the CPU trainer's loss path (the suite runs the interpreter)
+        monkeypatch.setattr(importlib.import_module(f"fastgrpo.kernels.{name}"), "use_triton", lambda t: False)
+    torch.set_num_threads(1)
+    seq_len = 128
+    over = [f"model.dtype={dtype}", "data.max_prompt_tokens=32", f"rollout.max_new_tokens={seq_len - 32}",
+            "grpo.num_prompts_per_step=1", "grpo.num_generations=2", "rollout.max_batch_size=2"]
+    if size == "tiny":
+        over += ["train.max_tokens_per_microbatch=4096"]
+    else:  # 28.3M parameters, an 8K vocabulary
+        over += ["train.max_tokens_per_microbatch=512", "model.tiny_hidden_size=512", "model.tiny_num_layers=8",
+                 "model.tiny_num_heads=8", "model.tiny_num_kv_heads=2", "model.tiny_intermediate_size=1536"]
+    cfg = load_config("tiny", overrides=over)
+    if size == "30m":
+        monkeypatch.setattr("fastgrpo.models.build_tiny_tokenizer", lambda: _Vocab(8192))
+    plan = memory_plan(cfg, 1, 80, activation_checkpointing=False, kernel_loss=False, shape=model_shape(cfg))
+    measured = _policy_step_peak(cfg, seq_len)
+    predicted = plan.training_peak
+    print(f"{size} {dtype} ({plan.shape.params / 1e6:.1f}M parameters, {plan.tokens} tokens): predicted "
+          f"{predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    assert abs(measured - predicted) <= PEAK_RTOL * measured, (size, predicted / 2**20, measured / 2**20)
+
+
+class _Vocab:
+    """Stands in for the tiny tokenizer where only its size and special ids matter (the ~30M model's 8K vocab)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.eos_token_id = self.pad_token_id = 0
+
+    def __len__(self):
+        return self.size
+
+
+def test_deepscaler_fits_8x80():
+    """The recipe as shipped (activation checkpointing on: issue 9 item 2 sets it) fits 8 x 80 GiB."""
+    cfg = load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}"])
+    s = model_shape(cfg)
+    assert (s.params, s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.vocab) == (
+        1_777_088_000, 28, 1536, 12, 2, 128, 151936)
+    ckpt = getattr(cfg.train, "activation_checkpointing", True)  # the field lands with the mixed-precision work
+    plan = memory_plan(cfg, 8, 80, activation_checkpointing=ckpt, shape=s)
+    assert plan.fits, plan.verdict()
+    assert plan.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2
+    # without checkpointing a 32K-token micro-batch alone needs ~85 GiB: the cure names checkpointing
+    bare = memory_plan(cfg, 8, 80, activation_checkpointing=False, shape=s)
+    assert not bare.fits and "train.activation_checkpointing=true" in bare.verdict()
+    # the same under ddp leaves too little for the KV cache: the cure names the batch and fsdp2
+    ddp = memory_plan(load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}", "train.strategy=ddp"]),
+                      8, 80, activation_checkpointing=True, shape=s)
+    assert not ddp.fits and "rollout.max_batch_size<=" in ddp.verdict() and "fsdp2" in ddp.verdict()
+
+
+def test_cli_exit_code_and_last_line(capsys):
+    assert main(["--recipe", "tiny", "--nproc", "1", "--gpu-memory-gib", "8"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: ")
+    assert main(["--recipe", "tiny", "train.max_tokens_per_microbatch=400000", "--gpu-memory-gib", "1"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does not fit: ") and "train.max_tokens_per_microbatch<=" in last
+    with pytest.raises(ValueError, match="--nproc"):
+        main(["--recipe", "tiny", "--nproc", "0"])
+
+
+def test_trainer_check_stops_on_cuda_when_it_does_not_fit(monkeypatch):
+    """The start-up check (CUDA only) raises SystemExit with the plan's verdict; CPU runs are never stopped."""
+    from types import SimpleNamespace
+
+    from fastgrpo.plan import check_fits
+
+    cfg = load_config("tiny", overrides=["train.max_tokens_per_microbatch=400000"])
+    check_fits(cfg, 1, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=2**30))
+    with pytest.raises(SystemExit, match="does not fit: .*train.max_tokens_per_microbatch<="):
+        check_fits(cfg, 1, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
+    check_fits(cfg, 1, torch.device("cuda", 0))
