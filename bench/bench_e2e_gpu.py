@@ -55,7 +55,7 @@ def run_demo(device: str, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
         main(["--recipe", "tiny", f"train.device={device}", f"train.max_steps={steps}",
-              f"train.sft_warmup_steps={warmup}", "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
+              f"sft.warmup_steps={warmup}", "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
               "checkpoint.every_steps=0", "logging.progress_bar=false", f"logging.output_dir={out}",
               "checkpoint.resume=never"])
         wall = time.perf_counter() - t0

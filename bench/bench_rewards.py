@@ -45,7 +45,7 @@ def run(steps: int, workers: int, delay_ms: float, warmup: int) -> dict:
     os.environ[DELAY_ENV] = str(delay_ms)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config("tiny", None, [
-            f"train.max_steps={steps}", f"train.sft_warmup_steps={warmup}", "eval.at_start=false",
+            f"train.max_steps={steps}", f"sft.warmup_steps={warmup}", "eval.at_start=false",
             "eval.at_end=false", "eval.every_steps=0", "checkpoint.every_steps=0", "checkpoint.save_final=false",
             "logging.progress_bar=false", f"logging.output_dir={tmp}/run", f"reward.num_workers={workers}",
             f"reward.functions=[{'bench_rewards:delayed_math' if delay_ms else 'math'}]"])

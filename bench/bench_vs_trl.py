@@ -70,7 +70,7 @@ def warm_start(args, out_dir: Path) -> Path:
     """The shared starting point: fastgrpo's supervised warm-up only (no GRPO step), saved as a checkpoint."""
     from fastgrpo.checkpoint import latest_checkpoint
 
-    _train(args, out_dir, ["train.max_steps=0", f"train.sft_warmup_steps={args.sft_steps}",
+    _train(args, out_dir, ["train.max_steps=0", f"sft.warmup_steps={args.sft_steps}",
                            "checkpoint.save_final=true"])
     path = latest_checkpoint(out_dir)
     if path is None:
@@ -84,7 +84,7 @@ def run_fastgrpo(args, out_dir: Path, model_path: Path, seed: int) -> dict:
 
     _train(args, out_dir, [
         f"model.path={model_path}", "model.dtype=float32",
-        f"train.max_steps={args.warmup + args.steps}", "train.sft_warmup_steps=0", f"train.lr={LR}",
+        f"train.max_steps={args.warmup + args.steps}", "sft.warmup_steps=0", f"train.lr={LR}",
         "train.weight_decay=0.0", "train.warmup_steps=0", "train.max_grad_norm=1.0",
         "train.sequences_per_optimizer_step=0",
         f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",

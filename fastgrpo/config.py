@@ -6,8 +6,8 @@ any file given with ``--config FILE``) and then by ``group.field=value`` overrid
 type; an unknown group or field is an error that names it. Every group validates itself at construction, so a bad
 value fails at start-up with the field's dotted name in the message (``grpo.epsilon_low must be >= 0, got -1``).
 
-Groups: ``model``, ``data``, ``reward``, ``grpo``, ``rollout``, ``train``, ``stages`` (a list), ``checkpoint``,
-``logging``, ``eval``.
+``algorithm`` (grpo, dpo or sft) picks what one training step does. Groups: ``model``, ``data``, ``reward``,
+``grpo``, ``dpo``, ``sft``, ``rollout``, ``train``, ``stages`` (a list), ``checkpoint``, ``logging``, ``eval``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ IS_LEVELS = ("token", "sequence")
 ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add",)
+ALGORITHMS = ("grpo", "dpo", "sft")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+TRUNCATION = ("drop", "truncate")
+# fields that moved to another group: the old dotted name → the new one
+MOVED = {"train.sft_warmup_steps": "sft.warmup_steps", "train.sft_lr": "sft.lr",
+         "train.sft_batch_size": "sft.batch_size", "train.sft_answer_noise": "sft.answer_noise"}
 
 
 def _fail(name: str, what: str, value) -> None:
@@ -120,6 +126,13 @@ class DataConfig:
     """Built-in task: largest number in a question."""
     synthetic_eval_size: int = 200
     """Built-in task: held-out questions (never seen in training)."""
+    max_length: int = 2048
+    """DPO / SFT: longest sequence (prompt + response) in tokens; longer rows follow data.truncation."""
+    truncation: str = "drop"
+    """DPO / SFT rows over max_length: "drop" (skip and count) or "truncate" (keep the prompt and the first
+    max_length - prompt tokens of each response; a pair whose truncated responses are equal is skipped)."""
+    skip_bad_rows: bool = True
+    """DPO / SFT: skip (and count) malformed rows; false: stop at start-up naming the first bad row and field."""
 
     def __post_init__(self):
         if not self.path:
@@ -131,6 +144,8 @@ class DataConfig:
         _check_min("data.synthetic_num_terms", self.synthetic_num_terms, 2)
         _check_min("data.synthetic_max_value", self.synthetic_max_value, 1)
         _check_min("data.synthetic_eval_size", self.synthetic_eval_size, 1)
+        _check_min("data.max_length", self.max_length, 2)
+        _check_choice("data.truncation", self.truncation, TRUNCATION)
 
 
 @dataclass
@@ -264,10 +279,11 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation, devices, and the optional supervised warm-up."""
+    """Optimisation and devices."""
 
     max_steps: int = 100
-    """GRPO steps (one rollout each)."""
+    """Training steps (GRPO: one rollout each; DPO / SFT: one optimizer step on dpo.batch_size / sft.batch_size
+    rows each)."""
     lr: float = 1e-6
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -299,14 +315,6 @@ class TrainConfig:
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory, ~1 more forward)."""
     num_threads: int = 0
     """CPU threads per process (0: cores / processes)."""
-    sft_warmup_steps: int = 0
-    """Supervised warm-up steps on the task's reference answers before GRPO (0: none)."""
-    sft_lr: float = 1e-3
-    """Learning rate of the supervised warm-up."""
-    sft_batch_size: int = 64
-    """Sequences per supervised warm-up step."""
-    sft_answer_noise: float = 0.0
-    """Probability that a warm-up example's answer is replaced by a random one (teaches the format, not the task)."""
 
     def __post_init__(self):
         _check_min("train.max_steps", self.max_steps, 0)
@@ -328,11 +336,59 @@ class TrainConfig:
             _fail("train.device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         _check_choice("train.strategy", self.strategy, STRATEGIES)
         _check_min("train.num_threads", self.num_threads, 0)
-        _check_min("train.sft_warmup_steps", self.sft_warmup_steps, 0)
-        _check_min("train.sft_lr", self.sft_lr, 0, strict=True)
-        _check_min("train.sft_batch_size", self.sft_batch_size, 1)
-        if not 0 <= self.sft_answer_noise <= 1:
-            _fail("train.sft_answer_noise", "must be in [0, 1]", self.sft_answer_noise)
+
+
+@dataclass
+class DPOConfig:
+    """Direct preference optimisation (``algorithm: dpo``; see fastgrpo.dpo and fastgrpo.kernels.dpo_loss)."""
+
+    batch_size: int = 64
+    """Preference pairs per optimizer step, all ranks together (each pair is two sequences)."""
+    beta: float = 0.1
+    """β: the strength of the implicit KL constraint to the reference (NeMo-RL's reference_policy_kl_penalty)."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO), ipo or hinge."""
+    label_smoothing: float = 0.0
+    """sigmoid only: conservative DPO, the probability that a pair's labels are flipped (0 to 0.5)."""
+    sft_weight: float = 0.0
+    """Weight of an NLL term on the chosen responses (NeMo-RL's sft_loss_weight, TRL's "sft" loss term)."""
+    average_logprobs: bool = False
+    """Per-token average instead of summed sequence log-probs (NeMo-RL's preference_average_log_probs)."""
+    precompute_ref_logprobs: bool = True
+    """Compute the reference log-probs of every pair once as DPO starts, kept with the run's checkpoints; false: a
+    frozen copy of the starting policy computes them every step."""
+
+    def __post_init__(self):
+        _check_min("dpo.batch_size", self.batch_size, 1)
+        _check_min("dpo.beta", self.beta, 0, strict=True)
+        _check_choice("dpo.loss_type", self.loss_type, DPO_LOSS_TYPES)
+        if not 0 <= self.label_smoothing <= 0.5:
+            _fail("dpo.label_smoothing", "must be in [0, 0.5]", self.label_smoothing)
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            _fail("dpo.label_smoothing", "applies to loss_type sigmoid only", self.label_smoothing)
+        _check_min("dpo.sft_weight", self.sft_weight, 0)
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning: ``algorithm: sft``, and the supervised warm-up before GRPO or DPO."""
+
+    batch_size: int = 64
+    """Sequences per SFT step and per warm-up step, all ranks together."""
+    warmup_steps: int = 0
+    """GRPO / DPO: supervised warm-up steps on the data's reference responses before the first step (0: none)."""
+    lr: float = 1e-3
+    """Learning rate of the warm-up (its own AdamW; algorithm sft trains with train.lr)."""
+    answer_noise: float = 0.0
+    """Warm-up: probability that an example's response is replaced by a random row's (teaches the format, not
+    the task)."""
+
+    def __post_init__(self):
+        _check_min("sft.batch_size", self.batch_size, 1)
+        _check_min("sft.warmup_steps", self.warmup_steps, 0)
+        _check_min("sft.lr", self.lr, 0, strict=True)
+        if not 0 <= self.answer_noise <= 1:
+            _fail("sft.answer_noise", "must be in [0, 1]", self.answer_noise)
 
 
 @dataclass
@@ -447,10 +503,14 @@ class Config:
 
     name: str = "tiny"
     """Run name (the recipe's name by default); used in the run directory's name."""
+    algorithm: str = "grpo"
+    """What a training step does: grpo (rollout and policy update), dpo (preference pairs) or sft."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stages: list[StageConfig] = field(default_factory=list)
@@ -459,6 +519,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
+        _check_choice("algorithm", self.algorithm, ALGORITHMS)
         steps = [s.at_step for s in self.stages]
         if steps != sorted(steps) or len(set(steps)) != len(steps):
             _fail("stages", "must have strictly increasing at_step values", steps)
@@ -469,10 +530,17 @@ class Config:
                 _fail(name, f"must be 0 or > data.max_prompt_tokens={self.data.max_prompt_tokens} (room for a "
                       "response after the longest prompt)", budget)
         betas = [self.grpo.beta] + [s.beta for s in self.stages if s.beta is not None]
-        if self.train.sft_warmup_steps and max(betas) > 0:
-            # the reference model is model.path's weights as loaded, not the warmed-up policy GRPO starts from
-            _fail("train.sft_warmup_steps", "must be 0 when grpo.beta or a stage's beta is > 0 (the KL reference "
-                  "would be the weights before the warm-up)", self.train.sft_warmup_steps)
+        if self.algorithm == "grpo" and self.sft.warmup_steps and max(betas) > 0:
+            # GRPO's reference model is model.path's weights as loaded, not the warmed-up policy GRPO starts from
+            _fail("sft.warmup_steps", "must be 0 when grpo.beta or a stage's beta is > 0 (the KL reference "
+                  "would be the weights before the warm-up)", self.sft.warmup_steps)
+        seqs = {"dpo": 2, "sft": 1}.get(self.algorithm, 0)  # sequences of data.max_length that must fit together
+        if seqs * self.data.max_length > self.train.max_tokens_per_microbatch:
+            _fail("train.max_tokens_per_microbatch", f"must hold {seqs} sequence(s) of data.max_length="
+                  f"{self.data.max_length} tokens (algorithm {self.algorithm})", self.train.max_tokens_per_microbatch)
+        if self.algorithm == "sft" and self.sft.warmup_steps:
+            _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
+                  self.sft.warmup_steps)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -538,6 +606,10 @@ def _build(cls, values: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
+    moved = [(f"{prefix}.{k}", MOVED[f"{prefix}.{k}"]) for k in unknown if f"{prefix}.{k}" in MOVED]
+    if moved:
+        raise ValueError("; ".join(f"{old} is now {new}" for old, new in moved) + " (the sft group holds the "
+                         "settings of algorithm sft and of the warm-up)")
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ValueError(f"unknown config key(s) {[where + k for k in unknown]}; "

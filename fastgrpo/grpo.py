@@ -394,6 +394,7 @@ class GRPO:
 
     progress = {"reward": "reward/mean", "acc": "accuracy"}
     """Progress-bar fields: label → metric."""
+    check_world_size = staticmethod(check_world_size)
 
     def __init__(self, trainer):
         from fastgrpo.data import load_datasets
@@ -431,11 +432,20 @@ class GRPO:
                 + (f", {dropped} dropped (longer than data.max_prompt_tokens)" if dropped else "")
                 + (f", {no_answer} dropped (no answer)" if no_answer else ""))
 
-    def warmup_examples(self) -> tuple[list[list[int]], list[str]]:
-        """``(prompt ids, reference completions)`` of the supervised warm-up: the answer in ``\\boxed{}``."""
-        from fastgrpo.data import sft_completion
+    def warmup_examples(self):
+        """The supervised warm-up's examples (each prompt and its reference completion: the answer in
+        ``\\boxed{}`` and EOS) and the completions alone (``fastgrpo.sft.sft_warmup``)."""
+        from fastgrpo.data import SFTExample, sft_completion
 
-        return self.train_data.prompt_ids, [sft_completion(r["answer"]) for r in self.train_data.rows]
+        tok = self.trainer.tokenizer
+        responses = [tok(sft_completion(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                     for r in self.train_data.rows]
+        examples = [SFTExample(p + c, [False] * len(p) + [True] * len(c))
+                    for p, c in zip(self.train_data.prompt_ids, responses)]
+        return examples, responses
+
+    def begin(self) -> None:
+        """Nothing to prepare once the warm-up is done: the reference model (β > 0) is model.path as loaded."""
 
     def state_dict(self) -> dict:
         return {"reference_step": self.reference_step}

@@ -1,74 +1,224 @@
-"""Supervised fine-tuning through the trainer's packed forward: the loss of the SFT steps and of the warm-up.
+"""Supervised fine-tuning on the trainer's loop (``algorithm: sft``), and the supervised warm-up before GRPO / DPO.
 
-Loss of one step over the ``(prompt_ids, completion_ids)`` examples of every rank, with ``C`` the total number of
-completion tokens (all ranks)::
+Loss of one step over the examples of every rank, each a token sequence with a loss mask (completion or assistant
+tokens: ``fastgrpo.data.SFTExample``), with ``C`` the number of trained tokens of the whole step (all ranks)::
 
-    L = (1 / C) Σ_examples Σ_{t ∈ completion} −log p(y_t | y_<t)
+    L = (1 / C) Σ_examples Σ_{t : mask_t} −log p(y_t | y_<t)
 
-Each micro-batch's summed cross-entropy comes from ``fused_linear_cross_entropy`` (no logits in memory), divided by
-the global ``C`` and multiplied by ``world_size`` (DDP averages gradients over ranks), so W processes give the
-gradients of one process on the whole batch. Prompt tokens are targets of no loss (``-100``).
+Sequences are packed padding-free into micro-batches of at most ``train.max_tokens_per_microbatch`` tokens. Each
+micro-batch's summed cross-entropy comes from ``fused_linear_cross_entropy`` on the last hidden state (no logits
+in memory; untrained positions are targets ``-100``), divided by the global ``C`` and multiplied by ``world_size``
+(DDP averages gradients over ranks), so W processes give the gradients of one process on the whole batch. Every
+rank runs the same number of micro-batches (FSDP2 gathers weights in every forward): a rank with fewer repeats
+its last one with weight 0.
 
 Under ``model.dtype=bfloat16`` the gradients are accumulated and reduced in fp32 and the step updates fp32 master
 weights (:mod:`fastgrpo.precision`); the warm-up's optimizer steps the main optimizer's masters.
 
-The warm-up (``train.sft_warmup_steps``) runs before the main algorithm with its own AdamW at ``train.sft_lr``:
-``train.sft_batch_size`` examples drawn with replacement from the algorithm's ``(prompt, reference completion)``
-pairs by ``random.Random(train.seed)`` (the same on every rank; each rank takes every ``world_size``-th example),
-each completion replaced by a random row's with probability ``train.sft_answer_noise``.
+``algorithm: sft`` steps with the trainer's optimizer (``train.lr``, clipping at ``train.max_grad_norm``; a step
+whose loss or gradient norm is not finite is skipped and counted) on ``sft.batch_size`` rows per step, and
+validates with ``eval/loss`` (the same token mean on the held-out rows) plus avg@k on the synthetic task's
+held-out prompts.
+
+The warm-up (``sft.warmup_steps`` before GRPO or DPO) runs before the main algorithm with its own AdamW at
+``sft.lr`` and no clipping: ``sft.batch_size`` examples drawn with replacement from the algorithm's ``(prompt,
+reference response)`` pairs by ``random.Random(train.seed)`` (the same draw on every rank; each rank takes every
+``world_size``-th example), each response replaced by a random row's with probability ``sft.answer_noise``.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.data import SFTExample, load_response_datasets
 from fastgrpo.distributed import all_reduce, print0
-from fastgrpo.grpo import Sample, _call, plan
+from fastgrpo.grpo import _call, _local, _no_grad_forward
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
-from fastgrpo.precision import accumulate, make_optimizer, train_mode
+from fastgrpo.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.precision import accumulate, make_optimizer, optimizer_params, train_mode
 
 
-def sft_step(model, optimizer, samples: list[tuple[list[int], list[int]]], max_tokens: int,
-             device: torch.device, world_size: int) -> float:
-    """One supervised step (module docstring) on this rank's ``(prompt_ids, completion_ids)`` pairs; returns the
-    loss of the whole step (all ranks)."""
-    seqs = [Sample(p, c, [0.0] * len(c), 0.0) for p, c in samples]
-    mbs = plan(seqs, max_tokens, device)
-    total = all_reduce(torch.tensor(float(sum(len(c) for _, c in samples)), device=device))
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), device=device)
-    for i, mb in enumerate(mbs):
-        with train_mode(model), accumulate(model, optimizer, last=i == len(mbs) - 1):
+@dataclass
+class LMBatch:
+    """Packed sequences with next-token targets and a loss mask (the fields ``grpo.packed_logprobs`` reads)."""
+
+    batch: PackedBatch
+    targets: torch.Tensor  # [N] int64, next token (0 where there is none)
+    mask: torch.Tensor  # [N] bool, the target is a trained token
+    num_loss_tokens: int
+    """Σ mask, counted on the host."""
+
+
+def lm_batch(examples: list[SFTExample], device: torch.device) -> LMBatch:
+    """Pack ``examples``: at packed position ``t`` the target is token ``t + 1`` of the same sequence, trained
+    where that token's ``loss_mask`` is set."""
+    targets, mask = [], []
+    for ex in examples:
+        targets += ex.input_ids[1:] + [0]
+        mask += ex.loss_mask[1:] + [False]
+    return LMBatch(batch=pack([ex.input_ids for ex in examples]).to(device),
+                   targets=torch.tensor(targets, dtype=torch.long, device=device),
+                   mask=torch.tensor(mask, dtype=torch.bool, device=device), num_loss_tokens=sum(mask))
+
+
+def same_count(groups: list, device: torch.device) -> list[tuple[object, float]]:
+    """``groups`` (this rank's micro-batches) padded to the largest count over ranks: ``(item, weight)`` with
+    weight 0 on the repeats of the last item. ``groups`` must not be empty."""
+    n = int(all_reduce(torch.tensor(len(groups), device=device), "max"))  # sync: the loop count
+    return [(groups[min(i, len(groups) - 1)], float(i < len(groups))) for i in range(n)]
+
+
+def clip_and_step(trainer, loss_value: float) -> tuple[float, bool]:
+    """Clip the gradients (``train.max_grad_norm``; 0: only measure), then step the optimizer and scheduler unless
+    the loss or the gradient norm is not finite; returns ``(grad_norm, stepped)``."""
+    max_norm = trainer.cfg.train.max_grad_norm or math.inf
+    params = optimizer_params(trainer.optimizer)  # the fp32 masters under mixed precision
+    grad_norm = float(_local(torch.nn.utils.clip_grad_norm_(params, max_norm)))  # sync: the finiteness check
+    if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, False
+    trainer.optimizer.step()
+    trainer.scheduler.step()
+    return grad_norm, True
+
+
+def sft_backward(model, optimizer, examples: list[SFTExample], max_tokens: int, device: torch.device,
+                 world_size: int, fallback: SFTExample) -> tuple[float, float]:
+    """Forward and backward of one SFT step's loss (module docstring) on this rank's ``examples`` (may be empty:
+    ``fallback`` then stands in, with weight 0), accumulated into ``optimizer``'s gradients; returns ``(loss of the
+    whole step, its trained tokens)``."""
+    groups = plan_microbatches([len(ex.input_ids) for ex in examples], max_tokens) if examples else []
+    mbs = [lm_batch([examples[i] for i in g], device) for g in groups] or [lm_batch([fallback], device)]
+    local = float(sum(mb.num_loss_tokens for mb in mbs)) if examples else 0.0
+    total = float(all_reduce(torch.tensor(local, dtype=torch.float64, device=device)))  # sync: the normaliser
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    padded = same_count(mbs, device)
+    for i, (mb, weight) in enumerate(padded):
+        weight = weight if examples else 0.0
+        with train_mode(model), accumulate(model, optimizer, last=i == len(padded) - 1):
             hidden_NH, weight_VH, bias_V = _call(model, mb)
-            targets = torch.where(mb.mask > 0, mb.targets, -100)
+            targets = torch.where(mb.mask, mb.targets, -100)
             loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
-            (loss * world_size / total).backward()
-            loss_sum += loss.detach()
-    optimizer.step()
-    return float(all_reduce(loss_sum)) / float(total)  # sync: one per warm-up step, for the log line
+            (loss * weight * world_size / max(total, 1.0)).backward()
+        loss_sum += loss.detach().double() * weight
+    return float(all_reduce(loss_sum)) / max(total, 1.0), total  # sync: one per step, for the metrics
 
 
-def sft_warmup(trainer, prompt_ids: list[list[int]], completions: list[str]) -> None:
-    """The supervised warm-up (module docstring) of ``trainer``'s wrapped model on ``(prompt_ids[i],
-    completions[i])`` pairs; the completions are texts, tokenised here with the EOS token appended."""
-    t, st = trainer.cfg.train, trainer.state
-    if not t.sft_warmup_steps:
-        return
-    opt = make_optimizer(trainer.wrapped, lr=t.sft_lr, share_masters_with=trainer.optimizer)  # the same fp32 masters
-    rng = random.Random(t.seed)  # the same examples on every rank; each takes its share
-    eos = [trainer.tokenizer.eos_token_id]
+@torch.no_grad()
+def sft_eval_loss(model, examples: list[SFTExample], max_tokens: int, device: torch.device, rank: int,
+                  world_size: int) -> float:
+    """Token-mean NLL of ``examples`` (every rank passes all of them and scores every ``world_size``-th)."""
+    mine = examples[rank::world_size]
+    groups = plan_microbatches([len(ex.input_ids) for ex in mine], max_tokens) if mine else []
+    mbs = [lm_batch([mine[i] for i in g], device) for g in groups] or [lm_batch(examples[:1], device)]
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    forward = _no_grad_forward(model)
+    for mb, weight in same_count(mbs, device):
+        weight = weight if mine else 0.0
+        hidden_NH, weight_VH, bias_V = _call(forward, mb)
+        targets = torch.where(mb.mask, mb.targets, -100)
+        loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
+        sums += torch.stack([loss.double(), torch.tensor(float(mb.num_loss_tokens), device=device).double()]) * weight
+    loss_sum, tokens = all_reduce(sums).tolist()  # sync: once per validation
+    return loss_sum / max(tokens, 1.0)
+
+
+def sft_warmup(trainer, examples: list[SFTExample], responses: list[list[int]]) -> None:
+    """The supervised warm-up (module docstring) of ``trainer``'s wrapped model: ``examples`` are the
+    algorithm's prompts each followed by its reference response; with probability ``sft.answer_noise`` the
+    response is swapped for ``responses[j]`` of a random row ``j``."""
+    s_cfg, st = trainer.cfg.sft, trainer.state
+    opt = make_optimizer(trainer.wrapped, lr=s_cfg.lr, share_masters_with=trainer.optimizer)  # the same fp32 masters
+    rng = random.Random(trainer.cfg.train.seed)  # the same examples on every rank; each takes its share
     start = time.perf_counter()
-    for s in range(t.sft_warmup_steps):
-        picks = [rng.randrange(len(prompt_ids)) for _ in range(t.sft_batch_size)]
-        texts = [completions[rng.randrange(len(completions))] if rng.random() < t.sft_answer_noise
-                 else completions[i] for i in picks]
-        mine = range(st.rank, len(picks), st.world_size)
-        pairs = [(prompt_ids[picks[j]], trainer.tokenizer(texts[j], add_special_tokens=False)["input_ids"] + eos)
-                 for j in mine]
-        loss = sft_step(trainer.wrapped, opt, pairs, t.max_tokens_per_microbatch, st.device, st.world_size)
-        if (s + 1) % max(1, t.sft_warmup_steps // 4) == 0 or s + 1 == t.sft_warmup_steps:
-            print0(f"warm-up step {s + 1}/{t.sft_warmup_steps}: loss {loss:.4f}")
+    for s in range(s_cfg.warmup_steps):
+        picks = [rng.randrange(len(examples)) for _ in range(s_cfg.batch_size)]
+        swap = [rng.randrange(len(responses)) if rng.random() < s_cfg.answer_noise else None for _ in picks]
+        batch = []
+        for j in range(st.rank, len(picks), st.world_size):
+            ex = examples[picks[j]]
+            if swap[j] is not None:
+                n_prompt = ex.loss_mask.index(True)
+                ex = SFTExample(ex.input_ids[:n_prompt] + responses[swap[j]],
+                                [False] * n_prompt + [True] * len(responses[swap[j]]))
+            batch.append(ex)
+        opt.zero_grad(set_to_none=True)
+        loss, _ = sft_backward(trainer.wrapped, opt, batch, trainer.cfg.train.max_tokens_per_microbatch, st.device,
+                               st.world_size, examples[0])
+        opt.step()
+        if (s + 1) % max(1, s_cfg.warmup_steps // 4) == 0 or s + 1 == s_cfg.warmup_steps:
+            print0(f"warm-up step {s + 1}/{s_cfg.warmup_steps}: loss {loss:.4f}")
     print0(f"warm-up done in {time.perf_counter() - start:.1f} s")
+
+
+def check_world_size(cfg, world_size: int) -> None:
+    if cfg.sft.batch_size % world_size:
+        raise ValueError(f"sft.batch_size={cfg.sft.batch_size} must be a multiple of the number of processes "
+                         f"({world_size})")
+
+
+class SFT:
+    """``algorithm: sft`` on ``train.py``'s loop (module docstring)."""
+
+    progress = {"loss": "loss"}
+    check_world_size = staticmethod(check_world_size)
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.cfg = trainer.cfg
+        self.train_data, self.held_out, self.held_out_prompts = load_response_datasets(
+            self.cfg.data, trainer.tokenizer, "sft")
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.cfg.sft.batch_size
+
+    def describe_data(self) -> str:
+        out = f"{len(self.train_data)} SFT examples{self.train_data.describe()}"
+        if self.held_out is not None:
+            out += f", {len(self.held_out)} held-out{self.held_out.describe()}"
+        return out
+
+    def warmup_examples(self):
+        raise AssertionError("algorithm sft has no warm-up (config.py rejects sft.warmup_steps > 0)")
+
+    def begin(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def validate(self) -> dict[str, float]:
+        t, st = self.trainer, self.trainer.state
+        m = {}
+        if self.held_out is not None:
+            start = time.perf_counter()
+            loss = sft_eval_loss(t.wrapped, self.held_out.items, self.cfg.train.max_tokens_per_microbatch,
+                                 st.device, st.rank, st.world_size)
+            m.update({"eval/loss": loss, "time/eval_loss": time.perf_counter() - start})
+            print0(f"step {t.step}: eval/loss {loss:.4f} on {len(self.held_out)} held-out examples")
+        if self.held_out_prompts is not None:
+            m.update(t.accuracy_eval(self.held_out_prompts))
+        return m
+
+    def step(self, indices: list[int], settings: dict) -> dict[str, float]:
+        t, st = self.trainer, self.trainer.state
+        per_rank = len(indices) // st.world_size
+        mine = [self.train_data.items[i] for i in indices[st.rank * per_rank : (st.rank + 1) * per_rank]]
+        with t.updating():
+            t.optimizer.zero_grad(set_to_none=True)
+            loss, n_loss = sft_backward(t.wrapped, t.optimizer, mine, self.cfg.train.max_tokens_per_microbatch,
+                                        st.device, st.world_size, self.train_data.items[0])
+            grad_norm, stepped = clip_and_step(t, loss)
+        tokens = float(all_reduce(torch.tensor(float(sum(len(ex.input_ids) for ex in mine)), dtype=torch.float64,
+                                               device=t.coll_device())))  # sync: for the log row
+        return {"loss": loss if stepped else math.nan, "grad_norm": grad_norm if stepped else math.nan,
+                "tokens": tokens, "loss_tokens": n_loss, "bad_steps": float(not stepped)}

@@ -1,13 +1,18 @@
-"""fastgrpo's co-located GRPO trainer: the same model samples, is scored, and is updated, step after step.
+"""fastgrpo's co-located trainer: GRPO (the same model samples, is scored, and is updated, step after step), DPO
+and SFT on the same loop.
 
 Launch (torchrun only; one process needs no flags)::
 
-    torchrun fastgrpo/train.py                                      # the `tiny` demo on CPU: a few minutes
+    torchrun fastgrpo/train.py                                      # the `tiny` GRPO demo on CPU: a few minutes
     torchrun --nproc_per_node 2 fastgrpo/train.py --recipe tiny     # two processes (DDP, gloo on CPU)
     torchrun fastgrpo/train.py --recipe tiny train.max_steps=20 grpo.num_generations=4 rollout.max_new_tokens=8
+    torchrun fastgrpo/train.py --recipe dpo-tiny                    # DPO after a supervised warm-up, CPU
+    torchrun fastgrpo/train.py --recipe sft-tiny                    # SFT from scratch, CPU
     torchrun --nproc_per_node 8 fastgrpo/train.py --recipe deepscaler-1.5b \\
         model.path=/models/DeepSeek-R1-Distill-Qwen-1.5B data.path=/data/deepscaler.jsonl \\
         data.eval_path=/data/aime24.jsonl
+    torchrun --nproc_per_node 8 fastgrpo/train.py --recipe dpo-1.5b model.path=/models/my-sft \\
+        data.path=/data/prefs.jsonl data.eval_path=/data/prefs-val.jsonl
     torchrun fastgrpo/train.py --config my.yaml logging.output_dir=runs/mine checkpoint.resume=auto
 
 One GRPO step (see DESIGN.md): each rank takes its share of ``grpo.num_prompts_per_step`` prompts → the generation
@@ -19,7 +24,8 @@ prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as
 ``rollout.max_new_tokens`` (and may change lr / beta / epsilon_high / the prompt + response budget, and start the
 warm-up, AdamW and the KL reference afresh) at a step. The lr of step s is the stage's lr times the linear warm-up
 factor, counted in GRPO steps (``config.stage_settings``).
-Ctrl-C saves a checkpoint when the model is between steps, then stops.
+A DPO or SFT step is one optimizer step on ``dpo.batch_size`` pairs / ``sft.batch_size`` rows (fastgrpo/dpo.py,
+fastgrpo/sft.py). Ctrl-C saves a checkpoint when the model is between steps, then stops.
 
 The loop here (data order, steps, validation, metrics, progress, checkpoints, resume) knows no algorithm: GRPO's
 rollout and update live in ``fastgrpo/grpo.py`` (:class:`fastgrpo.grpo.GRPO`), the supervised warm-up in
@@ -56,9 +62,10 @@ from fastgrpo.distributed import (  # noqa: E402
     unwrap_model,
     wrap_model,
 )
+from fastgrpo.dpo import DPO  # noqa: E402
 from fastgrpo.eval import evaluate  # noqa: E402
 from fastgrpo.generation import GenerationEngine, SamplingParams  # noqa: E402
-from fastgrpo.grpo import GRPO, check_world_size, packed_forward  # noqa: E402
+from fastgrpo.grpo import GRPO, packed_forward  # noqa: E402
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics  # noqa: E402
 from fastgrpo.models import (  # noqa: E402
     DTYPES,
@@ -69,7 +76,9 @@ from fastgrpo.models import (  # noqa: E402
 )
 from fastgrpo.plan import check_fits  # noqa: E402
 from fastgrpo.precision import make_optimizer  # noqa: E402
-from fastgrpo.sft import sft_warmup  # noqa: E402
+from fastgrpo.sft import SFT, sft_warmup  # noqa: E402
+
+ALGORITHMS = {"grpo": GRPO, "dpo": DPO, "sft": SFT}
 
 
 class TrainingAborted(RuntimeError):
@@ -77,7 +86,7 @@ class TrainingAborted(RuntimeError):
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
-    parser = argparse.ArgumentParser(description="fastgrpo: co-located GRPO training (launch with torchrun)")
+    parser = argparse.ArgumentParser(description="fastgrpo: GRPO / DPO / SFT training (launch with torchrun)")
     parser.add_argument("--recipe", default=None, help="shipped recipe name (default: tiny)")
     parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
     parser.add_argument("overrides", nargs="*", help="group.field=value overrides, e.g. train.lr=1e-5")
@@ -108,15 +117,18 @@ class Trainer:
     """Holds the run's state; :meth:`fit` is the whole run.
 
     The loop (data order, steps, validation, metrics, progress, checkpoints, resume, torchrun) is the same for
-    every algorithm. The algorithm (``fastgrpo.grpo.GRPO``) is built on the trainer and supplies:
+    every algorithm. The algorithm (``config.algorithm``: ``fastgrpo.grpo.GRPO``, ``fastgrpo.dpo.DPO``,
+    ``fastgrpo.sft.SFT``) is built on the trainer and supplies:
 
     - ``rows_per_step``: training rows one step draws from the data sampler (all ranks together);
     - ``step(indices, settings) -> metrics``: one training step on those rows, metrics reduced over ranks, with
       ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps in this step);
     - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
     - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
-    - ``warmup_examples()``: the supervised warm-up's ``(prompt ids, completions)``; ``describe_data()``;
-      ``progress``: the progress bar's fields;
+    - ``check_world_size(cfg, world_size)`` (static): its batch splits over the processes;
+    - ``warmup_examples()``: the supervised warm-up's examples (``fastgrpo.sft.sft_warmup``); ``begin()``: once
+      the warm-up is done, on a fresh run (DPO fixes its reference there); ``describe_data()``; ``progress``: the
+      progress bar's fields;
     - optionally ``close()``: stop what it runs beside the trainer (GRPO's reward workers); :meth:`fit` calls it
       at the end of the run, also on Ctrl-C and errors.
     """
@@ -127,7 +139,8 @@ class Trainer:
         st = self.state
         if st.device.type == "cpu":
             set_cpu_threads(cfg.train.num_threads, st.world_size)
-        check_world_size(cfg, st.world_size)
+        algorithm = ALGORITHMS[cfg.algorithm]
+        algorithm.check_world_size(cfg, st.world_size)
         check_fits(cfg, st.world_size, st.device)  # on CUDA: stop before loading weights when the plan does not fit
         random.seed(cfg.train.seed + st.rank)
         torch.manual_seed(cfg.train.seed + st.rank)
@@ -156,7 +169,7 @@ class Trainer:
         self.total_bad = 0
         self.in_update = False
         self.last_saved = -1
-        self.algorithm = GRPO(self)
+        self.algorithm = algorithm(self)
         self.sampler = PromptSampler(len(self.algorithm.train_data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
 
     # ------------------------------------------------------------------ set-up
@@ -303,7 +316,9 @@ class Trainer:
         bar = None
         try:
             if resumed is None:
-                sft_warmup(self, *self.algorithm.warmup_examples())
+                if cfg.sft.warmup_steps:
+                    sft_warmup(self, *self.algorithm.warmup_examples())
+                self.algorithm.begin()
                 if cfg.eval.at_start:
                     result["start_accuracy"] = self.validate(logger)
             bar = ProgressBar(cfg.train.max_steps, initial=self.step, enabled=st.is_main and cfg.logging.progress_bar)
@@ -340,9 +355,9 @@ class Trainer:
         logger.close()
         if st.is_main:
             png = plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "metrics.png")
-            print0(f"done: {self.step} GRPO steps in {time.perf_counter() - start:.1f} s")
+            print0(f"done: {self.step} {cfg.algorithm.upper()} steps in {time.perf_counter() - start:.1f} s")
             if result["start_accuracy"] is not None and result["end_accuracy"] is not None:
-                print0(f"held-out accuracy: {result['start_accuracy']:.3f} at the start of GRPO -> "
+                print0(f"held-out accuracy: {result['start_accuracy']:.3f} at the start of {cfg.algorithm.upper()} -> "
                        f"{result['end_accuracy']:.3f} at the end")
             print0(f"metrics:    {self.run_dir / 'metrics.jsonl'}\nplot:       {png}\n"
                    f"checkpoint: {path or self.run_dir / 'checkpoints'}")

@@ -123,7 +123,10 @@ def fused_linear_dpo_loss(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    average_logprobs: bool = False,
+    sft_weight: float = 0.0,
+    return_logps: bool = False,
+):
     """:func:`dpo_loss` on sequence log-probs computed from the last hidden state without logits.
 
     The batch holds 2B sequences, the B chosen ones first, then the B rejected ones in the same pair order (TRL's
@@ -136,7 +139,22 @@ def fused_linear_dpo_loss(
     its number of nonzero mask entries. Metrics: those of :func:`dpo_loss` plus
     ``logps/chosen`` / ``logps/rejected`` (means of the policy's sequence log-probs, as TRL logs them).
     Gradients reach ``hidden``, ``weight`` and ``bias``.
+
+    ``average_logprobs`` (NeMo-RL's ``preference_average_log_probs``): the sequence log-probs of the policy *and*
+    of the reference (whose ``ref_*_logps`` are always given as masked sums) are divided by the sequence's
+    completion length ``n`` (≥ 1) before the loss; ``ipo`` then uses them as they are (already per token).
+    ``sft_weight`` ``w``: adds ``w · mean_i(−π_c,i)``, the chosen responses' negative log-likelihood on the same
+    scale (summed, or averaged with ``average_logprobs``; NeMo-RL's ``sft_loss_weight`` with its default
+    ``sft_average_log_probs = preference_average_log_probs``). TRL's ``"sft"`` loss term instead averages over all
+    chosen tokens of the batch; the two agree when the chosen responses have equal lengths and
+    ``average_logprobs`` is on. Metric ``nll_loss`` when ``w > 0``; ``loss`` is then the sum of both terms.
+    ``return_logps``: also return the detached ``[2B]`` fp32 summed sequence log-probs of the policy (chosen
+    first), on which a reference for later steps can be computed or metrics kept:
+    ``(loss, metrics, seq_logps)``.
     """
+    if isinstance(sft_weight, bool) or not isinstance(sft_weight, numbers.Real) or not (
+            math.isfinite(sft_weight) and sft_weight >= 0):
+        raise ValueError(f"sft_weight must be a finite number >= 0, got {sft_weight!r}")
     packed = cu_seqlens is not None
     check_tensor("hidden", hidden, ndim=2 if packed else 3, dtypes=FLOAT_DTYPES)
     check_tensor("mask", mask, dtypes=MASK_DTYPES, device=hidden.device)
@@ -166,9 +184,20 @@ def fused_linear_dpo_loss(
         seq_lengths = keep.sum(-1)  # [2B]
     chosen, rejected = seq_logps.chunk(2)  # [B], [B]
     chosen_lengths, rejected_lengths = seq_lengths.chunk(2)  # [B], [B]
-    loss, metrics = dpo_loss(chosen, rejected, ref_chosen_logps, ref_rejected_logps, beta=beta, loss_type=loss_type,
+    ref_c, ref_r = ref_chosen_logps, ref_rejected_logps
+    if average_logprobs:
+        n_c, n_r = chosen_lengths.float().clamp(min=1.0), rejected_lengths.float().clamp(min=1.0)  # [B], [B]
+        chosen, rejected, ref_c, ref_r = chosen / n_c, rejected / n_r, ref_c.float() / n_c, ref_r.float() / n_r
+        chosen_lengths = rejected_lengths = None  # ipo: the log-ratios are per token already
+    loss, metrics = dpo_loss(chosen, rejected, ref_c, ref_r, beta=beta, loss_type=loss_type,
                              label_smoothing=label_smoothing, chosen_lengths=chosen_lengths,
                              rejected_lengths=rejected_lengths)
+    if sft_weight > 0:
+        nll = -chosen.mean()
+        loss = loss + sft_weight * nll
+        metrics["nll_loss"] = nll.detach()
     metrics["logps/chosen"] = chosen.detach().mean()
     metrics["logps/rejected"] = rejected.detach().mean()
+    if return_logps:
+        return loss, metrics, seq_logps.detach()
     return loss, metrics

@@ -13,7 +13,7 @@ def test_default_is_tiny_and_recipes_ship():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(overrides=["grpo.beta=1", "train.sft_warmup_steps=0", "train.max_steps=7",
+    cfg = load_config(overrides=["grpo.beta=1", "sft.warmup_steps=0", "train.max_steps=7",
                                  "grpo.epsilon_high=null", "reward.functions=[math, format]",
                                  "logging.output_dir=runs/x",
                                  "stages=[{at_step: 2, max_new_tokens: 16, lr: 1e-4}]"])
@@ -54,7 +54,7 @@ def test_stage_settings_warmup_and_sequence_budget():
     ("stages=[{at_step: 0, max_new_tokens: 0}]", "stages[0].max_new_tokens must be >= 1"),
     ("stages=[{at_step: 0, max_new_tokens: 8}, {at_step: 2, max_new_tokens: 8, beta: -1}]",
      "stages[1].beta must be >= 0, got -1.0"),
-    ("grpo.beta=0.01", "train.sft_warmup_steps must be 0 when grpo.beta or a stage's beta is > 0"),
+    ("grpo.beta=0.01", "sft.warmup_steps must be 0 when grpo.beta or a stage's beta is > 0"),
     ("model.tiny_num_heads=3", "model.tiny_num_heads must be a multiple of model.tiny_num_kv_heads"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
     ("train.use_bool=true", "unknown config key(s) ['train.use_bool']"),
@@ -84,7 +84,7 @@ def test_bad_override_syntax_and_sources(tmp_path):
 
 
 def test_saved_yaml_loads_back_identically(tmp_path):
-    cfg = load_config(overrides=["grpo.beta=0.5", "train.sft_warmup_steps=0",
+    cfg = load_config(overrides=["grpo.beta=0.5", "sft.warmup_steps=0",
                                  "stages=[{at_step: 3, max_new_tokens: 12, beta: 0.1}]"])
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())

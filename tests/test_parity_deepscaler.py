@@ -173,7 +173,7 @@ def test_trainer_optimizer_is_nemo_rl_adamw(tmp_path):
     t = load_config("deepscaler-1.5b").train
     cfg = load_config(overrides=[f"train.weight_decay={t.weight_decay}", f"train.adam_beta1={t.adam_beta1}",
                                  f"train.adam_beta2={t.adam_beta2}", f"train.lr={t.lr}", "train.num_threads=1",
-                                 "train.sft_warmup_steps=0", f"logging.output_dir={tmp_path}"])
+                                 "sft.warmup_steps=0", f"logging.output_dir={tmp_path}"])
     d = Trainer(cfg).optimizer.defaults
     assert (d["betas"], d["eps"], d["weight_decay"], d["lr"]) == ((0.9, 0.999), 1e-8, 0.01, 2e-6)
 
@@ -212,7 +212,7 @@ def test_rollout_uses_the_leave_one_out_std(tmp_path):
     from fastgrpo.train import Trainer
 
     cfg = load_config(overrides=["grpo.num_prompts_per_step=1", "grpo.num_generations=4", "grpo.baseline=leave_one_out",
-                                 "grpo.scale=group_loo", "data.shuffle=false", "train.sft_warmup_steps=0",
+                                 "grpo.scale=group_loo", "data.shuffle=false", "sft.warmup_steps=0",
                                  "train.num_threads=1", f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
     answer = trainer.algorithm.train_data.rows[0]["answer"]

@@ -295,7 +295,7 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
     monkeypatch.setattr(PolicyUpdate, "run", run_then_interrupt)
     cfg = load_config(overrides=[
         "grpo.num_prompts_per_step=6", "grpo.num_generations=4", "rollout.max_new_tokens=8",
-        "rollout.max_batch_size=8", "train.sft_warmup_steps=0", "train.num_threads=1", "train.max_steps=5",
+        "rollout.max_batch_size=8", "sft.warmup_steps=0", "train.num_threads=1", "train.max_steps=5",
         "eval.at_start=false", "eval.every_steps=0", "checkpoint.every_steps=0", "logging.progress_bar=false",
         f"logging.output_dir={tmp_path}", "reward.num_workers=1", f"reward.timeout_s={TIMEOUT_S}",
         "reward.functions=[pool_user:sleep_each]"])

@@ -15,7 +15,7 @@ from fastgrpo.metrics import read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "fastgrpo" / "train.py"
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6",
-         "train.sft_warmup_steps=2", "train.sft_batch_size=8", "eval.num_prompts=8", "eval.every_steps=0",
+         "sft.warmup_steps=2", "sft.batch_size=8", "eval.num_prompts=8", "eval.every_steps=0",
          "checkpoint.every_steps=2", "logging.progress_bar=false", "train.num_threads=1"]
 # values that depend on the wall clock or the process, not on the computation
 TIMING = ("time", "time/", "tokens_per_second", "peak_memory_gib")
@@ -126,7 +126,7 @@ def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
         return {"optimizer_steps": 0.0, "bad_steps": 1.0}
 
     monkeypatch.setattr(PolicyUpdate, "run", always_bad)
-    cfg = load_config(overrides=[*SMALL, "train.sft_warmup_steps=0", "eval.at_start=false", "train.max_steps=10",
+    cfg = load_config(overrides=[*SMALL, "sft.warmup_steps=0", "eval.at_start=false", "train.max_steps=10",
                                  "train.max_bad_steps=2", "checkpoint.every_steps=0", f"logging.output_dir={tmp_path}"])
     with pytest.raises(TrainingAborted, match="2 optimizer steps in a row had a non-finite loss"):
         Trainer(cfg).fit()
@@ -167,7 +167,7 @@ def test_reference_model_only_when_some_stage_has_beta(tmp_path):
     from fastgrpo.config import load_config
     from fastgrpo.train import Trainer
 
-    base = [*SMALL, "train.sft_warmup_steps=0", f"logging.output_dir={tmp_path}"]
+    base = [*SMALL, "sft.warmup_steps=0", f"logging.output_dir={tmp_path}"]
     assert Trainer(load_config(overrides=base)).algorithm.ref_model is None
     trainer = Trainer(load_config(overrides=[*base, "stages=[{at_step: 0, max_new_tokens: 6},"
                                                     " {at_step: 2, max_new_tokens: 6, beta: 0.001}]"]))
@@ -205,7 +205,7 @@ def test_lr_warms_up_per_grpo_step_and_restarts_with_a_stage(tmp_path, monkeypat
         return {"optimizer_steps": 3.0, "bad_steps": 0.0}
 
     monkeypatch.setattr(PolicyUpdate, "run", record)
-    cfg = load_config(overrides=[*SMALL, "train.sft_warmup_steps=0", "eval.at_start=false", "eval.at_end=false",
+    cfg = load_config(overrides=[*SMALL, "sft.warmup_steps=0", "eval.at_start=false", "eval.at_end=false",
                                  "train.max_steps=6", "checkpoint.every_steps=0", "checkpoint.save_final=false",
                                  "train.lr=2e-3", "train.warmup_steps=2", "train.warmup_start_factor=0.5",
                                  "stages=[{at_step: 4, max_new_tokens: 6, lr: 1e-3, restart_warmup: true, "
@@ -225,7 +225,7 @@ def test_sequence_budget_bounds_prompt_plus_completion(tmp_path):
     from fastgrpo.config import load_config, stage_settings
     from fastgrpo.train import Trainer
 
-    cfg = load_config(overrides=[*SMALL, "train.sft_warmup_steps=0", "rollout.max_new_tokens=64",
+    cfg = load_config(overrides=[*SMALL, "sft.warmup_steps=0", "rollout.max_new_tokens=64",
                                  "stages=[{at_step: 0, max_new_tokens: 64, max_sequence_tokens: 40}]",
                                  f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
@@ -262,7 +262,7 @@ def test_stage_resets_the_kl_reference_and_a_resume_loads_it(tmp_path, monkeypat
         return {"optimizer_steps": 1.0, "bad_steps": 0.0}
 
     monkeypatch.setattr(PolicyUpdate, "run", perturb)
-    base = [*SMALL, "train.sft_warmup_steps=0", "eval.at_start=false", "eval.at_end=false", "checkpoint.every_steps=1",
+    base = [*SMALL, "sft.warmup_steps=0", "eval.at_start=false", "eval.at_end=false", "checkpoint.every_steps=1",
             "stages=[{at_step: 0, max_new_tokens: 6}, {at_step: 2, max_new_tokens: 6, beta: 0.01, "
             "reset_reference: true}]", f"logging.output_dir={tmp_path}"]
     for steps in (3, 4):

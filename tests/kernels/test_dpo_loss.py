@@ -177,6 +177,57 @@ def test_fused_linear_dpo_loss(packed, dtype, loss_type, label_smoothing):
         _assert_close(m_got[k], m_want[k], atol_rel=1e-5, what=k)
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+@pytest.mark.parametrize("average, sft_weight", [(True, 0.0), (False, 0.5), (True, 0.7)])
+def test_fused_linear_dpo_loss_average_nll_and_logps(loss_type, average, sft_weight):
+    """``average_logprobs`` divides policy and reference sums by the mask's lengths (≥ 1; a sequence with no
+    completion token keeps its sum, 0); ``sft_weight`` adds w·mean(−π_c); ``return_logps`` gives the summed
+    sequence log-probs. Reference: fp32 ``linear_logprobs_ref`` → masked sums → the same arithmetic by hand →
+    ``dpo_loss_ref``; packed input, random upstream gradient."""
+    lengths = [6, 3, 5, 4, 0, 7]  # 3 pairs: sequences 0-2 chosen, 3-5 rejected
+    N, H, V = sum(lengths), 12, 37
+    g = torch.Generator().manual_seed(7 + len(loss_type))
+    hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / H**0.5
+    targets = torch.randint(0, V, (N,), generator=g)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    seq = torch.repeat_interleave(torch.arange(6), torch.tensor(lengths))
+    mask = torch.rand(N, generator=g) < 0.8
+    ref_c, ref_r = -torch.rand(3, generator=g) * 9, -torch.rand(3, generator=g) * 9
+    up = torch.randn(())
+    kw = dict(beta=0.4, loss_type=loss_type)
+
+    def ref_fn(h, w):
+        logp = linear_logprobs_ref(h, w, targets) * mask  # [N]
+        sums = torch.zeros(6).index_add(0, seq, logp)  # [2B]
+        n = torch.zeros(6).index_add(0, seq, mask.float())  # [2B]
+        pol, ref = sums, torch.cat([ref_c, ref_r])
+        if average:
+            pol, ref = pol / n.clamp(min=1), ref / n.clamp(min=1)
+        lens = {} if average else dict(chosen_lengths=n[:3], rejected_lengths=n[3:])
+        loss, metrics = dpo_loss_ref(pol[:3], pol[3:], ref[:3], ref[3:], **lens, **kw)
+        return loss + sft_weight * -pol[:3].mean(), metrics, sums.detach()
+
+    def fused_fn(h, w):
+        return fused_linear_dpo_loss(h, w, targets, mask, ref_c, ref_r, cu_seqlens=cu, average_logprobs=average,
+                                     sft_weight=sft_weight, return_logps=True, **kw)
+
+    def run(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, metrics, logps = fn(h, w)
+        (loss * up).backward()
+        return [loss.detach(), h.grad, w.grad, logps], metrics
+
+    got, m_got = run(fused_fn)
+    want, m_want = run(ref_fn)
+    for name, a, r in zip(("loss", "hidden", "weight", "logps"), got, want):
+        _assert_close(a, r, what=name)
+    for k in m_want:
+        _assert_close(m_got[k], m_want[k], what=k)
+    assert ("nll_loss" in m_got) == (sft_weight > 0)
+    with pytest.raises(ValueError, match="sft_weight"):
+        fused_linear_dpo_loss(hidden, weight, targets, mask, ref_c, ref_r, cu_seqlens=cu, sft_weight=-1.0)
+
+
 def test_fused_linear_dpo_loss_bad_input():
     hidden, weight = torch.randn(3, 4, 8), torch.randn(11, 8)
     targets, mask = torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4)

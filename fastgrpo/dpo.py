@@ -1,0 +1,288 @@
+"""Direct preference optimisation on the trainer's loop (``algorithm: dpo``).
+
+One step takes ``dpo.batch_size`` preference pairs (all ranks together; each rank its share). A pair is two
+sequences, prompt + chosen and prompt + rejected. Pairs are packed whole, padding-free, into the same kind of
+varlen micro-batches as GRPO (at most ``train.max_tokens_per_microbatch`` tokens; config.py requires two
+``data.max_length`` sequences to fit one): a micro-batch of B pairs holds the B chosen sequences, then the B
+rejected ones in the same order (``fused_linear_dpo_loss``'s layout). The loss mask covers the response tokens.
+
+Per micro-batch, ``fused_linear_dpo_loss`` computes the sequence log-probs ``π = Σ_t mask_t log p(y_t)`` straight
+from the last hidden state and the LM head weight (``fused_linear_logprobs``: no ``[N, V]`` logits, forward or
+backward) and the loss (``kernels/dpo_loss.py`` states the math: sigmoid / ipo / hinge, label smoothing, the
+per-token average of ``dpo.average_logprobs``, the NLL term of ``dpo.sft_weight``), which is a mean over the
+micro-batch's pairs. Re-weighted by ``B_mb / B_step`` (and by ``world_size``, since DDP averages gradients), the
+micro-batches and ranks sum to the mean over the step's pairs: W processes equal one on the same pairs.
+
+The reference is the policy as DPO starts: ``model.path`` as loaded, or the model after the supervised warm-up
+(``sft.warmup_steps``) when one runs. With ``dpo.precompute_ref_logprobs`` (the default) the reference's sequence
+log-probs of every training and held-out pair are computed once, before the first step, by no-grad packed
+forwards of that policy, and kept in the algorithm's state (two fp32 numbers per pair, saved with every
+checkpoint, so a resume never recomputes them). Otherwise a frozen copy of the starting policy (a second set of
+weights on every rank: 3 GB for a 1.5B model in bf16) computes them in every step; when the warm-up changed the
+weights, that copy is also written to ``<run dir>/dpo_reference.safetensors`` for a resume.
+
+Metrics (TRL's names): ``loss``, ``rewards/chosen`` = mean β(π_c − ref_c), ``rewards/rejected``,
+``rewards/accuracies`` (share of pairs with the chosen reward above the rejected one), ``rewards/margins``,
+``logps/chosen``, ``logps/rejected`` (the policy's sequence log-probs; per token with ``dpo.average_logprobs``),
+``nll_loss`` when ``dpo.sft_weight > 0``, all means over the step's pairs. Validation on the held-out pairs logs
+``eval/loss`` and ``eval/preference_accuracy`` (``rewards/accuracies`` there), and avg@k as ``eval/accuracy`` on the
+synthetic task's held-out prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.data import PreferencePair, SFTExample, load_response_datasets
+from fastgrpo.distributed import (
+    ForwardWrapper,
+    all_reduce,
+    broadcast_object,
+    full_state_dict,
+    is_fsdp,
+    print0,
+    unwrap_model,
+)
+from fastgrpo.grpo import _call, _no_grad_forward, packed_forward, packed_logprobs
+from fastgrpo.kernels._utils import seq_index
+from fastgrpo.kernels.dpo_loss import fused_linear_dpo_loss
+from fastgrpo.packing import plan_microbatches
+from fastgrpo.precision import accumulate, train_mode
+from fastgrpo.sft import LMBatch, clip_and_step, lm_batch, same_count
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+REFERENCE_FILE = "dpo_reference.safetensors"
+
+
+def pair_examples(pairs: list[PreferencePair]) -> list[SFTExample]:
+    """The 2B sequences of ``pairs``: every prompt + chosen, then every prompt + rejected; the responses trained."""
+    out = []
+    for side in ("chosen_ids", "rejected_ids"):
+        for p in pairs:
+            resp = getattr(p, side)
+            out.append(SFTExample(p.prompt_ids + resp, [False] * len(p.prompt_ids) + [True] * len(resp)))
+    return out
+
+
+def plan_pairs(pairs: list[PreferencePair], max_tokens: int) -> list[list[int]]:
+    """Micro-batches of whole pairs (both sequences), at most ``max_tokens`` tokens each."""
+    return plan_microbatches([2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs],
+                             max_tokens)
+
+
+def sequence_logps(model, mb: LMBatch) -> torch.Tensor:
+    """``[2B]`` fp32 sums of the response tokens' log-probs under ``model`` (a packed-forward module), no grad."""
+    logp_N = packed_logprobs(model, mb, 1.0)  # [N], 0 off the mask
+    seq_N = seq_index(mb.batch.cu_seqlens, logp_N.shape[0])  # [N]
+    return torch.zeros(mb.batch.num_seqs, device=logp_N.device).index_add(0, seq_N, logp_N)
+
+
+class DPO:
+    """``algorithm: dpo`` on ``train.py``'s loop (module docstring)."""
+
+    progress = {"loss": "loss", "acc": "rewards/accuracies"}
+
+    @staticmethod
+    def check_world_size(cfg, world_size: int) -> None:
+        if cfg.dpo.batch_size % world_size:
+            raise ValueError(f"dpo.batch_size={cfg.dpo.batch_size} must be a multiple of the number of processes "
+                             f"({world_size})")
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.cfg = trainer.cfg
+        self.train_data, self.held_out, self.held_out_prompts = load_response_datasets(
+            self.cfg.data, trainer.tokenizer, "dpo")
+        self.ref_tables: dict[str, torch.Tensor | None] = {}  # split → [n, 2] (chosen, rejected) fp32 sums
+        self.ref_forward = None  # the frozen reference model (on the fly), as a packed-forward module
+        self.reference_saved = False
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.cfg.dpo.batch_size
+
+    def describe_data(self) -> str:
+        out = f"{len(self.train_data)} preference pairs{self.train_data.describe()}"
+        if self.held_out is not None:
+            out += f", {len(self.held_out)} held-out{self.held_out.describe()}"
+        return out
+
+    def warmup_examples(self):
+        """The warm-up trains on each prompt followed by its chosen response."""
+        return pair_examples(self.train_data.items)[: len(self.train_data)], [p.chosen_ids for p in
+                                                                               self.train_data.items]
+
+    # ------------------------------------------------------------------ the reference
+
+    def _splits(self) -> dict[str, list[PreferencePair]]:
+        out = {"train": self.train_data.items}
+        if self.held_out is not None:
+            out["eval"] = self.held_out.items
+        return out
+
+    @torch.no_grad()
+    def _table(self, pairs: list[PreferencePair]) -> torch.Tensor:
+        """``[n, 2]`` reference sums of every pair, computed by the current policy: each rank its share, then
+        summed over ranks (each entry is written by exactly one rank)."""
+        t, st = self.trainer, self.trainer.state
+        mine = list(range(st.rank, len(pairs), st.world_size))
+        groups = plan_pairs([pairs[i] for i in mine], self.cfg.train.max_tokens_per_microbatch)
+        mbs = [([mine[j] for j in g], lm_batch(pair_examples([pairs[mine[j]] for j in g]), st.device))
+               for g in groups] or [([], lm_batch(pair_examples(pairs[:1]), st.device))]
+        table = torch.zeros(len(pairs), 2, device=st.device)
+        policy = _no_grad_forward(t.wrapped)
+        for (idx, mb), weight in same_count(mbs, st.device):
+            logps = sequence_logps(policy, mb)  # [2B]
+            if weight and idx:
+                table[idx] = torch.stack(logps.chunk(2), 1)
+        return all_reduce(table).cpu()
+
+    def _reference_model(self, path: Path | None):
+        """A frozen copy of the starting policy: model.path loaded again, then the weights at ``path`` or, with
+        ``path`` None, the live policy's (after a warm-up)."""
+        from safetensors.torch import load_model as load_weights
+
+        from fastgrpo.models import load_model
+
+        st = self.trainer.state
+        ref, _ = load_model(self.cfg.model, st.device, seed=self.cfg.train.seed)
+        if path is not None:
+            load_weights(ref, str(path), device=str(st.device))
+        elif self.cfg.sft.warmup_steps:
+            wrapped = self.trainer.wrapped
+            sd = (broadcast_object(full_state_dict(wrapped, st)) if is_fsdp(wrapped)
+                  else unwrap_model(wrapped).state_dict())
+            ref.load_state_dict(sd)
+        ref.requires_grad_(False).eval()
+        self.ref_forward = ForwardWrapper(ref, packed_forward)
+
+    def begin(self) -> None:
+        """As DPO starts (after the warm-up, on a fresh run): fix the reference."""
+        t = self.trainer
+        if self.cfg.dpo.precompute_ref_logprobs:
+            start = time.perf_counter()
+            self.ref_tables = {name: self._table(pairs) for name, pairs in self._splits().items()}
+            print0(f"reference log-probs of {sum(len(p) for p in self._splits().values())} pairs computed in "
+                   f"{time.perf_counter() - start:.1f} s")
+            return
+        self._reference_model(None)
+        if self.cfg.sft.warmup_steps:  # the reference is not model.path: keep it for a resume
+            if t.state.is_main:
+                from safetensors.torch import save_model
+
+                save_model(self.ref_forward.module, str(t.run_dir / REFERENCE_FILE))
+            self.reference_saved = True
+
+    def state_dict(self) -> dict:
+        if self.cfg.dpo.precompute_ref_logprobs:
+            return {"ref_logps": dict(self.ref_tables)}
+        return {"reference_saved": self.reference_saved}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.cfg.dpo.precompute_ref_logprobs:
+            tables = state.get("ref_logps")
+            if tables is None:
+                raise ValueError("the checkpoint holds no reference log-probs (it was saved with "
+                                 "dpo.precompute_ref_logprobs=false): resume with the same setting")
+            for name, pairs in self._splits().items():
+                if name not in tables or tables[name].shape[0] != len(pairs):
+                    raise ValueError(f"the checkpoint's reference log-probs do not match the {name} pairs "
+                                     f"({len(pairs)}): the data changed since the run started")
+            self.ref_tables = tables
+            return
+        if "reference_saved" not in state:
+            raise ValueError("the checkpoint was saved with dpo.precompute_ref_logprobs=true: resume with the "
+                             "same setting")
+        self.reference_saved = bool(state["reference_saved"])
+        path = self.trainer.run_dir / REFERENCE_FILE
+        if self.reference_saved and not path.is_file():
+            raise ValueError(f"{path} (the DPO reference model after the warm-up) is missing: cannot resume")
+        self._reference_model(path if self.reference_saved else None)
+
+    def _reference(self, split: str, idx: list[int], mb: LMBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B], [B])`` reference sums of the micro-batch's pairs ``idx`` of ``split``."""
+        if self.ref_forward is not None:
+            return sequence_logps(self.ref_forward, mb).chunk(2)
+        table = self.ref_tables[split][idx].to(mb.targets.device)  # [B, 2]
+        return table[:, 0], table[:, 1]
+
+    # ------------------------------------------------------------------ step and validation
+
+    def _loss(self, model, split: str, idx: list[int], mb: LMBatch):
+        d = self.cfg.dpo
+        ref_c, ref_r = self._reference(split, idx, mb)
+        hidden_NH, weight_VH, bias_V = _call(model, mb)
+        return fused_linear_dpo_loss(hidden_NH, weight_VH, mb.targets, mb.mask, ref_c, ref_r, bias=bias_V,
+                                     beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
+                                     cu_seqlens=mb.batch.cu_seqlens, average_logprobs=d.average_logprobs,
+                                     sft_weight=d.sft_weight)
+
+    def _microbatches(self, pairs: list[PreferencePair], indices: list[int]):
+        st = self.trainer.state
+        groups = plan_pairs(pairs, self.cfg.train.max_tokens_per_microbatch)
+        mbs = [([indices[j] for j in g], lm_batch(pair_examples([pairs[j] for j in g]), st.device)) for g in groups]
+        return same_count(mbs, st.device)
+
+    def _keys(self) -> tuple[str, ...]:
+        return ("loss", *METRICS) + (("nll_loss",) if self.cfg.dpo.sft_weight > 0 else ())
+
+    def step(self, indices: list[int], settings: dict) -> dict[str, float]:
+        t, st = self.trainer, self.trainer.state
+        per_rank = len(indices) // st.world_size
+        mine = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+        pairs = [self.train_data.items[i] for i in mine]
+        keys = self._keys()
+        sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=st.device)  # Σ B_mb · value, then tokens
+        with t.updating():
+            t.optimizer.zero_grad(set_to_none=True)
+            padded = self._microbatches(pairs, mine)
+            for i, ((idx, mb), weight) in enumerate(padded):
+                with train_mode(t.wrapped), accumulate(t.wrapped, t.optimizer, last=i == len(padded) - 1):
+                    loss, metrics = self._loss(t.wrapped, "train", idx, mb)
+                    (loss * (weight * len(idx) * st.world_size / len(indices))).backward()
+                values = torch.stack([loss.detach(), *(metrics[k] for k in keys[1:])]).double()
+                sums[:-1] += values * (weight * len(idx))
+                sums[-1] += float(mb.batch.num_tokens) * weight
+            *totals, tokens = all_reduce(sums).tolist()  # sync: once per step, the loss and the log row
+            m = {k: v / len(indices) for k, v in zip(keys, totals)}
+            grad_norm, stepped = clip_and_step(t, m["loss"])
+        if not stepped:
+            m["loss"] = math.nan
+        m.update({"grad_norm": grad_norm if stepped else math.nan, "tokens": tokens, "bad_steps": float(not stepped)})
+        return m
+
+    @torch.no_grad()
+    def _eval_pairs(self) -> dict[str, float]:
+        t, st = self.trainer, self.trainer.state
+        pairs = self.held_out.items
+        mine = list(range(st.rank, len(pairs), st.world_size))
+        padded = self._microbatches([pairs[i] for i in mine], mine) if mine else same_count(
+            [([], lm_batch(pair_examples(pairs[:1]), st.device))], st.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=st.device)
+        model = _no_grad_forward(t.wrapped)
+        for (idx, mb), weight in padded:
+            if not idx:  # a stand-in (this rank has no held-out pair): the forward only, for FSDP2's collectives
+                _call(model, mb)
+                continue
+            loss, metrics = self._loss(model, "eval", idx, mb)
+            sums += torch.stack([loss, metrics["rewards/accuracies"]]).double() * (weight * len(idx))
+        loss, acc = (all_reduce(sums) / len(pairs)).tolist()  # sync: once per validation
+        return {"eval/loss": loss, "eval/preference_accuracy": acc}
+
+    def validate(self) -> dict[str, float]:
+        t = self.trainer
+        m = {}
+        if self.held_out is not None:
+            start = time.perf_counter()
+            m.update(self._eval_pairs())
+            m["time/eval_pairs"] = time.perf_counter() - start
+            print0(f"step {t.step}: eval/loss {m['eval/loss']:.4f}, eval/preference_accuracy "
+                   f"{m['eval/preference_accuracy']:.3f} on {len(self.held_out)} held-out pairs")
+        if self.held_out_prompts is not None:
+            m.update(t.accuracy_eval(self.held_out_prompts))
+        return m

@@ -1,0 +1,89 @@
+"""SFT on the trainer's loop (fastgrpo/sft.py): the packed step against an unpacked fp32 reference, the mask, the
+validation loss, and the warm-up's noisy examples."""
+
+import pytest
+import torch
+
+from fastgrpo.config import load_config
+from fastgrpo.data import SFTExample
+
+SMALL = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "data.synthetic_num_terms=2",
+         "data.synthetic_eval_size=16", "data.max_length=24", "train.max_tokens_per_microbatch=40", "sft.batch_size=8",
+         "eval.num_prompts=4", "logging.progress_bar=false", "train.num_threads=1", "train.max_grad_norm=0"]
+
+
+def trainer(tmp_path, *overrides):
+    from fastgrpo.train import Trainer
+
+    return Trainer(load_config("sft-tiny", overrides=[*SMALL, f"logging.output_dir={tmp_path}", *overrides]))
+
+
+def nll(model, ex: SFTExample) -> tuple[torch.Tensor, int]:
+    """Σ −log p over the trained tokens of one sequence alone through the HF forward (fp32), and their count."""
+    ids = torch.tensor([ex.input_ids])
+    logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)  # [T-1, V]
+    lp = logp.gather(-1, ids[0, 1:, None])[:, 0]  # [T-1]
+    mask = torch.tensor(ex.loss_mask[1:])
+    return -(lp * mask).sum(), int(mask.sum())
+
+
+def test_packed_step_matches_unpacked_fp32_reference(tmp_path):
+    """One SFT step over 8 examples in several micro-batches (40-token budget), with a multi-turn conversation
+    whose first (user) turn is untrained, vs each sequence through the HF forward: loss = Σ NLL / Σ trained
+    tokens, and its gradient (the SGD weight change at lr 1)."""
+    t = trainer(tmp_path)
+    sft, model = t.algorithm, t.model
+    chat = SFTExample([3, 7, 43, 8, 4, 9, 0, 3, 10, 4, 11, 12, 0],
+                      [False] * 5 + [True, True, False, False, False, True, True, True])
+    sft.train_data.items.append(chat)
+    indices = [len(sft.train_data) - 1, 0, 11, 50, 42, 7, 30, 12]
+    t.optimizer = torch.optim.SGD(t.wrapped.parameters(), lr=1.0)
+    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    m = sft.step(indices, {})
+    delta = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(before[k])
+    model.zero_grad()
+    parts = [nll(model, sft.train_data.items[i]) for i in indices]
+    n = sum(c for _, c in parts)
+    loss = sum(x for x, _ in parts) / n
+    loss.backward()
+    assert m["loss_tokens"] == n and m["bad_steps"] == 0
+    assert m["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert m["tokens"] == sum(len(sft.train_data.items[i].input_ids) for i in indices)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(delta[k], p.grad, rtol=1e-4, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_validation_loss_and_accuracy(tmp_path):
+    t = trainer(tmp_path)
+    m = t.algorithm.validate()
+    parts = [nll(t.model, ex) for ex in t.algorithm.held_out.items]
+    with torch.no_grad():
+        want = sum(x for x, _ in parts) / sum(c for _, c in parts)
+    assert m["eval/loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert m["eval/num_prompts"] == 4 and 0 <= m["eval/accuracy"] <= 1
+
+
+def test_warmup_noise_swaps_responses_only(tmp_path, monkeypatch):
+    """The warm-up's examples keep their prompts; a swapped response is another row's, whole."""
+    import fastgrpo.sft as S
+    from fastgrpo.train import Trainer
+
+    seen = []
+    monkeypatch.setattr(S, "sft_backward", lambda model, opt, batch, *a: (seen.extend(batch), (0.0, 1.0))[1])
+    t = Trainer(load_config("tiny", overrides=["sft.warmup_steps=3", "sft.batch_size=16", "sft.answer_noise=0.5",
+                                               f"logging.output_dir={tmp_path}", "train.num_threads=1"]))
+    examples, responses = t.algorithm.warmup_examples()
+    S.sft_warmup(t, examples, responses)
+    prompts = {tuple(ex.input_ids[: ex.loss_mask.index(True)]) for ex in examples}
+    swapped = 0
+    assert len(seen) == 48
+    for ex in seen:
+        cut = ex.loss_mask.index(True)
+        assert tuple(ex.input_ids[:cut]) in prompts and all(ex.loss_mask[cut:])
+        assert ex.input_ids[cut:] in responses
+        swapped += ex not in examples
+    assert 5 < swapped < 40  # about half are swapped (some swaps land on an equal answer)
