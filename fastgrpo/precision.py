@@ -20,7 +20,8 @@ Per strategy (``model.dtype`` = bfloat16; with float32 nothing of this exists: A
   AdamW steps them. Each forward all-gathers bf16 copies; gradients are reduce-scattered in fp32 (and accumulated
   unsharded in fp32 between micro-batches). The engine reads the bf16 unsharded parameters inside
   ``unshard()``/``reshard()`` (``train.full_weights``), as before. Per parameter and rank: (4 + 8 + 4) / world size
-  + 2 bytes while gathered.
+  (master, AdamW state, sharded gradient) + 2 (bf16 copy) while gathered + 4 (the unsharded fp32 gradient FSDP2
+  accumulates between micro-batches, freed by the reduce-scatter of the last one).
 
 Numerics: a micro-batch's gradient is computed in bf16 (its matmuls accumulate in fp32 inside the kernels) and
 rounded once to bf16; the sum over micro-batches and ranks, the clipping norm, the AdamW moments and the update are
