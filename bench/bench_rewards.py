@@ -33,7 +33,7 @@ import time
 from common import append_rows, print_table
 
 from fastgrpo.config import load_config
-from fastgrpo.rewards import math_reward
+from fastgrpo.rewards import clear_caches, math_reward
 
 DELAY_ENV = "FASTGRPO_BENCH_REWARD_DELAY_MS"  # read by delayed_math in the workers (spawned: they inherit it)
 
@@ -51,6 +51,7 @@ def compare(steps: int, workers: list[int], delay_ms: float, warmup: int, max_ba
     from fastgrpo.train import Trainer
 
     os.environ[DELAY_ENV] = str(delay_ms)  # before the workers spawn: they inherit the environment
+    clear_caches()  # the in-process trainer starts as cold as the new workers (its verdicts of the last run are gone)
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
         try:
