@@ -61,6 +61,7 @@ def compare(steps: int, workers: list[int], delay_ms: float, warmup: int, max_ba
                     f"reward.num_workers={w}", f"rollout.max_batch_size={max_batch_size}",
                     f"reward.functions=[{'bench_rewards:delayed_math' if delay_ms else 'math'}]"]))
                 sft_warmup(trainers[w], *trainers[w].algorithm.warmup_examples())
+                trainers[w].algorithm.begin()
             logger = MetricsLogger(tmp, enabled=False)
             logs = {w: [] for w in workers}
             for _ in range(steps):
