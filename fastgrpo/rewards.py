@@ -153,6 +153,12 @@ def _parsed_gold(gold: str) -> list:
 _verdicts: dict[tuple[str, str], float] = {}  # math-verify verdicts already computed, (gold, pred) -> 0.0 / 1.0
 
 
+def clear_caches() -> None:
+    """Forget the parsed ground truths and verdicts of this process (benchmarks compare processes from cold)."""
+    _parsed_gold.cache_clear()
+    _verdicts.clear()
+
+
 def _verify(gold: str, pred: str, timeout_s: float) -> float:
     """1.0 when ``pred`` equals ``gold``: :func:`fast_verdict` when certain, else math-verify within ``timeout_s``
     (each distinct (gold, pred) pair verified once per process)."""
