@@ -321,7 +321,8 @@ class Trainer:
                 self.algorithm.begin()
                 if cfg.eval.at_start:
                     result["start_accuracy"] = self.validate(logger)
-            bar = ProgressBar(cfg.train.max_steps, initial=self.step, enabled=st.is_main and cfg.logging.progress_bar)
+            bar = ProgressBar(cfg.train.max_steps, initial=self.step, enabled=st.is_main and cfg.logging.progress_bar,
+                              desc=cfg.algorithm)
             while self.step < cfg.train.max_steps:
                 m = self.train_step(logger)
                 bar.update(self.step, **{label: m[key] for label, key in self.algorithm.progress.items()})
