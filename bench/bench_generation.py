@@ -13,6 +13,10 @@ shrinks either). Figures:
   pay it, so it bounds the achievable speedup (``x_floor`` = seconds / floor).
 - Peak extra memory of each call (the engine's KV cache is freed when it returns).
 
+``--logprob-gap`` instead measures the bf16 sampling gap (issue 9): a ~4-layer Qwen2-shaped model in bf16 on CPU,
+8 prompts × 4 samples of 32 tokens at temperature 1; the engine's log-probs against the trainer's packed forward
+(``fastgrpo.grpo.packed_logprobs``, the same bf16 weights): mean and max |Δ log p| over the sampled tokens.
+
 Workloads (issue 4): CPU, a ~10M-parameter Qwen2-shaped model, 8 prompts × n=4 of 32–64 tokens, 128 new tokens;
 GPU, a Qwen2.5-1.5B-shaped model with random bf16 weights, 32 prompts × n=8 of 256 tokens, 1024 new tokens.
 Sampling at temperature 1 with no top-k/top-p and no EOS (every completion runs to the limit).
@@ -127,13 +131,41 @@ def decode_roofline_s(model, prompts, n, max_new_tokens, gbps) -> float:
     return (steps * weight_bytes + kv_tokens_read * kv_per_token) / (gbps * 1e9)
 
 
+def logprob_gap(initializer_range: float) -> None:
+    """Print mean and max |engine log p − trainer log p| for bf16 weights (see the module docstring)."""
+    from fastgrpo.distributed import ForwardWrapper
+    from fastgrpo.grpo import Sample, packed_forward, packed_logprobs, plan
+
+    config = dict(CPU_CONFIG, num_hidden_layers=4, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**config, initializer_range=initializer_range)).to(torch.bfloat16).eval()
+    prompts = make_prompts(8, 16, 48, config["vocab_size"])
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=64)
+    out = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=32, seed=0))
+    samples = [Sample(p, c.token_ids, c.logprobs, 0.0) for p, comps in zip(prompts, out) for c in comps]
+    forward = ForwardWrapper(model, packed_forward)
+    gaps = []
+    with torch.no_grad():
+        for mb in plan(samples, 4096, torch.device("cpu")):
+            trained = mb.mask != 0
+            gaps.append((packed_logprobs(forward, mb, 1.0)[trained] - mb.sample_logprobs[trained]).abs())
+    gap = torch.cat(gaps)
+    print(f"bf16, initializer_range {initializer_range}: {gap.numel()} tokens, "
+          f"mean |dlogp| {gap.mean():.3e}, max {gap.max():.3e}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--logprob-gap", action="store_true", help="measure the bf16 engine-vs-trainer gap instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.logprob_gap:
+        for init in (0.02, 0.3):
+            logprob_gap(init)
+        return
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:

@@ -33,11 +33,14 @@ Sampling. With ``temperature == 0`` the token is ``argmax(logits)`` and its log-
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
 kept), then top-p keeps the smallest set of the most likely tokens (of the top-k renormalised distribution)
 whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
-renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(-log(U)))``, ``U ~ U[0, 1)`` from a
-seeded ``torch.Generator``: no host sync, reproducible for a given seed and input). On CUDA, temperature-only
-sampling (no top-k/top-p, the GRPO default) is ``fastgrpo.kernels.sampling.gumbel_sample``: one kernel that draws
-the noise in registers (philox from a seed the generator draws on the device) and reads each row of logits twice;
-the distribution is the same.
+renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(-log(U)))``). Every sample has its own
+random stream: the uniforms of its t-th token are ``U(h(seed, sample, t), v)`` (``fastgrpo.kernels.sampling``), so
+a sample's tokens do not depend on the batch it runs in, its slot, ``max_batch_size`` or ``sync_every``, and no
+host sync is needed to seed them. On CUDA, temperature-only sampling (no top-k/top-p, the GRPO default) is
+``fastgrpo.kernels.sampling.gumbel_sample``: one kernel that draws the noise in registers (philox keyed by the row's
+stream) and reads each row of logits twice; the distribution is the same.
+The logits are accumulated and kept in fp32 (the LM head's product has an fp32 output even for bf16 weights), like
+the training kernels', so no bf16 rounding happens before the softmax.
 **The returned log-prob is ``logp[token]``: under the temperature-scaled distribution before top-p/top-k
 truncation**, which is what the training forward computes with the same temperature.
 
@@ -58,7 +61,7 @@ import torch.nn.functional as F
 
 from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import decode_attention
-from fastgrpo.kernels.sampling import gumbel_sample
+from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, uniform_rows, uniform_rows_torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
@@ -66,6 +69,7 @@ CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take
 PREFILL_CHUNK_TOKENS = 16384  # prompts are prefilled in packed chunks of at most this many tokens (bounds activations)
 CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
 CUDA_T_BUCKET = 128  # attention length granularity on CUDA: one CUDA graph per multiple, aligned masks
+LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,6 @@ class GenerationEngine:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         else:
             seed = params.seed
-        gen = torch.Generator(device=device).manual_seed(seed)
 
         was_training = model.training
         model.eval()
@@ -302,7 +305,7 @@ class GenerationEngine:
             with torch.no_grad(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
                 for first, last, slots in waves:
-                    run = _Run(self, prompts[first:last], params, slots, max_len, device, dtype, gen, cos_TD, sin_TD)
+                    run = _Run(self, prompts[first:last], params, slots, max_len, device, dtype, seed, cos_TD, sin_TD)
                     results.extend(run.run(first, on_group_done))
         finally:
             model.train(was_training)
@@ -498,11 +501,30 @@ class GenerationEngine:
             x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1))
         norm = self.model.model.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
-        return self.model.lm_head(h).float()  # [S, V]
+        return self._lm_head(h)  # [S, V] fp32
 
     def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
         norm = self.model.model.norm
-        return self.model.lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon)).float()  # [P, V]
+        return self._lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
+
+    def _lm_head(self, h_MH: torch.Tensor) -> torch.Tensor:
+        """``logits = h Wᵀ (+ b)`` ``[M, V]``, accumulated and returned in fp32 like the training kernels' (never
+        rounded to bf16 before the softmax). bf16/fp16 on CUDA: cuBLAS with an fp32 output (``torch.mm``'s
+        ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over vocabulary chunks of
+        ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time)."""
+        weight_VH, bias_V = self.model.lm_head.weight, self.model.lm_head.bias
+        with torch.autocast(h_MH.device.type, enabled=False):
+            if h_MH.dtype == weight_VH.dtype == torch.float32:
+                return F.linear(h_MH, weight_VH, bias_V)
+            if h_MH.is_cuda:
+                logits_MV = torch.mm(h_MH, weight_VH.to(h_MH.dtype).t(), out_dtype=torch.float32)
+            else:
+                h32 = h_MH.float()
+                logits_MV = torch.empty(h_MH.shape[0], weight_VH.shape[0], device=h_MH.device)
+                for v0 in range(0, weight_VH.shape[0], LM_HEAD_CHUNK):
+                    w_CH = weight_VH[v0 : v0 + LM_HEAD_CHUNK].float()
+                    torch.mm(h32, w_CH.t(), out=logits_MV[:, v0 : v0 + LM_HEAD_CHUNK])
+            return logits_MV if bias_V is None else logits_MV + bias_V.float()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -547,15 +569,28 @@ class _Ops(NamedTuple):
 _EAGER_OPS = _Ops(_rms_norm, _add_rms_norm, _rope_qk, _silu_mul)
 
 
-def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generator):
-    """Draw one token per row; returns (token [S] int64, log-prob [S] fp32 before top-p/top-k truncation)."""
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of int64 values in [0, 2^31) onto [0, 2^31) (xor-shift-multiply; no overflow in int64)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & SEED_MASK
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & SEED_MASK
+    return x ^ (x >> 16)
+
+
+def _row_seeds(seed: int, sample_S: torch.Tensor, index_S: torch.Tensor) -> torch.Tensor:
+    """The random stream of each row: a hash of (call seed, sample id, index of the token being drawn), on the
+    rows' device (no host sync). A sample's noise is then the same whatever batch or row it runs in."""
+    return _mix31(_mix31(_mix31(torch.full_like(sample_S, seed & SEED_MASK)) ^ sample_S) ^ index_S)
+
+
+def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor):
+    """Draw one token per row (row r from its stream ``seeds_S[r]``); returns (token [S] int64, log-prob [S] fp32
+    before top-p/top-k truncation)."""
     if params.greedy:
         logp = torch.log_softmax(logits_SV, dim=-1)
         tok = logits_SV.argmax(dim=-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
     if not params.top_k and params.top_p == 1.0 and _use_fused_sampling(logits_SV):
-        seed = torch.randint(0, 2**31 - 1, (1,), generator=gen, device=logits_SV.device)  # stays on the device
-        return gumbel_sample(logits_SV, params.temperature, seed)
+        return gumbel_sample(logits_SV, params.temperature, seeds_S)
     logp = torch.log_softmax(logits_SV / params.temperature, dim=-1)  # [S, V]
     kept = logp
     if params.top_k and params.top_k < logp.shape[-1]:
@@ -567,9 +602,10 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generato
         mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
         drop = mass_before >= params.top_p  # the first token always stays (mass_before = 0 < top_p)
         kept = kept.scatter(1, order, sorted_lp.masked_fill(drop, -math.inf))
-    # Gumbel(0, 1) noise -log(-log(u)), u ~ U[0, 1) (u = 0 gives -inf: never picked); a third of the cost of
-    # exponential_ on CPU, and the same code on every device
-    u = torch.rand(kept.shape, generator=gen, device=kept.device)  # [S, V]
+    # Gumbel(0, 1) noise -log(-log(u)), u ~ U[0, 1) (u = 0 gives -inf: never picked); on CUDA the uniforms of the
+    # fused kernel (philox, no host sync), elsewhere one seeded torch.Generator per row
+    V = kept.shape[-1]
+    u = uniform_rows(seeds_S, V) if _use_fused_sampling(kept) else uniform_rows_torch(seeds_S, V)  # [S, V]
     tok = (kept - (-u.log()).log()).argmax(dim=-1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
@@ -577,7 +613,7 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, gen: torch.Generato
 class _Run:
     """One wave of one ``generate`` call: prefill its prompts, then decode all their samples through the slots."""
 
-    def __init__(self, engine: GenerationEngine, prompts, params, slots, max_len, device, dtype, gen, cos_TD, sin_TD):
+    def __init__(self, engine: GenerationEngine, prompts, params, slots, max_len, device, dtype, seed, cos_TD, sin_TD):
         self.e = engine
         self.prompts = prompts
         self.params = params
@@ -585,7 +621,7 @@ class _Run:
         self.T = max_len
         self.device = device
         self.dtype = dtype
-        self.gen = gen
+        self.seed = seed
         self.cos_TD, self.sin_TD = cos_TD, sin_TD
         self.max_new = params.max_new_tokens
         cuda = device.type == "cuda"
@@ -672,7 +708,8 @@ class _Run:
         out_tok = torch.zeros(S, max_new, dtype=torch.long, device=dev)
         out_lp = torch.zeros(S, max_new, dtype=torch.float32, device=dev)
         limit_S = torch.ones(S, dtype=torch.long, device=dev)  # the response limit of the sample in the slot
-        state = (tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S)
+        sample_S = torch.zeros(S, dtype=torch.long, device=dev)  # the sample's id in the call: its random stream
+        state = (tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S, sample_S)
         owner: list[tuple[int, int] | None] = [None] * S  # host: which sample each slot holds
         upper: list[int] = [0] * S  # host: upper bound on each slot's pos (exact until it finishes)
         S_b = S  # slots [0, S_b) are stepped
@@ -701,7 +738,7 @@ class _Run:
             if queue and free:
                 admit = free[: len(queue)]
                 samples = [queue.pop() for _ in admit]
-                self._admit(cache, state, admit, samples, lengths, offsets, last_hidden_PH)
+                self._admit(cache, state, admit, samples, lengths, offsets, last_hidden_PH, first)
                 for s, (p, j) in zip(admit, samples):
                     owner[s] = (p, j)
                     upper[s] = lengths[p]
@@ -718,7 +755,7 @@ class _Run:
             T_b = min(self.T, -(-(max(upper[s] for s in live) + steps) // self.t_bucket) * self.t_bucket)
             for _ in range(steps):
                 logits = self._step(cache, S_b, T_b)  # [S_b, V]
-                tok, lp = _sample(logits, self.params, self.gen)
+                tok, lp = _sample(logits, self.params, _row_seeds(self.seed, sample_S[:S_b], n_gen_S[:S_b]))
                 live_S = ~done_S[:S_b]
                 col = n_gen_S[:S_b].clamp(max=max_new - 1)
                 r = rows[:S_b]
@@ -733,9 +770,9 @@ class _Run:
                 upper[s] += steps
         return results
 
-    def _admit(self, cache, state, slots, samples, lengths, offsets, last_hidden_PH) -> None:
+    def _admit(self, cache, state, slots, samples, lengths, offsets, last_hidden_PH, first) -> None:
         """Give each admitted sample its prompt's K/V and its first token (sampled from the prompt's last state)."""
-        tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S = state
+        tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S, sample_S = state
         dev = self.device
         by_prompt: dict[int, list[int]] = {}
         for s, (p, _) in zip(slots, samples):
@@ -748,7 +785,9 @@ class _Run:
         idx = torch.tensor(slots, device=dev)
         prompt_idx = torch.tensor([p for p, _ in samples], device=dev)
         logits = self.e._logits(self.ops, last_hidden_PH[prompt_idx])  # [A, V]
-        tok, lp = _sample(logits, self.params, self.gen)
+        sample_A = torch.tensor([(first + p) * self.params.n + j for p, j in samples], device=dev)
+        sample_S[idx] = sample_A
+        tok, lp = _sample(logits, self.params, _row_seeds(self.seed, sample_A, torch.zeros_like(sample_A)))
         tok_S[idx] = tok
         pos_S[idx] = torch.tensor([lengths[p] for p, _ in samples], device=dev)
         n_gen_S[idx] = 1

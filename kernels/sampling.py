@@ -1,17 +1,20 @@
-"""Temperature sampling by the Gumbel-max trick, one token per row of logits (no autograd).
+"""Temperature sampling by the Gumbel-max trick, one token per row of logits, with one random stream per row.
 
 For row r of ``logits`` ``[S, V]`` with ``x = logits / temperature``::
 
-    token_r = argmax_v (x_v + g_v),   g_v = −log(−log u_v),  u_v ~ U[0, 1)
+    token_r = argmax_v (x_v + g_v),   g_v = −log(−log u_rv),  u_rv = U(seeds[r], v) ∈ [0, 1)
     logp_r  = x_token − logsumexp(x)  (= log_softmax(x)[token])
 
 so ``token_r`` is distributed as ``softmax(x)``. Returns ``(token [S] int64, logp [S] fp32)``. ``u = 0`` gives
-``g = −inf``: never picked.
+``g = −inf``: never picked. The uniforms of a row depend on its seed alone (counter-based: ``U(seed, v)``), not on
+the row's index or the batch: the generation engine derives the seed from (call seed, sample, position), so a
+sample draws the same noise whatever batch it runs in, and after a preemption.
 
 Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, one kernel per row that draws ``u`` in registers
-(philox keyed by ``seed`` and the flat index ``r·V + v``, so ``seed`` is a one-element int64 device tensor and no
-host synchronisation happens) and reads the row twice; otherwise torch ops with a ``torch.Generator`` seeded from
-``seed`` (one host read). Both draw from the same distribution; the draws themselves differ between the paths.
+(philox keyed by ``seeds[r]`` with counter ``v``: ``seeds`` is an int64 device tensor, so no host synchronisation
+happens) and reads the row twice; otherwise torch ops with a ``torch.Generator`` seeded with ``seeds[r]`` per row
+(one host read). Both draw from the same distribution; the draws themselves differ between the paths.
+:func:`uniform_rows` gives the same uniforms as a tensor (the engine's top-k/top-p path).
 
 Shape legend: S rows (slots), V vocabulary.
 """
@@ -28,19 +31,20 @@ if HAS_TRITON:
     import triton.language as tl
 
 BLOCK_V = 2048  # logits per inner step of the kernel
+SEED_MASK = (1 << 31) - 1  # row seeds are taken modulo 2^31 (philox's key; a torch.Generator seed)
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _gumbel_sample_kernel(
-        LOGITS, SEED, TOK, LOGP, V, stride_row, inv_temperature, BLOCK_V: tl.constexpr
+        LOGITS, SEEDS, TOK, LOGP, V, stride_row, inv_temperature, BLOCK_V: tl.constexpr
     ):
-        """Row r: x = logits / T; token = argmax_v (x_v + g_v) with g_v = −log(−log u_v), u_v = philox(seed,
-        r·V + v) ~ U[0, 1); logp = x_token − logsumexp(x). Two reads of the row's V logits (max, then sum and
-        argmax), two scalars written: no noise tensor, no softmax tensor."""
+        """Row r: x = logits / T; token = argmax_v (x_v + g_v) with g_v = −log(−log u_v), u_v = philox(seeds[r],
+        v) ~ U[0, 1); logp = x_token − logsumexp(x). Two reads of the row's V logits (max, then sum and argmax),
+        two scalars written: no noise tensor, no softmax tensor."""
         r = tl.program_id(0).to(tl.int64)
-        seed = tl.load(SEED)
+        seed = tl.load(SEEDS + r) & 0x7FFFFFFF  # SEED_MASK
         offs = tl.arange(0, BLOCK_V)
         row = LOGITS + r * stride_row
         m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -56,7 +60,7 @@ if HAS_TRITON:
             v = v0 + offs
             x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temperature
             l_vec += tl.exp(x - m)
-            u = tl.rand(seed, (r * V + v).to(tl.int32))  # the philox offset wraps past 2³¹ entries (S·V)
+            u = tl.rand(seed, v.to(tl.int32))
             score = x - tl.log(-tl.log(u))  # u = 0 gives −inf: never picked
             better = score > best_vec
             best_vec = tl.where(better, score, best_vec)
@@ -69,42 +73,78 @@ if HAS_TRITON:
         tl.store(TOK + r, token.to(tl.int64))
         tl.store(LOGP + r, x_token - m - tl.log(tl.sum(l_vec, axis=0)))
 
+    @triton.jit
+    def _uniform_rows_kernel(SEEDS, U, V, BLOCK_V: tl.constexpr):
+        """Row r, block b: u[r, v] = philox(seeds[r], v) for the block's v (the gumbel kernel's uniforms). Writes V
+        floats per row, reads one seed."""
+        r = tl.program_id(0).to(tl.int64)
+        v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        seed = tl.load(SEEDS + r) & 0x7FFFFFFF  # SEED_MASK
+        tl.store(U + r * V + v, tl.rand(seed, v), mask=v < V)
 
-def _check_inputs(logits, temperature, seed) -> None:
+
+def _check_seeds(seeds, rows: int, device) -> None:
+    check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,), device=device)
+    if seeds.shape[0] != rows:
+        raise ValueError(f"seeds has shape {tuple(seeds.shape)}, expected [S={rows}] (one seed per row)")
+
+
+def _check_inputs(logits, temperature, seeds) -> None:
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have unit stride on the vocabulary dim, got strides {logits.stride()}")
     if not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    check_tensor("seed", seed, ndim=1, dtypes=(torch.int64,), device=logits.device)
-    if seed.numel() != 1:
-        raise ValueError(f"seed must hold one element, got shape {tuple(seed.shape)}")
+    _check_seeds(seeds, logits.shape[0], logits.device)
 
 
-def _gumbel_sample_triton(logits_SV, temperature: float, seed):
+def _gumbel_sample_triton(logits_SV, temperature: float, seeds_S):
     S, V = logits_SV.shape
     tok_S = torch.empty(S, dtype=torch.long, device=logits_SV.device)
     logp_S = torch.empty(S, dtype=torch.float32, device=logits_SV.device)
     _gumbel_sample_kernel[(S,)](
-        logits_SV, seed, tok_S, logp_S, V, logits_SV.stride(0), 1.0 / temperature,
+        logits_SV, seeds_S.contiguous(), tok_S, logp_S, V, logits_SV.stride(0), 1.0 / temperature,
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8,
     )  # fmt: skip
     return tok_S, logp_S
 
 
-def _gumbel_sample_torch(logits_SV, temperature: float, seed):
-    gen = torch.Generator(device=logits_SV.device).manual_seed(int(seed.item()))  # host read: the CPU path
-    u_SV = torch.rand(logits_SV.shape, generator=gen, device=logits_SV.device)
-    return gumbel_sample_ref(logits_SV, temperature, u_SV)
+def uniform_rows_torch(seeds_S: torch.Tensor, V: int) -> torch.Tensor:
+    """``u [S, V]`` fp32 in [0, 1): row r from a ``torch.Generator`` seeded with ``seeds[r] mod 2^31`` (one host
+    read of the seeds; the CPU path)."""
+    u_SV = torch.empty(seeds_S.shape[0], V, device=seeds_S.device)
+    gen = torch.Generator(device=seeds_S.device)
+    for r, seed in enumerate((seeds_S & SEED_MASK).tolist()):
+        u_SV[r].uniform_(generator=gen.manual_seed(seed))
+    return u_SV
 
 
-def gumbel_sample(logits, temperature: float, seed) -> tuple[torch.Tensor, torch.Tensor]:
+def _uniform_rows_triton(seeds_S: torch.Tensor, V: int) -> torch.Tensor:
+    u_SV = torch.empty(seeds_S.shape[0], V, device=seeds_S.device)
+    block = min(BLOCK_V, triton.next_power_of_2(V))
+    _uniform_rows_kernel[(seeds_S.shape[0], triton.cdiv(V, block))](seeds_S.contiguous(), u_SV, V, BLOCK_V=block)
+    return u_SV
+
+
+def uniform_rows(seeds: torch.Tensor, V: int) -> torch.Tensor:
+    """The uniforms :func:`gumbel_sample` draws, as a tensor ``[S, V]`` fp32: ``u[r, v] = U(seeds[r], v)``."""
+    check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,))
+    if use_triton(seeds):
+        return _uniform_rows_triton(seeds, V)
+    return uniform_rows_torch(seeds, V)
+
+
+def _gumbel_sample_torch(logits_SV, temperature: float, seeds_S):
+    return gumbel_sample_ref(logits_SV, temperature, uniform_rows_torch(seeds_S, logits_SV.shape[1]))
+
+
+def gumbel_sample(logits, temperature: float, seeds) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from ``softmax(logits / temperature)``; returns ``(token [S] int64, logp [S] fp32)``.
 
-    ``seed``: a one-element int64 tensor on the logits' device (drawn there from a ``torch.Generator``, so the
-    CUDA path never synchronises with the host); equal seeds and logits give equal draws.
+    ``seeds``: ``[S]`` int64 on the logits' device, one per row (computed there, so the CUDA path never
+    synchronises with the host); row r's draw depends on ``seeds[r]`` and ``logits[r]`` alone.
     """
-    _check_inputs(logits, temperature, seed)
+    _check_inputs(logits, temperature, seeds)
     if use_triton(logits):
-        return _gumbel_sample_triton(logits, float(temperature), seed)
-    return _gumbel_sample_torch(logits, float(temperature), seed)
+        return _gumbel_sample_triton(logits, float(temperature), seeds)
+    return _gumbel_sample_torch(logits, float(temperature), seeds)
