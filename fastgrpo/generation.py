@@ -5,29 +5,35 @@ q/k/v/o projections with their biases, Qwen3's q_norm/k_norm, the RMSNorms, the 
 a KV cache of its own that lives only for the duration of one :meth:`GenerationEngine.generate` call, so training
 gets the memory back as soon as the rollout is done and the next rollout sees the optimizer's latest update.
 
-One call, step by step:
+One call, step by step (the host bookkeeping is ``fastgrpo.scheduler.Scheduler``; this file is the device step):
 
-1. **Prefill, once per prompt, packed.** The prompts are concatenated into one row of ``N`` tokens with
-   per-sequence positions (no padding). Projections, norms and the MLP run on the packed row; attention runs per
-   group of equal-length prompts (one causal SDPA per group). Each prompt's K/V go to a packed *prompt store*
-   ``[layers, N, Hkv, D]``; its last hidden state is kept for its first sampled token.
-2. **Slots.** A static cache ``k, v: [layers, S, Hkv, T, D]`` holds ``S`` sequences of up to ``T = max prompt +
-   max_new_tokens`` tokens, ``S * T + N <= max_total_tokens``. The ``n`` samples of a prompt (a GRPO group) are
-   queued; a sample admitted to a free slot gets a copy of its prompt's K/V from the store, so the prompt is
-   prefilled once and shared by its ``n`` samples.
-3. **Decode.** One token per active slot per step: ``x_S -> layers -> logits_SV``, sample, append. On CUDA the
-   attention is the split-K kernel of ``fastgrpo.kernels.decode_attention``, which reads each slot's live keys
-   only (the G query heads of a kv head as G query rows, no K/V repeat); on CPU it is SDPA over the first ``T_b``
-   cache positions with a length mask (``T_b`` = the longest live sequence, rounded up to a bucket on CUDA).
-   Every ``sync_every`` steps the host reads the ``done`` flags (the only host synchronisation in the loop):
-   finished samples are harvested, queued samples take their slots, and when the queue is empty and at most half
-   the batch is live the live slots are moved to the front and the batch shrinks to a power of two, so finished
-   sequences stop costing compute.
+1. **Pages.** The KV cache is a pool of pages ``k, v: [layers, pages, page_size, Hkv, D]`` sized from the budget
+   (``max_total_tokens``, or 80% of the free GPU memory), allocated per call and freed on return. Every sample of
+   every prompt is queued at once (one wave) and admitted when pages and rows allow.
+2. **Prefill, once per prompt, packed, straight into pages.** The prompts admitted in a round are concatenated into
+   one row with per-sequence positions (no padding); attention runs per group of equal-length prompts (one causal
+   SDPA per group) and each token's K/V go to its page. A prompt's ``n`` samples reference its full pages (reference
+   counts) and get a private copy of its partly filled last page; the prompt's last hidden state gives each sample
+   its first token.
+3. **Decode.** One token per running sample per step: ``x_S -> layers -> logits_SV (fp32)``, sample, append. The
+   attention reads each sample's keys through its block table: on CUDA the split-K paged kernel of
+   ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat), on CPU a
+   gather of the table's pages and SDPA with a length mask. Every ``sync_every`` steps the host reads the flags and
+   counts (the only host synchronisation in the loop): finished samples are harvested and free their pages, every
+   running sample gets the pages of its next ``sync_every`` tokens (when the pool runs dry, the latest-admitted
+   sample is preempted: pages freed, requeued with its tokens; it is later recomputed by prefilling prompt +
+   tokens), queued samples are admitted, rows are compacted, and the batch is the smallest power of two that holds
+   the running samples (padding rows write to a scratch page).
 4. On CUDA the elementwise pieces of a layer (RMSNorm fused with the residual add, rotary on q and k, SiLU·up)
    are fused by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode
-   forward (embedding → logits) is captured once per ``(batch, T_b)`` shape into a CUDA graph and replayed (no
-   per-kernel launch overhead); the graphs and the cache are dropped when ``generate`` returns. On CPU everything
-   runs eagerly.
+   forward (embedding → logits) is captured once per batch-size bucket into a CUDA graph (block tables and lengths
+   are static inputs, so no graph per length) writing one logits buffer; the graphs and the pool are dropped when
+   ``generate`` returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets).
+
+Memory (DeepSeek-R1-Distill-Qwen-1.5B, bf16): 28 KiB of K/V per token (28 layers × 2 × 2 kv heads × 128 × 2 B), so
+a 64-token page is 1.75 MiB; 40 GiB of pool hold ~1.5M tokens, e.g. 128 sequences at 12K tokens on average. Host
+state is O(pages + samples). ``engine.last_stats`` reports each call: peak_running, preemptions, decode_steps,
+prefill_tokens, peak_kv_tokens, kv_capacity_tokens, page_size.
 
 Sampling. With ``temperature == 0`` the token is ``argmax(logits)`` and its log-prob is ``log_softmax(logits)``.
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
@@ -44,7 +50,7 @@ the training kernels', so no bf16 rounding happens before the softmax.
 **The returned log-prob is ``logp[token]``: under the temperature-scaled distribution before top-p/top-k
 truncation**, which is what the training forward computes with the same temperature.
 
-Tensor names carry their shape: S slots, T cache length, N packed prompt tokens, P prompts, V vocabulary,
+Tensor names carry their shape: S rows (running samples), P block-table width, N packed prompt tokens, V vocabulary,
 H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 """
 
@@ -60,15 +66,19 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels._utils import use_triton
-from fastgrpo.kernels.decode_attention import decode_attention
+from fastgrpo.kernels.decode_attention import paged_decode_attention, paged_decode_attention_torch
 from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, uniform_rows, uniform_rows_torch
+from fastgrpo.scheduler import Admission, Scheduler
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
 PREFILL_CHUNK_TOKENS = 16384  # prompts are prefilled in packed chunks of at most this many tokens (bounds activations)
 CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
-CUDA_T_BUCKET = 128  # attention length granularity on CUDA: one CUDA graph per multiple, aligned masks
+# tokens per KV page, {on CUDA: True/False}. CUDA: 64 = the decode kernel's keys per inner step (one page per
+# step); a sequence wastes < 64 tokens (1.8 MiB for the 1.5B model), nothing next to 24K-token responses. CPU: 16,
+# the tiny models' gathers and partial-page copies stay small.
+DEFAULT_PAGE_SIZE = {True: 64, False: 16}
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
 
@@ -144,12 +154,24 @@ class Completion:
 
 @dataclass
 class _KVCache:
-    """The per-``generate`` memory: the decode slots and the packed prompt store (freed when generate returns)."""
+    """The per-``generate`` memory: the KV page pool (freed when generate returns)."""
 
-    k: torch.Tensor  # [L, S, Hkv, T, D]
-    v: torch.Tensor  # [L, S, Hkv, T, D]
-    store_k: torch.Tensor  # [L, N, Hkv, D]
-    store_v: torch.Tensor  # [L, N, Hkv, D]
+    k: torch.Tensor  # [L, pages, page_size, Hkv, D]
+    v: torch.Tensor  # [L, pages, page_size, Hkv, D]
+
+
+class _RowState(NamedTuple):
+    """Per-row decode state on the device (rows [0, running) hold the scheduler's running samples)."""
+
+    tok: torch.Tensor  # [R] int64
+    pos: torch.Tensor  # [R] int64
+    n_gen: torch.Tensor  # [R] int64
+    done: torch.Tensor  # [R] bool
+    limit: torch.Tensor  # [R] int64
+    sample: torch.Tensor  # [R] int64
+    out_tok: torch.Tensor  # [R, max_new] int64
+    out_lp: torch.Tensor  # [R, max_new] fp32
+    table: torch.Tensor  # [R, max_pages] int32
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -171,16 +193,18 @@ class GenerationEngine:
         model: a Hugging Face causal LM of a supported architecture (Llama, Qwen2/2.5, Qwen3). Its parameters are
             read in place at every call, so an optimizer step is seen by the next call.
         eos_token_ids: token id(s) that end a completion (with each call's ``stop_token_ids``).
-        max_batch_size: most sequences decoded at once (slots).
-        max_total_tokens: KV-cache budget in tokens (slots × (longest prompt + max_new_tokens) + all prompt
-            tokens). None: 80% of the free GPU memory (the allocator's cached blocks count as free) on CUDA,
-            2**18 tokens on CPU.
+        max_batch_size: most sequences decoded at once (rows).
+        max_total_tokens: KV page pool in tokens (``max_total_tokens // page_size`` pages; it must hold the longest
+            prompt + response plus two pages). None: 80% of the free GPU memory (the allocator's cached blocks count
+            as free) on CUDA, 2**18 tokens on CPU.
         dtype: activation and KV-cache dtype; None = the parameters' dtype. A different dtype runs the matmuls under
             ``torch.autocast`` (weights cast on the fly, never stored).
         sync_every: decode steps between host reads of the stop flags; None = 8 on CUDA, 1 on CPU.
         cuda_graphs: capture the decode step in CUDA graphs; None = on when the model is on CUDA.
         compile: fuse the elementwise pieces (RMSNorm, residual add, rotary, SiLU·up) with ``torch.compile``;
             None = on when the model is on CUDA (the CPU path stays eager).
+        page_size: tokens per KV page; None = 64 on CUDA (the decode kernel's keys per inner step; < 64 tokens
+            wasted per sequence), 16 on CPU.
     """
 
     def __init__(
@@ -194,6 +218,7 @@ class GenerationEngine:
         sync_every: int | None = None,
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        page_size: int | None = None,
     ):
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
@@ -229,6 +254,10 @@ class GenerationEngine:
             raise ValueError(f"max_total_tokens must be an integer >= 2 or None, got {max_total_tokens!r}")
         if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
             raise ValueError(f"sync_every must be an integer >= 1 or None, got {sync_every!r}")
+        if page_size is not None and (not isinstance(page_size, int) or page_size < 1):
+            raise ValueError(f"page_size must be an integer >= 1 or None, got {page_size!r}")
+        self.page_size = page_size
+        self.last_stats: dict = {}
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens
         self._dtype = dtype
@@ -288,10 +317,7 @@ class GenerationEngine:
         device = param.device
         dtype = self._dtype or param.dtype
         max_len = max(len(p) + params.response_limit(len(p)) for p in prompts)  # T
-        t_bucket = CUDA_T_BUCKET if device.type == "cuda" else 1
-        max_len = -(-max_len // t_bucket) * t_bucket  # attention lengths T_b are multiples of t_bucket
         budget = self._budget_tokens(device, dtype)
-        waves = self._plan_waves(prompts, params.n, max_len, budget)
 
         if params.seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -300,16 +326,13 @@ class GenerationEngine:
 
         was_training = model.training
         model.eval()
-        results: list[list[Completion]] = []
         try:
             with torch.no_grad(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
-                for first, last, slots in waves:
-                    run = _Run(self, prompts[first:last], params, slots, max_len, device, dtype, seed, cos_TD, sin_TD)
-                    results.extend(run.run(first, on_group_done))
+                run = _Run(self, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget)
+                return run.run(on_group_done)
         finally:
             model.train(was_training)
-        return results
 
     # ------------------------------------------------------------------ validation and planning
 
@@ -356,33 +379,6 @@ class GenerationEngine:
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached, reusable
             return int(free * CUDA_MEMORY_FRACTION) // self._kv_bytes_per_token(dtype)
         return DEFAULT_CPU_TOTAL_TOKENS
-
-    def _plan_waves(self, prompts: list[list[int]], n: int, max_len: int, budget: int) -> list[tuple[int, int, int]]:
-        """Split the prompts into waves whose prompt store plus at least one slot fit the token budget.
-
-        Returns ``(first, last, slots)`` per wave; normally one wave holds every prompt.
-        """
-        waves = []
-        first = 0
-        while first < len(prompts):
-            store = 0
-            last = first
-            while last < len(prompts):
-                extra = len(prompts[last])
-                slots_wanted = min(self.max_batch_size, n * (last + 1 - first))
-                if store + extra + slots_wanted * max_len > budget and last > first:
-                    break
-                store += extra
-                last += 1
-                if store + max_len > budget:
-                    raise ValueError(
-                        f"max_total_tokens={budget} cannot hold prompt {last - 1} ({len(prompts[last - 1])} tokens) "
-                        f"plus one sequence of {max_len} tokens (prompt + max_new_tokens)"
-                    )
-            slots = min(self.max_batch_size, n * (last - first), (budget - store) // max_len)
-            waves.append((first, last, slots))
-            first = last
-        return waves
 
     # ------------------------------------------------------------------ model pieces
 
@@ -437,12 +433,13 @@ class GenerationEngine:
             return x, ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
         return ops.add_rms_norm(x, delta, ln1.weight, ln1.variance_epsilon)
 
-    def _prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, store_k, store_v, offset, dtype):
+    def _prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, cache, slot_N, dtype):
         """Packed prefill of prompts sorted into equal-length groups; returns the last residual stream ``[N, H]``
         (before the final norm).
 
         ``groups``: ``(start, count, length)`` = ``count`` prompts of ``length`` tokens at ``start`` in the row.
-        K/V go to ``store_{k,v}[:, offset : offset + N]``.
+        Token i's K/V go to flat slot ``slot_N[i]`` of the page pool (page · page_size + offset). Its attention reads
+        the same K/V values it writes (the fresh tensors, before the write), so it equals attention through the pages.
         """
         N = tokens_N.shape[0]
         G = self.num_heads // self.num_kv_heads
@@ -452,8 +449,8 @@ class GenerationEngine:
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
-            store_k[li, offset : offset + N] = k
-            store_v[li, offset : offset + N] = v
+            cache.k[li].view(-1, self.num_kv_heads, self.head_dim)[slot_N] = k
+            cache.v[li].view(-1, self.num_kv_heads, self.head_dim)[slot_N] = v
             out = torch.empty_like(q)  # [N, Hq, D]
             for start, count, length in groups:
                 end = start + count * length
@@ -467,37 +464,33 @@ class GenerationEngine:
             x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
         return x + delta
 
-    def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, cos_TD, sin_TD, T_b: int, dtype) -> torch.Tensor:
-        """One decode step for slots ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V, return logits ``[S, V]``.
+    def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
+        """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
+        logits ``[S, V]`` (fp32).
 
-        Static shapes and no host synchronisation, so it can be captured in a CUDA graph. The attention reads
-        cache positions ``[0, T_b)`` masked to ``<= pos`` (the query's own key included).
+        Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
+        ``[0, pos]`` of each row through its block table ``table_SP`` (the query's own key included); the CPU path
+        gathers the table's ``P`` pages, so the engine passes only the columns the longest row uses.
         """
         S = tok_S.shape[0]
         G = self.num_heads // self.num_kv_heads
-        slot_S = torch.arange(S, device=tok_S.device)
-        fused_attention = _use_fused_attention(tok_S)
-        if fused_attention:
-            length_S = (pos_S + 1).to(torch.int32)  # keys [0, pos] are live, the current one included
-        else:
-            mask_S11T = (torch.arange(T_b, device=tok_S.device) <= pos_S[:, None]).view(S, 1, 1, T_b)
+        ps = cache.k.shape[2]
+        page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
+        slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
+        length_S = pos_S + 1  # keys [0, pos] are live, the current one included
+        attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
         cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
         x = self.model.model.embed_tokens(tok_S)  # [S, H]
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [S, Hq, D], [S, Hkv, D]
-            k_cache, v_cache = cache.k[li], cache.v[li]  # [S_max, Hkv, T, D]
-            k_cache[slot_S, :, pos_S] = k
-            v_cache[slot_S, :, pos_S] = v
+            k_pages, v_pages = cache.k[li], cache.v[li]  # [pages, page_size, Hkv, D]
+            k_pages.view(-1, self.num_kv_heads, self.head_dim)[slot_S] = k
+            v_pages.view(-1, self.num_kv_heads, self.head_dim)[slot_S] = v
             # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
-            if fused_attention:  # reads each slot's live keys only
-                o = decode_attention(q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], length_S, softmax_scale=self.scale)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q4, k_cache[:S, :, :T_b], v_cache[:S, :, :T_b], attn_mask=mask_S11T, scale=self.scale
-                )  # [S, Hkv, G, D]
+            o = attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)  # [S, Hkv, G, D]
             x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1))
         norm = self.model.model.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
@@ -611,70 +604,225 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tens
 
 
 class _Run:
-    """One wave of one ``generate`` call: prefill its prompts, then decode all their samples through the slots."""
+    """One ``generate`` call: the device step driven by a :class:`~fastgrpo.scheduler.Scheduler` (one wave)."""
 
-    def __init__(self, engine: GenerationEngine, prompts, params, slots, max_len, device, dtype, seed, cos_TD, sin_TD):
+    def __init__(self, engine: GenerationEngine, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget):
         self.e = engine
         self.prompts = prompts
         self.params = params
-        self.S = slots
-        self.T = max_len
         self.device = device
         self.dtype = dtype
         self.seed = seed
         self.cos_TD, self.sin_TD = cos_TD, sin_TD
-        self.max_new = params.max_new_tokens
         cuda = device.type == "cuda"
         self.sync_every = engine._sync_every or (CUDA_SYNC_EVERY if cuda else 1)
-        self.t_bucket = CUDA_T_BUCKET if cuda else 1
         self.use_graphs = cuda and engine._cuda_graphs is not False
         self.ops = engine._ops(device)
         self.stop_set = set(engine.eos_token_ids) | set(params.stop_token_ids)
         self.stop_ids = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=device)
-
-    def run(self, first: int, on_group_done) -> list[list[Completion]]:
-        """Decode this wave; ``first`` is the index of its first prompt in the call (for ``on_group_done``)."""
-        e, P, n = self.e, len(self.prompts), self.params.n
-        lengths = [len(p) for p in self.prompts]
-        L, Hkv, D = len(e.layers), e.num_kv_heads, e.head_dim
-        # zeroed: masked-out positions still enter the attention's P @ V, where 0 * NaN would be NaN
-        cache = _KVCache(
-            k=torch.zeros(L, self.S, Hkv, self.T, D, device=self.device, dtype=self.dtype),
-            v=torch.zeros(L, self.S, Hkv, self.T, D, device=self.device, dtype=self.dtype),
-            store_k=torch.empty(L, sum(lengths), Hkv, D, device=self.device, dtype=self.dtype),
-            store_v=torch.empty(L, sum(lengths), Hkv, D, device=self.device, dtype=self.dtype),
-        )
-        offsets, last_hidden_PH = self._prefill_all(cache, lengths)
+        self.ps = engine.page_size or DEFAULT_PAGE_SIZE[device.type == "cuda"]
+        self.lengths = [len(p) for p in prompts]
+        self.limits = [params.response_limit(n) for n in self.lengths]
         try:
-            return self._decode(cache, lengths, offsets, last_hidden_PH, P, n, first, on_group_done)
+            self.sched = Scheduler(
+                self.lengths, params.n, self.limits, self.ps, budget // self.ps, engine.max_batch_size
+            )
+        except ValueError as err:
+            raise ValueError(f"max_total_tokens={budget} ({budget // self.ps} pages of {self.ps}): {err}") from None
+
+    def run(self, on_group_done) -> list[list[Completion]]:
+        e, P, n, ps = self.e, len(self.prompts), self.params.n, self.ps
+        L, Hkv, D = len(e.layers), e.num_kv_heads, e.head_dim
+        R = min(e.max_batch_size, P * n)  # rows
+        dev = self.device
+        max_pages = max(self.sched.pages_for(a + b) for a, b in zip(self.lengths, self.limits))
+        max_new = max(self.limits)
+        # zeroed: masked-out keys still enter the CPU attention's P @ V, where 0 * NaN would be NaN
+        cache = _KVCache(
+            k=torch.zeros(L, self.sched.num_pages, ps, Hkv, D, device=dev, dtype=self.dtype),
+            v=torch.zeros(L, self.sched.num_pages, ps, Hkv, D, device=dev, dtype=self.dtype),
+        )
+        self.st = _RowState(
+            tok=torch.zeros(R, dtype=torch.long, device=dev),  # token fed at the next step
+            pos=torch.zeros(R, dtype=torch.long, device=dev),  # its position (= tokens already cached)
+            n_gen=torch.zeros(R, dtype=torch.long, device=dev),  # tokens generated so far
+            done=torch.ones(R, dtype=torch.bool, device=dev),  # finished or padding
+            limit=torch.ones(R, dtype=torch.long, device=dev),  # the sample's response limit
+            sample=torch.zeros(R, dtype=torch.long, device=dev),  # its id: the key of its random stream
+            out_tok=torch.zeros(R, max_new, dtype=torch.long, device=dev),
+            out_lp=torch.zeros(R, max_new, dtype=torch.float32, device=dev),
+            table=torch.zeros(R, max_pages, dtype=torch.int32, device=dev),  # block tables (0 = scratch page)
+        )
+        self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.logits_RV = torch.empty(R, e.vocab_size, device=dev) if self.use_graphs else None
+        self.stats = dict(decode_steps=0, prefill_tokens=0)
+        try:
+            return self._loop(cache, R, on_group_done)
         finally:
             self.graphs = None  # the graphs hold the cache's addresses: drop them with it
+            sched = self.sched
+            e.last_stats = dict(
+                peak_running=sched.peak_running,
+                preemptions=sched.preemptions,
+                decode_steps=self.stats["decode_steps"],
+                prefill_tokens=self.stats["prefill_tokens"],
+                peak_kv_tokens=sched.peak_pages * ps,
+                kv_capacity_tokens=(sched.num_pages - 1) * ps,
+                page_size=ps,
+            )
 
-    def _prefill_all(self, cache: _KVCache, lengths: list[int]):
-        """Prefill every prompt once (packed chunks, longest first); returns store offsets and last hidden states."""
-        e, dev = self.e, self.device
-        offsets = [0] * len(lengths)
-        last_hidden = [None] * len(lengths)
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        offset = 0
+    def _loop(self, cache, R, on_group_done) -> list[list[Completion]]:
+        P, n, st, sched = len(self.prompts), self.params.n, self.st, self.sched
+        results: list[list[Completion | None]] = [[None] * n for _ in range(P)]
+        unfinished = [n] * P  # samples of each prompt not finished yet
+        last_hidden: dict[int, torch.Tensor] = {}  # [H] of each prompt whose pages are held
+        rows = torch.arange(R, device=self.device)
+        S_b = 0  # rows [0, S_b) are stepped
+        steps = self.sync_every
+        while True:
+            # ---- host bookkeeping: one device->host read of the flags and counts per sync_every steps
+            running = len(sched.rows)
+            if running:
+                done, n_gen = torch.stack((st.done[:running].long(), st.n_gen[:running])).tolist()
+                finished = []
+                for row, seq in enumerate(sched.rows):
+                    seq.generated = n_gen[row]
+                    if done[row]:
+                        finished.append(seq)
+                if finished:
+                    self._read_tokens(finished)
+                    for seq in finished:
+                        stopped = seq.tokens[-1] in self.stop_set
+                        results[seq.prompt][seq.sample % n] = Completion(
+                            seq.tokens, seq.logprobs, "stop" if stopped else "length"
+                        )
+                        sched.finish(seq)
+                        unfinished[seq.prompt] -= 1
+                        if unfinished[seq.prompt] == 0 and on_group_done is not None:
+                            on_group_done(seq.prompt, results[seq.prompt])
+                preempted = sched.grow(steps, before_leave=self._read_tokens)
+                if preempted:
+                    st.done[[row for _, row in preempted]] = True
+                moves = sched.compact()
+                if moves:
+                    src = torch.tensor([m[0] for m in moves], device=self.device)
+                    dst = torch.tensor([m[1] for m in moves], device=self.device)
+                    for t in st:
+                        t[dst] = t[src]
+            admission = sched.admit(steps)
+            self._admit(cache, admission, last_hidden)
+            for p in list(last_hidden):
+                if p not in sched.prompt_pages:
+                    del last_hidden[p]
+            if admission.fresh:
+                continue  # a sample can finish at its first token (stop token or a limit of 1): harvest it first
+            if sched.done:
+                break
+            running = len(sched.rows)
+            S_b = _bucket(running, R)
+            table = torch.zeros(S_b, st.table.shape[1], dtype=torch.int32)
+            for row, seq in enumerate(sched.rows):
+                table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            st.table[:S_b] = table.to(self.device, non_blocking=True)
+            st.done[running:S_b] = True  # padding rows: write to the scratch page, never recorded
+            st.pos[running:S_b] = 0
+            n_pages = max(len(seq.pages) for seq in sched.rows)
+
+            # ---- sync_every decode steps without reading anything back
+            for _ in range(steps):
+                logits = self._step(cache, S_b, n_pages)  # [S_b, V] fp32
+                tok, lp = _sample(logits, self.params, _row_seeds(self.seed, st.sample[:S_b], st.n_gen[:S_b]))
+                live_S = ~st.done[:S_b]
+                col = st.n_gen[:S_b].clamp(max=st.out_tok.shape[1] - 1)
+                r = rows[:S_b]
+                st.out_tok[r, col] = torch.where(live_S, tok, st.out_tok[r, col])
+                st.out_lp[r, col] = torch.where(live_S, lp, st.out_lp[r, col])
+                st.n_gen[:S_b] += live_S
+                stop = torch.isin(tok, self.stop_ids) | (st.n_gen[:S_b] >= st.limit[:S_b])
+                st.done[:S_b] |= live_S & stop
+                st.pos[:S_b] += live_S
+                st.tok[:S_b] = torch.where(live_S, tok, st.tok[:S_b])
+            self.stats["decode_steps"] += steps
+        return results
+
+    def _read_tokens(self, seqs) -> None:
+        """Copy the generated tokens and log-probs of ``seqs`` (at their rows) to the host."""
+        idx = torch.tensor([s.row for s in seqs], device=self.device)
+        toks, lps = self.st.out_tok[idx].tolist(), self.st.out_lp[idx].tolist()
+        for s, tk, lp in zip(seqs, toks, lps):
+            s.tokens, s.logprobs = tk[: s.generated], lp[: s.generated]
+
+    def _admit(self, cache, adm: Admission, last_hidden) -> None:
+        """Prefill new prompts and recomputed samples into their pages, copy partial prompt pages, sample first
+        tokens, and fill the admitted rows' state."""
+        sched, st, dev, ps = self.sched, self.st, self.device, self.ps
+        seqs = [(self.prompts[p], sched.prompt_pages[p], p) for p in adm.prefill]
+        seqs += [(self.prompts[s.prompt] + s.tokens[:-1], s.pages, None) for s in adm.recompute]
+        if seqs:
+            last_hidden.update(self._prefill_all(cache, seqs))
+        fresh = adm.fresh
+        if fresh:
+            copies = [
+                (sched.prompt_pages[s.prompt][s.shared], s.pages[s.shared]) for s in fresh if s.prompt_len % ps
+            ]
+            if copies:  # the partly filled last prompt page, one private copy per sample
+                src = torch.tensor([c[0] for c in copies], device=dev)
+                dst = torch.tensor([c[1] for c in copies], device=dev)
+                cache.k[:, dst] = cache.k[:, src]
+                cache.v[:, dst] = cache.v[:, src]
+            idx = torch.tensor([s.row for s in fresh], device=dev)
+            logits = self.e._logits(self.ops, torch.stack([last_hidden[s.prompt] for s in fresh]))  # [A, V]
+            sample_A = torch.tensor([s.sample for s in fresh], device=dev)
+            tok, lp = _sample(logits, self.params, _row_seeds(self.seed, sample_A, torch.zeros_like(sample_A)))
+            limits = torch.tensor([s.limit for s in fresh], device=dev)
+            st.tok[idx] = tok
+            st.pos[idx] = torch.tensor([s.prompt_len for s in fresh], device=dev)
+            st.n_gen[idx] = 1
+            st.out_tok[idx, 0] = tok
+            st.out_lp[idx, 0] = lp
+            st.limit[idx] = limits
+            st.sample[idx] = sample_A
+            st.done[idx] = torch.isin(tok, self.stop_ids) | (limits <= 1)
+        sched.release_prompts()
+        for s in adm.recompute:  # continue from the last sampled token, with everything kept
+            c = len(s.tokens)
+            st.tok[s.row] = s.tokens[-1]
+            st.pos[s.row] = s.prompt_len + c - 1
+            st.n_gen[s.row] = c
+            st.out_tok[s.row, :c] = torch.tensor(s.tokens, device=dev)
+            st.out_lp[s.row, :c] = torch.tensor(s.logprobs, device=dev)
+            st.limit[s.row] = s.limit
+            st.sample[s.row] = s.sample
+            st.done[s.row] = False
+
+    def _prefill_all(self, cache, seqs) -> dict[int, torch.Tensor]:
+        """Prefill ``(tokens, pages, prompt or None)`` sequences in packed chunks (longest first), K/V into their
+        pages; returns the last hidden state ``[H]`` of each prompt (None: a recompute, whose next token is known)."""
+        e, dev, ps = self.e, self.device, self.ps
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
+        last_hidden = {}
         i = 0
         while i < len(order):
             chunk = [order[i]]
-            total = lengths[order[i]]
+            total = len(seqs[order[i]][0])
             i += 1
-            while i < len(order) and total + lengths[order[i]] <= PREFILL_CHUNK_TOKENS:
+            while i < len(order) and total + len(seqs[order[i]][0]) <= PREFILL_CHUNK_TOKENS:
                 chunk.append(order[i])
-                total += lengths[order[i]]
+                total += len(seqs[order[i]][0])
                 i += 1
-            tokens = [t for p in chunk for t in self.prompts[p]]
-            positions = [j for p in chunk for j in range(lengths[p])]
-            groups, start = [], 0
-            for p in chunk:
-                if groups and groups[-1][2] == lengths[p]:
-                    groups[-1] = (groups[-1][0], groups[-1][1] + 1, lengths[p])
+            tokens, positions, slots, groups, start = [], [], [], [], 0
+            for c in chunk:
+                toks, pages, _ = seqs[c]
+                m = len(toks)
+                tokens += toks
+                positions += range(m)
+                slots += [pages[t // ps] * ps + t % ps for t in range(m)]
+                if groups and groups[-1][2] == m:
+                    groups[-1] = (groups[-1][0], groups[-1][1] + 1, m)
                 else:
-                    groups.append((start, 1, lengths[p]))
-                start += lengths[p]
+                    groups.append((start, 1, m))
+                start += m
             x = e._prefill(
                 self.ops,
                 torch.tensor(tokens, device=dev),
@@ -682,160 +830,40 @@ class _Run:
                 groups,
                 self.cos_TD,
                 self.sin_TD,
-                cache.store_k,
-                cache.store_v,
-                offset,
+                cache,
+                torch.tensor(slots, device=dev),
                 self.dtype,
             )  # [N_chunk, H]
+            self.stats["prefill_tokens"] += total
             start = 0
-            for p in chunk:
-                offsets[p] = offset + start
-                start += lengths[p]
-                last_hidden[p] = x[start - 1]
-            offset += total
-        return offsets, torch.stack(last_hidden)  # [P, H]
+            for c in chunk:
+                start += len(seqs[c][0])
+                if seqs[c][2] is not None:
+                    last_hidden[seqs[c][2]] = x[start - 1]
+        return last_hidden
 
-    def _decode(self, cache, lengths, offsets, last_hidden_PH, P, n, first, on_group_done) -> list[list[Completion]]:
-        dev, S, max_new = self.device, self.S, self.max_new
-        queue = [(p, j) for p in range(P) for j in range(n)]  # sample j of prompt p, prompt-major
-        queue.reverse()  # pop() from the end takes them in order
-        results: list[list[Completion | None]] = [[None] * n for _ in range(P)]
-        unfinished = [n] * P  # samples of each prompt still running or queued
-        tok_S = torch.zeros(S, dtype=torch.long, device=dev)  # token fed at the next step
-        pos_S = torch.zeros(S, dtype=torch.long, device=dev)  # its position (= tokens already in the cache)
-        n_gen_S = torch.zeros(S, dtype=torch.long, device=dev)  # tokens generated so far
-        done_S = torch.ones(S, dtype=torch.bool, device=dev)  # finished or free
-        out_tok = torch.zeros(S, max_new, dtype=torch.long, device=dev)
-        out_lp = torch.zeros(S, max_new, dtype=torch.float32, device=dev)
-        limit_S = torch.ones(S, dtype=torch.long, device=dev)  # the response limit of the sample in the slot
-        sample_S = torch.zeros(S, dtype=torch.long, device=dev)  # the sample's id in the call: its random stream
-        state = (tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S, sample_S)
-        owner: list[tuple[int, int] | None] = [None] * S  # host: which sample each slot holds
-        upper: list[int] = [0] * S  # host: upper bound on each slot's pos (exact until it finishes)
-        S_b = S  # slots [0, S_b) are stepped
-        self.graphs = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.static_in = (tok_S, pos_S)
-        rows = torch.arange(S, device=dev)
-
-        while True:
-            # ---- host bookkeeping (one device->host read of the flags per sync_every steps)
-            done = done_S[:S_b].tolist()
-            finished = [s for s in range(S_b) if done[s] and owner[s] is not None]
-            if finished:
-                idx = torch.tensor(finished, device=dev)
-                counts = n_gen_S[idx].tolist()
-                toks, lps = out_tok[idx].tolist(), out_lp[idx].tolist()
-                for s, c, tk, lp in zip(finished, counts, toks, lps):
-                    p, j = owner[s]
-                    stopped = tk[c - 1] in self.stop_set
-                    results[p][j] = Completion(tk[:c], lp[:c], "stop" if stopped else "length")
-                    owner[s] = None
-                    unfinished[p] -= 1
-                    if unfinished[p] == 0 and on_group_done is not None:
-                        on_group_done(first + p, results[p])
-            free = [s for s in range(S_b) if owner[s] is None]
-            if queue and free:
-                admit = free[: len(queue)]
-                samples = [queue.pop() for _ in admit]
-                self._admit(cache, state, admit, samples, lengths, offsets, last_hidden_PH, first)
-                for s, (p, j) in zip(admit, samples):
-                    owner[s] = (p, j)
-                    upper[s] = lengths[p]
-                continue  # a sample can finish at its first token (stop token or max_new_tokens == 1)
-            live = [s for s in range(S_b) if owner[s] is not None]
-            if not live:
-                break
-            if not queue and len(live) <= S_b // 2:
-                S_b = self._compact(cache, state, live, owner, upper)
-                live = list(range(len(live)))  # the compaction moved them to the front
-
-            # ---- sync_every decode steps without reading anything back
-            steps = self.sync_every
-            T_b = min(self.T, -(-(max(upper[s] for s in live) + steps) // self.t_bucket) * self.t_bucket)
-            for _ in range(steps):
-                logits = self._step(cache, S_b, T_b)  # [S_b, V]
-                tok, lp = _sample(logits, self.params, _row_seeds(self.seed, sample_S[:S_b], n_gen_S[:S_b]))
-                live_S = ~done_S[:S_b]
-                col = n_gen_S[:S_b].clamp(max=max_new - 1)
-                r = rows[:S_b]
-                out_tok[r, col] = torch.where(live_S, tok, out_tok[r, col])
-                out_lp[r, col] = torch.where(live_S, lp, out_lp[r, col])
-                n_gen_S[:S_b] += live_S
-                stop = torch.isin(tok, self.stop_ids) | (n_gen_S[:S_b] >= limit_S[:S_b])
-                done_S[:S_b] |= live_S & stop
-                pos_S[:S_b] += live_S
-                tok_S[:S_b] = torch.where(live_S, tok, tok_S[:S_b])
-            for s in live:
-                upper[s] += steps
-        return results
-
-    def _admit(self, cache, state, slots, samples, lengths, offsets, last_hidden_PH, first) -> None:
-        """Give each admitted sample its prompt's K/V and its first token (sampled from the prompt's last state)."""
-        tok_S, pos_S, n_gen_S, done_S, out_tok, out_lp, limit_S, sample_S = state
-        dev = self.device
-        by_prompt: dict[int, list[int]] = {}
-        for s, (p, _) in zip(slots, samples):
-            by_prompt.setdefault(p, []).append(s)
-        for p, group in by_prompt.items():  # one copy per prompt into all its admitted slots
-            off, n = offsets[p], lengths[p]
-            idx = torch.tensor(group, device=dev)
-            cache.k[:, idx, :, :n] = cache.store_k[:, None, off : off + n].transpose(2, 3)  # [L, 1, Hkv, n, D]
-            cache.v[:, idx, :, :n] = cache.store_v[:, None, off : off + n].transpose(2, 3)
-        idx = torch.tensor(slots, device=dev)
-        prompt_idx = torch.tensor([p for p, _ in samples], device=dev)
-        logits = self.e._logits(self.ops, last_hidden_PH[prompt_idx])  # [A, V]
-        sample_A = torch.tensor([(first + p) * self.params.n + j for p, j in samples], device=dev)
-        sample_S[idx] = sample_A
-        tok, lp = _sample(logits, self.params, _row_seeds(self.seed, sample_A, torch.zeros_like(sample_A)))
-        tok_S[idx] = tok
-        pos_S[idx] = torch.tensor([lengths[p] for p, _ in samples], device=dev)
-        n_gen_S[idx] = 1
-        out_tok[idx, 0] = tok
-        out_lp[idx, 0] = lp
-        limits = torch.tensor([self.params.response_limit(lengths[p]) for p, _ in samples], device=dev)
-        limit_S[idx] = limits
-        done_S[idx] = torch.isin(tok, self.stop_ids) | (limits <= 1)
-
-    def _compact(self, cache, state, live, owner, upper) -> int:
-        """Move the live slots to the front (K/V and state) and return the new, smaller batch size."""
-        new_S = _bucket(len(live), self.S)
-        moves = [(src, dst) for dst, src in enumerate(live) if src != dst]
-        if moves:
-            src = torch.tensor([m[0] for m in moves], device=self.device)
-            dst = torch.tensor([m[1] for m in moves], device=self.device)
-            for li in range(len(self.e.layers)):  # per layer: the temporary is one layer's share
-                cache.k[li, dst] = cache.k[li, src]
-                cache.v[li, dst] = cache.v[li, src]
-            for t in state:
-                t[dst] = t[src]
-            for s_src, s_dst in moves:
-                owner[s_dst], upper[s_dst] = owner[s_src], upper[s_src]
-                owner[s_src] = None
-        state[3][len(live) : self.S] = True  # the rest are free
-        return new_S
-
-    def _step(self, cache: _KVCache, S_b: int, T_b: int) -> torch.Tensor:
-        tok_S, pos_S = self.static_in
+    def _step(self, cache: _KVCache, S_b: int, n_pages: int) -> torch.Tensor:
+        st = self.st
         if not self.use_graphs:
             return self.e._decode_forward(
-                self.ops, cache, tok_S[:S_b], pos_S[:S_b], self.cos_TD, self.sin_TD, T_b, self.dtype
-            )
-        key = (S_b, T_b)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(cache, S_b, T_b)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits
+                self.ops, cache, st.tok[:S_b], st.pos[:S_b], st.table[:S_b, :n_pages], self.cos_TD, self.sin_TD,
+                self.dtype,
+            )  # fmt: skip
+        if S_b not in self.graphs:
+            self.graphs[S_b] = self._capture(cache, S_b)
+        self.graphs[S_b].replay()
+        return self.logits_RV[:S_b]
 
-    def _capture(self, cache: _KVCache, S_b: int, T_b: int):
-        """Capture the decode forward for this shape. Warm-up runs recompute the current step's K/V: harmless."""
-        tok_S, pos_S = self.static_in
+    def _capture(self, cache: _KVCache, S_b: int):
+        """Capture the decode forward for batch bucket ``S_b`` (full-width block tables: no per-length graph),
+        writing the one logits buffer. Warm-up runs recompute the current step's K/V: harmless."""
+        st = self.st
 
         def forward():
-            return self.e._decode_forward(
-                self.ops, cache, tok_S[:S_b], pos_S[:S_b], self.cos_TD, self.sin_TD, T_b, self.dtype
+            logits = self.e._decode_forward(
+                self.ops, cache, st.tok[:S_b], st.pos[:S_b], st.table[:S_b], self.cos_TD, self.sin_TD, self.dtype
             )
+            self.logits_RV[:S_b].copy_(logits)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -844,5 +872,5 @@ class _Run:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = forward()
-        return graph, logits
+            forward()
+        return graph

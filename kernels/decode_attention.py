@@ -1,19 +1,22 @@
-"""Decode attention: one new query per sequence against the live prefix of a static KV cache (no autograd).
+"""Paged decode attention: one new query per sequence against its live keys in a paged KV cache (no autograd).
 
-For slot s, kv head h, and each of its G query heads g (query head ``h·G + g``)::
+For sequence s, kv head h, and each of its G query heads g (query head ``h·G + g``)::
 
-    O[s, h, g] = Σ_{j < len[s]} softmax_j(scale · q[s, h, g] · k[s, h, j]) · v[s, h, j]
+    O[s, h, g] = Σ_{j < len[s]} softmax_j(scale · q[s, h, g] · K[s, j, h]) · V[s, j, h]
+    K[s, j] = k_pages[table[s, j // page_size], j % page_size]   (the same for V)
 
-q ``[S, Hkv, G, D]`` (the G query heads of a kv head act as G query rows: no K/V repeat for GQA), k/v
-``[S, Hkv, T, D]`` (views of a cache; any strides but unit stride on D), ``lengths`` ``[S]`` int32/int64 with
-``1 ≤ len[s] ≤ T`` (not checked: reading them would synchronise with the host, and the engine calls this inside
-a CUDA graph). Returns ``[S, Hkv, G, D]`` in q's dtype. Inference only: nothing is saved for a backward.
+q ``[S, Hkv, G, D]`` (the G query heads of a kv head act as G query rows: no K/V repeat for GQA), k/v pages
+``[pages, page_size, Hkv, D]`` (any strides but unit stride on D), ``block_table`` ``[S, P]`` int32 (the pages of
+each sequence in token order), ``lengths`` ``[S]`` int32/int64 with ``1 ≤ len[s] ≤ P · page_size`` (not checked:
+reading them would synchronise with the host, and the engine calls this inside a CUDA graph). Returns
+``[S, Hkv, G, D]`` in q's dtype. Inference only: nothing is saved for a backward.
 
 Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
-slot's live keys, nothing past ``len[s]``) then a combine kernel; otherwise ``scaled_dot_product_attention`` with
-a length mask (the CPU generation path).
+sequence's live keys through its block table, nothing past ``len[s]``) then a combine kernel; otherwise the pages
+of the table are gathered into a contiguous ``[S, Hkv, P·page_size, D]`` copy and ``scaled_dot_product_attention``
+runs with a length mask (the CPU generation path, which passes only the table columns its longest row uses).
 
-Shape legend: S slots, Hkv key/value heads, G query heads per kv head, T cache length, D head dim.
+Shape legend: S sequences, Hkv key/value heads, G query heads per kv head, P block-table width, D head dim.
 """
 
 from __future__ import annotations
@@ -36,18 +39,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_attention_split_kernel(  # fmt: skip
-        Q, K, V, LEN,  # q [S, Hkv, G, D], k/v [S, Hkv, T, D], live length [S]
+        Q, K, V, TABLE, LEN,  # q [S, Hkv, G, D], k/v pages [pages, PAGE, Hkv, D], table [S, P], live length [S]
         O_part, M_part, L_part,  # [S, Hkv, splits, BLOCK_G, BLOCK_D], [S, Hkv, splits, BLOCK_G] ×2 (fp32)
         stride_qs, stride_qh, stride_qg,
-        stride_ks, stride_kh, stride_kt,
-        stride_vs, stride_vh, stride_vt,
-        split_len, scale,
+        stride_kp, stride_kt, stride_kh,
+        stride_vp, stride_vt, stride_vh,
+        stride_table, split_len, scale, PAGE,
         G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        """One (slot, kv head, split): the G query heads of the kv head against keys [split·len, (split+1)·len) ∩
-        [0, LEN[slot]). Reads G·D of q and 2·n·D of K/V (n = the live keys of the split, nothing past the slot's
-        length); writes the unnormalised output, row max and row sum of the online softmax for the combine."""
+        """One (sequence, kv head, split): the G query heads of the kv head against keys [split·len, (split+1)·len)
+        ∩ [0, LEN[s]), each key found through the block table (page = table[s, j // PAGE], row j % PAGE). Reads G·D
+        of q, n/PAGE table entries and 2·n·D of K/V (n = the live keys of the split, nothing past the length);
+        writes the unnormalised output, row max and row sum of the online softmax for the combine."""
         s = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -69,14 +73,17 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        k_base = K + s * stride_ks + h * stride_kh
-        v_base = V + s * stride_vs + h * stride_vh
+        table = TABLE + s * stride_table
         for n0 in range(start, end, BLOCK_N):
             n = n0 + offs_n
             n_ok = n < end
             kv_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+            page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # [BLOCK_N]
+            row = n % PAGE
+            k_ptr = K + page * stride_kp + row * stride_kt + h * stride_kh
+            v_ptr = V + page * stride_vp + row * stride_vt + h * stride_vh
+            k = tl.load(k_ptr[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptr[:, None] + offs_d[None, :], mask=kv_ok, other=0.0)
             if FP32_DOT:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -88,10 +95,10 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-        row = (s * tl.num_programs(1) + h) * n_splits + split
-        tl.store(O_part + row * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
-        tl.store(M_part + row * BLOCK_G + offs_g, m_i)
-        tl.store(L_part + row * BLOCK_G + offs_g, l_i)
+        part = (s * tl.num_programs(1) + h) * n_splits + split
+        tl.store(O_part + part * BLOCK_G * BLOCK_D + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
+        tl.store(M_part + part * BLOCK_G + offs_g, m_i)
+        tl.store(L_part + part * BLOCK_G + offs_g, l_i)
 
     @triton.jit
     def _decode_attention_combine_kernel(  # fmt: skip
@@ -126,29 +133,35 @@ if HAS_TRITON:
         tl.store(ptr, out.to(Out.dtype.element_ty), mask=ok)
 
 
-def _check_inputs(q, k, v, lengths) -> None:
-    """Shapes, dtypes, devices and the unit stride on D; never the values of ``lengths`` (no host sync)."""
+def _check_inputs(q, k_pages, v_pages, block_table, lengths) -> None:
+    """Shapes, dtypes, devices and the unit stride on D; never the values of the table or lengths (no host sync)."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
-    check_tensor("v", v, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("k_pages", k_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v_pages", v_pages, ndim=4, dtypes=(q.dtype,), device=q.device)
     S, Hkv, _, D = q.shape
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != S or k.shape[1] != Hkv or k.shape[3] != D:
-        raise ValueError(f"k has shape {tuple(k.shape)}, expected [S={S}, Hkv={Hkv}, T, D={D}] to match q")
+    if tuple(k_pages.shape) != tuple(v_pages.shape):
+        raise ValueError(f"k_pages and v_pages must have the same shape, got {tuple(k_pages.shape)} and "
+                         f"{tuple(v_pages.shape)}")
+    if k_pages.shape[2] != Hkv or k_pages.shape[3] != D:
+        raise ValueError(f"k_pages has shape {tuple(k_pages.shape)}, expected [pages, page_size, Hkv={Hkv}, D={D}]")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"q has head dim {D}; supported head dims are 1..{MAX_HEAD_DIM}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have unit stride on its last (head) dim, got strides {t.stride()}")
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
+    if block_table.shape[0] != S or block_table.stride(1) != 1:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)} and strides {block_table.stride()}, "
+                         f"expected [S={S}, P] with unit stride on P")
     check_tensor("lengths", lengths, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
     if lengths.shape[0] != S:
         raise ValueError(f"lengths has shape {tuple(lengths.shape)}, expected [S={S}] to match q")
 
 
-def _decode_attention_triton(q_SHGD, k_SHTD, v_SHTD, len_S, scale: float) -> torch.Tensor:
+def _paged_decode_attention_triton(q_SHGD, k_pages, v_pages, table_SP, len_S, scale: float) -> torch.Tensor:
     S, Hkv, G, D = q_SHGD.shape
-    T = k_SHTD.shape[2]
+    page = k_pages.shape[1]
+    T = table_SP.shape[1] * page  # the most keys a sequence can have
     BLOCK_G = max(16, triton.next_power_of_2(G))  # tl.dot wants 16 rows at least
     BLOCK_D = max(16, triton.next_power_of_2(D))
     splits = max(1, min(triton.cdiv(T, BLOCK_N), triton.cdiv(MIN_PROGRAMS, S * Hkv)))  # ≤ 1024
@@ -159,11 +172,11 @@ def _decode_attention_triton(q_SHGD, k_SHTD, v_SHTD, len_S, scale: float) -> tor
     m_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
     l_part = torch.empty(S, Hkv, splits, BLOCK_G, device=dev, dtype=torch.float32)
     _decode_attention_split_kernel[(S, Hkv, splits)](
-        q_SHGD, k_SHTD, v_SHTD, len_S, o_part, m_part, l_part,
+        q_SHGD, k_pages, v_pages, table_SP, len_S, o_part, m_part, l_part,
         q_SHGD.stride(0), q_SHGD.stride(1), q_SHGD.stride(2),
-        k_SHTD.stride(0), k_SHTD.stride(1), k_SHTD.stride(2),
-        v_SHTD.stride(0), v_SHTD.stride(1), v_SHTD.stride(2),
-        split_len, scale,
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        table_SP.stride(0), split_len, scale, page,
         G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, FP32_DOT=dot_in_fp32(q_SHGD),
         DOT_PRECISION="ieee" if q_SHGD.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
         num_warps=4 if BLOCK_D >= 64 else 2,  # small heads: 4 warps spilled 24 B on sm_90 (bf16, D = 16)
@@ -176,21 +189,26 @@ def _decode_attention_triton(q_SHGD, k_SHTD, v_SHTD, len_S, scale: float) -> tor
     return out
 
 
-def _decode_attention_torch(q_SHGD, k_SHTD, v_SHTD, len_S, scale: float) -> torch.Tensor:
-    S, _, _, _ = q_SHGD.shape
-    T = k_SHTD.shape[2]
-    live_S11T = (torch.arange(T, device=q_SHGD.device) < len_S[:, None]).view(S, 1, 1, T)
-    return F.scaled_dot_product_attention(q_SHGD, k_SHTD, v_SHTD, attn_mask=live_S11T, scale=scale)
+def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
+    """The plain-torch path: gather the table's pages into ``[S, Hkv, P·page_size, D]``, then SDPA with a length
+    mask. Reads and copies ``P · page_size`` keys per sequence (all the table's columns)."""
+    S, Hkv, _, D = q.shape
+    T = block_table.shape[1] * k_pages.shape[1]
+    k_SHTD = k_pages[block_table].view(S, T, Hkv, D).transpose(1, 2)  # [S, Hkv, T, D]
+    v_SHTD = v_pages[block_table].view(S, T, Hkv, D).transpose(1, 2)
+    live_S11T = (torch.arange(T, device=q.device) < lengths[:, None]).view(S, 1, 1, T)
+    scale = softmax_scale if softmax_scale is not None else D**-0.5
+    return F.scaled_dot_product_attention(q, k_SHTD, v_SHTD, attn_mask=live_S11T, scale=scale)
 
 
-def decode_attention(q, k, v, lengths, *, softmax_scale=None) -> torch.Tensor:
-    """``softmax(scale · q kᵀ) v`` over each slot's first ``lengths[s]`` cache positions (see the module docstring).
-
-    q ``[S, Hkv, G, D]``, k/v ``[S, Hkv, T, D]``, lengths ``[S]``; ``softmax_scale`` defaults to ``D ** -0.5``.
-    Static shapes and no host synchronisation on any path, so it can run inside a CUDA graph.
+def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
+    """``softmax(scale · q Kᵀ) V`` over each sequence's first ``lengths[s]`` keys, found through ``block_table`` (see
+    the module docstring). q ``[S, Hkv, G, D]``, k/v pages ``[pages, page_size, Hkv, D]``, block_table ``[S, P]``
+    int32, lengths ``[S]``; ``softmax_scale`` defaults to ``D ** -0.5``. Static shapes and no host synchronisation
+    on any path, so it can run inside a CUDA graph.
     """
-    _check_inputs(q, k, v, lengths)
+    _check_inputs(q, k_pages, v_pages, block_table, lengths)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if use_triton(q):
-        return _decode_attention_triton(q, k, v, lengths.contiguous(), scale)  # the kernel reads lengths[s] at s
-    return _decode_attention_torch(q, k, v, lengths, scale)
+        return _paged_decode_attention_triton(q, k_pages, v_pages, block_table, lengths.contiguous(), scale)
+    return paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, softmax_scale=scale)

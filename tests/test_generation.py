@@ -88,10 +88,10 @@ def teacher_forced_logp(model, prompt, completion, temperature=1.0):
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize(
     "max_batch_size,max_total_tokens,sync_every",
-    # all at once; slots refilled from the queue; several waves of prompts; stop flags read every 5 steps (as on
-    # CUDA: finished slots idle until the next read, their tokens must not be recorded)
+    # all at once; rows refilled from the queue; a KV pool of 4 pages of 16 (admission by pages, preemption); stop
+    # flags read every 5 steps (as on CUDA: finished rows idle until the next read, their tokens must not be recorded)
     [(64, None, 1), (3, None, 1), (4, 70, 1), (3, None, 5)],
-    ids=["one-batch", "refill", "waves", "sync5"],
+    ids=["one-batch", "refill", "small-pool", "sync5"],
 )
 def test_greedy_matches_hf(arch, max_batch_size, max_total_tokens, sync_every):
     model = tiny_model(arch)
@@ -218,7 +218,7 @@ def test_on_group_done_reports_each_group_once_when_it_finishes():
     assert ends == sorted(ends) and len(set(ends)) > 1
     # with refill and waves too: each prompt once, the returned lists
     calls.clear()
-    engine = GenerationEngine(model, eos_token_ids=eos, max_batch_size=4, max_total_tokens=60, sync_every=3)
+    engine = GenerationEngine(model, eos_token_ids=eos, max_batch_size=4, max_total_tokens=100, sync_every=3)
     results = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=1), on_group_done=on_group_done)
     assert sorted(p for p, _, _ in calls) == list(range(len(prompts)))
     assert all(comps is results[p] for p, comps, _ in calls)
@@ -336,6 +336,69 @@ def test_group_shares_one_prefill(monkeypatch):
         assert comps[0].token_ids == hf_greedy(model, prompt, 6, None)
 
 
+class CheckedScheduler(generation.Scheduler):
+    """The engine's scheduler, with its invariants asserted after every admission and growth round."""
+
+    instances = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        CheckedScheduler.instances.append(self)
+
+    def admit(self, steps):
+        out = super().admit(steps)
+        self.check()
+        return out
+
+    def grow(self, steps, before_leave=None):
+        out = super().grow(steps, before_leave)
+        self.check()
+        return out
+
+
+def test_pages_accounted_shared_and_freed(monkeypatch):
+    """Reference counts match the block tables and no written page is listed twice after every round (check()),
+    every page is free after the call, the prompts are prefilled once each (shared pages), and last_stats reports
+    the call."""
+    CheckedScheduler.instances.clear()
+    monkeypatch.setattr(generation, "Scheduler", CheckedScheduler)
+    model = tiny_model("qwen3")
+    prompts = random_prompts([7, 16, 3, 21], seed=9)  # partial, full and multi-page prompts (page_size 4)
+    engine = GenerationEngine(model, eos_token_ids=[5, 17], max_batch_size=6, page_size=4, sync_every=3)
+    engine.generate(prompts, SamplingParams(n=4, max_new_tokens=12, seed=2))
+    [sched] = CheckedScheduler.instances
+    assert sched.used_pages == 0 and not any(sched.refs) and not sched.prompt_pages
+    stats = engine.last_stats
+    assert stats["preemptions"] == 0 and stats["prefill_tokens"] == sum(len(p) for p in prompts)
+    assert stats["peak_running"] == 6 and stats["decode_steps"] > 0
+    assert 0 < stats["peak_kv_tokens"] <= stats["kv_capacity_tokens"] and stats["page_size"] == 4
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=4, max_new_tokens=24, seed=7),
+    SamplingParams(n=4, temperature=0.8, top_k=10, top_p=0.9, max_new_tokens=24, seed=7),
+], ids=["T1", "topk-topp"])
+def test_preemption_does_not_change_the_result(monkeypatch, params):
+    """A pool too small for every running sample forces preemptions (recompute); each sample's tokens equal those of
+    an uninterrupted run with a large pool, its log-probs within 1e-5 (the recompute prefill sums differently)."""
+    CheckedScheduler.instances.clear()
+    monkeypatch.setattr(generation, "Scheduler", CheckedScheduler)
+    model = tiny_model("llama")
+    prompts = random_prompts([9, 4, 13], seed=3)
+    big = GenerationEngine(model, eos_token_ids=[], max_batch_size=12, page_size=4)
+    want = big.generate(prompts, params)
+    assert big.last_stats["preemptions"] == 0
+    small = GenerationEngine(model, eos_token_ids=[], max_batch_size=12, page_size=4, max_total_tokens=4 * 24)
+    got = small.generate(prompts, params)
+    assert small.last_stats["preemptions"] > 0
+    assert small.last_stats["prefill_tokens"] > sum(len(p) for p in prompts)  # recomputed
+    for comps_w, comps_g in zip(want, got):
+        for w, g in zip(comps_w, comps_g):
+            assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+    assert all(sched.used_pages == 0 for sched in CheckedScheduler.instances)
+
+
 def test_reads_the_live_parameters():
     model = tiny_model("qwen2")
     model.train()
@@ -367,13 +430,13 @@ def test_cache_is_freed_after_generate(monkeypatch):
     class TrackedCache(generation._KVCache):
         def __init__(self, **tensors):
             super().__init__(**tensors)
-            caches.extend(weakref.ref(t) for t in (self, self.k, self.v, self.store_k, self.store_v))
+            caches.extend(weakref.ref(t) for t in (self, self.k, self.v))
 
     monkeypatch.setattr(generation, "_KVCache", TrackedCache)
     model = tiny_model("qwen2")
-    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=2, max_total_tokens=40)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=2, max_total_tokens=64)
     engine.generate(random_prompts([5, 8, 3]), SamplingParams(n=2, max_new_tokens=6, seed=0))
-    assert len(caches) >= 2 * 5  # several waves under this budget
+    assert len(caches) == 3  # one pool per call
     assert all(ref() is None for ref in caches)  # no reference cycle or lingering attribute keeps the cache
 
 
@@ -454,7 +517,7 @@ def test_bad_engine_arguments_raise():
         GenerationEngine(model, eos_token_ids=[VOCAB])
     with pytest.raises(ValueError, match="max_batch_size"):
         GenerationEngine(model, eos_token_ids=[0], max_batch_size=0)
-    with pytest.raises(ValueError, match="max_total_tokens=10 cannot hold"):
+    with pytest.raises(ValueError, match=r"max_total_tokens=10 \(0 pages of 16\): cannot hold prompt 0"):
         GenerationEngine(model, eos_token_ids=[0], max_total_tokens=10).generate(
             [[1] * 4], SamplingParams(max_new_tokens=8)
         )

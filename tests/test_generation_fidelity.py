@@ -54,19 +54,22 @@ def cases(draw, max_prompts=4, max_samples=32):
         dict(
             max_batch_size=draw(st.integers(1, P * n)),
             sync_every=draw(st.sampled_from([1, 3, 8])),
-            budget=draw(st.sampled_from([None, 0, 1, 3])),
+            page_size=draw(st.sampled_from([1, 3, 16])),
+            spare_pages=draw(st.sampled_from([None, 0, 1, 4])),
         )
         for _ in range(2)
     ]
     return draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, schedules
 
 
-def engine_for(model, params, prompts, max_batch_size, sync_every, budget):
-    """``budget``: None = the default; k = room for the prompts plus k + 1 longest sequences (small: waves)."""
+def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, spare_pages):
+    """``spare_pages``: None = the default budget; k = the fewest pages that hold the longest sequence, plus k (small:
+    admission waits for pages and running samples get preempted)."""
     longest = max(len(p) for p in prompts) + params.max_new_tokens
-    total = None if budget is None else sum(len(p) for p in prompts) + (budget + 1) * longest
+    total = None if spare_pages is None else (-(-longest // page_size) + 2 + spare_pages) * page_size
     return GenerationEngine(
-        model, eos_token_ids=[], max_batch_size=max_batch_size, max_total_tokens=total, sync_every=sync_every
+        model, eos_token_ids=[], max_batch_size=max_batch_size, max_total_tokens=total, sync_every=sync_every,
+        page_size=page_size,
     )
 
 

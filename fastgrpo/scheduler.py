@@ -1,0 +1,261 @@
+"""Host bookkeeping of one ``GenerationEngine.generate`` call: the queue, the KV pages, admission, harvest,
+preemption and which batch row holds which sample. Plain Python, no tensors: the engine's device step reads the
+block tables and lengths it produces, and tests (and ``bench/bench_scheduler.py``) drive it without a model.
+
+The KV cache is a pool of ``num_pages`` pages of ``page_size`` tokens (page 0 is a scratch page: the padding rows
+of a batch bucket write there). A sequence's K/V live in the pages of its block table, in order: token ``t`` is at
+``(pages[t // page_size], t % page_size)``.
+
+- **Shared prompt pages.** A prompt is prefilled once into pages the prompt holds; each of its ``n`` samples
+  references the prompt's *full* pages (a reference count per page) and gets a private copy of the partly filled
+  last one, so samples only ever write to private pages.
+- **One wave.** Every sample is queued at once, prompt-major. Before each chunk of ``steps`` decode steps the
+  scheduler (1) harvests finished samples and frees their pages, (2) gives every running sample the pages its next
+  ``steps`` tokens need, preempting the latest-admitted running sample while the pool is short (its pages are freed;
+  it is requeued at the front with its tokens and log-probs kept, and later recomputed: prompt + generated tokens
+  prefilled again into private pages), then (3) admits queued samples while pages and rows allow, keeping one free
+  page per running sample in reserve so that admission does not immediately force a preemption.
+- **Rows.** Running samples occupy rows ``[0, running)``; when one leaves, the last row moves into its place
+  (:meth:`Scheduler.compact` returns the moves for the device state).
+
+Invariants (:meth:`Scheduler.check`): a page's reference count equals the number of block tables and prompt
+holders that list it; free pages have count 0 and are not listed; no private (written) page is listed twice;
+after the call every page is free.
+
+Memory: the pool is the only large allocation, ``num_pages · page_size`` tokens × (2 · layers · Hkv · D · bytes)
+(28 KiB per token for DeepSeek-R1-Distill-Qwen-1.5B in bf16). Host state is O(pages + samples).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+SCRATCH_PAGE = 0  # never allocated: padding rows of a batch bucket read and write it
+
+
+@dataclass(eq=False)
+class Seq:
+    """One sample (completion) of one prompt."""
+
+    prompt: int
+    """Index of its prompt in the call."""
+    sample: int
+    """Its id in the call (prompt · n + j): the key of its random stream."""
+    prompt_len: int
+    limit: int
+    """Most tokens it may generate."""
+    tokens: list[int] = field(default_factory=list)
+    """Generated tokens known to the host (filled at harvest or preemption)."""
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    """Block table: the pages holding its K/V, in token order (the first ones may be its prompt's shared pages)."""
+    shared: int = 0
+    """How many leading pages are its prompt's (read-only); the rest are private (it writes them)."""
+    generated: int = 0
+    """Tokens generated so far (the last one is fed at the next step, so its K/V are not cached yet)."""
+    admitted: int = -1
+    """Admission counter (the latest admitted is preempted first); -1 while queued."""
+    row: int = -1
+
+    @property
+    def cached(self) -> int:
+        """Tokens whose K/V are in the cache."""
+        return self.prompt_len + self.generated - 1
+
+
+@dataclass
+class Admission:
+    """What the device must do for one admission round."""
+
+    prefill: list[int]
+    """Prompts to prefill into their (new) prompt pages."""
+    fresh: list[Seq]
+    """New samples of prefilled prompts: copy the partial last prompt page, sample the first token."""
+    recompute: list[Seq]
+    """Preempted samples: prefill prompt + generated[:-1] into their pages, then continue."""
+
+
+class Scheduler:
+    """Queue, pages and rows of one generate call (see the module docstring).
+
+    Args:
+        prompt_lens: token count of each prompt.
+        n: samples per prompt.
+        limits: response limit of each prompt.
+        page_size: tokens per page.
+        num_pages: pages in the pool (page 0 included, never allocated).
+        max_running: most samples decoded at once (rows).
+    """
+
+    def __init__(self, prompt_lens: list[int], n: int, limits: list[int], page_size: int, num_pages: int,
+                 max_running: int):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_running = max_running
+        self.prompt_lens = prompt_lens
+        self.refs = [0] * num_pages
+        self.free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() gives the lowest page first
+        self.waiting: deque[Seq] = deque(
+            Seq(p, p * n + j, prompt_lens[p], limits[p]) for p in range(len(prompt_lens)) for j in range(n)
+        )
+        self.rows: list[Seq | None] = []
+        self.prompt_pages: dict[int, list[int]] = {}
+        self.unadmitted = [n] * len(prompt_lens)  # samples of each prompt never admitted yet
+        self._counter = 0
+        self.preemptions = 0
+        self.peak_running = 0
+        self.peak_pages = 0
+        longest = max(range(len(prompt_lens)), key=lambda p: prompt_lens[p] + limits[p])
+        need = self.pages_for(prompt_lens[longest] + limits[longest]) + 1
+        if need > num_pages - 1:  # the sequence's pages, one more for its prompt's partial page, the scratch page
+            raise ValueError(
+                f"cannot hold prompt {longest} ({prompt_lens[longest]} tokens) plus its {limits[longest]}-token "
+                f"response: that needs {need + 1} pages"
+            )
+
+    # ------------------------------------------------------------------ pages
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - 1 - len(self.free)
+
+    def _alloc(self, k: int) -> list[int]:
+        pages = [self.free.pop() for _ in range(k)]
+        for pg in pages:
+            self.refs[pg] = 1
+        self.peak_pages = max(self.peak_pages, self.used_pages)
+        return pages
+
+    def _release(self, pages: list[int]) -> None:
+        for pg in pages:
+            self.refs[pg] -= 1
+            if self.refs[pg] == 0:
+                self.free.append(pg)
+
+    def _need(self, seq: Seq, steps: int) -> int:
+        """Pages ``seq`` must hold to run ``steps`` more decode steps (capped at its last position)."""
+        return self.pages_for(min(seq.cached + steps, seq.prompt_len + seq.limit))
+
+    # ------------------------------------------------------------------ one round
+
+    def finish(self, seq: Seq) -> None:
+        """A harvested sample leaves its row; its pages go back to the pool."""
+        self._release(seq.pages)
+        seq.pages, seq.shared = [], 0
+        self._leave(seq)
+
+    def _leave(self, seq: Seq) -> None:
+        self.rows[seq.row] = None
+        seq.row = -1
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Close the holes left by finished/preempted samples: returns the ``(src, dst)`` row moves."""
+        moves = []
+        live = [s for s in self.rows if s is not None]
+        for dst, seq in enumerate(live):
+            if seq.row != dst:
+                moves.append((seq.row, dst))
+                seq.row = dst
+        self.rows = live
+        return moves
+
+    def grow(self, steps: int, before_leave=None) -> list[tuple[Seq, int]]:
+        """Give each running sample the pages of its next ``steps`` tokens, preempting the latest-admitted ones
+        while the pool is short. ``before_leave([seq])`` runs while a victim still has its row (the engine reads its
+        tokens there). Returns ``(sample, row it left)`` per preempted sample, already requeued at the front."""
+        preempted = []
+        while True:
+            running = [s for s in self.rows if s is not None]
+            short = sum(max(0, self._need(s, steps) - len(s.pages)) for s in running)
+            if short <= len(self.free):
+                break
+            victim = max(running, key=lambda s: s.admitted)
+            if len(running) == 1:
+                raise RuntimeError("the KV pool cannot hold one sequence (checked at construction)")
+            if before_leave is not None:
+                before_leave([victim])
+            preempted.append((victim, victim.row))
+            self._release(victim.pages)
+            victim.pages, victim.shared = [], 0
+            victim.admitted = -1
+            self._leave(victim)
+            self.waiting.appendleft(victim)
+            self.preemptions += 1
+        for s in self.rows:
+            if s is not None:
+                s.pages += self._alloc(max(0, self._need(s, steps) - len(s.pages)))
+        return preempted
+
+    def admit(self, steps: int) -> Admission:
+        """Admit queued samples (front first) while rows and pages allow; allocates their pages and rows."""
+        out = Admission([], [], [])
+        ps = self.page_size
+        while self.waiting:
+            running = sum(s is not None for s in self.rows)
+            if running >= self.max_running:
+                break
+            seq = self.waiting[0]
+            full = seq.prompt_len // ps
+            if seq.generated:  # recompute: everything private
+                need, prefill = self._need(seq, steps), 0
+            else:  # its first token is sampled at admission, then fed at position prompt_len
+                need = self.pages_for(seq.prompt_len + min(steps, seq.limit)) - full
+                prefill = 0 if seq.prompt in self.prompt_pages else self.pages_for(seq.prompt_len)
+            if need + prefill + running > len(self.free):  # keep a page per running sample in reserve
+                if running:
+                    break
+                if need + prefill > len(self.free):  # only prompt holders left: let them go (re-prefilled later)
+                    for pages in self.prompt_pages.values():
+                        self._release(pages)
+                    self.prompt_pages.clear()
+                    continue
+            self.waiting.popleft()
+            if seq.generated:
+                seq.pages = self._alloc(need)
+                out.recompute.append(seq)
+            else:
+                if prefill:
+                    self.prompt_pages[seq.prompt] = self._alloc(prefill)
+                    out.prefill.append(seq.prompt)
+                shared = self.prompt_pages[seq.prompt][:full]
+                for pg in shared:
+                    self.refs[pg] += 1
+                seq.pages, seq.shared = shared + self._alloc(need), full
+                seq.generated = 1
+                out.fresh.append(seq)
+                self.unadmitted[seq.prompt] -= 1
+            seq.admitted = self._counter
+            self._counter += 1
+            seq.row = len(self.rows)
+            self.rows.append(seq)
+            self.peak_running = max(self.peak_running, sum(s is not None for s in self.rows))
+        return out
+
+    def release_prompts(self) -> None:
+        """Drop the prompt holders' references once every sample of the prompt has been admitted (call after the
+        admitted samples copied their partial page)."""
+        for p in [p for p in self.prompt_pages if self.unadmitted[p] == 0]:
+            self._release(self.prompt_pages.pop(p))
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and all(s is None for s in self.rows)
+
+    def check(self) -> None:
+        """Assert the invariants of the module docstring."""
+        refs = [0] * self.num_pages
+        holders = [s.pages for s in self.rows if s is not None] + list(self.prompt_pages.values())
+        for pages in holders:
+            for pg in pages:
+                refs[pg] += 1
+        assert refs == self.refs, "reference counts differ from the block tables"
+        for s in self.rows:
+            if s is not None:
+                assert all(refs[pg] == 1 for pg in s.pages[s.shared :]), "a written page is listed twice"
+                assert len(s.pages) * self.page_size >= s.cached, "a sequence's tokens outgrew its pages"
+        assert SCRATCH_PAGE not in self.free and refs[SCRATCH_PAGE] == 0
+        assert sorted(self.free) == [pg for pg in range(1, self.num_pages) if refs[pg] == 0], "free list"
