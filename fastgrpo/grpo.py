@@ -540,6 +540,12 @@ class GRPO:
             "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)),
             **result.metrics(), **reward_times,
         }
+        stats = getattr(t.engine, "last_stats", None) or {}  # the engine's scheduling of this rollout
+        if stats:
+            m.update({"generation/peak_running/max": float(stats["peak_running"]),
+                      "generation/preemptions/sum": float(stats["preemptions"]),
+                      "generation/decode_steps/max": float(stats["decode_steps"]),
+                      "generation/kv_usage/max": stats["peak_kv_tokens"] / stats["kv_capacity_tokens"]})
         return samples, m
 
     def step(self, indices: list[int], settings: dict) -> dict[str, float]:
