@@ -623,9 +623,12 @@ class _Run:
         self.ps = engine.page_size or DEFAULT_PAGE_SIZE[device.type == "cuda"]
         self.lengths = [len(p) for p in prompts]
         self.limits = [params.response_limit(n) for n in self.lengths]
+        # the pool never needs more than every sample's full length at once (+ prompt pages, the scratch page)
+        ps = self.ps
+        worst = sum(params.n * -(-(a + b) // ps) - (-a // ps) for a, b in zip(self.lengths, self.limits)) + 1
         try:
             self.sched = Scheduler(
-                self.lengths, params.n, self.limits, self.ps, budget // self.ps, engine.max_batch_size
+                self.lengths, params.n, self.limits, self.ps, min(budget // self.ps, worst), engine.max_batch_size
             )
         except ValueError as err:
             raise ValueError(f"max_total_tokens={budget} ({budget // self.ps} pages of {self.ps}): {err}") from None
