@@ -99,19 +99,22 @@ def _drive_grpo_loss(shape, dtype):
 
 def _drive_decode_attention(shape, dtype):
     import torch
-    from fastgrpo.kernels.decode_attention import decode_attention
+    from fastgrpo.kernels.decode_attention import paged_decode_attention
 
     G = shape["Hq"] // shape["Hkv"]
     q = torch.randn(3, shape["Hkv"], G, shape["D"], dtype=dtype)
-    k, v = (torch.randn(3, shape["Hkv"], 80, shape["D"], dtype=dtype) for _ in range(2))
-    decode_attention(q, k, v, torch.tensor([80, 5, 33]))
+    k, v = (torch.randn(7, 64, shape["Hkv"], shape["D"], dtype=dtype) for _ in range(2))  # 64-token pages
+    table = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    paged_decode_attention(q, k, v, table, torch.tensor([80, 5, 33]))
 
 
 def _drive_sampling(shape, dtype):
     import torch
-    from fastgrpo.kernels.sampling import gumbel_sample
+    from fastgrpo.kernels.sampling import gumbel_sample, uniform_rows
 
-    gumbel_sample(torch.randn(3, shape["V"], dtype=dtype), 1.0, torch.tensor([7]))
+    seeds = torch.tensor([7, 8, 9])
+    gumbel_sample(torch.randn(3, shape["V"], dtype=dtype), 1.0, seeds)
+    uniform_rows(seeds, shape["V"])
 
 
 # Kernel modules whose ops the gate drives (their use_triton is switched on in the subprocess).
