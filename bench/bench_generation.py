@@ -12,6 +12,8 @@ shrinks either). Figures:
 - CPU: the matmul floor = the time of the weight matmuls alone for the batch, × the steps; both implementations
   pay it, so it bounds the achievable speedup (``x_floor`` = seconds / floor).
 - Peak extra memory of each call (the engine's KV cache is freed when it returns).
+- GPU: the paged decode-attention kernel alone against a contiguous-cache reference and the memory roofline
+  (:func:`paged_attention_rows`), rows in ``bench/results/decode_attention.csv``.
 
 ``--logprob-gap`` instead measures the bf16 sampling gap (issue 9): a ~4-layer Qwen2-shaped model in bf16 on CPU,
 8 prompts × 4 samples of 32 tokens at temperature 1; the engine's log-probs against the trainer's packed forward
@@ -25,6 +27,7 @@ Sampling at temperature 1 with no top-k/top-p and no EOS (every completion runs 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -131,6 +134,40 @@ def decode_roofline_s(model, prompts, n, max_new_tokens, gbps) -> float:
     return (steps * weight_bytes + kv_tokens_read * kv_per_token) / (gbps * 1e9)
 
 
+def paged_attention_rows(gbps: float) -> list[dict]:
+    """GPU: the paged decode-attention kernel at Qwen2.5-1.5B's heads (Hkv=2, G=6, D=128, bf16, 64-token pages),
+    every sequence at its full length: pages in shuffled order, the same kernel over pages laid out contiguously (an
+    identity block table), and SDPA on a contiguous cache (the contiguous reference). GB/s = live K/V bytes read /
+    time, against the device-to-device copy bandwidth of this run (the memory roofline)."""
+    from fastgrpo.kernels.decode_attention import paged_decode_attention
+
+    Hkv, G, D, page, dt = 2, 6, 128, 64, torch.bfloat16
+    rows = []
+    for S, T in ((16, 16384), (64, 4096), (256, 2048)):
+        P = T // page
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn(S * P + 1, page, Hkv, D, device="cuda", dtype=dt, generator=gen)  # page 0: unused
+        v = torch.randn(S * P + 1, page, Hkv, D, device="cuda", dtype=dt, generator=gen)
+        q = torch.randn(S, Hkv, G, D, device="cuda", dtype=dt, generator=gen)
+        lengths = torch.full((S,), T, dtype=torch.int32, device="cuda")
+        shuffled = (torch.randperm(S * P, device="cuda", generator=gen) + 1).view(S, P).to(torch.int32)
+        identity = (torch.arange(S * P, device="cuda") + 1).view(S, P).to(torch.int32)
+        k_c = k[1:].reshape(S, T, Hkv, D).transpose(1, 2).contiguous()  # [S, Hkv, T, D]
+        v_c = v[1:].reshape(S, T, Hkv, D).transpose(1, 2).contiguous()
+        kv_bytes = 2 * S * T * Hkv * D * k.element_size()
+        cases = {
+            "paged_shuffled": functools.partial(paged_decode_attention, q, k, v, shuffled, lengths),
+            "paged_contiguous": functools.partial(paged_decode_attention, q, k, v, identity, lengths),
+            "sdpa_contiguous": functools.partial(F.scaled_dot_product_attention, q, k_c, v_c),
+        }
+        for impl, fn in cases.items():
+            ms = median_ms(fn, "cuda")
+            achieved = kv_bytes / ms / 1e6
+            rows.append({"impl": impl, "shape": f"S{S} T{T} Hkv{Hkv} G{G} D{D} page{page} bf16", "ms": ms,
+                         "gbps": achieved, "roofline_fraction": achieved / gbps, "copy_gbps": gbps})
+    return rows
+
+
 def logprob_gap(initializer_range: float) -> None:
     """Print mean and max |engine log p − trainer log p| for bf16 weights (see the module docstring)."""
     from fastgrpo.distributed import ForwardWrapper
@@ -216,6 +253,10 @@ def main():
     print_table(rows, f"generation on {device}")
     path = append_rows("generation", rows, device)
     print(f"rows appended to {path}")
+    if cuda:
+        attn = paged_attention_rows(gbps)
+        print_table(attn, "paged decode attention (bf16)")
+        print(f"rows appended to {append_rows('decode_attention', attn, device)}")
 
 
 if __name__ == "__main__":
