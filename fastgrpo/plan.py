@@ -270,8 +270,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
                 kernel_loss: bool = True, shape: ModelShape | None = None) -> MemoryPlan:
     """The plan of ``cfg`` on ``nproc`` GPUs of ``gpu_memory_gib`` GiB each (see the module docstring).
 
-    ``activation_checkpointing``: None reads ``train.activation_checkpointing`` (False while that field does not
-    exist). ``kernel_loss``: the Triton loss (GPU); False models the plain-torch path (CPU).
+    ``activation_checkpointing``: None reads ``train.activation_checkpointing``. ``kernel_loss``: the Triton loss
+    (GPU); False models the plain-torch path (CPU).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be a positive integer, got {nproc!r}")
@@ -279,9 +279,7 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         raise ValueError(f"--gpu-memory-gib must be > 0, got {gpu_memory_gib!r}")
     s = shape or model_shape(cfg)
     t, r, g = cfg.train, cfg.rollout, cfg.grpo
-    ckpt = activation_checkpointing
-    if ckpt is None:
-        ckpt = getattr(t, "activation_checkpointing", False)
+    ckpt = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     c = ELEMENT_BYTES[cfg.model.dtype]
     P = s.params
     fsdp = t.strategy == "fsdp2" and nproc > 1
