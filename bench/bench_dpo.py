@@ -22,9 +22,13 @@ the first step (``*-precomputed``: fastgrpo's default ``dpo.precompute_ref_logpr
   ``on_step_end`` of a callback. TRL pads chosen and rejected to the longest sequence of the batch
   (``padding_free`` is forced off in its DPOTrainer).
 
-Peak memory is each process's resident high-water mark (``ru_maxrss`` from ``wait4``), imports included: both
-sides import torch and transformers; TRL also imports datasets and accelerate. ``cpu_s`` is the process's user +
-system CPU time for the whole run. The first ``--warmup`` steps are dropped; the table shows the median of the rest.
+``cpu_s_per_step`` (the figure compared): each side runs twice, ``--warmup`` steps and ``--warmup + --steps``
+steps, and the difference of the two processes' user + system CPU time (``wait4``) is divided by ``--steps``: start-
+up, imports and a precomputed reference pass cancel out, and unlike wall time it does not grow when the machine is
+busier than its cores (waiting for a core costs no CPU time). ``s_per_step`` is the median wall time of the timed
+steps (fastgrpo's logged ``time/step``; for TRL ``on_step_begin`` → ``on_step_end``). Peak memory is the longer
+run's resident high-water mark (``ru_maxrss``), imports included: both sides import torch and transformers; TRL
+also imports datasets and accelerate.
 TRL is not a dependency of fastgrpo: without it only fastgrpo runs, with a message (install it in a separate
 environment with the same torch: ``python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0
 trl``, then ``--trl-python /tmp/trl-venv/bin/python``).
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -93,40 +98,39 @@ def make_inputs(args, out_dir: Path) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def run_fastgrpo(args, out_dir: Path, model_dir: Path, data: Path, precompute: bool) -> dict:
+def run_fastgrpo(args, out_dir: Path, model_dir: Path, data: Path, precompute: bool, steps: int) -> dict:
     from fastgrpo.metrics import read_jsonl
 
-    run = out_dir / f"fastgrpo-{precompute}"
+    run = out_dir / f"fastgrpo-{precompute}-{steps}"
     cmd = [sys.executable, str(ROOT / "fastgrpo" / "train.py"), "--recipe", "dpo-tiny", f"model.path={model_dir}",
            "model.dtype=float32", f"data.path={data}", "data.max_length=256", "data.max_prompt_tokens=64",
            "sft.warmup_steps=0", f"dpo.batch_size={args.pairs}", f"dpo.beta={BETA}", "dpo.loss_type=sigmoid",
            "dpo.sft_weight=0", f"dpo.precompute_ref_logprobs={str(precompute).lower()}",
-           f"train.max_steps={args.warmup + args.steps}", f"train.lr={LR}", "train.weight_decay=0",
+           f"train.max_steps={steps}", f"train.lr={LR}", "train.weight_decay=0",
            "train.max_grad_norm=1.0", "train.max_tokens_per_microbatch=65536", f"train.num_threads={args.threads}",
            "train.device=cpu", "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0",
            "checkpoint.every_steps=0", "checkpoint.save_final=false", "checkpoint.resume=never",
            f"logging.output_dir={run}", "logging.progress_bar=false"]
     _, cpu_s, peak = _run(cmd)
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "time/step" in r][args.warmup :]
-    return {"s_per_step": statistics.median(r["time/step"] for r in rows), "cpu_s": cpu_s, "peak_rss_gib": peak,
-            "tokens_per_step": statistics.median(r["tokens"] for r in rows),
-            "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
+    return {"s_per_step": statistics.median(r["time/step"] for r in rows) if rows else math.nan, "cpu_s": cpu_s,
+            "peak_rss_gib": peak, "tokens_per_step": statistics.median(r["tokens"] for r in rows) if rows else 0}
 
 
-def run_trl(args, out_dir: Path, model_dir: Path, data: Path, precompute: bool) -> dict | None:
+def run_trl(args, out_dir: Path, model_dir: Path, data: Path, precompute: bool, steps: int) -> dict | None:
     """The TRL side in a ``--trl-python`` process (``--trl-worker``); None when trl cannot be imported there."""
     probe = subprocess.run([args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True,
                            text=True)
     if probe.returncode != 0:
         return None
-    result = out_dir / f"trl_result_{precompute}.json"
+    result = out_dir / f"trl_result_{precompute}_{steps}.json"
     cmd = [args.trl_python, __file__, "--trl-worker", str(result), "--model", str(model_dir), "--data", str(data),
-           "--pairs", str(args.pairs), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads)] + (["--precompute"] if precompute else [])
+           "--pairs", str(args.pairs), "--steps", str(steps), "--threads", str(args.threads)]
+    cmd += ["--precompute"] if precompute else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     _, cpu_s, peak = _run(cmd, env)
     step_s = json.loads(result.read_text())["step_s"][args.warmup :]
-    return {"s_per_step": statistics.median(step_s), "cpu_s": cpu_s, "peak_rss_gib": peak,
+    return {"s_per_step": statistics.median(step_s) if step_s else math.nan, "cpu_s": cpu_s, "peak_rss_gib": peak,
             "version": probe.stdout.strip()}
 
 
@@ -156,7 +160,7 @@ def trl_worker(args) -> None:
                     per_device_train_batch_size=args.pairs, gradient_accumulation_steps=1, learning_rate=LR,
                     lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, beta=BETA,
                     loss_type="sigmoid", max_length=256, precompute_ref_log_probs=args.precompute,
-                    max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
+                    max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
                     use_cpu=True, bf16=False, fp16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True)
     timer = StepTimes()
     trainer = DPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok, callbacks=[timer])
@@ -188,24 +192,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
         out = Path(tmp)
         model_dir, data = make_inputs(args, out)
-        results = {"fastgrpo": run_fastgrpo(args, out, model_dir, data, precompute=False),
-                   "fastgrpo-precomputed": run_fastgrpo(args, out, model_dir, data, precompute=True)}
-        trl = run_trl(args, out, model_dir, data, precompute=False)
-        if trl is None:
-            print(f"trl is not importable by {args.trl_python}: only fastgrpo ran (see the docstring to install it)")
-        else:
-            results["trl"] = trl
-            results["trl-precomputed"] = run_trl(args, out, model_dir, data, precompute=True)
-    base = results["fastgrpo"]["s_per_step"]
+        sides = {"fastgrpo": lambda n: run_fastgrpo(args, out, model_dir, data, False, n),
+                 "fastgrpo-precomputed": lambda n: run_fastgrpo(args, out, model_dir, data, True, n),
+                 "trl": lambda n: run_trl(args, out, model_dir, data, False, n),
+                 "trl-precomputed": lambda n: run_trl(args, out, model_dir, data, True, n)}
+        results = {}
+        for name, run in sides.items():
+            long = run(args.warmup + args.steps)
+            if long is None:
+                print(f"trl is not importable by {args.trl_python}: {name} skipped (see the docstring to install it)")
+                continue
+            short = run(args.warmup)
+            # CPU seconds per step: the difference of two runs that differ only in their number of steps (start-up,
+            # imports, the precomputed reference pass and the untimed steps cancel out)
+            results[name] = {**long, "cpu_s_per_step": (long["cpu_s"] - short["cpu_s"]) / args.steps}
+    base = results["fastgrpo"]["cpu_s_per_step"]
     load = os.getloadavg()[0]
     rows = [{"impl": name, "pairs": args.pairs, "extra_tokens": args.extra_tokens, "threads": args.threads,
              "timed_steps": args.steps, "loadavg_1min": round(load, 2), **r,
-             "vs_fastgrpo": r["s_per_step"] / base} for name, r in results.items()]
+             "vs_fastgrpo": r["cpu_s_per_step"] / base} for name, r in results.items()]
     for r in rows:  # each side against TRL in the same setting
         trl_row = results.get("trl-precomputed" if r["impl"].endswith("precomputed") else "trl")
         if trl_row is not None:
-            r["vs_trl"] = r["s_per_step"] / trl_row["s_per_step"]
-    print_table(rows, "DPO step on CPU: fastgrpo vs TRL (medians; vs_* = s_per_step / that side's, same setting)")
+            r["vs_trl"] = r["cpu_s_per_step"] / trl_row["cpu_s_per_step"]
+    print_table(rows, "DPO step on CPU: fastgrpo vs TRL (vs_* = cpu_s_per_step / that side's, same setting)")
     if not args.no_csv:
         print(f"rows appended to {append_rows('dpo', rows, 'cpu')}")
 

@@ -94,9 +94,9 @@ def test_packed_step_matches_unpacked_fp32_reference(tmp_path, loss_type, averag
     assert m["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
     for k, v in metrics.items():
         assert m[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
-    assert m["logps/chosen"] == pytest.approx(float(pc.mean()), rel=1e-5)
+    assert m["logps/chosen"] == pytest.approx(pc.mean().item(), rel=1e-5)
     if sft_weight:
-        assert m["nll_loss"] == pytest.approx(float(-pc.mean()), rel=1e-5)
+        assert m["nll_loss"] == pytest.approx(-pc.mean().item(), rel=1e-5)
     for k, p in model.named_parameters():
         torch.testing.assert_close(delta[k], p.grad, rtol=1e-4, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
 
