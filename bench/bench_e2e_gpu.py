@@ -88,8 +88,9 @@ def run_grpo(device: torch.device, part: str, model_config: dict, sizes: dict, s
     from fastgrpo.distributed import init_distributed, wrap_model
 
     P, G = sizes["prompts"], sizes["generations"]
-    overrides = [f"grpo.num_prompts_per_step={P}", f"grpo.num_generations={G}",
+    overrides = [f"grpo.num_prompts_per_step={P}", f"grpo.num_generations={G}", "stages=[]",  # one budget
                  f"rollout.max_new_tokens={sizes['new_tokens']}", f"rollout.max_batch_size={P * G}",
+                 f"rollout.max_sequence_tokens={sizes['prompt_tokens'] + sizes['new_tokens']}",
                  f"data.max_prompt_tokens={sizes['prompt_tokens']}", "train.sequences_per_optimizer_step=0",
                  f"train.max_tokens_per_microbatch={sizes['microbatch_tokens']}", "train.strategy=none",
                  f"train.device={device.type}"]
