@@ -13,7 +13,8 @@ of a batch bucket write there). A sequence's K/V live in the pages of its block 
   scheduler (1) harvests finished samples and frees their pages, (2) gives every running sample the pages its next
   ``steps`` tokens need, preempting the latest-admitted running sample while the pool is short (its pages are freed;
   it is requeued at the front with its tokens and log-probs kept, and later recomputed: prompt + generated tokens
-  prefilled again into private pages), then (3) admits queued samples while pages and rows allow, keeping one free
+  prefilled again into private pages; when one sample is left, the prompts held for queued samples are released
+  instead and prefilled again later), then (3) admits queued samples while pages and rows allow, keeping one free
   page per running sample in reserve so that admission does not immediately force a preemption.
 - **Rows.** Running samples occupy rows ``[0, running)``; when one leaves, the last row moves into its place
   (:meth:`Scheduler.compact` returns the moves for the device state).
@@ -173,9 +174,12 @@ class Scheduler:
             short = sum(max(0, self._need(s, steps) - len(s.pages)) for s in running)
             if short <= len(self.free):
                 break
+            if len(running) == 1:  # the rest of the pool is held for queued samples' prompts: let those go
+                if not self.prompt_pages:
+                    raise RuntimeError("the KV pool cannot hold one sequence (checked at construction)")
+                self._drop_prompts()
+                continue
             victim = max(running, key=lambda s: s.admitted)
-            if len(running) == 1:
-                raise RuntimeError("the KV pool cannot hold one sequence (checked at construction)")
             if before_leave is not None:
                 before_leave([victim])
             preempted.append((victim, victim.row))
@@ -209,9 +213,7 @@ class Scheduler:
                 if running:
                     break
                 if need + prefill > len(self.free):  # only prompt holders left: let them go (re-prefilled later)
-                    for pages in self.prompt_pages.values():
-                        self._release(pages)
-                    self.prompt_pages.clear()
+                    self._drop_prompts()
                     continue
             self.waiting.popleft()
             if seq.generated:
@@ -234,6 +236,12 @@ class Scheduler:
             self.rows.append(seq)
             self.peak_running = max(self.peak_running, sum(s is not None for s in self.rows))
         return out
+
+    def _drop_prompts(self) -> None:
+        """Release every prompt holder (their prompts are prefilled again when their next sample is admitted)."""
+        for pages in self.prompt_pages.values():
+            self._release(pages)
+        self.prompt_pages.clear()
 
     def release_prompts(self) -> None:
         """Drop the prompt holders' references once every sample of the prompt has been admitted (call after the
