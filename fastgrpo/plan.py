@@ -19,6 +19,7 @@ the masters)::
     optimizer           8·P (AdamW m, v fp32)       8·P / W
     gradients           4·P fp32; + c·P (c < 4)     4·P / W; + 4·P unsharded fp32 while micro-batches accumulate
                         during a backward
+    reference model     c·P when GRPO has a β > 0 at any stage, and for DPO (a frozen full copy)
 
 Activations of one micro-batch of T tokens (``train.max_tokens_per_microbatch``, at least the longest sequence:
 one sequence is never split). What the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward,
@@ -42,10 +43,11 @@ The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators `
 ``grad_h`` ``[T, H]``, their casts to the compute dtype (c < 4), the scatter of ``grad_h`` back into ``[T, H]``;
 forward partials ``4 × [S, T]`` fp32 (S vocabulary splits). The plain-torch path (CPU) adds its chunk buffers.
 
-Generation keeps the weights, masters, optimizer state and the last step's gradients (zeroed at the next step),
-a prefill working set (one layer's activations over the rank's prompt tokens) and fp32 logits for the decoding
-batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes per token (paged or not). It fits when the cache holds the
-decoding batch, ``min(rollout.max_batch_size, sequences per rank)``, at full length (:func:`longest_sequence`).
+Generation (GRPO only; DPO and SFT do not generate) keeps the weights, the reference, masters, optimizer state
+and the last step's gradients (zeroed at the next step), a prefill working set (one layer's activations over the
+rank's prompt tokens) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
+per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size,
+sequences per rank)``, at full length (:func:`longest_sequence`).
 Training peaks at its static part + activations + the loss workspace.
 A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation and kernels' scratch.
 """
@@ -155,6 +157,7 @@ class MemoryPlan:
     masters: int
     optimizer: int
     gradients: int
+    reference: int
     train_extra: int
     activations: int
     activations_other: int
@@ -170,7 +173,7 @@ class MemoryPlan:
 
     @property
     def static(self) -> int:
-        return self.masters + self.optimizer + self.gradients
+        return self.masters + self.optimizer + self.gradients + self.reference
 
     @property
     def generation_base(self) -> int:
@@ -204,8 +207,9 @@ class MemoryPlan:
         """``fits: ...`` or ``does not fit: ...`` with the cure."""
         gib = self.gpu_bytes / GIB
         if self.fits:
-            return (f"fits: {self.nproc} x {gib:g} GiB, training peak {self.training_peak / GIB:.1f} GiB, generation "
-                    f"peak {self.generation_peak / GIB:.1f} GiB of {self.usable / GIB:.1f} GiB usable")
+            gen = f", generation peak {self.generation_peak / GIB:.1f} GiB" if self.batch else ""
+            return (f"fits: {self.nproc} x {gib:g} GiB, training peak {self.training_peak / GIB:.1f} GiB{gen} of "
+                    f"{self.usable / GIB:.1f} GiB usable")
         cures = []
         t = self.cfg.train
         if self.training_peak > self.usable:
@@ -239,7 +243,7 @@ class MemoryPlan:
             return f"  {name:34s} {value / GIB:9.3f} GiB  {note}".rstrip()
 
         other = "without" if self.checkpointing else "with"
-        return [
+        out = [
             f"memory plan: {self.cfg.name}, model {self.cfg.model.path} ({s.params / 1e6:.1f}M parameters, "
             f"{s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads}x{s.head_dim}, vocab {s.vocab}), "
             f"{self.cfg.model.dtype}, {t.strategy} on {self.nproc} GPU(s) of {self.gpu_bytes / GIB:g} GiB "
@@ -249,6 +253,7 @@ class MemoryPlan:
             row("master weights (fp32)", self.masters),
             row("optimizer state (AdamW, fp32)", self.optimizer),
             row("gradients", self.gradients),
+            row("reference model (compute dtype)", self.reference),
             row("training: gathered weights, grads", self.train_extra,
                 "gathered root + 2 layers, unsharded fp32 grads" if t.strategy == "fsdp2" else "weights, compute-dtype "
                 "grads of a backward"),
@@ -256,14 +261,18 @@ class MemoryPlan:
                 f"one micro-batch of {self.tokens} tokens"),
             row(f"activations ({other} checkpointing)", self.activations_other),
             row("loss workspace (fused linear loss)", self.loss_workspace),
-            row("generation workspace", self.generation_workspace),
-            row("KV cache the rest allows", self.kv_cache,
-                f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
-                f"{self.seq_len} (decoding batch {self.batch})"),
-            row("generation peak", self.generation_peak),
-            row("training peak", self.training_peak),
-            self.verdict(),
         ]
+        if self.batch:
+            out += [
+                row("generation workspace", self.generation_workspace),
+                row("KV cache the rest allows", self.kv_cache,
+                    f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
+                    f"{self.seq_len} (decoding batch {self.batch})"),
+                row("generation peak", self.generation_peak),
+            ]
+        else:
+            out.append(f"  generation: none ({self.cfg.algorithm} does not generate)")
+        return [*out, row("training peak", self.training_peak), self.verdict()]
 
 
 def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_checkpointing: bool | None = None,
@@ -283,7 +292,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     c = ELEMENT_BYTES[cfg.model.dtype]
     P = s.params
     fsdp = t.strategy == "fsdp2" and nproc > 1
-    seq_len = longest_sequence(cfg)
+    generates = cfg.algorithm == "grpo"
+    seq_len = longest_sequence(cfg) if generates else 1
     tokens = max(t.max_tokens_per_microbatch, seq_len)
     if fsdp:
         masters, optimizer, gradients = 4 * P // nproc, 8 * P // nproc, 4 * P // nproc
@@ -294,14 +304,16 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         optimizer, gradients = 8 * P, 4 * P
         train_extra = c * P + (c * P if c < 4 else 0)  # the weights; the compute-dtype gradients of a backward
     per_rank_seqs = max(1, g.num_prompts_per_step * g.num_generations // nproc)
-    batch = min(r.max_batch_size, per_rank_seqs)
-    prompt_tokens = math.ceil(g.num_prompts_per_step / nproc) * cfg.data.max_prompt_tokens
+    batch = min(r.max_batch_size, per_rank_seqs) if generates else 0
+    prompt_tokens = math.ceil(g.num_prompts_per_step / nproc) * cfg.data.max_prompt_tokens if generates else 0
     qk = (s.heads + 2 * s.kv_heads) * s.head_dim
     prefill = prompt_tokens * c * (3 * s.hidden + qk + 3 * s.intermediate)  # one layer's working set
     gen_ws = prefill + 3 * 4 * batch * s.vocab  # fp32 logits, log-softmax and noise of the decoding batch
+    needs_ref = cfg.algorithm == "dpo" or (generates and max([g.beta] + [st.beta or 0 for st in cfg.stages]) > 0)
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
-        weights=c * P, masters=masters, optimizer=optimizer, gradients=gradients, train_extra=train_extra,
+        weights=c * P, masters=masters, optimizer=optimizer, gradients=gradients, reference=c * P if needs_ref else 0,
+        train_extra=train_extra,
         activations=activation_bytes(s, c, tokens, ckpt), activations_other=activation_bytes(s, c, tokens, not ckpt),
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss), generation_workspace=gen_ws,
         kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch)

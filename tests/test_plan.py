@@ -157,6 +157,15 @@ def test_deepscaler_fits_8x80():
     assert not ddp.fits and "rollout.max_batch_size<=" in ddp.verdict() and "fsdp2" in ddp.verdict()
 
 
+@pytest.mark.parametrize("recipe", ["dpo-1.5b", "sft-1.5b"])
+def test_other_1p5b_recipes_fit_8x80(recipe):
+    """DPO keeps a frozen reference and SFT neither that nor a generation phase; both fit as shipped."""
+    cfg = load_config(recipe, overrides=[f"model.path={QWEN_1P5B}"])
+    plan = memory_plan(cfg, 8, 80)
+    assert plan.fits and plan.batch == 0, plan.verdict()
+    assert plan.reference == (2 * plan.shape.params if recipe == "dpo-1.5b" else 0)
+
+
 def test_cli_exit_code_and_last_line(capsys):
     assert main(["--recipe", "tiny", "--nproc", "1", "--gpu-memory-gib", "8"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("fits: ")
