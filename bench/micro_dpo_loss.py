@@ -70,7 +70,8 @@ def _fastgrpo_result(shape):
 def test_fused_linear_dpo_loss(benchmark, ceilings, shape, method):
     S, T, H, V, dtype = shape
     fn = _fn(method)
-    err = check_same(_call(fn, shape), _fastgrpo_result(shape), dtype, method)
+    want = _fastgrpo_result(shape)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_call(fn, shape), want, dtype, method)
     benchmark.group = f"fused_linear_dpo_loss fwd+bwd {S}x{T}x{H}x{V} {dtype_name(dtype)}"
     completion_tokens = int(head_inputs(*shape)[3].sum())
     measure(benchmark, lambda: _call(fn, shape), device=DEVICE, method=method, ceilings=ceilings,

@@ -90,7 +90,8 @@ def _loss_fastgrpo(shape, config, mode):
 @pytest.mark.parametrize(("shape", "config", "mode", "method"), list(_loss_cases()))
 def test_grpo_loss(benchmark, ceilings, shape, config, mode, method):
     fn = _loss_fn(method, config)
-    err = check_same(_loss_call(fn, shape, mode), _loss_fastgrpo(shape, config, mode), torch.float32, method)
+    want = _loss_fastgrpo(shape, config, mode)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_loss_call(fn, shape, mode), want, torch.float32, method)
     B, T = shape
     benchmark.group = f"grpo_loss {mode} {config} {B}x{T}"
     measure(benchmark, lambda: _loss_call(fn, shape, mode), device=DEVICE, method=method, ceilings=ceilings,
@@ -148,7 +149,8 @@ def _linear_fastgrpo(shape):
 def test_fused_linear_grpo_loss(benchmark, ceilings, shape, method):
     S, T, H, V, dtype = shape
     fn = _linear_fn(method)
-    err = check_same(_linear_call(fn, shape), _linear_fastgrpo(shape), dtype, method)
+    want = _linear_fastgrpo(shape)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_linear_call(fn, shape), want, dtype, method)
     benchmark.group = f"fused_linear_grpo_loss fwd+bwd {S}x{T}x{H}x{V} {dtype_name(dtype)}"
     completion_tokens = int(head_inputs(*shape)[3].sum())
     measure(benchmark, lambda: _linear_call(fn, shape), device=DEVICE, method=method, ceilings=ceilings,

@@ -108,7 +108,8 @@ def _fastgrpo_result(shape, op, mode):
 def test_linear_logprobs(benchmark, ceilings, shape, op, mode, method):
     N, H, V, dtype = shape
     fn = _fn(op, method)
-    err = check_same(_call(fn, shape, op, mode), _fastgrpo_result(shape, op, mode), dtype, method)
+    want = _fastgrpo_result(shape, op, mode)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_call(fn, shape, op, mode), want, dtype, method)
     group = "cross_entropy" if op == "cross_entropy" else "linear_logprobs"
     benchmark.group = f"{group} {mode}{' confident' if op == 'confident' else ''} {N}x{H}x{V} {dtype_name(dtype)}"
     measure(benchmark, lambda: _call(fn, shape, op, mode), device=DEVICE, method=method, ceilings=ceilings,

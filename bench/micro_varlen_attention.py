@@ -163,7 +163,9 @@ def _fastgrpo_result(heads, mode):
 def test_varlen_attention(benchmark, ceilings, heads, mode, method):
     Hq, Hkv, D, dtype = heads
     leaves, grad_out, fn, to_packed = _method(method, heads)
-    err = check_same(to_packed(*_call(fn, leaves, grad_out, mode)), _fastgrpo_result(heads, mode), dtype, method)
+    want = _fastgrpo_result(heads, mode)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(to_packed(*_call(fn, leaves, grad_out, mode)), want, dtype,
+                                                      method)
     lengths = DOCS[DEVICE]
     benchmark.group = f"varlen_attention {mode} {sum(lengths)} tokens {Hq}/{Hkv}x{D} {dtype_name(dtype)}"
     measure(benchmark, lambda: _call(fn, leaves, grad_out, mode), device=DEVICE, method=method, ceilings=ceilings,
