@@ -8,7 +8,7 @@ gradients of hidden and weight. Members:
 - ``eager``: ``hidden @ weightᵀ`` in the compute dtype → fp32 ``log_softmax`` → gather (``common.eager_logprobs``);
 - ``trl``: TRL's ``trl.kernels.ChunkedLogProbFunction`` (what ``add_fused_lm_head`` runs) with its default
   vocabulary chunk of 32768, when trl is importable;
-- ``torch.compile``: the eager composition compiled.
+- ``torch.compile``: the eager composition compiled (fwd+bwd only: one compile, to bound the GPU check's time).
 
 ``cross_entropy fwd+bwd``: the SFT loss (mean ``−logp`` over the tokens), ``fastgrpo``
 (:func:`fused_linear_cross_entropy`), ``eager`` (``F.cross_entropy`` on fp32 logits) and Liger-Kernel's
@@ -41,7 +41,7 @@ def _cases():
     for N, H, V, dtype in SHAPES[DEVICE]:
         name = f"{N}x{H}x{V}-{dtype_name(dtype)}"
         for mode in ("fwd", "fwd+bwd"):
-            for method in ("fastgrpo", "eager", "trl", "torch.compile"):
+            for method in ("fastgrpo", "eager", "trl", "torch.compile")[: 4 if mode == "fwd+bwd" else 3]:
                 yield pytest.param((N, H, V, dtype), "linear_logprobs", mode, method, id=f"{mode}-{name}-{method}")
         for method in ("fastgrpo", "eager", "liger"):
             yield pytest.param((N, H, V, dtype), "cross_entropy", "fwd+bwd", method, id=f"ce-{name}-{method}")
