@@ -25,7 +25,7 @@ import functools
 import pytest
 import torch
 from common import DEVICE, check_same, dtype_name, eager_logprobs, head_inputs, loss_and_grads, measure
-from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss, grpo_loss
+from fastgrpo.kernels import fused_linear_grpo_loss, grpo_loss
 from fastgrpo.kernels.reference import grpo_loss_ref
 
 CONFIGS = {
