@@ -36,6 +36,10 @@ def roofline_ms(info: dict) -> tuple[float, str] | None:
     return None
 
 
+def _ms(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"
+
+
 def _order(method: str) -> tuple[int, str]:
     return (0 if method == "fastgrpo" else 1 if method.startswith("fastgrpo") else 2, method)
 
@@ -56,16 +60,17 @@ def plot_op(op: str, groups: dict[str, list[dict]], title: str, path: Path) -> N
         ax_t.barh(ys, med, color=colors, xerr=[[m - a for m, a in zip(med, q1)], [b - m for m, b in zip(med, q3)]],
                   capsize=2)
         ours = med[names.index("fastgrpo")] if "fastgrpo" in names else None
-        for y, m in zip(ys, med):
-            ax_t.text(m, y, f" {m:.3g} ms" + (f" ({m / ours:.2f}×)" if ours else ""), va="center", fontsize=8)
+        for y, m, hi in zip(ys, med, q3):
+            ax_t.text(hi, y, f" {_ms(m)}" + (f" ({m / ours:.2f}× fastgrpo)" if ours else ""), va="center", fontsize=8)
         roof = roofline_ms(benches[0]["extra_info"])
+        heading = group
         if roof is not None:
             ax_t.axvline(roof[0], color="black", linestyle="--", linewidth=1)
-            ax_t.text(roof[0], len(benches) - 0.45, f" roofline {roof[0]:.3g} ms ({roof[1]})", fontsize=7)
+            heading += f"  (dashed: roofline {_ms(roof[0])} at the measured {roof[1]})"
         ax_t.set_yticks(list(ys), names)
         ax_t.invert_yaxis()
-        ax_t.set_xlim(0, max(med + q3) * 1.45)
-        ax_t.set_title(group, fontsize=9, loc="left")
+        ax_t.set_xlim(0, max(med + q3) * 1.6)
+        ax_t.set_title(heading, fontsize=9, loc="left")
         ax_t.set_xlabel("time per call, ms (median, bar: interquartile range)", fontsize=8)
         mem = [b["extra_info"]["peak_extra_MiB"] for b in benches]
         ax_m.barh(ys, mem, color=colors)
