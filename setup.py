@@ -30,5 +30,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "tensorboard"],
+        # peer baselines of the microbenchmarks (bench/micro_*.py skip a peer that is not installed); install the
+        # torch build you want first: both accept any torch >= 2.1, so pip keeps it
+        "bench": ["liger-kernel>=0.8", "trl>=1.16"],
     },
 )

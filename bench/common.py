@@ -1,16 +1,19 @@
-"""Shared benchmark plumbing: timing with medians, peak extra memory, the two ceilings, result rows.
+"""Shared benchmark plumbing: timing, peak extra memory, the two ceilings, pytest-benchmark cases, result rows.
 
-Benchmarks are not tests: they print side-by-side ratios against baselines measured in the same run and append
-rows (device, git sha, date, shape, figures) to ``bench/results/<name>.csv``.
+Microbenchmarks (``bench/micro_*.py``) are pytest-benchmark cases (``pytest bench/ --benchmark-only``, see
+``bench/conftest.py``): :func:`measure` times one method of one group and fills ``extra_info``. End-to-end
+benchmarks stay scripts: they print side-by-side ratios against baselines measured in the same run and append rows
+(device, git sha, date, shape, figures) to ``bench/results/<name>.csv``.
 
-- GPU time: ``triton.testing.do_bench`` (CUDA events), median. CPU time: ``perf_counter`` median of repeats.
+- GPU time: CUDA events (pytest-benchmark rounds read :func:`cuda_event_clock`; scripts use
+  ``triton.testing.do_bench``), medians. CPU time: ``perf_counter``.
 - GPU peak extra memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
 - CPU peak extra memory: the process's resident high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs``) above the resident size before the call. On glibc the measurement is made exact
   (``exact_cpu_rss``): every block of 64 KiB or more is its own mmap, unmapped when freed, and free heap pages are
   handed back before the call, so the resident size follows the bytes actually live.
-- Ceilings (GPU): device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate, measured on
-  random data in the same run (METHOD.md: never time zeros).
+- Ceilings (the roofline), measured on random data in the same run (METHOD.md: never time zeros): the
+  device's copy bandwidth (bytes read + written) and its matmul rate (bf16 on GPU, fp32 on CPU).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the microbenchmarks run
+# (rtol, atol) of the numbers check between a baseline and fastgrpo: fp32 paths agree to rounding; in bf16 the
+# outputs are rounded to 8 bits of mantissa (relative 2^-8) and each side rounds differently.
+CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-3)}
 
 
 def device_name(device: torch.device | str) -> str:
@@ -42,6 +49,9 @@ def device_name(device: torch.device | str) -> str:
 
 
 def git_sha() -> str:
+    """The checkout's short sha; ``FASTGRPO_GIT_SHA`` when set (a copy without ``.git``, as on the device machine)."""
+    if os.environ.get("FASTGRPO_GIT_SHA"):
+        return os.environ["FASTGRPO_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
@@ -142,20 +152,158 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device | str) -> in
     return max(peak, 0) * 1024
 
 
-def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (median)."""
-    src = torch.randn(nbytes // 4, device="cuda")
+def copy_bandwidth_gbps(nbytes: int | None = None, device: torch.device | str = "cuda") -> float:
+    """Copy bandwidth in GB/s, counting bytes read plus bytes written (median); 2 GiB on GPU, 256 MiB on CPU."""
+    nbytes = nbytes or (2 << 30 if torch.device(device).type == "cuda" else 256 << 20)
+    src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), "cuda")
+    ms = median_ms(lambda: dst.copy_(src), device)
     return 2 * nbytes / ms / 1e6
 
 
-def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
-    """Dense ``n×n @ n×n`` matmul rate in TFLOP/s on random data (median)."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    ms = median_ms(lambda: a @ b, "cuda")
+def matmul_tflops(n: int | None = None, dtype: torch.dtype | None = None, device: torch.device | str = "cuda") -> float:
+    """Dense ``n×n @ n×n`` matmul rate in TFLOP/s on random data (median): 8192² bf16 on GPU, 2048² fp32 on CPU."""
+    cuda = torch.device(device).type == "cuda"
+    n = n or (8192 if cuda else 2048)
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = median_ms(lambda: a @ b, device)
     return 2 * n**3 / ms / 1e9
+
+
+def cuda_event_clock() -> Callable[[], float]:
+    """A pytest-benchmark timer that reads GPU time: seconds elapsed on the GPU between CUDA events.
+
+    Each call records an event on the current stream, waits for it, and returns the GPU time since the first call.
+    pytest-benchmark reads the timer just before and just after each round, so a round's duration is the GPU time
+    from the end of all earlier work to the end of the kernels the round queued, idle gaps while the host launched
+    them included (a launch-bound method is charged for it). Synchronised by construction.
+    """
+    last: list[torch.cuda.Event] = []
+    total = [0.0]
+
+    def cuda_event_clock() -> float:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        if last:
+            total[0] += last[0].elapsed_time(event) / 1e3
+            last[:] = [event]
+        else:
+            last.append(event)
+        return total[0]
+
+    return cuda_event_clock
+
+
+@functools.cache
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than any GPU's L2 (H200: 60 MB)
+
+
+def flush_l2() -> None:
+    """Evict the GPU's L2 cache before a timed round (as ``triton.testing.do_bench`` does): no round starts warm."""
+    _l2_flush_buffer().zero_()
+
+
+def measure(benchmark, fn: Callable[[], object], *, device: torch.device | str, method: str,
+            ceilings: dict[str, float], bytes_moved: int | None = None, flops: int | None = None,
+            rounds: int | None = None, setup: Callable[[], object] | None = None, **info) -> None:
+    """Time ``fn`` as one pytest-benchmark case and record what the tables and plots need in ``extra_info``.
+
+    ``fn`` has already run once (the numbers check, which also compiles and autotunes). Its peak extra memory is
+    measured on one more call, then ``rounds`` timed calls follow (default: 25 on GPU after 3 warm-up rounds; on
+    CPU as many as fit in about 1.5 s, 3 to 20). On GPU every round starts with a cold L2 and is timed by CUDA
+    events (:func:`cuda_event_clock`).
+    ``setup`` runs before each call, outside the timing (e.g. fresh inputs for an in-place method).
+    ``extra_info``: ``method``, ``device``, ``peak_extra_MiB``, ``median_ms``, and with ``bytes_moved`` the
+    effective ``GB/s`` and ``frac_of_copy_bw`` (of the measured copy bandwidth), with ``flops`` the ``TFLOP/s``
+    and ``frac_of_matmul``; ``info`` is added as given (shape, dtype, the numbers check's errors).
+    ``pytest --benchmark-disable`` runs ``fn`` once and records nothing (a smoke run).
+    """
+    cuda = torch.device(device).type == "cuda"
+    if benchmark.disabled:
+        benchmark.pedantic(fn, setup=setup)
+        return
+    if setup is not None:
+        setup()
+    start = time.perf_counter()
+    peak = peak_extra_bytes(fn, device)
+    once = time.perf_counter() - start  # CPU: as many rounds as fit in ~1.5 s, 3 to 20
+    rounds = rounds or (25 if cuda else max(3, min(20, int(1.5 / max(once, 1e-6)))))
+    if cuda:
+        benchmark._timer = cuda_event_clock()  # the fixture's timer, read around each round (pytest-benchmark API)
+
+    def before_round():
+        if setup is not None:
+            setup()
+        if cuda:
+            flush_l2()
+
+    benchmark.pedantic(fn, setup=before_round, rounds=rounds, warmup_rounds=3 if cuda else 0)
+    seconds = benchmark.stats.stats.median
+    extra = {"method": method, "device": device_name(device), "peak_extra_MiB": peak / 2**20,
+             "median_ms": seconds * 1e3, "cpu_threads": torch.get_num_threads(), "loadavg_1min": os.getloadavg()[0]}
+    if bytes_moved is not None:
+        gbps = bytes_moved / seconds / 1e9
+        extra.update({"bytes_moved": bytes_moved, "GB/s": gbps, "copy_GB/s": ceilings["copy_GB/s"],
+                      "frac_of_copy_bw": gbps / ceilings["copy_GB/s"]})
+    if flops is not None:
+        tflops = flops / seconds / 1e12
+        extra.update({"flops": flops, "TFLOP/s": tflops, "matmul_TFLOP/s": ceilings["matmul_TFLOP/s"],
+                      "frac_of_matmul": tflops / ceilings["matmul_TFLOP/s"]})
+    benchmark.extra_info.update(extra, **info)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=1)
+def head_inputs(n_seqs: int, T: int, H: int, V: int, dtype: torch.dtype, seed: int = 0):
+    """What a trainer hands its LM-head loss: ``hidden [S, T, H]`` and ``weight [V, H]`` (leaves that require
+    grad), ``targets [S, T]`` and a completion ``mask [S, T]`` (bool: a prompt of T/8 tokens, then a completion of
+    random length ≥ T/4, then padding). Cached (one shape at a time): every member of a group sees the same data.
+    """
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    hidden = torch.randn(n_seqs, T, H, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, device=DEVICE, generator=g) / H**0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (n_seqs, T), device=DEVICE, generator=g)
+    prompt = T // 8
+    ends = torch.randint(prompt + T // 4, T + 1, (n_seqs, 1), device=DEVICE, generator=g)
+    pos = torch.arange(T, device=DEVICE)
+    mask = (pos >= prompt) & (pos < ends)  # [S, T]
+    return hidden, weight, targets, mask
+
+
+def eager_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """What a trainer does without fusion: full logits in the compute dtype, fp32 log-softmax, gather."""
+    logits = hidden @ weight.t()  # [..., V]
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def loss_and_grads(loss: torch.Tensor, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"loss": loss, "grad_<name>": ∂loss/∂input}``: backward through autograd, nothing accumulated in ``.grad``."""
+    grads = torch.autograd.grad(loss, tuple(inputs.values()))
+    return {"loss": loss.detach(), **{f"grad_{k}": g for k, g in zip(inputs, grads)}}
+
+
+def check_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], dtype: torch.dtype,
+               method: str) -> float:
+    """Assert that a baseline computed what fastgrpo computed (every named output and gradient) before it is timed.
+
+    Tolerance ``CHECK_TOLERANCE[dtype]``, each output compared in fp32; fails naming the method and the output, so
+    that no comparison times two different computations. Returns the largest absolute difference.
+    """
+    rtol, atol = CHECK_TOLERANCE[dtype]
+    worst = 0.0
+    for name, ref in want.items():
+        out = got[name].float()
+        torch.testing.assert_close(out, ref.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{method}: {name} differs from fastgrpo's\n{m}")
+        worst = max(worst, (out - ref.float()).abs().max().item() if out.numel() else 0.0)
+    return worst
 
 
 def append_rows(name: str, rows: list[dict], device: torch.device | str) -> Path:

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The one prepared GPU script: the GPU test tier, then every GPU benchmark, each bounded, in under 8 minutes.
+# The one prepared GPU script: the GPU test tier, the microbenchmarks, generation and end to end, each bounded;
+# the whole script stays within 540 s (env 20 + ceilings 30 + gpu_tests 60 + micro 200 + generation 110 + e2e 120).
 #
-#   bash bench/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
+#   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
+#   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
 #
-# It needs torch, triton and transformers already installed (the lent GPU machine has them and can install
-# nothing), so it does not pip-install fastgrpo: it lays the package out under a temporary folder with links
-# (kernels/ appears as fastgrpo/kernels, as setup.py maps it) and puts that folder on PYTHONPATH.
-# Each benchmark appends rows (device, git sha, date, shape, figures) to bench/results/*.csv; when $OUT is
-# set (the device tool), those files also come back as $OUT/results.tgz and the full log as $OUT/gpu_check.log.
+# It needs torch, triton, transformers, pytest and pytest-benchmark already installed (the lent GPU machine has
+# them and can install nothing), so it does not pip-install fastgrpo: it lays the package out under a temporary
+# folder with links (kernels/ appears as fastgrpo/kernels, as setup.py maps it) and puts that folder on PYTHONPATH.
+# The microbenchmarks are the pytest-benchmark suite (`pytest bench/ --benchmark-only`), one bounded pytest run per
+# bench/micro_*.py file (a timeout loses that file's JSON only), merged into one JSON: $OUT/micro-gpu.json and
+# bench/results/micro-gpu.json. Without pytest-benchmark that step is skipped with the reason in the summary.
+# The scripts append rows to bench/results/*.csv; with $OUT set (the device tool) bench/results comes back as
+# $OUT/results.tgz and the full log as $OUT/gpu_check.log. The summary table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+dry_run=0
+[ "${1:-}" = "--dry-run" ] && dry_run=1
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
 site=$(mktemp -d)
-mkdir -p "$site/fastgrpo"
+mkdir -p "$site/fastgrpo" "$site/micro"
 for f in "$root"/fastgrpo/*; do ln -s "$f" "$site/fastgrpo/$(basename "$f")"; done
 ln -s "$root/kernels" "$site/fastgrpo/kernels"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,35 +31,62 @@ log=${OUT:-/tmp}/gpu_check.log
 : >"$log"
 summary=()
 
+record() {  # record NAME STATUS SECONDS
+  summary+=("$(printf '%-28s %-9s %5ss' "$1" "$2" "$3")")
+}
+
 step() {  # step NAME SECONDS CMD...: run one bounded step, record status and wall time
   local name=$1 limit=$2
   shift 2
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+  if [ "$dry_run" = 1 ]; then
+    record "$name" dry-run 0
+    return
+  fi
   timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   local status=ok
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=TIMEOUT; elif [ "$rc" -ne 0 ]; then status="FAIL($rc)"; fi
-  summary+=("$(printf '%-24s %-9s %5ss' "$name" "$status" "$((SECONDS - t0))")")
+  record "$name" "$status" "$((SECONDS - t0))"
 }
 
-step env 30 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
+step env 20 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name())"
-step ceilings 40 python3 -c "import sys; sys.path.insert(0, 'bench'); from common import *; \
+step ceilings 30 python3 -c "import sys; sys.path.insert(0, 'bench'); from common import *; \
 print(f'copy bandwidth {copy_bandwidth_gbps():.0f} GB/s, bf16 matmul {matmul_tflops():.0f} TFLOP/s')"
 # Only the test files that hold GPU cases are collected (the others may import packages the GPU machine lacks,
 # such as math-verify). Run from inside $site: `python -m` puts the working directory first on sys.path, and the
 # repository root would offer its fastgrpo/ (without kernels/) ahead of the laid-out package.
 gpu_files=$(grep -rl "mark.gpu" "$root/tests" | sort | tr '\n' ' ')
-step gpu_tests 80 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
-for b in logprobs:45 grpo_loss:60 linear_logprobs:75 varlen_attention:100 generation:110; do
-  name=${b%%:*}
-  [ -f "bench/bench_$name.py" ] && step "bench_$name" "${b##*:}" python3 "bench/bench_$name.py"
-done
+step gpu_tests 60 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
 
-if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" bench/results; fi
+# Microbenchmarks: 200 s in all, per file (torch.compile, flex and autotuning dominate). Same reason to run from
+# $site; bench/ is passed by absolute path, so its conftest.py and pyproject's settings (rootdir) apply.
+if [ "$dry_run" = 1 ] || python3 -c "import pytest_benchmark" 2>/dev/null; then
+  for b in logprobs:40 grpo_loss:45 dpo_loss:15 linear_logprobs:45 varlen_attention:55; do
+    name=${b%%:*}
+    [ -f "bench/micro_$name.py" ] && step "micro_$name" "${b##*:}" bash -c "cd '$site' && python3 -m pytest -q \
+-p no:cacheprovider --rootdir='$root' '$root/bench/micro_$name.py' --benchmark-only --benchmark-columns=median,rounds \
+--benchmark-json='$site/micro/$name.json'"
+  done
+  if [ "$dry_run" = 0 ] && ls "$site"/micro/*.json >/dev/null 2>&1; then
+    python3 bench/plot.py --merge bench/results/micro-gpu.json "$site"/micro/*.json 2>&1 | tee -a "$log"
+    [ -n "${OUT:-}" ] && cp bench/results/micro-gpu.json "$OUT/micro-gpu.json"
+  fi
+else
+  echo "=== micro: pytest-benchmark is not installed here: microbenchmarks skipped" | tee -a "$log"
+  record micro "SKIP(no pytest-benchmark)" 0
+fi
+
+step generation 110 python3 bench/bench_generation.py
+if [ -f bench/bench_e2e_gpu.py ]; then
+  step e2e 120 python3 bench/bench_e2e_gpu.py
+fi
+
+if [ -n "${OUT:-}" ] && [ "$dry_run" = 0 ]; then tar czf "$OUT/results.tgz" bench/results; fi
 rm -rf "$site"
 echo
-echo "gpu_check summary ($(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null))"
+echo "gpu_check summary ($(date -u +%FT%TZ), git $(git rev-parse --short HEAD 2>/dev/null || echo "${FASTGRPO_GIT_SHA:-?}"))"
 grep -E "^copy bandwidth" "$log" | tail -1
 printf '%s\n' "${summary[@]}"

@@ -1,0 +1,160 @@
+"""GRPO losses: ``grpo_loss`` on log-probs and ``fused_linear_grpo_loss`` from the last hidden state.
+
+``grpo_loss <mode> <config> B×T``: inputs as a trainer has them (fp32 ``logprobs`` requiring grad, ``old`` and
+``ref`` log-probs, a bool completion mask, per-sequence advantages). Configs: token-level ``dapo`` with β = 0.04
+and clip-higher (ε_high = 0.28, DAPO/DeepScaleR), sequence-level ``grpo`` with β = 0.04 (GSPO: the kernel reads
+each sequence twice). ``fwd`` is a training forward (grad enabled); ``fwd+bwd`` adds the gradient. Members:
+``fastgrpo`` (Triton on GPU, chunked torch on CPU), ``eager`` (``grpo_loss_ref``), ``torch.compile`` of it
+(token level fwd+bwd only: one compile, to bound the GPU check's time). Bytes moved: what the fused kernels
+must move (token level: forward reads logp, old, ref (4 B each) and mask (1 B) per token, backward reads them
+again and writes the fp32 gradient; sequence level: two forward passes); roofline: the copy bandwidth.
+
+``fused_linear_grpo_loss fwd+bwd S×T×H×V``: DAPO, β = 0.04, ε_high = 0.28, from ``hidden [S, T, H]`` and the LM
+head ``[V, H]`` to the loss and the gradients of hidden and weight. Members: ``fastgrpo``, ``eager`` (logits →
+fp32 log-softmax → gather → ``grpo_loss_ref``), Liger-Kernel's ``LigerFusedLinearGRPOLoss`` as Liger runs it by
+default (``liger``: its chunk loop under ``torch.compile``) and uncompiled (``liger eager``), when liger-kernel is
+importable. Useful FLOPs: four K×H×V matmuls over the K completion tokens (forward, recompute, two gradients:
+8·K·H·V; prompt and padding rows are no useful work), credited to every member; roofline: the matmul rate.
+Shapes: CPU 8×512×256×32000 fp32 (the issue's 4096 × 256 × 32000); GPU 8×1024×1536×151936 bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from common import DEVICE, check_same, dtype_name, eager_logprobs, head_inputs, loss_and_grads, measure
+from fastgrpo.kernels import fused_linear_grpo_loss, grpo_loss
+from fastgrpo.kernels.reference import grpo_loss_ref
+
+CONFIGS = {
+    "dapo/token": dict(loss_type="dapo", importance_sampling_level="token", beta=0.04, epsilon_high=0.28),
+    "grpo/sequence": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+}
+LOSS_SHAPES = {"cpu": [(64, 4096)], "cuda": [(256, 8192)]}
+LINEAR_SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(8, 1024, 1536, 151936, torch.bfloat16)]}
+
+
+@functools.lru_cache(maxsize=1)
+def _loss_inputs(B, T):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    logp = -torch.rand(B, T, device=DEVICE, generator=g) * 3  # [B, T]
+    old = logp + 0.3 * torch.randn(B, T, device=DEVICE, generator=g)
+    ref = logp + 0.3 * torch.randn(B, T, device=DEVICE, generator=g)
+    adv = torch.randn(B, device=DEVICE, generator=g)
+    lengths = torch.randint(T // 4, T + 1, (B,), device=DEVICE, generator=g)
+    mask = torch.arange(T, device=DEVICE)[None, :] < lengths[:, None]  # [B, T] bool
+    return logp.requires_grad_(), old, ref, adv, mask
+
+
+def _bytes_moved(B, T, level, mode):
+    """Bytes the fused kernels must move for fp32 logp/old/ref and a bool mask."""
+    if level == "sequence":  # fwd: (logp, old, mask) then (logp, ref, mask); bwd: logp, ref, mask, write grad
+        fwd, bwd = 9 + 9, 9 + 4
+    else:  # fwd: logp, old, ref, mask; bwd: the same, write grad
+        fwd, bwd = 13, 13 + 4
+    return B * T * (fwd if mode == "fwd" else fwd + bwd)
+
+
+def _loss_cases():
+    for B, T in LOSS_SHAPES[DEVICE]:
+        for config in CONFIGS:
+            for mode in ("fwd", "fwd+bwd"):
+                for method in ("fastgrpo", "eager", "torch.compile"):
+                    if method == "torch.compile" and (config != "dapo/token" or mode == "fwd"):
+                        continue
+                    yield pytest.param((B, T), config, mode, method, id=f"{mode}-{config}-{B}x{T}-{method}")
+
+
+def _loss_fn(method, config):
+    fn = grpo_loss if method == "fastgrpo" else grpo_loss_ref
+
+    def loss(logp, old, ref, adv, mask):
+        return fn(logp, old, adv, mask, ref_logprobs=ref, **CONFIGS[config])[0]
+
+    return torch.compile(loss, dynamic=False) if method == "torch.compile" else loss
+
+
+def _loss_call(fn, shape, mode):
+    logp, old, ref, adv, mask = _loss_inputs(*shape)
+    loss = fn(logp, old, ref, adv, mask)
+    return {"loss": loss.detach()} if mode == "fwd" else loss_and_grads(loss, {"logprobs": logp})
+
+
+@functools.lru_cache(maxsize=1)
+def _loss_fastgrpo(shape, config, mode):
+    return _loss_call(_loss_fn("fastgrpo", config), shape, mode)
+
+
+@pytest.mark.parametrize(("shape", "config", "mode", "method"), list(_loss_cases()))
+def test_grpo_loss(benchmark, ceilings, shape, config, mode, method):
+    fn = _loss_fn(method, config)
+    want = _loss_fastgrpo(shape, config, mode)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_loss_call(fn, shape, mode), want, torch.float32, method)
+    B, T = shape
+    benchmark.group = f"grpo_loss {mode} {config} {B}x{T}"
+    measure(benchmark, lambda: _loss_call(fn, shape, mode), device=DEVICE, method=method, ceilings=ceilings,
+            bytes_moved=_bytes_moved(B, T, CONFIGS[config]["importance_sampling_level"], mode), op="grpo_loss",
+            shape=f"B={B} T={T}", config=config, max_abs_err_vs_fastgrpo=err)
+
+
+def _linear_cases():
+    for S, T, H, V, dtype in LINEAR_SHAPES[DEVICE]:
+        for method in ("fastgrpo", "eager", "liger", "liger eager"):
+            yield pytest.param((S, T, H, V, dtype), method, id=f"fwd+bwd-{S}x{T}x{H}x{V}-{dtype_name(dtype)}-{method}")
+
+
+@functools.lru_cache(maxsize=1)
+def _old_ref_adv(shape):
+    """Old and reference log-probs near the policy's own (ratios near 1, some clipped), advantages [S]."""
+    hidden, weight, targets, _ = head_inputs(*shape)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    with torch.no_grad():
+        base = eager_logprobs(hidden, weight, targets)  # [S, T]
+    old = base + 0.3 * torch.randn(base.shape, device=DEVICE, generator=g)
+    ref = base + 0.3 * torch.randn(base.shape, device=DEVICE, generator=g)
+    return old, ref, torch.randn(base.shape[0], device=DEVICE, generator=g)
+
+
+def _linear_fn(method):
+    """fn(hidden, weight, targets, mask, old, ref, adv) -> loss (DAPO, β = 0.04, ε_high = 0.28)."""
+    cfg = CONFIGS["dapo/token"]
+    if method == "fastgrpo":
+        return lambda h, w, y, m, old, ref, adv: fused_linear_grpo_loss(h, w, y, old, adv, m, ref_logprobs=ref,
+                                                                         **cfg)[0]
+    if method == "eager":
+        return lambda h, w, y, m, old, ref, adv: grpo_loss_ref(eager_logprobs(h, w, y), old, adv, m,
+                                                               ref_logprobs=ref, **cfg)[0]
+    liger = pytest.importorskip("liger_kernel.chunked_loss",
+                                reason="liger-kernel is not installed (pip install -e '.[bench]')")
+    module = liger.LigerFusedLinearGRPOLoss(beta=cfg["beta"], epsilon_low=0.2, epsilon_high=cfg["epsilon_high"],
+                                            loss_type="dapo", compiled=method == "liger")
+    return lambda h, w, y, m, old, ref, adv: module(h, w, y, m.long(), adv, ref_per_token_logps=ref,
+                                                    old_per_token_logps=old)[0]
+
+
+def _linear_call(fn, shape):
+    hidden, weight, targets, mask = head_inputs(*shape)
+    loss = fn(hidden, weight, targets, mask, *_old_ref_adv(shape))
+    return loss_and_grads(loss, {"hidden": hidden, "weight": weight})
+
+
+@functools.lru_cache(maxsize=1)
+def _linear_fastgrpo(shape):
+    return _linear_call(_linear_fn("fastgrpo"), shape)
+
+
+@pytest.mark.parametrize(("shape", "method"), list(_linear_cases()))
+def test_fused_linear_grpo_loss(benchmark, ceilings, shape, method):
+    S, T, H, V, dtype = shape
+    fn = _linear_fn(method)
+    want = _linear_fastgrpo(shape)  # fastgrpo's own case: this call was its warm-up
+    err = 0.0 if method == "fastgrpo" else check_same(_linear_call(fn, shape), want, dtype, method)
+    benchmark.group = f"fused_linear_grpo_loss fwd+bwd {S}x{T}x{H}x{V} {dtype_name(dtype)}"
+    completion_tokens = int(head_inputs(*shape)[3].sum())
+    measure(benchmark, lambda: _linear_call(fn, shape), device=DEVICE, method=method, ceilings=ceilings,
+            flops=8 * completion_tokens * H * V,
+            op="fused_linear_grpo_loss", shape=f"S={S} T={T} H={H} V={V}",
+            completion_tokens=completion_tokens, dtype=dtype_name(dtype), config="dapo/token",
+            max_abs_err_vs_fastgrpo=err)
