@@ -57,6 +57,7 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -154,10 +155,12 @@ class Completion:
 
 @dataclass
 class _KVCache:
-    """The per-``generate`` memory: the KV page pool (freed when generate returns)."""
+    """The per-``generate`` memory: the KV page pool and, off CUDA, the decode attention's gather buffer (both freed
+    when generate returns)."""
 
     k: torch.Tensor  # [L, pages, page_size, Hkv, D]
     v: torch.Tensor  # [L, pages, page_size, Hkv, D]
+    gather: torch.Tensor | None = None  # [2, rows · max_pages · page_size · Hkv · D]: K and V of the CPU decode path
 
 
 class _RowState(NamedTuple):
@@ -478,7 +481,10 @@ class GenerationEngine:
         page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
         slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
-        attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
+        if _use_fused_attention(tok_S):
+            attention = paged_decode_attention
+        else:  # one gather buffer for every layer and step (no fresh multi-KiB allocation in the loop)
+            attention = functools.partial(paged_decode_attention_torch, gather_buffer=cache.gather)
         cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
         x = self.model.model.embed_tokens(tok_S)  # [S, H]
         delta = None
@@ -645,6 +651,8 @@ class _Run:
             k=torch.zeros(L, self.sched.num_pages, ps, Hkv, D, device=dev, dtype=self.dtype),
             v=torch.zeros(L, self.sched.num_pages, ps, Hkv, D, device=dev, dtype=self.dtype),
         )
+        if not _use_fused_attention(cache.k):
+            cache.gather = torch.empty(2, R * max_pages * ps * Hkv * D, device=dev, dtype=self.dtype)
         self.st = _RowState(
             tok=torch.zeros(R, dtype=torch.long, device=dev),  # token fed at the next step
             pos=torch.zeros(R, dtype=torch.long, device=dev),  # its position (= tokens already cached)

@@ -189,13 +189,31 @@ def _paged_decode_attention_triton(q_SHGD, k_pages, v_pages, table_SP, len_S, sc
     return out
 
 
-def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
+def paged_decode_attention_torch(
+    q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None, gather_buffer=None
+) -> torch.Tensor:
     """The plain-torch path: gather the table's pages into ``[S, Hkv, P·page_size, D]``, then SDPA with a length
-    mask. Reads and copies ``P · page_size`` keys per sequence (all the table's columns)."""
+    mask. Reads and copies ``P · page_size`` keys per sequence (all the table's columns).
+
+    ``gather_buffer``: optional contiguous ``[2, n]`` tensor of q's dtype and device with
+    ``n ≥ S · P · page_size · Hkv · D``, reused for the gathered K and V (``index_select(out=)``) instead of two new
+    allocations per call: a decode loop calls this once per layer per step, and on CPU every fresh multi-KiB buffer
+    is its own mmap and page faults when the allocator's mmap threshold is low (``bench/common.py`` sets 64 KiB).
+    """
     S, Hkv, _, D = q.shape
     T = block_table.shape[1] * k_pages.shape[1]
-    k_SHTD = k_pages[block_table].view(S, T, Hkv, D).transpose(1, 2)  # [S, Hkv, T, D]
-    v_SHTD = v_pages[block_table].view(S, T, Hkv, D).transpose(1, 2)
+    shape = (S * block_table.shape[1], *k_pages.shape[1:])  # [S·P, page_size, Hkv, D]
+    pages = block_table.reshape(-1)
+    if gather_buffer is None:
+        k_gathered, v_gathered = k_pages.index_select(0, pages), v_pages.index_select(0, pages)
+    else:
+        n = S * T * Hkv * D
+        if gather_buffer.dim() != 2 or gather_buffer.shape[0] != 2 or gather_buffer.shape[1] < n:
+            raise ValueError(f"gather_buffer has shape {tuple(gather_buffer.shape)}, expected [2, n ≥ {n}]")
+        k_gathered = torch.index_select(k_pages, 0, pages, out=gather_buffer[0, :n].view(shape))
+        v_gathered = torch.index_select(v_pages, 0, pages, out=gather_buffer[1, :n].view(shape))
+    k_SHTD = k_gathered.view(S, T, Hkv, D).transpose(1, 2)  # [S, Hkv, T, D]
+    v_SHTD = v_gathered.view(S, T, Hkv, D).transpose(1, 2)
     live_S11T = (torch.arange(T, device=q.device) < lengths[:, None]).view(S, 1, 1, T)
     scale = softmax_scale if softmax_scale is not None else D**-0.5
     return F.scaled_dot_product_attention(q, k_SHTD, v_SHTD, attn_mask=live_S11T, scale=scale)

@@ -7,6 +7,7 @@ sequences (as prompt pages are), tables are wider than the longest sequence, pag
 single live key (the later splits of the split-K kernel are empty), and the page pool is a strided view.
 """
 
+import functools
 import importlib
 
 import pytest
@@ -69,6 +70,21 @@ def test_kernel_matches_reference(dtype, S, Hkv, G, D, page, P):
 def test_torch_path_matches_reference(dtype):
     """The plain-torch path (page gather + SDPA with a length mask), which runs on CPU without the interpreter."""
     _check(4, 2, 3, 16, 5, 9, dtype, "cpu", fn=da.paged_decode_attention_torch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_path_gather_buffer(dtype):
+    """The torch path with a reused gather buffer (larger than needed, stale NaNs in it, as between decode steps):
+    the same output as without it and against the reference; a too-small buffer is refused."""
+    S, Hkv, G, D, page, P = 4, 2, 3, 16, 5, 9
+    buf = torch.full((2, S * P * page * Hkv * D + 7), float("nan"), dtype=dtype)
+    fn = functools.partial(da.paged_decode_attention_torch, gather_buffer=buf)
+    _check(S, Hkv, G, D, page, P, dtype, "cpu", fn=fn)
+    q, pool_k, pool_v, table, length = _inputs(S, Hkv, G, D, page, P, dtype, "cpu", seed=5)
+    want = da.paged_decode_attention_torch(q, pool_k, pool_v, table, length)
+    torch.testing.assert_close(fn(q, pool_k, pool_v, table, length), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="gather_buffer"):
+        da.paged_decode_attention_torch(q, pool_k, pool_v, table, length, gather_buffer=buf[:, :10])
 
 
 def test_kernel_matches_torch_path():
