@@ -4,6 +4,7 @@ Imported as ``from checks import ...``: loading ``tests/conftest.py`` puts ``tes
 no ``__init__.py``, pytest's default "prepend" import mode), for the tests under ``tests/kernels/`` too.
 """
 
+import pytest
 import torch
 
 
@@ -56,3 +57,13 @@ class ScriptedEngine:
             for p in reversed(range(len(out))):  # groups finish in any order, not the prompts'
                 on_group_done(p, out[p])
         return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Imported by a test module, runs its tests on one thread: the engine and Hugging Face's forward then sum in
+    the same order every run (and 2 threads gain nothing on these tiny models)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

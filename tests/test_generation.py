@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from checks import total_variation
+from checks import one_thread, total_variation  # noqa: F401  (one_thread: an autouse fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -26,14 +26,6 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 LOGPROB_ATOL = 1e-4  # fp32: engine vs teacher-forced forward differ only by summation order (~1e-6 seen)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:

@@ -19,19 +19,12 @@ The fast tier runs a few derandomized examples; ``-m slow`` runs a larger sweep.
 
 import pytest
 import torch
+from checks import one_thread  # noqa: F401  (an autouse fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generation import ARCHS, LOGPROB_ATOL, VOCAB, hf_greedy, random_prompts, teacher_forced_logp, tiny_model
 
 from fastgrpo.generation import GenerationEngine, SamplingParams
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite
