@@ -146,8 +146,9 @@ def paged_attention_rows(gbps: float) -> list[dict]:
     for S, T in ((16, 16384), (64, 4096), (256, 2048)):
         P = T // page
         gen = torch.Generator(device="cuda").manual_seed(0)
-        k = torch.randn(S * P + 1, page, Hkv, D, device="cuda", dtype=dt, generator=gen)  # page 0: unused
-        v = torch.randn(S * P + 1, page, Hkv, D, device="cuda", dtype=dt, generator=gen)
+        # the engine's head-major pool [Hkv, pages, page, D], passed as its [pages, page, Hkv, D] view; page 0 unused
+        k = torch.randn(Hkv, S * P + 1, page, D, device="cuda", dtype=dt, generator=gen).permute(1, 2, 0, 3)
+        v = torch.randn(Hkv, S * P + 1, page, D, device="cuda", dtype=dt, generator=gen).permute(1, 2, 0, 3)
         q = torch.randn(S, Hkv, G, D, device="cuda", dtype=dt, generator=gen)
         lengths = torch.full((S,), T, dtype=torch.int32, device="cuda")
         shuffled = (torch.randperm(S * P, device="cuda", generator=gen) + 1).view(S, P).to(torch.int32)

@@ -7,7 +7,7 @@ gets the memory back as soon as the rollout is done and the next rollout sees th
 
 One call, step by step (the host bookkeeping is ``fastgrpo.scheduler.Scheduler``; this file is the device step):
 
-1. **Pages.** The KV cache is a pool of pages ``k, v: [layers, pages, page_size, Hkv, D]`` sized from the budget
+1. **Pages.** The KV cache is a pool of pages ``k, v: [layers, Hkv, pages, page_size, D]`` sized from the budget
    (``max_total_tokens``, or 80% of the free GPU memory), allocated per call and freed on return. Every sample of
    every prompt is queued at once (one wave) and admitted when pages and rows allow.
 2. **Prefill, once per prompt, packed, straight into pages.** The prompts admitted in a round are concatenated into
@@ -17,8 +17,11 @@ One call, step by step (the host bookkeeping is ``fastgrpo.scheduler.Scheduler``
    its first token.
 3. **Decode.** One token per running sample per step: ``x_S -> layers -> logits_SV (fp32)``, sample, append. The
    attention reads each sample's keys through its block table: on CUDA the split-K paged kernel of
-   ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat), on CPU a
-   gather of the table's pages and SDPA with a length mask. Every ``sync_every`` steps the host reads the flags and
+   ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat). On CPU a
+   row cache (``_Workspace``) holds each running row's keys contiguously: every step writes its token to the page
+   and to the row, a row that gets another sequence is refreshed from its pages through the block table, and the
+   attention is a masked fp32 softmax over the row (re-gathering every page at every layer and step would copy the
+   live K/V once more per step). Every ``sync_every`` steps the host reads the flags and
    counts (the only host synchronisation in the loop): finished samples are harvested and free their pages, every
    running sample gets the pages of its next ``sync_every`` tokens (when the pool runs dry, the latest-admitted
    sample is preempted: pages freed, requeued with its tokens; it is later recomputed by prefilling prompt +
@@ -28,7 +31,8 @@ One call, step by step (the host bookkeeping is ``fastgrpo.scheduler.Scheduler``
    are fused by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode
    forward (embedding → logits) is captured once per batch-size bucket into a CUDA graph (block tables and lengths
    are static inputs, so no graph per length) writing one logits buffer; the graphs and the pool are dropped when
-   ``generate`` returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets).
+   ``generate`` returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets), and the
+   step writes its largest activations (logits, MLP) into reused buffers instead of fresh tensors.
 
 Memory (DeepSeek-R1-Distill-Qwen-1.5B, bf16): 28 KiB of K/V per token (28 layers × 2 × 2 kv heads × 128 × 2 B), so
 a 64-token page is 1.75 MiB; 40 GiB of pool hold ~1.5M tokens, e.g. 128 sequences at 12K tokens on average. Host
@@ -39,12 +43,13 @@ Sampling. With ``temperature == 0`` the token is ``argmax(logits)`` and its log-
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
 kept), then top-p keeps the smallest set of the most likely tokens (of the top-k renormalised distribution)
 whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
-renormalised distribution by the Gumbel-max trick (``argmax(logp_masked - log(-log(U)))``). Every sample has its own
-random stream: the uniforms of its t-th token are ``U(h(seed, sample, t), v)`` (``fastgrpo.kernels.sampling``), so
-a sample's tokens do not depend on the batch it runs in, its slot, ``max_batch_size`` or ``sync_every``, and no
-host sync is needed to seed them. On CUDA, temperature-only sampling (no top-k/top-p, the GRPO default) is
-``fastgrpo.kernels.sampling.gumbel_sample``: one kernel that draws the noise in registers (philox keyed by the row's
-stream) and reads each row of logits twice; the distribution is the same.
+renormalised distribution. Every sample has its own random stream keyed by ``h(seed, sample, t)`` for its t-th token
+(``fastgrpo.kernels.sampling``), so a sample's tokens do not depend on the batch it runs in, its slot,
+``max_batch_size`` or ``sync_every``, and no host sync is needed to seed them. On CUDA the draw is the Gumbel-max
+trick (``argmax(logp_masked - log(-log(U)))``, ``U = U(h, v)`` philox); temperature-only sampling (no top-k/top-p,
+the GRPO default) is ``fastgrpo.kernels.sampling.gumbel_sample``, one kernel that draws the noise in registers and
+reads each row of logits twice. Elsewhere it is the inverse CDF with one 53-bit uniform per row, a hash of ``h``
+(``inverse_cdf_sample``: fp64 CDF in two levels, no ``[S, V]`` noise). Same distribution, different draws.
 The logits are accumulated and kept in fp32 (the LM head's product has an fp32 output even for bf16 weights), like
 the training kernels', so no bf16 rounding happens before the softmax.
 **The returned log-prob is ``logp[token]``: under the temperature-scaled distribution before top-p/top-k
@@ -57,7 +62,6 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -67,8 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels._utils import use_triton
-from fastgrpo.kernels.decode_attention import paged_decode_attention, paged_decode_attention_torch
-from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, uniform_rows, uniform_rows_torch
+from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention
+from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, inverse_cdf_sample, uniform_rows
 from fastgrpo.scheduler import Admission, Scheduler
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -155,12 +159,50 @@ class Completion:
 
 @dataclass
 class _KVCache:
-    """The per-``generate`` memory: the KV page pool and, off CUDA, the decode attention's gather buffer (both freed
-    when generate returns)."""
+    """The per-``generate`` memory (freed when generate returns): the KV page pool, head-major (a page's keys of
+    one kv head are contiguous: a row refresh copies whole blocks, and the CUDA kernel reads 64 × D contiguous
+    values per page and head), and, on the eager (CPU) path, the row cache and the step's reused buffers."""
 
-    k: torch.Tensor  # [L, pages, page_size, Hkv, D]
-    v: torch.Tensor  # [L, pages, page_size, Hkv, D]
-    gather: torch.Tensor | None = None  # [2, rows · max_pages · page_size · Hkv · D]: K and V of the CPU decode path
+    k: torch.Tensor  # [L, Hkv, pages, page_size, D]
+    v: torch.Tensor  # [L, Hkv, pages, page_size, D]
+    work: _Workspace | None = None
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's pools as ``[pages, page_size, Hkv, D]`` views (the decode-attention API's layout)."""
+        return self.k[layer].permute(1, 2, 0, 3), self.v[layer].permute(1, 2, 0, 3)
+
+    def write(self, layer: int, slot_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
+        """K/V of N tokens into flat slots ``page · page_size + offset`` of the layer's pool."""
+        Hkv, D = self.k.shape[1], self.k.shape[-1]
+        self.k[layer].view(Hkv, -1, D)[:, slot_N] = k_NHD.transpose(0, 1)
+        self.v[layer].view(Hkv, -1, D)[:, slot_N] = v_NHD.transpose(0, 1)
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of pages ``src`` into pages ``dst``."""
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+
+
+class _Workspace(NamedTuple):
+    """The eager (CPU) decode step's memory besides the pages.
+
+    **Row cache.** Its attention reads each row's keys laid out contiguously, ``k_rows[layer, row, :, :len]``, not
+    a fresh gather of the row's pages at every layer and step (which copies the whole live K/V once more per step and
+    was the largest cost of a CPU step). Every decode step writes its token's K/V to the pages and to the row cache;
+    a row whose sequence changed (admitted, moved by compaction, recomputed after a preemption) is refreshed from
+    its pages through the block table, so the pages stay the one source of truth. Memory: a static cache for the
+    rows (``L · R · Hkv · max_pages · page_size · D`` keys and values), like the gather it replaces, CPU only.
+
+    **Buffers.** The step writes its largest activations into reused buffers instead of fresh tensors (a fresh CPU
+    tensor of 64 KiB or more is typically its own mmap, with page faults on every first touch: a few hundred µs per
+    MiB, as much as the matmuls of a tiny model's layer). None under autocast (``out=`` products are not cast)."""
+
+    k_rows: torch.Tensor  # [L, R, Hkv, max_pages · page_size, D]
+    v_rows: torch.Tensor  # [L, R, Hkv, max_pages · page_size, D]
+    scores: torch.Tensor  # [R · Hq · max_pages · page_size] fp32: the attention's scores
+    gate: torch.Tensor | None  # [R, intermediate]: the MLP's gate projection, then its activation
+    up: torch.Tensor | None  # [R, intermediate]
+    logits: torch.Tensor | None  # [R, V] fp32
 
 
 class _RowState(NamedTuple):
@@ -419,14 +461,21 @@ class GenerationEngine:
         q, k = ops.rope_qk(q, k, cos, sin)
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
-    def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ):
-        """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output)."""
+    def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ, work: _Workspace | None = None):
+        """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
+        workspace the gate and up projections and the activation go to its buffers (in place, the same values)."""
         attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         o = F.linear(o_MQ, attn.o_proj.weight, attn.o_proj.bias)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
+        if work is None or work.gate is None:
+            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+            act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
+        else:
+            M = h.shape[0]
+            gate = _linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias, out=work.gate[:M])
+            up = _linear(h, mlp.up_proj.weight, mlp.up_proj.bias, out=work.up[:M])
+            act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
         return x, F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
 
     def _norm_in(self, ops: _Ops, layer, x, delta):
@@ -452,8 +501,7 @@ class GenerationEngine:
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
-            cache.k[li].view(-1, self.num_kv_heads, self.head_dim)[slot_N] = k
-            cache.v[li].view(-1, self.num_kv_heads, self.head_dim)[slot_N] = v
+            cache.write(li, slot_N, k, v)
             out = torch.empty_like(q)  # [N, Hq, D]
             for start, count, length in groups:
                 end = start + count * length
@@ -469,61 +517,77 @@ class GenerationEngine:
 
     def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
         """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
-        logits ``[S, V]`` (fp32).
+        logits ``[S, V]`` (fp32; in ``cache.work.logits`` when the cache has a workspace).
 
         Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
-        ``[0, pos]`` of each row through its block table ``table_SP`` (the query's own key included); the CPU path
-        gathers the table's ``P`` pages, so the engine passes only the columns the longest row uses.
+        ``[0, pos]`` of each row (the query's own key included): through its block table ``table_SP`` on CUDA; on
+        CPU from the row cache, its first ``P · page_size`` columns (the engine passes only the table columns the
+        longest row uses).
         """
         S = tok_S.shape[0]
         G = self.num_heads // self.num_kv_heads
-        ps = cache.k.shape[2]
+        ps = cache.k.shape[3]
         page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
         slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
-        if _use_fused_attention(tok_S):
-            attention = paged_decode_attention
-        else:  # one gather buffer for every layer and step (no fresh multi-KiB allocation in the loop)
-            attention = functools.partial(paged_decode_attention_torch, gather_buffer=cache.gather)
+        work = cache.work  # None: the paged kernel (CUDA)
+        if work is not None:
+            rows_S = torch.arange(S, device=tok_S.device)
+            T = table_SP.shape[1] * ps  # the row cache's columns the longest row uses
+            dead_S11T = (torch.arange(T, device=tok_S.device) >= length_S[:, None]).view(S, 1, 1, T)
         cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
         x = self.model.model.embed_tokens(tok_S)  # [S, H]
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [S, Hq, D], [S, Hkv, D]
-            k_pages, v_pages = cache.k[li], cache.v[li]  # [pages, page_size, Hkv, D]
-            k_pages.view(-1, self.num_kv_heads, self.head_dim)[slot_S] = k
-            v_pages.view(-1, self.num_kv_heads, self.head_dim)[slot_S] = v
+            cache.write(li, slot_S, k, v)
             # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
-            o = attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)  # [S, Hkv, G, D]
-            x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1))
+            if work is None:
+                k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
+                o = paged_decode_attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)
+            else:
+                k_rows, v_rows = work.k_rows[li], work.v_rows[li]  # [R, Hkv, T_max, D]
+                k_rows[rows_S, :, pos_S] = k
+                v_rows[rows_S, :, pos_S] = v
+                o = masked_attention(q4, k_rows[:S, :, :T], v_rows[:S, :, :T], dead_S11T, self.scale, work.scores)
+            x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
         norm = self.model.model.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
-        return self._lm_head(h)  # [S, V] fp32
+        return self._lm_head(h, None if work is None or work.logits is None else work.logits[:S])  # [S, V] fp32
 
     def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
         norm = self.model.model.norm
         return self._lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
 
-    def _lm_head(self, h_MH: torch.Tensor) -> torch.Tensor:
+    def _lm_head(self, h_MH: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``logits = h Wᵀ (+ b)`` ``[M, V]``, accumulated and returned in fp32 like the training kernels' (never
-        rounded to bf16 before the softmax). bf16/fp16 on CUDA: cuBLAS with an fp32 output (``torch.mm``'s
-        ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over vocabulary chunks of
-        ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time)."""
+        rounded to bf16 before the softmax), in ``out`` when given (off CUDA). bf16/fp16 on CUDA: cuBLAS with an fp32
+        output (``torch.mm``'s ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over
+        vocabulary chunks of ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time)."""
         weight_VH, bias_V = self.model.lm_head.weight, self.model.lm_head.bias
         with torch.autocast(h_MH.device.type, enabled=False):
             if h_MH.dtype == weight_VH.dtype == torch.float32:
-                return F.linear(h_MH, weight_VH, bias_V)
+                return _linear(h_MH, weight_VH, bias_V, out=out)
             if h_MH.is_cuda:
                 logits_MV = torch.mm(h_MH, weight_VH.to(h_MH.dtype).t(), out_dtype=torch.float32)
             else:
                 h32 = h_MH.float()
-                logits_MV = torch.empty(h_MH.shape[0], weight_VH.shape[0], device=h_MH.device)
+                logits_MV = torch.empty(h_MH.shape[0], weight_VH.shape[0], device=h_MH.device) if out is None else out
                 for v0 in range(0, weight_VH.shape[0], LM_HEAD_CHUNK):
                     w_CH = weight_VH[v0 : v0 + LM_HEAD_CHUNK].float()
                     torch.mm(h32, w_CH.t(), out=logits_MV[:, v0 : v0 + LM_HEAD_CHUNK])
             return logits_MV if bias_V is None else logits_MV + bias_V.float()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None):
+    """``F.linear(x, weight, bias)`` for 2-D ``x``, written into ``out`` when given (the same product: mm/addmm)."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -552,7 +616,7 @@ def _use_fused_sampling(t: torch.Tensor) -> bool:
 
 
 def _use_fused_attention(t: torch.Tensor) -> bool:
-    """Decode attention by the Triton kernel on CUDA; SDPA with a length mask elsewhere (the CPU path)."""
+    """Decode attention by the Triton kernel through the pages on CUDA; the row cache elsewhere (the CPU path)."""
     return t.is_cuda and use_triton(t)
 
 
@@ -581,15 +645,32 @@ def _row_seeds(seed: int, sample_S: torch.Tensor, index_S: torch.Tensor) -> torc
     return _mix31(_mix31(_mix31(torch.full_like(sample_S, seed & SEED_MASK)) ^ sample_S) ^ index_S)
 
 
+def _row_uniforms(seeds_S: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, fp64 with 53 random bits, from the row's stream (``_row_seeds``): the high 31
+    bits are the seed itself, the low 22 a second hash of it. On the rows' device, no host sync."""
+    low = _mix31(seeds_S ^ 0x2545F491) >> 9  # 22 bits
+    return ((seeds_S << 22) | low).double() * 2.0**-53
+
+
 def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor):
     """Draw one token per row (row r from its stream ``seeds_S[r]``); returns (token [S] int64, log-prob [S] fp32
-    before top-p/top-k truncation)."""
+    before top-p/top-k truncation). ``logits_SV`` is consumed: the unfused path works in place on it.
+
+    On CUDA (the Triton kernels) the draw is Gumbel-max over the row's uniforms ``U(seed, v)``; elsewhere it is the
+    inverse CDF with one uniform per row (``inverse_cdf_sample``): the same distribution, no ``[S, V]`` noise."""
     if params.greedy:
         logp = torch.log_softmax(logits_SV, dim=-1)
         tok = logits_SV.argmax(dim=-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
-    if not params.top_k and params.top_p == 1.0 and _use_fused_sampling(logits_SV):
+    fused = _use_fused_sampling(logits_SV)
+    plain = not params.top_k and params.top_p == 1.0
+    if plain and fused:
         return gumbel_sample(logits_SV, params.temperature, seeds_S)
+    if plain:  # w = exp(x − max x) in place, x = logits / T; log p[token] = log w[token] − log Σ w
+        w_SV = logits_SV if params.temperature == 1.0 else logits_SV.div_(params.temperature)
+        w_SV.sub_(w_SV.amax(dim=-1, keepdim=True)).exp_()
+        tok, total = inverse_cdf_sample(w_SV, _row_uniforms(seeds_S))
+        return tok, (w_SV.gather(1, tok[:, None]).squeeze(1).double().log() - total.log()).float()
     logp = torch.log_softmax(logits_SV / params.temperature, dim=-1)  # [S, V]
     kept = logp
     if params.top_k and params.top_k < logp.shape[-1]:
@@ -601,11 +682,11 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tens
         mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
         drop = mass_before >= params.top_p  # the first token always stays (mass_before = 0 < top_p)
         kept = kept.scatter(1, order, sorted_lp.masked_fill(drop, -math.inf))
-    # Gumbel(0, 1) noise -log(-log(u)), u ~ U[0, 1) (u = 0 gives -inf: never picked); on CUDA the uniforms of the
-    # fused kernel (philox, no host sync), elsewhere one seeded torch.Generator per row
-    V = kept.shape[-1]
-    u = uniform_rows(seeds_S, V) if _use_fused_sampling(kept) else uniform_rows_torch(seeds_S, V)  # [S, V]
-    tok = (kept - (-u.log()).log()).argmax(dim=-1)
+    if fused:  # Gumbel(0, 1) noise −log(−log u) from the kernel's uniforms (philox, no host sync)
+        u = uniform_rows(seeds_S, kept.shape[-1])  # [S, V]
+        tok = (kept - (-u.log()).log()).argmax(dim=-1)
+    else:  # the truncated tokens have weight exp(−inf) = 0: never drawn
+        tok, _ = inverse_cdf_sample(kept.exp(), _row_uniforms(seeds_S))
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
@@ -648,11 +729,12 @@ class _Run:
         max_new = max(self.limits)
         # zeroed: masked-out keys still enter the CPU attention's P @ V, where 0 * NaN would be NaN
         cache = _KVCache(
-            k=torch.zeros(L, self.sched.num_pages, ps, Hkv, D, device=dev, dtype=self.dtype),
-            v=torch.zeros(L, self.sched.num_pages, ps, Hkv, D, device=dev, dtype=self.dtype),
+            k=torch.zeros(L, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype),
+            v=torch.zeros(L, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype),
         )
         if not _use_fused_attention(cache.k):
-            cache.gather = torch.empty(2, R * max_pages * ps * Hkv * D, device=dev, dtype=self.dtype)
+            cache.work = self._workspace(R, max_pages * ps)
+        self.row_owner: list = [None] * R  # the sequence whose keys each row of the row cache holds
         self.st = _RowState(
             tok=torch.zeros(R, dtype=torch.long, device=dev),  # token fed at the next step
             pos=torch.zeros(R, dtype=torch.long, device=dev),  # its position (= tokens already cached)
@@ -682,6 +764,38 @@ class _Run:
                 kv_capacity_tokens=(sched.num_pages - 1) * ps,
                 page_size=ps,
             )
+
+    def _workspace(self, R: int, max_keys: int) -> _Workspace:
+        """The eager decode step's row cache and buffers for ``R`` rows of at most ``max_keys`` keys (see
+        :class:`_Workspace`); no activation buffers under autocast."""
+        e, dev, dt = self.e, self.device, self.dtype
+        rows = (len(e.layers), R, e.num_kv_heads, max_keys, e.head_dim)
+        plain = dt == next(e.model.parameters()).dtype
+        inter = e.layers[0].mlp.gate_proj.out_features
+        return _Workspace(
+            k_rows=torch.zeros(rows, device=dev, dtype=dt),  # zeroed: never-written keys stay finite (0 · NaN)
+            v_rows=torch.zeros(rows, device=dev, dtype=dt),
+            scores=torch.empty(R * e.num_heads * max_keys, device=dev),
+            gate=torch.empty(R, inter, device=dev, dtype=dt) if plain else None,
+            up=torch.empty(R, inter, device=dev, dtype=dt) if plain else None,
+            logits=torch.empty(R, e.vocab_size, device=dev) if plain else None,
+        )
+
+    def _refresh_rows(self, work: _Workspace, cache: _KVCache, n_pages: int) -> None:
+        """Copy into the row cache, from the pages, every running row whose sequence is not the one it holds."""
+        rows = [row for row, seq in enumerate(self.sched.rows) if self.row_owner[row] is not seq]
+        self.row_owner[len(self.sched.rows) :] = [None] * (len(self.row_owner) - len(self.sched.rows))
+        if not rows:
+            return
+        for row in rows:
+            self.row_owner[row] = self.sched.rows[row]
+        idx = torch.tensor(rows, device=self.device)
+        pages_NP = self.st.table[idx, :n_pages].long()
+        L, Hkv, _, ps, D = cache.k.shape
+        T = n_pages * ps
+        for pool, row_cache in ((cache.k, work.k_rows), (cache.v, work.v_rows)):
+            keys = pool[:, :, pages_NP]  # [L, Hkv, N, P, page_size, D]
+            row_cache[:, idx, :, :T] = keys.transpose(1, 2).reshape(L, len(rows), Hkv, T, D)
 
     def _loop(self, cache, R, on_group_done) -> list[list[Completion]]:
         P, n, st, sched = len(self.prompts), self.params.n, self.st, self.sched
@@ -715,6 +829,8 @@ class _Run:
                 preempted = sched.grow(steps, before_leave=self._read_tokens)
                 if preempted:
                     st.done[[row for _, row in preempted]] = True
+                    for _, row in preempted:  # its row cache is stale if it comes back (recomputed)
+                        self.row_owner[row] = None
                 moves = sched.compact()
                 if moves:
                     src = torch.tensor([m[0] for m in moves], device=self.device)
@@ -732,13 +848,15 @@ class _Run:
                 break
             running = len(sched.rows)
             S_b = _bucket(running, R)
-            table = torch.zeros(S_b, st.table.shape[1], dtype=torch.int32)
-            for row, seq in enumerate(sched.rows):
-                table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
-            st.table[:S_b] = table.to(self.device, non_blocking=True)
+            width = st.table.shape[1]
+            table = [seq.pages + [0] * (width - len(seq.pages)) for seq in sched.rows]
+            table += [[0] * width] * (S_b - running)  # padding rows: the scratch page
+            st.table[:S_b] = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
             st.done[running:S_b] = True  # padding rows: write to the scratch page, never recorded
             st.pos[running:S_b] = 0
             n_pages = max(len(seq.pages) for seq in sched.rows)
+            if cache.work is not None:
+                self._refresh_rows(cache.work, cache, n_pages)
 
             # ---- sync_every decode steps without reading anything back
             for _ in range(steps):
@@ -780,8 +898,7 @@ class _Run:
             if copies:  # the partly filled last prompt page, one private copy per sample
                 src = torch.tensor([c[0] for c in copies], device=dev)
                 dst = torch.tensor([c[1] for c in copies], device=dev)
-                cache.k[:, dst] = cache.k[:, src]
-                cache.v[:, dst] = cache.v[:, src]
+                cache.copy_pages(src, dst)
             idx = torch.tensor([s.row for s in fresh], device=dev)
             logits = self.e._logits(self.ops, torch.stack([last_hidden[s.prompt] for s in fresh]))  # [A, V]
             sample_A = torch.tensor([s.sample for s in fresh], device=dev)

@@ -13,8 +13,8 @@ reading them would synchronise with the host, and the engine calls this inside a
 
 Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
 sequence's live keys through its block table, nothing past ``len[s]``) then a combine kernel; otherwise the pages
-of the table are gathered into a contiguous ``[S, Hkv, P·page_size, D]`` copy and ``scaled_dot_product_attention``
-runs with a length mask (the CPU generation path, which passes only the table columns its longest row uses).
+of the table are gathered into a contiguous ``[Hkv, S, P·page_size, D]`` copy and the masked softmax runs in fp32
+torch ops (the CPU generation path, which passes only the table columns its longest row uses).
 
 Shape legend: S sequences, Hkv key/value heads, G query heads per kv head, P block-table width, D head dim.
 """
@@ -22,7 +22,6 @@ Shape legend: S sequences, Hkv key/value heads, G query heads per kv head, P blo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, dot_in_fp32, use_triton
 
@@ -189,34 +188,49 @@ def _paged_decode_attention_triton(q_SHGD, k_pages, v_pages, table_SP, len_S, sc
     return out
 
 
-def paged_decode_attention_torch(
-    q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None, gather_buffer=None
-) -> torch.Tensor:
-    """The plain-torch path: gather the table's pages into ``[S, Hkv, P·page_size, D]``, then SDPA with a length
-    mask. Reads and copies ``P · page_size`` keys per sequence (all the table's columns).
+def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
+    """The plain-torch path, in fp32: gather the table's pages head-major into ``[Hkv, S, P·page_size, D]``, then
+    :func:`masked_attention` with the keys past each length left out. Reads and copies ``P · page_size`` keys per
+    sequence (all the table's columns).
 
-    ``gather_buffer``: optional contiguous ``[2, n]`` tensor of q's dtype and device with
-    ``n ≥ S · P · page_size · Hkv · D``, reused for the gathered K and V (``index_select(out=)``) instead of two new
-    allocations per call: a decode loop calls this once per layer per step, and on CPU every fresh multi-KiB buffer
-    is its own mmap and page faults when the allocator's mmap threshold is low (``bench/common.py`` sets 64 KiB).
+    The gather is an ``index_select`` over the pool viewed ``[Hkv, pages, page_size, D]``: a block copy per page
+    when the pool is stored head-major (the engine's layout, passed here as its ``[pages, page_size, Hkv, D]``
+    permuted view); other strides are copied element-wise.
     """
-    S, Hkv, _, D = q.shape
+    S, Hkv, G, D = q.shape
     T = block_table.shape[1] * k_pages.shape[1]
-    shape = (S * block_table.shape[1], *k_pages.shape[1:])  # [S·P, page_size, Hkv, D]
     pages = block_table.reshape(-1)
-    if gather_buffer is None:
-        k_gathered, v_gathered = k_pages.index_select(0, pages), v_pages.index_select(0, pages)
-    else:
-        n = S * T * Hkv * D
-        if gather_buffer.dim() != 2 or gather_buffer.shape[0] != 2 or gather_buffer.shape[1] < n:
-            raise ValueError(f"gather_buffer has shape {tuple(gather_buffer.shape)}, expected [2, n ≥ {n}]")
-        k_gathered = torch.index_select(k_pages, 0, pages, out=gather_buffer[0, :n].view(shape))
-        v_gathered = torch.index_select(v_pages, 0, pages, out=gather_buffer[1, :n].view(shape))
-    k_SHTD = k_gathered.view(S, T, Hkv, D).transpose(1, 2)  # [S, Hkv, T, D]
-    v_SHTD = v_gathered.view(S, T, Hkv, D).transpose(1, 2)
-    live_S11T = (torch.arange(T, device=q.device) < lengths[:, None]).view(S, 1, 1, T)
+    k_HSTD = k_pages.permute(2, 0, 1, 3).index_select(1, pages).view(Hkv, S, T, D)
+    v_HSTD = v_pages.permute(2, 0, 1, 3).index_select(1, pages).view(Hkv, S, T, D)
+    dead_1S1T = (torch.arange(T, device=q.device) >= lengths[:, None]).view(1, S, 1, T)
     scale = softmax_scale if softmax_scale is not None else D**-0.5
-    return F.scaled_dot_product_attention(q, k_SHTD, v_SHTD, attn_mask=live_S11T, scale=scale)
+    return masked_attention(q.transpose(0, 1), k_HSTD, v_HSTD, dead_1S1T, scale).transpose(0, 1)
+
+
+def masked_attention(q, k, v, dead, scale: float, scores_buffer=None) -> torch.Tensor:
+    """``softmax(scale · q kᵀ) v`` over the last two dims with the keys where ``dead`` is True left out, in fp32
+    torch ops (the plain-torch decode attention of this module and of the engine's CPU row cache).
+
+    q ``[B1, B2, G, D]``, k/v ``[B1, B2, T, D]`` (unit stride on D; batch dims that merge into one without a copy
+    keep the products copy-free), ``dead`` bool broadcastable to ``[B1, B2, G, T]`` with at least one live key per
+    row. bf16/fp16 inputs are upcast, the output has q's dtype. ``scores_buffer``: optional contiguous 1-D fp32
+    tensor of ≥ ``B1 · B2 · G · T`` elements, used for the scores (softmax in place) instead of a new allocation.
+    """
+    B1, B2, G, _ = q.shape
+    T = k.shape[2]
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    if scores_buffer is None:
+        scores = torch.matmul(q32, k32.transpose(-1, -2))
+    else:
+        n = B1 * B2 * G * T
+        if scores_buffer.dim() != 1 or scores_buffer.dtype != torch.float32 or scores_buffer.numel() < n:
+            raise ValueError(f"scores_buffer must be 1-D fp32 with ≥ {n} elements, got {tuple(scores_buffer.shape)} "
+                             f"{scores_buffer.dtype}")
+        scores = torch.matmul(q32, k32.transpose(-1, -2), out=scores_buffer[:n].view(B1, B2, G, T))
+    scores.mul_(scale).masked_fill_(dead, float("-inf"))
+    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    scores.div_(scores.sum(dim=-1, keepdim=True))
+    return torch.matmul(scores, v32).to(q.dtype)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:

@@ -14,7 +14,10 @@ Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, one kernel per row 
 (philox keyed by ``seeds[r]`` with counter ``v``: ``seeds`` is an int64 device tensor, so no host synchronisation
 happens) and reads the row twice; otherwise torch ops with a ``torch.Generator`` seeded with ``seeds[r]`` per row
 (one host read). Both draw from the same distribution; the draws themselves differ between the paths.
-:func:`uniform_rows` gives the same uniforms as a tensor (the engine's top-k/top-p path).
+:func:`uniform_rows` gives the same uniforms as a tensor (the engine's top-k/top-p path on CUDA).
+
+:func:`inverse_cdf_sample` is the engine's draw where the kernel does not run (CPU): the same distribution from one
+uniform per row instead of V, with the CDF in fp64.
 
 Shape legend: S rows (slots), V vocabulary.
 """
@@ -132,6 +135,50 @@ def uniform_rows(seeds: torch.Tensor, V: int) -> torch.Tensor:
     if use_triton(seeds):
         return _uniform_rows_triton(seeds, V)
     return uniform_rows_torch(seeds, V)
+
+
+def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw, one token per row, from unnormalised weights; returns ``(token [S] int64, Σ_v w [S] fp64)``.
+
+    With ``C_r[v] = Σ_{v' ≤ v} w_rv'``, token r is the ``v`` with ``C_r[v−1] ≤ u_r · C_r[V−1] < C_r[v]``: for
+    ``u_r ~ U[0, 1)`` it is distributed as ``w_r / Σ w_r``, and a zero weight is never drawn. One uniform per row
+    instead of Gumbel-max's V (the engine's path where the fused kernel does not run: no ``[S, V]`` noise, no two
+    logs over the vocabulary).
+
+    ``weights_SV``: non-negative and finite, fp32 or wider, at least one positive entry per row; ``u_S``: fp64 in
+    [0, 1). The CDF is fp64 in two levels: blocks of ``B`` entries, then the entries of the chosen block. So the
+    draw stays within fp64 rounding of the exact distribution at any vocabulary size, where an fp32 CDF of 150K
+    entries would round every boundary to ~6e-8 of the total, the size of a typical token's probability. A block's
+    own sum is fp32 (relative error ~1e-7 of the block's mass: the weights' own precision). ``B ≈ √V``, a power of
+    two (128 for V = 16K, 512 for 152K): after the block sums each level touches about √V entries per row. Extra
+    memory: ``[S, V / B]`` + ``[S, B]``, nothing of ``[S, V]``.
+    """
+    S, V = weights_SV.shape
+    B = 1 << (V.bit_length() // 2)
+    nb, tail = divmod(V, B)
+    sums = [weights_SV[:, : nb * B].reshape(S, nb, B).sum(-1)] if nb else []
+    if tail:
+        sums.append(weights_SV[:, nb * B :].sum(-1, keepdim=True))
+    blocks_SN = torch.cat(sums, dim=1).double().cumsum_(dim=1)  # [S, blocks]: C at each block's end
+    total_S = blocks_SN[:, -1]
+    b_S = _first_above(blocks_SN, u_S * total_S)
+    lo_S = torch.where(b_S > 0, blocks_SN.gather(1, (b_S - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    mass_S = blocks_SN.gather(1, b_S[:, None]).squeeze(1) - lo_S  # > 0: a block of positive mass is chosen
+    # where u_r falls inside the chosen block, as a fraction of its mass (exact up to fp64 rounding)
+    frac_S = ((u_S * total_S - lo_S) / mass_S).clamp(0.0, 1.0)
+    cols_SB = b_S[:, None] * B + torch.arange(B, device=weights_SV.device)  # the block's columns
+    w_SB = weights_SV.gather(1, cols_SB.clamp(max=V - 1)).masked_fill(cols_SB >= V, 0.0)
+    c_SB = w_SB.cumsum(dim=1, dtype=torch.float64)
+    j_S = _first_above(c_SB, frac_S * c_SB[:, -1])
+    return b_S * B + j_S, total_S
+
+
+def _first_above(c_SN: torch.Tensor, t_S: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose (non-decreasing) ``c`` exceeds ``t``, never past the last index where ``c``
+    grows (so rounding at ``t ≈ c[-1]`` cannot land on a zero-weight entry)."""
+    first = torch.searchsorted(c_SN, t_S[:, None], right=True).squeeze(1)
+    last_growth = (c_SN < c_SN[:, -1:]).sum(dim=1)  # index of the first entry equal to the total
+    return torch.minimum(first, last_growth)
 
 
 def _gumbel_sample_torch(logits_SV, temperature: float, seeds_S):

@@ -2,12 +2,12 @@
 out contiguously by a plain loop over its block table) by flash-attn's rule.
 
 Kernel (Triton under the interpreter on CPU, compiled on GPU) in the test dtype, reference in the same dtype,
-reference in fp32; the plain-torch path (page gather + SDPA) the same way. Pages are shuffled and shared between
+reference in fp32; the plain-torch path (page gather + masked fp32 softmax) the same way, and ``masked_attention`` on
+strided row-cache views. Pages are shuffled and shared between
 sequences (as prompt pages are), tables are wider than the longest sequence, page counts are odd, one sequence has a
 single live key (the later splits of the split-K kernel are empty), and the page pool is a strided view.
 """
 
-import functools
 import importlib
 
 import pytest
@@ -68,23 +68,33 @@ def test_kernel_matches_reference(dtype, S, Hkv, G, D, page, P):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torch_path_matches_reference(dtype):
-    """The plain-torch path (page gather + SDPA with a length mask), which runs on CPU without the interpreter."""
+    """The plain-torch path (page gather + masked fp32 softmax), which runs on CPU without the interpreter."""
     _check(4, 2, 3, 16, 5, 9, dtype, "cpu", fn=da.paged_decode_attention_torch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_torch_path_gather_buffer(dtype):
-    """The torch path with a reused gather buffer (larger than needed, stale NaNs in it, as between decode steps):
-    the same output as without it and against the reference; a too-small buffer is refused."""
-    S, Hkv, G, D, page, P = 4, 2, 3, 16, 5, 9
-    buf = torch.full((2, S * P * page * Hkv * D + 7), float("nan"), dtype=dtype)
-    fn = functools.partial(da.paged_decode_attention_torch, gather_buffer=buf)
-    _check(S, Hkv, G, D, page, P, dtype, "cpu", fn=fn)
-    q, pool_k, pool_v, table, length = _inputs(S, Hkv, G, D, page, P, dtype, "cpu", seed=5)
-    want = da.paged_decode_attention_torch(q, pool_k, pool_v, table, length)
-    torch.testing.assert_close(fn(q, pool_k, pool_v, table, length), want, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="gather_buffer"):
-        da.paged_decode_attention_torch(q, pool_k, pool_v, table, length, gather_buffer=buf[:, :10])
+def test_masked_attention_on_row_cache_views(dtype):
+    """masked_attention as the engine's CPU row cache calls it: k/v are the first S rows and T keys of a wider cache
+    (strided views), the scores go to a reused buffer holding stale NaNs; the same output as without the buffer, the
+    reference's by flash-attn's rule, and a too-small buffer is refused."""
+    S, Hkv, G, D, T, T_max, R = 5, 2, 3, 16, 11, 17, 8
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(S, Hkv, G, D, generator=g).to(dtype)
+    k_rows = torch.randn(R, Hkv, T_max, D, generator=g).to(dtype)
+    v_rows = torch.randn(R, Hkv, T_max, D, generator=g).to(dtype)
+    length = torch.randint(1, T + 1, (S,), generator=g)
+    length[0] = 1
+    dead = (torch.arange(T) >= length[:, None]).view(S, 1, 1, T)
+    buf = torch.full((S * Hkv * G * T + 7,), float("nan"))
+    k, v = k_rows[:S, :, :T], v_rows[:S, :, :T]
+    out = da.masked_attention(q, k, v, dead, 0.7 * D**-0.5, buf)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, da.masked_attention(q, k, v, dead, 0.7 * D**-0.5), atol=0, rtol=0)
+    ref32 = decode_attention_ref(q, k, v, length, softmax_scale=0.7 * D**-0.5)
+    ref_lowp = decode_attention_ref(q, k, v, length, softmax_scale=0.7 * D**-0.5, upcast=False)
+    assert_flash("out", out, ref32, ref_lowp, ATOL[dtype])
+    with pytest.raises(ValueError, match="scores_buffer"):
+        da.masked_attention(q, k, v, dead, 1.0, buf[:10])
 
 
 def test_kernel_matches_torch_path():

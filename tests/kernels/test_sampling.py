@@ -91,3 +91,36 @@ def test_bad_input_raises(kwargs, match):
     args = dict(logits=torch.zeros(2, 3), temperature=1.0, seeds=torch.tensor([1, 2]))
     with pytest.raises(ValueError, match=match):
         gumbel_sample(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("V", [1, 7, 300, 1024], ids=["V1", "V7", "V300", "V1024"])
+def test_inverse_cdf_sample_on_a_grid_of_uniforms(V):
+    """A deterministic grid of N uniforms u = (i + ½)/N over one row of weights (zeros included, V not a multiple of
+    the block): token v is drawn for the u in [C[v−1], C[v]) / C[V−1], an interval of length p_v, so its count is
+    within 1 of N·p_v (exact, no sampling noise); zero weights are never drawn, u → 1 draws the last positive weight,
+    and the returned total is Σ w."""
+    g = torch.Generator().manual_seed(V)
+    w = torch.rand(V, generator=g) ** 4  # from ~1 down to tiny weights
+    w[torch.randperm(V, generator=g)[: V // 3]] = 0.0
+    w[-1] = 0.0 if V > 1 else 1.0  # a zero tail: the last draw must skip it
+    N = 20_000
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
+    tok, total = sampling.inverse_cdf_sample(w.expand(N, V), u)
+    assert tok.dtype == torch.int64 and tok.shape == (N,)
+    torch.testing.assert_close(total, w.double().sum().expand(N), rtol=1e-6, atol=0)
+    counts = torch.bincount(tok, minlength=V).double()
+    p = w.double() / w.double().sum()
+    assert (counts[p == 0] == 0).all()
+    assert ((counts - N * p).abs() <= 1.0 + 1e-6).all()
+    assert torch.equal(tok.diff() >= 0, torch.ones(N - 1, dtype=torch.bool))  # monotone in u
+    last, _ = sampling.inverse_cdf_sample(w[None], torch.tensor([1.0 - 2.0**-53], dtype=torch.float64))
+    assert last.item() == int(torch.nonzero(w).max())
+
+
+def test_inverse_cdf_sample_is_scale_free():
+    """Weights of 1e-30 alone in their row split the draws in proportion (no absolute threshold); each row is drawn
+    from its own weights and uniform."""
+    w = torch.tensor([[0.0, 1e-30, 0.0, 3e-30], [0.0, 1e-30, 0.0, 3e-30], [0.0, 0.0, 3.0, 0.0]])
+    u = torch.tensor([0.2, 0.3, 0.999], dtype=torch.float64)
+    tok, _ = sampling.inverse_cdf_sample(w, u)
+    assert tok.tolist() == [1, 3, 2]  # C / total = [0, 0.25, 0.25, 1]
