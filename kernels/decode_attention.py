@@ -216,21 +216,22 @@ def masked_attention(q, k, v, dead, scale: float, scores_buffer=None) -> torch.T
     row. bf16/fp16 inputs are upcast, the output has q's dtype. ``scores_buffer``: optional contiguous 1-D fp32
     tensor of ≥ ``B1 · B2 · G · T`` elements, used for the scores (softmax in place) instead of a new allocation.
     """
-    B1, B2, G, _ = q.shape
-    T = k.shape[2]
-    q32, k32, v32 = q.float(), k.float(), v.float()
+    B1, B2, G, D = q.shape
+    T, B = k.shape[2], B1 * B2
+    # 3-D batched products (bmm: about 1.5x faster than matmul's 4-D path for P V on CPU); reshape is a view when
+    # the batch dims merge, as they do for the row cache and the gathered pages
+    q32, k32, v32 = q.float().reshape(B, G, D), k.float().reshape(B, T, D), v.float().reshape(B, T, D)
     if scores_buffer is None:
-        scores = torch.matmul(q32, k32.transpose(-1, -2))
+        scores = torch.bmm(q32, k32.transpose(1, 2))
     else:
-        n = B1 * B2 * G * T
-        if scores_buffer.dim() != 1 or scores_buffer.dtype != torch.float32 or scores_buffer.numel() < n:
-            raise ValueError(f"scores_buffer must be 1-D fp32 with ≥ {n} elements, got {tuple(scores_buffer.shape)} "
-                             f"{scores_buffer.dtype}")
-        scores = torch.matmul(q32, k32.transpose(-1, -2), out=scores_buffer[:n].view(B1, B2, G, T))
-    scores.mul_(scale).masked_fill_(dead, float("-inf"))
-    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+        if scores_buffer.dim() != 1 or scores_buffer.dtype != torch.float32 or scores_buffer.numel() < B * G * T:
+            raise ValueError(f"scores_buffer must be 1-D fp32 with ≥ {B * G * T} elements, got "
+                             f"{tuple(scores_buffer.shape)} {scores_buffer.dtype}")
+        scores = torch.bmm(q32, k32.transpose(1, 2), out=scores_buffer[: B * G * T].view(B, G, T))
+    scores.mul_(scale).view(B1, B2, G, T).masked_fill_(dead, float("-inf"))
+    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # key 0 is live: a finite row max
     scores.div_(scores.sum(dim=-1, keepdim=True))
-    return torch.matmul(scores, v32).to(q.dtype)
+    return torch.bmm(scores, v32).view(B1, B2, G, D).to(q.dtype)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
