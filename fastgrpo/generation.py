@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.kernels._utils import use_triton
-from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention
+from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
 from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, inverse_cdf_sample, uniform_rows
 from fastgrpo.scheduler import Admission, Scheduler
 
@@ -191,14 +191,16 @@ class _Workspace(NamedTuple):
     was the largest cost of a CPU step). Every decode step writes its token's K/V to the pages and to the row cache;
     a row whose sequence changed (admitted, moved by compaction, recomputed after a preemption) is refreshed from
     its pages through the block table, so the pages stay the one source of truth. Memory: a static cache for the
-    rows (``L · R · Hkv · max_pages · page_size · D`` keys and values), like the gather it replaces, CPU only.
+    rows (``L · R · Hkv · max_pages · page_size · D`` keys and values), kept only when it holds no more tokens than
+    the KV budget; otherwise every layer gathers its rows' pages at every step (``paged_decode_attention_torch``,
+    slower).
 
     **Buffers.** The step writes its largest activations into reused buffers instead of fresh tensors (a fresh CPU
     tensor of 64 KiB or more is typically its own mmap, with page faults on every first touch: a few hundred µs per
     MiB, as much as the matmuls of a tiny model's layer). None under autocast (``out=`` products are not cast)."""
 
-    k_rows: torch.Tensor  # [L, R, Hkv, max_pages · page_size, D]
-    v_rows: torch.Tensor  # [L, R, Hkv, max_pages · page_size, D]
+    k_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]; None: attention through the pages
+    v_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]
     scores: torch.Tensor  # [R · Hq · max_pages · page_size] fp32: the attention's scores
     gate: torch.Tensor | None  # [R, intermediate]: the MLP's gate projection, then its activation
     up: torch.Tensor | None  # [R, intermediate]
@@ -250,6 +252,9 @@ class GenerationEngine:
             None = on when the model is on CUDA (the CPU path stays eager).
         page_size: tokens per KV page; None = 64 on CUDA (the decode kernel's keys per inner step; < 64 tokens
             wasted per sequence), 16 on CPU.
+        row_cache: where the paged kernel does not run (CPU), decode attention reads a contiguous row cache kept in
+            step with the pages (see ``_Workspace``) instead of gathering every row's pages per layer and step; None
+            = when it holds no more tokens than the KV budget (``max_total_tokens``). Ignored on CUDA.
     """
 
     def __init__(
@@ -264,6 +269,7 @@ class GenerationEngine:
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
         page_size: int | None = None,
+        row_cache: bool | None = None,
     ):
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
@@ -301,6 +307,8 @@ class GenerationEngine:
             raise ValueError(f"sync_every must be an integer >= 1 or None, got {sync_every!r}")
         if page_size is not None and (not isinstance(page_size, int) or page_size < 1):
             raise ValueError(f"page_size must be an integer >= 1 or None, got {page_size!r}")
+        if row_cache is not None and not isinstance(row_cache, bool):
+            raise ValueError(f"row_cache must be True, False or None, got {row_cache!r}")
         self.page_size = page_size
         self.last_stats: dict = {}
         self.max_batch_size = max_batch_size
@@ -310,6 +318,7 @@ class GenerationEngine:
         self._cuda_graphs = cuda_graphs
         self._compile = compile
         self._compiled_ops: _Ops | None = None
+        self._row_cache = row_cache
 
         self.layers = list(inner.layers)
         attn = self.layers[0].self_attn
@@ -531,7 +540,9 @@ class GenerationEngine:
         slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
         work = cache.work  # None: the paged kernel (CUDA)
-        if work is not None:
+        rows = work is not None and work.k_rows is not None  # else attention through the pages
+        attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
+        if rows:
             rows_S = torch.arange(S, device=tok_S.device)
             T = table_SP.shape[1] * ps  # the row cache's columns the longest row uses
             dead_S11T = (torch.arange(T, device=tok_S.device) >= length_S[:, None]).view(S, 1, 1, T)
@@ -544,9 +555,9 @@ class GenerationEngine:
             cache.write(li, slot_S, k, v)
             # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
-            if work is None:
+            if not rows:
                 k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
-                o = paged_decode_attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)
+                o = attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)
             else:
                 k_rows, v_rows = work.k_rows[li], work.v_rows[li]  # [R, Hkv, T_max, D]
                 k_rows[rows_S, :, pos_S] = k
@@ -700,6 +711,7 @@ class _Run:
         self.device = device
         self.dtype = dtype
         self.seed = seed
+        self.budget = budget  # KV tokens
         self.cos_TD, self.sin_TD = cos_TD, sin_TD
         cuda = device.type == "cuda"
         self.sync_every = engine._sync_every or (CUDA_SYNC_EVERY if cuda else 1)
@@ -767,14 +779,18 @@ class _Run:
 
     def _workspace(self, R: int, max_keys: int) -> _Workspace:
         """The eager decode step's row cache and buffers for ``R`` rows of at most ``max_keys`` keys (see
-        :class:`_Workspace`); no activation buffers under autocast."""
+        :class:`_Workspace`): by default the row cache only when it holds no more tokens than the KV budget
+        (``R · max_keys ≤ max_total_tokens``: the eager path's K/V stays within twice the budget); no activation
+        buffers under autocast."""
         e, dev, dt = self.e, self.device, self.dtype
-        rows = (len(e.layers), R, e.num_kv_heads, max_keys, e.head_dim)
+        shape = (len(e.layers), R, e.num_kv_heads, max_keys, e.head_dim)
+        rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
         plain = dt == next(e.model.parameters()).dtype
         inter = e.layers[0].mlp.gate_proj.out_features
         return _Workspace(
-            k_rows=torch.zeros(rows, device=dev, dtype=dt),  # zeroed: never-written keys stay finite (0 · NaN)
-            v_rows=torch.zeros(rows, device=dev, dtype=dt),
+            # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
+            k_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
+            v_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
             scores=torch.empty(R * e.num_heads * max_keys, device=dev),
             gate=torch.empty(R, inter, device=dev, dtype=dt) if plain else None,
             up=torch.empty(R, inter, device=dev, dtype=dt) if plain else None,
@@ -855,7 +871,7 @@ class _Run:
             st.done[running:S_b] = True  # padding rows: write to the scratch page, never recorded
             st.pos[running:S_b] = 0
             n_pages = max(len(seq.pages) for seq in sched.rows)
-            if cache.work is not None:
+            if cache.work is not None and cache.work.k_rows is not None:
                 self._refresh_rows(cache.work, cache, n_pages)
 
             # ---- sync_every decode steps without reading anything back

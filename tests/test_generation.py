@@ -432,6 +432,32 @@ def test_cache_is_freed_after_generate(monkeypatch):
     assert all(ref() is None for ref in caches)  # no reference cycle or lingering attribute keeps the cache
 
 
+@pytest.mark.parametrize("max_total_tokens,want_rows", [(None, True), (64, False)], ids=["default", "small-budget"])
+def test_row_cache_never_exceeds_the_page_pool(monkeypatch, max_total_tokens, want_rows):
+    """By default the CPU row cache exists only when it holds no more tokens than the KV budget (the eager path's K/V
+    memory stays within twice the budget); with a small budget the attention goes through the pages. Both give HF's
+    greedy tokens."""
+    pools = []
+
+    class TrackedCache(generation._KVCache):
+        def __init__(self, **tensors):
+            super().__init__(**tensors)
+            pools.append(self)
+
+    monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    model = tiny_model("llama")
+    prompts = random_prompts([5, 9, 3])
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=6, max_total_tokens=max_total_tokens)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
+    [cache] = pools
+    assert (cache.work.k_rows is not None) == want_rows
+    budget = max_total_tokens or generation.DEFAULT_CPU_TOTAL_TOKENS
+    if want_rows:  # [L, R, Hkv, T, D]: R · T tokens
+        assert cache.work.k_rows.shape[1] * cache.work.k_rows.shape[3] <= budget
+    for prompt, comps in zip(prompts, out):
+        assert all(c.token_ids == hf_greedy(model, prompt, 10, None) for c in comps)
+
+
 def test_autocast_dtype_within_bf16_error_of_fp32():
     """dtype=bf16 on an fp32 model: flash-attn's rule against HF's own forward under the same autocast,
     max |engine − ref_fp32| ≤ 2 · max |ref_bf16 − ref_fp32| + 1e-2."""
@@ -513,6 +539,8 @@ def test_bad_engine_arguments_raise():
         GenerationEngine(model, eos_token_ids=[0], max_total_tokens=10).generate(
             [[1] * 4], SamplingParams(max_new_tokens=8)
         )
+    with pytest.raises(ValueError, match="row_cache"):
+        GenerationEngine(model, eos_token_ids=[0], row_cache=1)
     gpt2 = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="unsupported architecture"):
         GenerationEngine(gpt2, eos_token_ids=[0])

@@ -3,16 +3,17 @@
 Random tiny Qwen2 / Llama / Qwen3 models (fp32, ``initializer_range=0.3`` so outputs vary, DESIGN.md), random prompt
 lengths, n up to 16, several stop ids with high stop rates, ``max_batch_size`` below the number of samples
 (refill), small KV budgets (admission and preemption under memory pressure), ``sync_every`` in {1, 3, 8} (8 is the
-CUDA setting, run here on CPU), top-k, top-p and temperatures ≠ 1. For every drawn case:
+CUDA setting, run here on CPU), page sizes, the CPU attention from the row cache or through the pages, top-k, top-p
+and temperatures ≠ 1. For every drawn case:
 
 - every returned log-prob equals a teacher-forced HF forward's within 1e-4 (fp32: the two differ by summation order
   only, ~1e-6 seen), and finish reasons and lengths follow the stop/length rules;
 - greedy output equals HF ``generate`` (same stop ids);
 - batch invariance: the same seed gives the same completions under another ``max_batch_size``, ``sync_every`` and
-  budget. What is guaranteed: each sample draws its noise from its own stream (a hash of seed, sample and token
-  index), so its tokens depend on its own logits alone; those logits differ between schedules by fp32 rounding
-  (~1e-6), so tokens are equal unless two Gumbel-perturbed scores are that close (probability ~1e-6 per token, not
-  seen in these cases). The log-probs agree within 1e-4.
+  budget. What is guaranteed: each sample draws from its own stream (a hash of seed, sample and token index), so
+  its tokens depend on its own logits alone; those logits differ between schedules by fp32 rounding (~1e-6), so
+  tokens are equal unless the draw falls that close to a boundary of the CDF (probability ~1e-6 per token, not seen
+  in these cases). The log-probs agree within 1e-4.
 
 The fast tier runs a few derandomized examples; ``-m slow`` runs a larger sweep.
 """
@@ -49,20 +50,22 @@ def cases(draw, max_prompts=4, max_samples=32):
             sync_every=draw(st.sampled_from([1, 3, 8])),
             page_size=draw(st.sampled_from([1, 3, 16])),
             spare_pages=draw(st.sampled_from([None, 0, 1, 4])),
+            row_cache=draw(st.booleans()),
         )
         for _ in range(2)
     ]
     return draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, schedules
 
 
-def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, spare_pages):
+def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, spare_pages, row_cache):
     """``spare_pages``: None = the default budget; k = the fewest pages that hold the longest sequence, plus k (small:
-    admission waits for pages and running samples get preempted)."""
+    admission waits for pages and running samples get preempted). ``row_cache``: the CPU decode attention from the
+    row cache (refreshed from the pages) or through the pages at every step."""
     longest = max(len(p) for p in prompts) + params.max_new_tokens
     total = None if spare_pages is None else (-(-longest // page_size) + 2 + spare_pages) * page_size
     return GenerationEngine(
         model, eos_token_ids=[], max_batch_size=max_batch_size, max_total_tokens=total, sync_every=sync_every,
-        page_size=page_size,
+        page_size=page_size, row_cache=row_cache,
     )
 
 
