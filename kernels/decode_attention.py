@@ -13,8 +13,9 @@ reading them would synchronise with the host, and the engine calls this inside a
 
 Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
 sequence's live keys through its block table, nothing past ``len[s]``) then a combine kernel; otherwise the pages
-of the table are gathered into a contiguous ``[Hkv, S, P·page_size, D]`` copy and the masked softmax runs in fp32
-torch ops (the CPU generation path, which passes only the table columns its longest row uses).
+of the table are gathered into a contiguous ``[Hkv, S, P·page_size, D]`` copy and :func:`masked_attention` runs
+on it (fp32 products with a masked softmax; SDPA for bf16/fp16). The engine's CPU path uses ``masked_attention`` on
+its row cache.
 
 Shape legend: S sequences, Hkv key/value heads, G query heads per kv head, P block-table width, D head dim.
 """
@@ -22,6 +23,7 @@ Shape legend: S sequences, Hkv key/value heads, G query heads per kv head, P blo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, dot_in_fp32, use_triton
 
@@ -189,7 +191,7 @@ def _paged_decode_attention_triton(q_SHGD, k_pages, v_pages, table_SP, len_S, sc
 
 
 def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
-    """The plain-torch path, in fp32: gather the table's pages head-major into ``[Hkv, S, P·page_size, D]``, then
+    """The plain-torch path: gather the table's pages head-major into ``[Hkv, S, P·page_size, D]``, then
     :func:`masked_attention` with the keys past each length left out. Reads and copies ``P · page_size`` keys per
     sequence (all the table's columns).
 
@@ -208,30 +210,37 @@ def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, *, s
 
 
 def masked_attention(q, k, v, dead, scale: float, scores_buffer=None) -> torch.Tensor:
-    """``softmax(scale · q kᵀ) v`` over the last two dims with the keys where ``dead`` is True left out, in fp32
-    torch ops (the plain-torch decode attention of this module and of the engine's CPU row cache).
+    """``softmax(scale · q kᵀ) v`` over the last two dims with the keys where ``dead`` is True left out (the
+    plain-torch decode attention of this module and of the engine's CPU row cache).
 
     q ``[B1, B2, G, D]``, k/v ``[B1, B2, T, D]`` (unit stride on D; batch dims that merge into one without a copy
     keep the products copy-free), ``dead`` bool broadcastable to ``[B1, B2, G, T]`` with at least one live key per
-    row. bf16/fp16 inputs are upcast, the output has q's dtype. ``scores_buffer``: optional contiguous 1-D fp32
-    tensor of ≥ ``B1 · B2 · G · T`` elements, used for the scores (softmax in place) instead of a new allocation.
+    row; the output has q's dtype. fp32: explicit fp32 products and an in-place softmax, the scores in
+    ``scores_buffer`` when given (optional contiguous 1-D fp32 tensor of ≥ ``B1 · B2 · G · T`` elements) instead of
+    a new allocation. bf16/fp16: ``scaled_dot_product_attention``, the training forward's CPU attention
+    (``varlen_attention``'s torch path), so generation and training round alike (an fp32 softmax here tripled the
+    bf16 engine-vs-trainer log-prob gap of ``bench_generation.py --logprob-gap``).
     """
     B1, B2, G, D = q.shape
     T, B = k.shape[2], B1 * B2
+    if scores_buffer is not None and (
+        scores_buffer.dim() != 1 or scores_buffer.dtype != torch.float32 or scores_buffer.numel() < B * G * T
+    ):
+        raise ValueError(f"scores_buffer must be 1-D fp32 with ≥ {B * G * T} elements, got "
+                         f"{tuple(scores_buffer.shape)} {scores_buffer.dtype}")
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~dead, scale=scale)
     # 3-D batched products (bmm: about 1.5x faster than matmul's 4-D path for P V on CPU); reshape is a view when
     # the batch dims merge, as they do for the row cache and the gathered pages
-    q32, k32, v32 = q.float().reshape(B, G, D), k.float().reshape(B, T, D), v.float().reshape(B, T, D)
+    q3, k3, v3 = q.reshape(B, G, D), k.reshape(B, T, D), v.reshape(B, T, D)
     if scores_buffer is None:
-        scores = torch.bmm(q32, k32.transpose(1, 2))
+        scores = torch.bmm(q3, k3.transpose(1, 2))
     else:
-        if scores_buffer.dim() != 1 or scores_buffer.dtype != torch.float32 or scores_buffer.numel() < B * G * T:
-            raise ValueError(f"scores_buffer must be 1-D fp32 with ≥ {B * G * T} elements, got "
-                             f"{tuple(scores_buffer.shape)} {scores_buffer.dtype}")
-        scores = torch.bmm(q32, k32.transpose(1, 2), out=scores_buffer[: B * G * T].view(B, G, T))
+        scores = torch.bmm(q3, k3.transpose(1, 2), out=scores_buffer[: B * G * T].view(B, G, T))
     scores.mul_(scale).view(B1, B2, G, T).masked_fill_(dead, float("-inf"))
     scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # key 0 is live: a finite row max
     scores.div_(scores.sum(dim=-1, keepdim=True))
-    return torch.bmm(scores, v32).view(B1, B2, G, D).to(q.dtype)
+    return torch.bmm(scores, v3).view(B1, B2, G, D)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:
