@@ -3,7 +3,8 @@
 Run: ``python bench/bench_generation.py`` (CPU sizes without CUDA, the issue's GPU sizes with it; ``--quick``
 shrinks either). Figures:
 
-- tokens/s = generated tokens / wall time of the whole call (prefill included), engine and HF side by side.
+- tokens/s = generated tokens / wall time of the whole call (prefill included), engine and HF side by side; the
+  median of ``--repeats`` calls each (3 on CPU, 1 on GPU), engine and HF alternating.
 - GPU: time per decode step = (time of the full call − time of the same call with max_new_tokens=1) / the
   remaining steps, against the memory-bandwidth roofline of one step: every weight read once plus the K/V of
   every live sequence at its current length, divided by the device-to-device copy bandwidth measured in this
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 
 import torch
@@ -196,6 +198,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed calls per implementation, alternating; the median is reported (default: 3 on CPU, "
+                             "1 on GPU)")
     parser.add_argument("--logprob-gap", action="store_true", help="measure the bf16 engine-vs-trainer gap instead")
     args = parser.parse_args()
     if args.threads:
@@ -222,10 +227,18 @@ def main():
 
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, seed=0))  # warm-up (first-call costs)
     hf_generate(model, prompts[:2], 2, 4, device)
-    eng_s, eng_peak, out = timed(lambda: engine.generate(prompts, params), device)
-    assert all(len(c.token_ids) == new for comps in out for c in comps)
-    hf_s, hf_peak, hf_out = timed(lambda: hf_generate(model, prompts, n, hf_new, device), device)
-    assert hf_out.shape[0] == num_prompts * n
+    repeats = args.repeats or (1 if cuda else 3)
+    eng_runs, hf_runs = [], []
+    for _ in range(repeats):  # alternating, so a slow phase of a shared machine hits both sides
+        eng_s, eng_peak, out = timed(lambda: engine.generate(prompts, params), device)
+        assert all(len(c.token_ids) == new for comps in out for c in comps)
+        hf_s, hf_peak, hf_out = timed(lambda: hf_generate(model, prompts, n, hf_new, device), device)
+        assert hf_out.shape[0] == num_prompts * n
+        eng_runs.append((eng_s, eng_peak))
+        hf_runs.append((hf_s, hf_peak))
+    del out, hf_out
+    eng_s, hf_s = statistics.median(r[0] for r in eng_runs), statistics.median(r[0] for r in hf_runs)
+    eng_peak, hf_peak = max(r[1] for r in eng_runs), max(r[1] for r in hf_runs)
     eng_tps = num_prompts * n * new / eng_s
     hf_tps = num_prompts * n * hf_new / hf_s
 
@@ -234,9 +247,9 @@ def main():
         shape += f" threads {torch.get_num_threads()}"
     rows = [
         {"impl": "engine", "shape": shape, "new_tokens": new, "seconds": eng_s, "tokens_per_s": eng_tps,
-         "peak_extra_MiB": eng_peak / 2**20, "speedup_vs_hf": eng_tps / hf_tps},
+         "peak_extra_MiB": eng_peak / 2**20, "speedup_vs_hf": eng_tps / hf_tps, "repeats": repeats},
         {"impl": "hf_generate", "shape": shape, "new_tokens": hf_new, "seconds": hf_s, "tokens_per_s": hf_tps,
-         "peak_extra_MiB": hf_peak / 2**20, "speedup_vs_hf": 1.0},
+         "peak_extra_MiB": hf_peak / 2**20, "speedup_vs_hf": 1.0, "repeats": repeats},
     ]
     if not cuda:
         floor_s = matmul_floor_s(model, num_prompts * n, new, device)
