@@ -433,7 +433,7 @@ def test_cache_is_freed_after_generate(monkeypatch):
 
 
 @pytest.mark.parametrize("max_total_tokens,want_rows", [(None, True), (64, False)], ids=["default", "small-budget"])
-def test_row_cache_never_exceeds_the_page_pool(monkeypatch, max_total_tokens, want_rows):
+def test_row_cache_stays_within_the_kv_budget(monkeypatch, max_total_tokens, want_rows):
     """By default the CPU row cache exists only when it holds no more tokens than the KV budget (the eager path's K/V
     memory stays within twice the budget); with a small budget the attention goes through the pages. Both give HF's
     greedy tokens."""
