@@ -145,7 +145,8 @@ def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[tor
     instead of Gumbel-max's V (the engine's path where the fused kernel does not run: no ``[S, V]`` noise, no two
     logs over the vocabulary).
 
-    ``weights_SV``: non-negative and finite, fp32 or wider, at least one positive entry per row; ``u_S``: fp64 in
+    ``weights_SV``: non-negative and finite, fp32 or wider, at least one positive entry per row, row-major or
+    vocabulary-major (strides (1, S): a transposed ``[V, S]`` tensor); ``u_S``: fp64 in
     [0, 1). The CDF is fp64 in two levels: blocks of ``B`` entries, then the entries of the chosen block. So the
     draw stays within fp64 rounding of the exact distribution at any vocabulary size, where an fp32 CDF of 150K
     entries would round every boundary to ~6e-8 of the total, the size of a typical token's probability. A block's
@@ -156,7 +157,11 @@ def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[tor
     S, V = weights_SV.shape
     B = 1 << (V.bit_length() // 2)
     nb, tail = divmod(V, B)
-    sums = [weights_SV[:, : nb * B].reshape(S, nb, B).sum(-1)] if nb else []
+    sums = []
+    if nb and weights_SV.stride(1) == 1:  # row-major
+        sums.append(weights_SV[:, : nb * B].unflatten(1, (nb, B)).sum(-1))
+    elif nb:  # vocabulary-major (the engine's CPU logits): reduce over the middle dim, vectorised across rows
+        sums.append(weights_SV.t()[: nb * B].unflatten(0, (nb, B)).sum(1).t())
     if tail:
         sums.append(weights_SV[:, nb * B :].sum(-1, keepdim=True))
     blocks_SN = torch.cat(sums, dim=1).double().cumsum_(dim=1)  # [S, blocks]: C at each block's end

@@ -93,19 +93,22 @@ def test_bad_input_raises(kwargs, match):
         gumbel_sample(**{**args, **kwargs})
 
 
+@pytest.mark.parametrize("layout", ["row-major", "vocab-major"])
 @pytest.mark.parametrize("V", [1, 7, 300, 1024], ids=["V1", "V7", "V300", "V1024"])
-def test_inverse_cdf_sample_on_a_grid_of_uniforms(V):
+def test_inverse_cdf_sample_on_a_grid_of_uniforms(V, layout):
     """A deterministic grid of N uniforms u = (i + ½)/N over one row of weights (zeros included, V not a multiple of
     the block): token v is drawn for the u in [C[v−1], C[v]) / C[V−1], an interval of length p_v, so its count is
     within 1 of N·p_v (exact, no sampling noise); zero weights are never drawn, u → 1 draws the last positive weight,
-    and the returned total is Σ w."""
+    and the returned total is Σ w. Row-major weights, or vocabulary-major (a transposed ``[V, N]`` tensor, as the
+    engine's CPU logits are)."""
     g = torch.Generator().manual_seed(V)
     w = torch.rand(V, generator=g) ** 4  # from ~1 down to tiny weights
     w[torch.randperm(V, generator=g)[: V // 3]] = 0.0
     w[-1] = 0.0 if V > 1 else 1.0  # a zero tail: the last draw must skip it
     N = 20_000
     u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
-    tok, total = sampling.inverse_cdf_sample(w.expand(N, V), u)
+    w_NV = w.expand(N, V) if layout == "row-major" else w[:, None].repeat(1, N).t()
+    tok, total = sampling.inverse_cdf_sample(w_NV, u)
     assert tok.dtype == torch.int64 and tok.shape == (N,)
     torch.testing.assert_close(total, w.double().sum().expand(N), rtol=1e-6, atol=0)
     counts = torch.bincount(tok, minlength=V).double()
