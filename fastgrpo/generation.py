@@ -542,6 +542,7 @@ class GenerationEngine:
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
         work = cache.work  # None: the paged kernel (CUDA)
         rows = work is not None and work.k_rows is not None  # else attention through the pages
+        # the torch path named off CUDA: paged_decode_attention would run the kernel under TRITON_INTERPRET=1
         attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
         if rows:
             rows_S = torch.arange(S, device=tok_S.device)
