@@ -304,3 +304,69 @@ def gumbel_sample_ref(logits, temperature, u):
     logp_SV = torch.log_softmax(logits.float() / temperature, dim=-1)
     tok_S = (logp_SV - (-u.log()).log()).argmax(dim=-1)
     return tok_S, logp_SV.gather(1, tok_S[:, None]).squeeze(1)
+
+
+def distill_loss_ref(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    mask,
+    *,
+    beta=None,
+    mixed_kl_weight=None,
+    temperature=1.0,
+    student_bias=None,
+    teacher_bias=None,
+    cu_seqlens=None,
+    vocab_size=None,
+    loss_type="dapo",
+    max_completion_length=None,
+    num_items_in_batch=None,
+    upcast=True,
+):
+    """Distillation loss on materialised logits (``kernels/distill_loss.py`` states the math).
+
+    ``z = (hidden @ weightᵀ + bias)[..., :vocab_size] / T`` for each model; element-wise ``ls``, ``lt`` (log-softmax)
+    and, per token, TRL's generalized JSD (β = 0: ``Σ q (lt − ls)``; β = 1: ``Σ p (ls − lt)``; else
+    ``β Σ q (lt − log m) + (1 − β) Σ p (ls − log m)`` with ``log m = logsumexp(lt + log β, ls + log(1 − β))``) or
+    NeMo-RL's mixed KL ``w Σ q (lt − ls) + (1 − w) Σ p (ls − lt)``; then the GRPO loss's token aggregations over the
+    mask. Packed inputs ``[N, H]`` with ``cu_seqlens`` are padded first. Returns ``(loss, {"divergence": ...})``.
+    """
+    if cu_seqlens is not None:
+        student_hidden, teacher_hidden, mask = (pad_packed(x, cu_seqlens) for x in (student_hidden, teacher_hidden,
+                                                                                     mask))
+    hs, ws, bs, ht, wt, bt = (_maybe_upcast(x, upcast) for x in (student_hidden, student_weight, student_bias,
+                                                                 teacher_hidden, teacher_weight, teacher_bias))
+    V = vocab_size or ws.shape[0]
+
+    def logprobs(h, w, b):
+        z = h @ w.t() if b is None else h @ w.t() + b  # [B, T, Vrows]
+        return torch.log_softmax(z[..., :V] / temperature, dim=-1)  # [B, T, V]
+
+    ls, lt = logprobs(hs, ws, bs), logprobs(ht.detach(), wt.detach(), None if bt is None else bt.detach())
+    p, q = ls.exp(), lt.exp()
+    if mixed_kl_weight is not None:
+        d = mixed_kl_weight * (q * (lt - ls)).sum(-1) + (1 - mixed_kl_weight) * (p * (ls - lt)).sum(-1)  # [B, T]
+    elif beta == 0:
+        d = (q * (lt - ls)).sum(-1)
+    elif beta == 1:
+        d = (p * (ls - lt)).sum(-1)
+    else:
+        b = torch.tensor(beta, dtype=ls.dtype, device=ls.device)
+        lm = torch.logsumexp(torch.stack([lt + b.log(), ls + (-b).log1p()]), dim=0)  # [B, T, V]
+        d = beta * (q * (lt - lm)).sum(-1) + (1 - beta) * (p * (ls - lm)).sum(-1)
+    m = mask.to(d.dtype)  # [B, T]
+    B, T = m.shape
+    if loss_type == "grpo":
+        loss = ((d * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (d * m).sum() / m.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (d * m).sum() / (B * (max_completion_length or T))
+    elif loss_type == "dapo":
+        normalizer = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
+        loss = (d * m).sum() / normalizer.clamp(min=1.0)
+    else:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    return loss, {"divergence": ((d * m).sum() / m.sum().clamp(min=1.0)).detach()}
