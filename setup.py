@@ -29,7 +29,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "tensorboard"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "tensorboard", "trl>=1.16"],
         # peer baselines of the microbenchmarks (bench/micro_*.py skip a peer that is not installed); install the
         # torch build you want first: both accept any torch >= 2.1, so pip keeps it
         "bench": ["liger-kernel>=0.8", "trl>=1.16"],

@@ -5,6 +5,7 @@ Each function runs Triton on CUDA tensors, the Triton kernel under the interpret
 was set before import, and otherwise a plain-torch path with the same memory promise.
 """
 
+from .distill_loss import fused_linear_distill_loss
 from .dpo_loss import dpo_loss, fused_linear_dpo_loss
 from .grpo_loss import grpo_loss
 from .linear_grpo_loss import fused_linear_grpo_loss
@@ -15,6 +16,7 @@ from .varlen_attention import varlen_attention
 __all__ = [
     "dpo_loss",
     "fused_linear_cross_entropy",
+    "fused_linear_distill_loss",
     "fused_linear_dpo_loss",
     "fused_linear_grpo_loss",
     "fused_linear_logprobs",

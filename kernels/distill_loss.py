@@ -183,7 +183,7 @@ if HAS_TRITON:
     @triton.jit
     def _distill_jsd_kernel(
         hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr,  # as _distill_fwd_kernel
-        lse_s_ptr, lse_t_ptr,  # [N] fp32
+        stats_ptr,  # [4, N] fp32: ms, rs, mt, rt (each model's max and log Σ exp(z − max))
         jt_ptr, k_ptr,  # partial sums [S, N] fp32
         N, V, Hs, Ht, stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv,
         stride_wtk, inv_temp, log_beta, log_1m_beta, tiles_per_split,
@@ -193,14 +193,13 @@ if HAS_TRITON:
         """JSD's second pass, program (token tile, vocabulary split), both LSEs known: partial sums
         ``jt = Σ q (lt − log m)`` and ``k = Σ p (ls − log m)`` (so ``D = β jt + (1 − β) k``, ``c = k``).
 
-        Reads as ``_distill_fwd_kernel`` plus 2 fp32 per token; writes 2 fp32 partials per token and split.
+        Reads as ``_distill_fwd_kernel`` plus 4 fp32 per token; writes 2 fp32 partials per token and split.
         """
         pid_n = tl.program_id(0).to(tl.int64)
         pid_s = tl.program_id(1).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        lse_s = tl.load(lse_s_ptr + offs_n, mask=mask_n, other=0.0)
-        lse_t = tl.load(lse_t_ptr + offs_n, mask=mask_n, other=0.0)
+        ms, rs, mt, rt = _load_stats(stats_ptr, offs_n, mask_n, N)
         jt = tl.zeros((BLOCK_N,), dtype=tl.float32)
         k = tl.zeros((BLOCK_N,), dtype=tl.float32)
         v_start = pid_s * tiles_per_split * BLOCK_V
@@ -211,16 +210,26 @@ if HAS_TRITON:
             valid = mask_n[:, None] & mask_v[None, :]
             lt = _tile_logits(ht_ptr, wt_ptr, bt_ptr, offs_n, mask_n, offs_v, mask_v, Ht, stride_htn, stride_htk,
                               stride_wtv, stride_wtk, inv_temp, HAS_BT, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
-                              BLOCK_K) - lse_t[:, None]  # [BLOCK_N, BLOCK_V]
+                              BLOCK_K) - mt[:, None] - rt[:, None]  # [BLOCK_N, BLOCK_V]
             ls = _tile_logits(hs_ptr, ws_ptr, bs_ptr, offs_n, mask_n, offs_v, mask_v, Hs, stride_hsn, stride_hsk,
                               stride_wsv, stride_wsk, inv_temp, HAS_BS, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
-                              BLOCK_K) - lse_s[:, None]
+                              BLOCK_K) - ms[:, None] - rs[:, None]
             lm = _log_mixture(ls, lt, log_beta, log_1m_beta)
             jt += tl.sum(tl.where(valid, tl.exp(lt) * (lt - lm), 0.0), axis=1)
             k += tl.sum(tl.where(valid, tl.exp(ls) * (ls - lm), 0.0), axis=1)
         out = pid_s * N + offs_n
         tl.store(jt_ptr + out, jt, mask=mask_n)
         tl.store(k_ptr + out, k, mask=mask_n)
+
+    @triton.jit
+    def _load_stats(stats_ptr, offs_n, mask_n, N):
+        """Each model's max and ``r = log Σ exp(z − max)`` (so ``log p = (z − max) − r``: no rounding of a large
+        ``lse`` against ``z``, which would cost ~1e-7·|z| in the log-probs of the top tokens)."""
+        ms = tl.load(stats_ptr + offs_n, mask=mask_n, other=0.0)
+        rs = tl.load(stats_ptr + N + offs_n, mask=mask_n, other=0.0)
+        mt = tl.load(stats_ptr + 2 * N + offs_n, mask=mask_n, other=0.0)
+        rt = tl.load(stats_ptr + 3 * N + offs_n, mask=mask_n, other=0.0)
+        return ms, rs, mt, rt
 
     @triton.jit
     def _log_mixture(ls, lt, log_beta, log_1m_beta):
@@ -233,7 +242,7 @@ if HAS_TRITON:
     @triton.jit
     def _distill_bwd_kernel(
         hs_ptr, ws_ptr, bs_ptr, ht_ptr, wt_ptr, bt_ptr,  # as _distill_fwd_kernel
-        lse_s_ptr, lse_t_ptr, c_ptr, g_ptr,  # [N] fp32: LSEs, the constant c, the upstream gradient of D
+        stats_ptr, c_ptr, g_ptr,  # [4, N] as _distill_jsd_kernel; [N] fp32: the constant c, the upstream grad of D
         gh_ptr, gw_ptr, gb_ptr,  # fp32 accumulators [N, Hs], [Vs, Hs], [Vs] (contiguous, zero-initialised)
         N, V, Hs, Ht, stride_hsn, stride_hsk, stride_wsv, stride_wsk, stride_htn, stride_htk, stride_wtv,
         stride_wtk, inv_temp, cf, cr, log_beta, log_1m_beta,
@@ -263,15 +272,14 @@ if HAS_TRITON:
         mask_n = offs_n < N
         mask_v = offs_v < V
         valid = mask_n[:, None] & mask_v[None, :]
-        lse_s = tl.load(lse_s_ptr + offs_n, mask=mask_n, other=0.0)
-        lse_t = tl.load(lse_t_ptr + offs_n, mask=mask_n, other=0.0)
+        ms, rs, mt, rt = _load_stats(stats_ptr, offs_n, mask_n, N)
         g = tl.load(g_ptr + offs_n, mask=mask_n, other=0.0)
         lt = _tile_logits(ht_ptr, wt_ptr, bt_ptr, offs_n, mask_n, offs_v, mask_v, Ht, stride_htn, stride_htk,
                           stride_wtv, stride_wtk, inv_temp, HAS_BT, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
-                          BLOCK_K) - lse_t[:, None]  # [BLOCK_N, BLOCK_V]
+                          BLOCK_K) - mt[:, None] - rt[:, None]  # [BLOCK_N, BLOCK_V]
         ls = _tile_logits(hs_ptr, ws_ptr, bs_ptr, offs_n, mask_n, offs_v, mask_v, Hs, stride_hsn, stride_hsk,
                           stride_wsv, stride_wsk, inv_temp, HAS_BS, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
-                          BLOCK_K) - lse_s[:, None]
+                          BLOCK_K) - ms[:, None] - rs[:, None]
         p = tl.exp(ls)
         dd = cf * (p - tl.exp(lt))  # ∂D/∂zs
         if REV:
@@ -379,21 +387,22 @@ def _forward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div: _Divergence):
     ms_N, mt_N = ms_SN.max(0).values, mt_SN.max(0).values
     scale_s_SN, scale_t_SN = torch.exp(ms_SN - ms_N), torch.exp(mt_SN - mt_N)
     sum_s_N, sum_t_N = (ss_SN * scale_s_SN).sum(0), (st_SN * scale_t_SN).sum(0)
-    lse_s_N, lse_t_N = ms_N + torch.log(sum_s_N), mt_N + torch.log(sum_t_N)
+    stats_4N = torch.stack([ms_N, torch.log(sum_s_N), mt_N, torch.log(sum_t_N)])  # lse = m + r, kept apart
     if div.jsd:
-        jt_N, k_N = _jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N)
-        return div.beta * jt_N + (1.0 - div.beta) * k_N, lse_s_N, lse_t_N, k_N
+        jt_N, k_N = _jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N)
+        return div.beta * jt_N + (1.0 - div.beta) * k_N, stats_4N, k_N
     d_N = torch.zeros(N, device=hs.device, dtype=torch.float32)
     rkl_N = None
+    lse_gap_N = (stats_4N[0] - stats_4N[2]) + (stats_4N[1] - stats_4N[3])  # lse_s − lse_t
     if fwd_kl:  # KL(q ‖ p) = Σ q (zt − zs) + lse_s − lse_t
-        d_N += div.fwd_w * ((af_SN * scale_t_SN).sum(0) / sum_t_N + lse_s_N - lse_t_N)
+        d_N += div.fwd_w * ((af_SN * scale_t_SN).sum(0) / sum_t_N + lse_gap_N)
     if rev_kl:  # KL(p ‖ q) = Σ p (zs − zt) + lse_t − lse_s
-        rkl_N = (ar_SN * scale_s_SN).sum(0) / sum_s_N + lse_t_N - lse_s_N
+        rkl_N = (ar_SN * scale_s_SN).sum(0) / sum_s_N - lse_gap_N
         d_N += div.rev_w * rkl_N
-    return d_N, lse_s_N, lse_t_N, rkl_N
+    return d_N, stats_4N, rkl_N
 
 
-def _jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N):
+def _jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N):
     N, Hs = hs.shape
     ptrs, strides = _model_args(hs, ws, bs, ht, wt, bt)
     parts = []
@@ -403,7 +412,7 @@ def _jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N)
         n_tiles, splits, tiles_per_split = _split_grid(N, V, block_n, block_v, hs)
         part_SN = [torch.empty(splits, N, device=hs.device, dtype=torch.float32) for _ in range(2)]
         _distill_jsd_kernel[(n_tiles, splits)](
-            *ptrs, lse_s_N, lse_t_N, *part_SN, N, V, Hs, ht.shape[1], *strides, inv_temp, *_log_betas(div),
+            *ptrs, stats_4N, *part_SN, N, V, Hs, ht.shape[1], *strides, inv_temp, *_log_betas(div),
             tiles_per_split, HAS_BS=bs is not None, HAS_BT=bt is not None, DOT_FP32=dot_in_fp32(hs),
             INPUT_PRECISION=_input_precision(hs), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k,
             num_warps=warps, num_stages=stages,
@@ -414,7 +423,7 @@ def _jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N)
     return parts[0].sum(0), parts[1].sum(0)
 
 
-def _backward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N, c_N, g_N, needs):
+def _backward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N, c_N, g_N, needs):
     N, Hs = hs.shape
     f32 = dict(dtype=torch.float32, device=hs.device)
     gh_NH = torch.zeros(N, Hs, **f32) if needs[0] else None
@@ -427,8 +436,8 @@ def _backward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N,
         block_n, block_v, block_k, warps, stages = config
         grid = (triton.cdiv(N, block_n) * triton.cdiv(V, block_v),)
         _distill_bwd_kernel[grid](
-            *ptrs, lse_s_N, lse_t_N, c_N if c_N is not None else lse_s_N, g_N,
-            *(x if x is not None else lse_s_N for x in (gh_NH, gw_VH, gb_V)),
+            *ptrs, stats_4N, c_N if c_N is not None else g_N, g_N,
+            *(x if x is not None else g_N for x in (gh_NH, gw_VH, gb_V)),
             N, V, Hs, ht.shape[1], *strides, inv_temp, cf, cr, *_log_betas(div),
             HAS_BS=bs is not None, HAS_BT=bt is not None, JSD=div.jsd, REV=cr != 0.0,
             GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2], DOT_FP32=dot_in_fp32(hs),
@@ -443,22 +452,33 @@ def _backward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N,
 # ----------------------------------------------------------------------------------------------------------------------
 # Plain-torch path (CPU without the interpreter): chunked, same memory promise
 # ----------------------------------------------------------------------------------------------------------------------
-def _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs, lse_s_n, lse_t_n):
-    """Both models' log-probs ``ls``, ``lt`` of vocabulary chunk ``[v0, v1)`` into ``bufs[0]``, ``bufs[1]``."""
+def _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs, stats_4n=None):
+    """Both models' logits ``zs``, ``zt`` of vocabulary chunk ``[v0, v1)`` into ``bufs[0]``, ``bufs[1]``; with the
+    statistics ``(ms, rs, mt, rt)`` given, their log-probs ``(z − m) − r`` (the max folded into the ``addmm``)."""
     n, v = hs_nH.shape[0], v1 - v0
-    ls_nv = _chunk_logits(hs_nH, ws, bs, v0, v1, inv_temp, _view(bufs[0], n, v), lse_s_n)
-    lt_nv = _chunk_logits(ht_nH, wt, bt, v0, v1, inv_temp, _view(bufs[1], n, v), lse_t_n)
-    return ls_nv, lt_nv
+    ms, rs, mt, rt = (None,) * 4 if stats_4n is None else stats_4n
+    zs_nv = _chunk_logits(hs_nH, ws, bs, v0, v1, inv_temp, _view(bufs[0], n, v), ms)
+    zt_nv = _chunk_logits(ht_nH, wt, bt, v0, v1, inv_temp, _view(bufs[1], n, v), mt)
+    if stats_4n is None:
+        return zs_nv, zt_nv
+    return zs_nv.sub_(rs[:, None]), zt_nv.sub_(rt[:, None])
+
+
+def _online_max_sum(z_nv, m_n, s_n, tmp_nv):
+    """Merge a chunk into the running max ``m`` and ``s = Σ exp(z − m)`` (``m = −inf``, ``s = 0`` to start)."""
+    m_new = torch.maximum(m_n, z_nv.amax(1))
+    chunk_n = torch.sub(z_nv, m_new[:, None], out=tmp_nv).exp_().sum(1)
+    return m_new, s_n * torch.exp(m_n - m_new) + chunk_n
 
 
 def _forward_torch(hs, ws, bs, ht, wt, bt, V, inv_temp, div: _Divergence):
-    """Pass 1 per token chunk: both LSEs, merged over vocabulary chunks with ``logaddexp``. Pass 2: the per-token
-    sums of the module docstring with the LSEs known (``Σ q (lt − ls)``, ``Σ p (ls − lt)``, or the JSD's
-    ``Σ q (lt − log m)`` and ``Σ p (ls − log m)``). Chunk buffers, reused: ``zs`` / ``ls``, ``zt`` / ``lt`` and one
-    temporary."""
+    """Pass 1 per token chunk: each model's running max and ``Σ exp(z − max)`` over the vocabulary chunks. Pass 2:
+    the per-token sums of the module docstring with the log-probs known (``Σ q (lt − ls)``, ``Σ p (ls − lt)``, or
+    the JSD's ``Σ q (lt − log m)`` and ``Σ p (ls − log m)``). Chunk buffers, reused: ``zs`` / ``ls``, ``zt`` /
+    ``lt`` and one temporary."""
     N = hs.shape[0]
     f32 = dict(dtype=torch.float32, device=hs.device)
-    lse_s_N, lse_t_N, d_N = (torch.empty(N, **f32) for _ in range(3))
+    stats_4N, d_N = torch.empty(4, N, **f32), torch.empty(N, **f32)
     c_N = torch.empty(N, **f32) if (div.jsd or div.rev_w != 0.0) else None
     log_b, log_1mb = _log_betas(div)
     bufs = _chunk_buffers(3, N, hs.device)
@@ -466,18 +486,20 @@ def _forward_torch(hs, ws, bs, ht, wt, bt, V, inv_temp, div: _Divergence):
         n1 = min(n0 + TORCH_CHUNK_N, N)
         n = n1 - n0
         hs_nH, ht_nH = hs[n0:n1].float(), ht[n0:n1].float()
-        lse_s_n = lse_t_n = None
+        ms_n, mt_n = torch.full((n,), float("-inf"), **f32), torch.full((n,), float("-inf"), **f32)
+        ss_n, st_n = torch.zeros(n, **f32), torch.zeros(n, **f32)
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            zs_nv, zt_nv = _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs, None, None)
-            cs_n, ct_n = torch.logsumexp(zs_nv, 1), torch.logsumexp(zt_nv, 1)
-            first = lse_s_n is None
-            lse_s_n = cs_n if first else torch.logaddexp(lse_s_n, cs_n)
-            lse_t_n = ct_n if first else torch.logaddexp(lse_t_n, ct_n)
+            zs_nv, zt_nv = _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs)
+            tmp_nv = _view(bufs[2], n, v1 - v0)
+            ms_n, ss_n = _online_max_sum(zs_nv, ms_n, ss_n, tmp_nv)
+            mt_n, st_n = _online_max_sum(zt_nv, mt_n, st_n, tmp_nv)
+        stats_4n = stats_4N[:, n0:n1]
+        torch.stack([ms_n, ss_n.log(), mt_n, st_n.log()], out=stats_4n)
         d_n, c_n = torch.zeros(n, **f32), torch.zeros(n, **f32)
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            ls_nv, lt_nv = _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs, lse_s_n, lse_t_n)
+            ls_nv, lt_nv = _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs, stats_4n)
             tmp_nv = _view(bufs[2], n, v1 - v0)
             if div.jsd:
                 lm_nv = torch.logaddexp(lt_nv + log_b, ls_nv + log_1mb, out=tmp_nv)
@@ -492,11 +514,11 @@ def _forward_torch(hs, ws, bs, ht, wt, bt, V, inv_temp, div: _Divergence):
         if div.jsd or div.rev_w != 0.0:
             d_n += (1.0 - div.beta if div.jsd else div.rev_w) * c_n
             c_N[n0:n1] = c_n
-        lse_s_N[n0:n1], lse_t_N[n0:n1], d_N[n0:n1] = lse_s_n, lse_t_n, d_n
-    return d_N, lse_s_N, lse_t_N, c_N
+        d_N[n0:n1] = d_n
+    return d_N, stats_4N, c_N
 
 
-def _backward_torch(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N, c_N, g_N, needs):
+def _backward_torch(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N, c_N, g_N, needs):
     """Per (token chunk, vocabulary chunk): both log-probs from one ``addmm`` each into reused buffers, then
     ``dz = (γ/T) [cf (p − q) + cr p (ls − X − c)]`` in place, and the three gradient products."""
     N, Hs = hs.shape
@@ -515,8 +537,8 @@ def _backward_torch(hs, ws, bs, ht, wt, bt, V, inv_temp, div, lse_s_N, lse_t_N, 
         c_n1 = c_N[n0:n1, None] if c_N is not None else None
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            ls_nv, lt_nv = _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs, lse_s_N[n0:n1],
-                                           lse_t_N[n0:n1])
+            ls_nv, lt_nv = _chunk_logprobs(hs_nH, ws, bs, ht_nH, wt, bt, v0, v1, inv_temp, bufs,
+                                           stats_4N[:, n0:n1])
             p_nv = torch.exp(ls_nv, out=_view(bufs[2], n, v1 - v0))
             dz_nv = ls_nv
             if cr != 0.0:  # cr p (ls − X − c), X = log m (JSD) or lt, built in ls's buffer
@@ -546,19 +568,19 @@ class _DistillDivergence(torch.autograd.Function):
     def forward(ctx, hs, ws, bs, ht, wt, bt, V, inv_temp, div):
         kernel = use_triton(hs)
         fwd = _forward_triton if kernel else _forward_torch
-        d_K, lse_s_K, lse_t_K, c_K = fwd(hs, ws, bs, ht, wt, bt, V, inv_temp, div)
-        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, lse_s_K, lse_t_K, c_K)
+        d_K, stats_4K, c_K = fwd(hs, ws, bs, ht, wt, bt, V, inv_temp, div)
+        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, stats_4K, c_K)
         ctx.kernel, ctx.V, ctx.inv_temp, ctx.div = kernel, V, inv_temp, div
         return d_K
 
     @staticmethod
     def backward(ctx, g_K):
-        hs, ws, bs, ht, wt, bt, lse_s_K, lse_t_K, c_K = ctx.saved_tensors
+        hs, ws, bs, ht, wt, bt, stats_4K, c_K = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]  # a frozen head skips its [V, H] accumulator and a third of the work
         if not any(needs):
             return (None,) * 9
         bwd = _backward_triton if ctx.kernel else _backward_torch
-        grads = bwd(hs, ws, bs, ht, wt, bt, ctx.V, ctx.inv_temp, ctx.div, lse_s_K, lse_t_K, c_K,
+        grads = bwd(hs, ws, bs, ht, wt, bt, ctx.V, ctx.inv_temp, ctx.div, stats_4K, c_K,
                     g_K.float().contiguous(), needs)
         grads = [None if gr is None else gr.to(x.dtype) for gr, x in zip(grads, (hs, ws, bs))]
         return *grads, None, None, None, None, None, None
