@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared GPU script: the GPU test tier, the microbenchmarks, generation and end to end, each bounded;
-# the whole script stays within 540 s (env 20 + ceilings 30 + gpu_tests 60 + micro 200 + generation 110 + e2e 120).
+# the whole script stays within 540 s (env 20 + ceilings 30 + gpu_tests 60 + micro 245 + generation 90 + e2e 95).
 #
 #   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
 #   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
@@ -61,10 +61,10 @@ print(f'copy bandwidth {copy_bandwidth_gbps():.0f} GB/s, bf16 matmul {matmul_tfl
 gpu_files=$(grep -rl "mark.gpu" "$root/tests" | sort | tr '\n' ' ')
 step gpu_tests 60 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
 
-# Microbenchmarks: 200 s in all, per file (torch.compile, flex and autotuning dominate). Same reason to run from
+# Microbenchmarks: 245 s in all, per file (torch.compile, flex and autotuning dominate). Same reason to run from
 # $site; bench/ is passed by absolute path, so its conftest.py and pyproject's settings (rootdir) apply.
 if [ "$dry_run" = 1 ] || python3 -c "import pytest_benchmark" 2>/dev/null; then
-  for b in logprobs:40 grpo_loss:45 dpo_loss:15 linear_logprobs:45 varlen_attention:55; do
+  for b in logprobs:40 grpo_loss:45 dpo_loss:15 linear_logprobs:45 varlen_attention:55 distill_loss:45; do
     name=${b%%:*}
     [ -f "bench/micro_$name.py" ] && step "micro_$name" "${b##*:}" bash -c "cd '$site' && python3 -m pytest -q \
 -p no:cacheprovider --rootdir='$root' '$root/bench/micro_$name.py' --benchmark-only --benchmark-columns=median,rounds \
@@ -79,9 +79,9 @@ else
   record micro "SKIP(no pytest-benchmark)" 0
 fi
 
-step generation 110 python3 bench/bench_generation.py
+step generation 90 python3 bench/bench_generation.py
 if [ -f bench/bench_e2e_gpu.py ]; then
-  step e2e 120 python3 bench/bench_e2e_gpu.py
+  step e2e 95 python3 bench/bench_e2e_gpu.py
 fi
 
 if [ -n "${OUT:-}" ] && [ "$dry_run" = 0 ]; then tar czf "$OUT/results.tgz" bench/results; fi

@@ -81,7 +81,6 @@ from ._utils import (
 )
 from .grpo_loss import MASK_DTYPES
 from .linear_logprobs import _chunk_buffers, _chunk_logits, _input_precision, _view
-from .reference import LOSS_TYPES
 
 if HAS_TRITON:
     import triton
@@ -89,6 +88,8 @@ if HAS_TRITON:
 
     from .linear_logprobs import _tile_logits
 
+# The GRPO loss's token aggregations (named as its loss_type; the clipped-objective variants have no meaning here).
+AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 # Plain-torch path: token × vocabulary chunk (as linear_logprobs: a few reused [CHUNK_N, CHUNK_V] fp32 buffers).
 TORCH_CHUNK_N = 2048
 TORCH_CHUNK_V = 1024
@@ -637,8 +638,8 @@ def _validate(hs, ws, ht, wt, mask, bs, bt, beta, mixed_kl_weight, temperature, 
         vocab_size = rows
     elif isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or not 1 <= vocab_size <= rows:
         raise ValueError(f"vocab_size must be an int in [1, {rows}] (the heads' rows), got {vocab_size!r}")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type not in AGGREGATIONS:
+        raise ValueError(f"loss_type must be one of {AGGREGATIONS}, got {loss_type!r}")
     if max_completion_length is not None and (isinstance(max_completion_length, bool)
                                               or not isinstance(max_completion_length, int)
                                               or max_completion_length < 1):

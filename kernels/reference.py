@@ -368,5 +368,5 @@ def distill_loss_ref(
         normalizer = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
         loss = (d * m).sum() / normalizer.clamp(min=1.0)
     else:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        raise ValueError(f"loss_type must be grpo, bnpo, dr_grpo or dapo, got {loss_type!r}")
     return loss, {"divergence": ((d * m).sum() / m.sum().clamp(min=1.0)).detach()}

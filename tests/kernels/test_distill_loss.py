@@ -295,10 +295,12 @@ def test_bad_input_names_argument(name, call):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("div", [dict(beta=0.5), dict(mixed_kl_weight=0.5)])
-def test_gpu_real_scale(div):
-    """2,048 tokens × Hs = Ht = 1536 × Qwen's 151,936 rows in bf16 on the compiled kernels, against the fp32 and
-    bf16 references (whose logits alone take 1.2 GB each in fp32)."""
+def test_gpu_real_scale():
+    """2,048 tokens × Hs = Ht = 1536 × Qwen's 151,936 rows in bf16 on the compiled kernels (the JSD: both forward
+    kernels and the backward), against the fp32 and bf16 references (their logits take 1.2 GB each in fp32). One
+    case, to bound the GPU tier's time: the other modes compile in the gpu_compile gate and run under the
+    interpreter."""
+    div = dict(beta=0.5)
     hs, ws, ht, wt, mask, _, _, _ = _inputs([1024, 1024], 1536, 1536, 151936, torch.bfloat16, packed=False, scale=4.0)
     hs, ws = (x.detach().cuda().requires_grad_() for x in (hs, ws))
     ht, wt, mask = ht.cuda(), wt.cuda(), mask.cuda()

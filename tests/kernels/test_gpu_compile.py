@@ -65,6 +65,18 @@ def _drive_linear_logprobs(shape, dtype):
     (logp.sum() + ent.sum()).backward()
 
 
+def _drive_distill_loss(shape, dtype):
+    import torch
+    from fastgrpo.kernels import fused_linear_distill_loss
+
+    hs, ht = (torch.randn(TOKENS, shape["H"], dtype=dtype, requires_grad=True) for _ in range(2))
+    ws, wt = (torch.empty(shape["V"], shape["H"], dtype=dtype).requires_grad_() for _ in range(2))
+    cu = torch.tensor([0, 17, TOKENS], dtype=torch.int32)
+    mask = torch.ones(TOKENS, dtype=torch.bool)
+    for div in (dict(beta=0.5), dict(mixed_kl_weight=0.5)):  # JSD: both forward passes; mixed: both KL terms
+        fused_linear_distill_loss(hs, ws, ht, wt, mask, cu_seqlens=cu, **div)[0].backward()
+
+
 def _drive_varlen_attention(shape, dtype):
     import torch
     from fastgrpo.kernels import varlen_attention
@@ -118,10 +130,12 @@ def _drive_sampling(shape, dtype):
 
 
 # Kernel modules whose ops the gate drives (their use_triton is switched on in the subprocess).
-MODULES = ("linear_logprobs", "varlen_attention", "logprobs", "grpo_loss", "decode_attention", "sampling")
+MODULES = ("linear_logprobs", "distill_loss", "varlen_attention", "logprobs", "grpo_loss", "decode_attention",
+           "sampling")
 # One row per op: (name, driver, dtypes). grpo_loss's inputs are fp32 log-probs whatever the model's dtype.
 GATE = [
     ("linear_logprobs", _drive_linear_logprobs, DTYPE_NAMES),
+    ("distill_loss", _drive_distill_loss, DTYPE_NAMES),
     ("varlen_attention", _drive_varlen_attention, DTYPE_NAMES),
     ("logprobs", _drive_logprobs, DTYPE_NAMES),
     ("grpo_loss", _drive_grpo_loss, ("float32",)),
