@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import assert_is_decisive
 from fastgrpo.kernels.reference import grpo_loss_ref
 from hypothesis import given
 from hypothesis import strategies as st
@@ -261,6 +262,7 @@ def test_update_rollout_is_uses_the_engine_logprobs(mode):
             "sampling/is_clipped_fraction"]
     if mode.startswith("token"):  # sequence modes: TRL's stats are over sequences, the log's over micro-batches
         keys += [f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")]
+    assert_is_decisive(logp.detach(), samp, mask, mode, cap=2.0, low=0.5)  # the clipped fraction is no tie
     for key in keys:
         assert metrics[key] == pytest.approx(float(ref_metrics[key]), rel=1e-5, abs=1e-6), key
     assert 0 < metrics["sampling/is_clipped_fraction"] < 1
