@@ -161,6 +161,36 @@ def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, mask_zer
     assert m["response_length/max"] == len(samples[0].completion_ids)
 
 
+def test_rollout_shapes_overlong_rewards_and_filters_on_unshaped_ones(tmp_path):
+    """reward_shaping (buffer 4 before the response limit 8): each completion's reward gets -(L - 4) / 4 below 0,
+    L its tokens (EOS included); the advantages come from the shaped rewards. Group 2 scores 0 and 0 before shaping
+    (-0.25 and -0.75 after): no signal, so mask_zero_std_groups masks it (NeMo-RL's dynamic sampling filters on the
+    unshaped rewards too)."""
+    import torch
+
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo import compute_advantages
+    from fastgrpo.train import Trainer
+
+    cfg = load_config(overrides=[*SMALL, "grpo.num_prompts_per_step=2", "grpo.num_generations=2",
+                                 "reward.functions=[format]", "reward.num_workers=0", "grpo.mask_zero_std_groups=true",
+                                 "reward_shaping.enabled=true", "reward_shaping.overlong_buffer_length=4",
+                                 f"logging.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    script = [[("\\boxed{1}", "stop"), ("abcdefgh", "length")], [("abcd", "stop"), ("abcdefgh", "length")]]
+    trainer.engine = ScriptedEngine(trainer.tokenizer, script)
+    samples, m = trainer.algorithm.rollout(trainer.sampler.next(2), {"max_new_tokens": 8, "max_sequence_tokens": 0})
+    lengths = [len(s.completion_ids) for s in samples]
+    assert lengths == [len(trainer.tokenizer(t)["input_ids"]) + (r == "stop") for g in script for t, r in g]
+    penalty = [min(0.0, -(n - 4) / 4) for n in lengths]
+    assert any(penalty[:2]) and penalty[2] != penalty[3]  # the lengths reach into the buffer
+    shaped = torch.tensor([[1 + penalty[0], penalty[1]], [penalty[2], penalty[3]]], dtype=torch.float64)
+    assert [s.advantage for s in samples] == pytest.approx(compute_advantages(shaped)[0].view(-1).tolist())
+    assert [s.train for s in samples] == [True, True, False, False]
+    assert m["reward_shaping/penalty_mean"] == pytest.approx(sum(penalty) / 4)
+    assert m["reward/sum"] == pytest.approx(float(shaped.sum())) and m["frac_reward_zero_std"] == 0.5
+
+
 def test_reference_model_only_when_some_stage_has_beta(tmp_path):
     """β = 0 at the start and > 0 from a later stage (the DeepScaleR schedule): a frozen reference model exists,
     a separate copy (its parameters are not the policy's), equal to the initial weights; β = 0 throughout: none."""
