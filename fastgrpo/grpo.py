@@ -26,7 +26,15 @@ gets A = 0. A group with at most one valid completion gets b_i = r_i, so A = 0 (
 Sequences (prompt + completion) are packed into micro-batches of at most ``train.max_tokens_per_microbatch``
 tokens. At packed position ``t`` the target is token ``t + 1`` of the same sequence; the loss mask is 1 exactly
 where the target is a completion token (and the completion is trained on: masked truncated completions and, with
-dynamic sampling, zero-variance groups get mask 0).
+``grpo.mask_zero_std_groups``, zero-variance groups get mask 0).
+
+Rewards, per completion: the reward functions' weighted sum, then ``reward_scaling`` (:func:`scale_rewards`), then
+``reward_shaping``'s overlong penalty (:func:`overlong_penalty`); a group has signal when its rewards before shaping
+are not all equal. With ``grpo.use_dynamic_sampling`` (DAPO) a step generates batches until
+``num_prompts_per_step`` groups with signal exist over all ranks and trains on exactly that many
+(:meth:`GRPO.rollout`). Memory: the kept groups of up to ``dynamic_sampling_max_gen_batches`` batches wait on the host
+(token ids and log-probs as lists, about 70 bytes a token: 16 completions of 16K tokens are ~18 MB a group); a
+group moves between ranks once, pickled (``broadcast_object``). Time: each further batch is a whole generation.
 
 The update of one optimizer step over the micro-batches ``m`` of every rank: each micro-batch's loss is
 ``fused_linear_grpo_loss`` on its own tokens (straight from the last hidden state and the LM head weight),
