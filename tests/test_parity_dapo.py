@@ -122,8 +122,8 @@ DEPARTURES = [
      "fastgrpo packs sequences up to train.max_tokens_per_microbatch; the loss is normalised by the optimizer step's "
      "token count either way, so only memory and speed change"),
     ("parallelism and memory", "16 nodes x 8 GPUs, DTensor context parallel 4, vLLM tensor parallel 2",
-     lambda c: c.train.strategy == "fsdp2" and c.train.activation_checkpointing and c.rollout.max_batch_size == 28,
-     "fastgrpo shards masters, AdamW state and gradients (FSDP2), checkpoints activations per layer and decodes 28 "
+     lambda c: c.train.strategy == "fsdp2" and c.train.activation_checkpointing and c.rollout.max_batch_size == 44,
+     "fastgrpo shards masters, AdamW state and gradients (FSDP2), checkpoints activations per layer and decodes 44 "
      "sequences per GPU: python -m fastgrpo.plan gives fits 8 x 80 GiB (test_plan_fits below)"),
     ("context length", "policy.hf_config_overrides.max_position_embeddings 16384 (the model ships 4096)",
      lambda c: json.loads((QWEN_7B / "config.json").read_text())["max_position_embeddings"]
@@ -173,17 +173,21 @@ def test_lr_at_every_step_matches_nemo_rl_scheduler(cfg):
 @pytest.mark.parametrize("gib", [80, 141])
 def test_plan_fits(gib):
     """Qwen2.5-Math-7B's shape (7.6B parameters): the recipe as shipped fits 8 x 80 GiB and 8 x 141 GiB; the
-    KV cache bounds the decoding batch on 80 GiB (31 sequences of 16384 tokens, the recipe decodes 28)."""
+    KV cache bounds the decoding batch on 80 GiB (49 sequences of 16384 tokens, the recipe decodes 44). The plan's
+    generation batch is dynamic sampling's: 3 x 512 prompts, 3072 sequences per GPU."""
     cfg = load_config("dapo-qwen2.5-7b", overrides=[f"model.path={QWEN_7B}"])
     s = model_shape(cfg)
     assert (s.params, s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.vocab) == (
         7_615_616_512, 28, 3584, 28, 4, 128, 152064)
     plan = memory_plan(cfg, 8, gib, shape=s)
-    assert plan.fits and plan.reference == 0, plan.verdict()
+    assert plan.fits and plan.reference == 0 and plan.batch == 44, plan.verdict()
     if gib == 80:
         wider = memory_plan(load_config("dapo-qwen2.5-7b", overrides=[f"model.path={QWEN_7B}",
-                                                                       "rollout.max_batch_size=32"]), 8, 80, shape=s)
-        assert not wider.fits and "rollout.max_batch_size<=31" in wider.verdict()
+                                                                       "rollout.max_batch_size=64"]), 8, 80, shape=s)
+        assert not wider.fits and "rollout.max_batch_size<=49" in wider.verdict()
+    small = load_config("dapo-qwen2.5-7b", overrides=[f"model.path={QWEN_7B}", "grpo.num_prompts_per_step=8",
+                                                      "rollout.max_batch_size=1000"])
+    assert memory_plan(small, 8, gib, shape=s).batch == 3 * 8 * 16 // 8  # a generation batch of 24 prompts
 
 
 DAPO_KEYS = {"grpo.dual_clip_c", "grpo.use_dynamic_sampling", "grpo.batch_multiplier", "grpo.mask_zero_std_groups",
