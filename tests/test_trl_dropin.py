@@ -38,7 +38,7 @@ def distinct_characters(completions, **kwargs):
 
 
 @pytest.mark.parametrize("loss_type, accumulation, per_generation, iterations",
-                         [("dapo", 2, 4, 1), ("bnpo", 1, 1, 2), ("grpo", 1, 1, 1)])
+                         [("dapo", 2, 4, 1), ("bnpo", 1, 1, 2), ("grpo", 1, 1, 1), ("dr_grpo", 2, 2, 1)])
 def test_fused_loss_in_trl_grpo_trainer(tmp_path, loss_type, accumulation, per_generation, iterations):
     """dapo: TRL's normaliser over an accumulation window of 2 micro-batches of a generation batch that spans 4
     (``steps_per_generation``); ``iterations`` 2: the second optimizer step of a generation reuses its completions
