@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from checks import ScriptedEngine
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastgrpo.metrics import read_jsonl
 
@@ -361,6 +363,49 @@ def test_dynamic_sampling_generates_until_the_batch_is_full(tmp_path):
     assert (m["dynamic_sampling/num_gen_batches"], m["dynamic_sampling/dropped_groups"],
             m["dynamic_sampling/discarded_valid_samples"], m["dynamic_sampling/groups"]) == (3, 12, 4, 4)
     assert m["completions/sum"] == 36 and m["frac_reward_zero_std"] == pytest.approx(12 / 18)  # over all 3 batches
+
+
+@pytest.fixture(scope="module")
+def ds_trainer(tmp_path_factory):
+    from fastgrpo.config import load_config
+    from fastgrpo.train import Trainer
+
+    return Trainer(load_config(overrides=[*SMALL, *DS, f"logging.output_dir={tmp_path_factory.mktemp('ds')}"]))
+
+
+@settings(max_examples=25)
+@given(st.data())
+def test_dynamic_sampling_keeps_the_first_groups_with_signal(ds_trainer, data):
+    """Random step sizes, multipliers, batch limits and signal patterns against a plain loop over the batches: the
+    batches generated, the groups trained on (the first P with signal, in order), the counts, or the error."""
+    from fastgrpo.config import stage_settings
+
+    g = ds_trainer.cfg.grpo
+    g.num_prompts_per_step = data.draw(st.integers(1, 4), label="P")
+    g.batch_multiplier = data.draw(st.sampled_from([1.0, 1.5, 2.0]), label="multiplier")
+    g.dynamic_sampling_max_gen_batches = data.draw(st.integers(1, 4), label="max batches")
+    n = g.prompts_per_gen_batch
+    signal = data.draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=4, max_size=4),
+                       label="signal")
+    ds_trainer.engine = CallScriptedEngine(ds_trainer.tokenizer, [ds_script(s, b) for b, s in enumerate(signal)])
+    P, kept, batches = g.num_prompts_per_step, [], 0
+    for b in range(g.dynamic_sampling_max_gen_batches):  # the reference
+        batches += 1
+        kept += [(b, p) for p, s in enumerate(signal[b]) if s]
+        if len(kept) >= P:
+            break
+    tok = ds_trainer.tokenizer
+    if len(kept) < P:
+        with pytest.raises(RuntimeError, match=f"dynamic sampling .*: {len(kept)} of grpo.num_prompts_per_step={P}"):
+            ds_trainer.algorithm.rollout(ds_trainer.sampler.next(n), stage_settings(ds_trainer.cfg, 0))
+    else:
+        samples, m = ds_trainer.algorithm.rollout(ds_trainer.sampler.next(n), stage_settings(ds_trainer.cfg, 0))
+        assert [tok.decode(s.completion_ids, skip_special_tokens=True) for s in samples[::2]] == [
+            f"\\boxed{{{b}{p}}}" for b, p in kept[:P]]
+        counts = (batches, batches * n - len(kept), 2 * (len(kept) - P))  # batches, dropped, discarded samples
+        assert (m["dynamic_sampling/num_gen_batches"], m["dynamic_sampling/dropped_groups"],
+                m["dynamic_sampling/discarded_valid_samples"]) == counts
+    assert len(ds_trainer.engine.calls) == batches
 
 
 def test_dynamic_sampling_stops_when_the_data_cannot_fill_a_step(tmp_path):
