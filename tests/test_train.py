@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from checks import ScriptedEngine
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.metrics import read_jsonl
@@ -395,6 +395,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal(ds_trainer, data):
         if len(kept) >= P:
             break
     tok = ds_trainer.tokenizer
+    event(f"{batches} batch(es), " + ("short" if len(kept) < P else "filled"))
     if len(kept) < P:
         with pytest.raises(RuntimeError, match=f"dynamic sampling .*: {len(kept)} of grpo.num_prompts_per_step={P}"):
             ds_trainer.algorithm.rollout(ds_trainer.sampler.next(n), stage_settings(ds_trainer.cfg, 0))
