@@ -1,5 +1,6 @@
 """The trainer end to end: a short tiny run under torchrun (metrics, plot, config, loadable checkpoint), and a
-resumed run that continues with the same metrics as an uninterrupted one."""
+resumed run that continues with the same metrics as an uninterrupted one; the rollout's rewards, advantages, masks,
+overlong shaping and dynamic sampling (scripted completions, so every count is known; 2 ranks under torchrun)."""
 
 import math
 import os
