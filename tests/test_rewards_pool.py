@@ -1,24 +1,35 @@
 """The reward worker pool: every fault scored 0 and counted in its own counter, hard timeouts within the stated
 bound, dead workers respawned, the same scores in the same order for 0, 1 and 3 workers and any submission order,
-overlap with the submitter, and clean shutdown.
+overlap with the submitter, clean shutdown, workers free of torch and of the entry script, and a hostile reward
+through a whole training run.
 
-Two pools (1 and 3 workers) are shared by the module: spawning a worker costs about a second here.
+Two pools (1 and 3 workers) are shared by the module: starting a pool's server costs about a second here (a fresh
+interpreter importing the reward modules); a worker is then a fork of it.
 """
 
+import json
 import math
 import os
 import random
+import re
+import select
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import RewardConfig
-from fastgrpo.reward_pool import RewardPool, default_num_workers
-from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet
+from fastgrpo.reward_pool import RewardPool, _Worker, default_num_workers
+from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet, chunk_bounds
+
+REPO = Path(__file__).resolve().parents[1]
 
 TIMEOUT_S = 0.25
 SLEEP_S = 0.05  # sleepy(): seconds per "SLOW" completion
@@ -84,7 +95,7 @@ def user_modules(tmp_path_factory):
     (path / "pool_user.py").write_text(textwrap.dedent(USER_MODULE).replace("SLEEP_S", repr(SLEEP_S)))
     (path / "pool_broken.py").write_text("raise ImportError('this reward module is broken')\n")
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(path))  # spawned workers get the parent's sys.path
+        mp.syspath_prepend(str(path))  # the workers' server gets the trainer's sys.path
         yield path
 
 
@@ -206,8 +217,9 @@ def test_the_math_reward_in_a_worker_matches_in_process(user_modules):
 
 def test_a_worker_killed_while_idle_is_respawned(pools):
     pool = pools[1]
-    pool._workers[0].proc.kill()
-    pool._workers[0].proc.join()
+    worker = pool._workers[0]
+    signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
+    assert select.select([worker.pidfd], [], [], 10)[0]  # it has exited
     result, times = run(pool, groups_of([["\\boxed{0}"] * 3]))
     assert times["reward/workers_respawned"] == 1
     assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
@@ -228,14 +240,34 @@ def test_scoring_overlaps_the_submitter(pools):
             assert times["time/reward_wait"] == times["time/reward"]
 
 
-def test_close_kills_hung_workers_and_is_idempotent(user_modules):
+def record_processes(monkeypatch) -> list[int]:
+    """Patches the pool to keep a pidfd of every worker it starts (respawns included) and of its server."""
+    pidfds = []
+    real_start = _Worker.start
+
+    def start(self):
+        real_start(self)
+        pidfds.append(os.pidfd_open(self.pid))
+        pidfds.append(os.pidfd_open(self.server.proc.pid))
+
+    monkeypatch.setattr(_Worker, "start", start)
+    return pidfds
+
+
+def exited(pidfd):
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def test_close_kills_hung_workers_and_is_idempotent(user_modules, monkeypatch):
+    pidfds = record_processes(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         with _pool(2) as pool:
             pool.submit(0, *groups_of([["HANG"] * 4])[0])
-            procs = [w.proc for w in pool._workers]
+            while len(pidfds) < 4 or not pool._queue.empty():  # both workers started, the hang taken
+                time.sleep(0.01)
             raise KeyboardInterrupt  # Ctrl-C while a worker hangs
-    assert all(not p.is_alive() for p in procs)
-    assert all(w.proc is None for w in pool._workers) and not any(t.is_alive() for t in pool._threads)
+    assert all(exited(fd) for fd in pidfds)
+    assert all(w.pid is None for w in pool._workers) and not any(t.is_alive() for t in pool._threads)
     pool.close()
     with pytest.raises(RuntimeError, match="after close"):
         pool.submit(1, ["p"], ["c"], {})
@@ -293,6 +325,7 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
         return real_run(self, samples, **kwargs)
 
     monkeypatch.setattr(PolicyUpdate, "run", run_then_interrupt)
+    pidfds = record_processes(monkeypatch)
     cfg = load_config(overrides=[
         "grpo.num_prompts_per_step=6", "grpo.num_generations=4", "rollout.max_new_tokens=8",
         "rollout.max_batch_size=8", "sft.warmup_steps=0", "train.num_threads=1", "train.max_steps=5",
@@ -301,10 +334,9 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
         "reward.functions=[pool_user:sleep_each]"])
     trainer = Trainer(cfg)
     pool = trainer.algorithm.rewards
-    procs = [w.proc for w in pool._workers]
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
-    assert not any(p.is_alive() for p in procs) and all(w.proc is None for w in pool._workers)
+    assert pidfds and all(exited(fd) for fd in pidfds) and all(w.pid is None for w in pool._workers)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "time/reward" in r]
     assert [r["step"] for r in rows] == [1, 2] and calls == [24, 24, 24]
     second = rows[1]  # the first also waits for the worker to start
