@@ -10,8 +10,9 @@ every score, in prompt order, before computing advantages (:meth:`RewardPool.gat
 
 Work is cut into tasks: one reward function on one chunk of at most ``CHUNK_SIZE`` = 4 completions of a group
 (the same fixed chunks :class:`fastgrpo.rewards.RewardSet` scores in process, so scores do not depend on
-``num_workers`` nor on the order groups finish). A task is a call ``fn(*args)`` of a module-level function with a
-budget in seconds; the worker knows nothing of rewards beyond what its initializer loaded. A parent-side supervisor
+``num_workers`` nor on the order groups finish). A task is a call ``fn(*args)`` of a module-level function (sent by
+name) with a budget in seconds: a reward task calls one of the functions the worker loaded when it started; other
+work with a hard time limit can run in the same workers the same way. A parent-side supervisor
 thread per worker keeps ``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never
 idles waiting for the thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
 task's budget, ``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it
@@ -36,20 +37,24 @@ the trainer's ``sys.path``, working directory and environment as they are when t
 :mod:`fastgrpo.rewards` and the modules of the configured functions and of ``reward.worker_init`` (math-verify and
 sympy for ``math``), and never the entry script: no ``__main__`` is re-run, so ``torchrun fastgrpo/train.py`` does
 not bring torch into the workers (a reward module that imports torch does; torch then runs on one thread there). A
-worker is a ``fork`` of that warm server: started in about a millisecond of fork plus ``reward.worker_init``, instead
-of the seconds a ``spawn``ed interpreter took to import the entry script, torch, math-verify and sympy again (the
-figures, before and after: ``bench/bench_rewards.py``, ``bench/results/rewards.csv``). Workers share the server's
-pages until they write them: each adds what its own scoring touches (its PSS, not its RSS, is its cost), and no worker
-holds torch's ~0.3 GB (8 ranks × ~11 workers on a 96-core node held ~30 GB before). The server inherits no CUDA
-context, tensor or file of the trainer (``close_fds``, stdin from ``/dev/null``); a worker's descriptors are stdio and
-its pipe (plus any a reward module opened at import time). Per-worker state (sandboxes, connections, threads) belongs
-in ``reward.worker_init``, which runs in each worker after the fork, never in the server: a module's import-time state
-is copied into every worker. Workers and the server ignore SIGINT (Ctrl-C reaches the whole process group; the
-trainer shuts them down) and exit when their pipe closes; on Linux the server gets SIGKILL when the trainer thread
-that started it exits, and a worker when the server does, so a killed trainer leaves none behind (a dead server is
-restarted at the next worker start; its workers die with it and count as respawned). The trainer watches and kills
-a worker through a pidfd (Linux ≥ 5.3), so a recycled pid is never signalled; elsewhere through its pid. A reward
-function cannot start ``multiprocessing`` children that outlive a kill; ``subprocess`` works.
+worker is a ``fork`` of that warm server: ready after a fork and ``reward.worker_init``, instead of a ``spawn``ed
+interpreter importing the entry script, torch, math-verify and sympy again. Workers share the server's pages until
+they write them: each adds what its own scoring touches (its PSS, not its RSS, is its cost), and none holds torch.
+Measured on 2 CPU cores with the math reward (``bench/bench_rewards.py --part workers``, rows in
+``bench/results/rewards.csv``, under a load average of ~9): from a worker's death to its replacement scoring, ~15 ms
+(spawned interpreters before: ~12 s); per warm worker, the server's share included, ~28 MiB PSS and ~84 MiB RSS
+(before: ~306 and ~410 MiB), so 8 ranks × ~11 workers on a 96-core node hold ~2.5 GB, not ~27 GB. The server
+inherits no CUDA context, tensor or file of the trainer (``close_fds``, stdin from ``/dev/null``); a worker's
+descriptors are stdio and its pipe (plus any a reward module opened at import time). Per-worker state (sandboxes,
+connections, threads) belongs in ``reward.worker_init``, which runs in each worker after the fork, never in the
+server: a module's import-time state is copied into every worker (and CUDA, initialised before a fork, is unusable
+after it). Workers and the server ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them
+down) and exit when their pipe closes; on Linux the server gets SIGKILL when the trainer thread that started it
+exits, and a worker when the server does, so a killed trainer leaves none behind (a dead server is restarted at the
+next worker start; its workers die with it and count as respawned). The trainer watches and kills a worker through a
+pidfd (Linux ≥ 5.3), so a recycled pid is never signalled; elsewhere through its pid. A reward may start processes
+(``subprocess`` sees their exit statuses: the workers reset SIGCHLD); those that outlive a killed worker are not
+stopped by the pool.
 """
 
 from __future__ import annotations
