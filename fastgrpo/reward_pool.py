@@ -42,7 +42,7 @@ interpreter importing the entry script, torch, math-verify and sympy again. Work
 they write them: each adds what its own scoring touches (its PSS, not its RSS, is its cost), and none holds torch.
 Measured on 2 CPU cores with the math reward (``bench/bench_rewards.py --part workers``, rows in
 ``bench/results/rewards.csv``, under a load average of ~9): from a worker's death to its replacement scoring, ~15 ms
-(spawned interpreters before: ~12 s); per warm worker, the server's share included, ~28 MiB PSS and ~84 MiB RSS
+(spawned interpreters before: 8-13 s); per warm worker, the server's share included, ~28 MiB PSS and ~84 MiB RSS
 (before: ~306 and ~410 MiB), so 8 ranks × ~11 workers on a 96-core node hold ~2.5 GB, not ~27 GB. The server
 inherits no CUDA context, tensor or file of the trainer (``close_fds``, stdin from ``/dev/null``); a worker's
 descriptors are stdio and its pipe (plus any a reward module opened at import time). Per-worker state (sandboxes,
@@ -210,7 +210,8 @@ class _Server:
     def start(self) -> None:
         """Launch the server (returns at once: it imports the reward modules while the trainer goes on)."""
         self.control, child = socket.socketpair()
-        args = {**self.args, "control_fd": child.fileno(), "parent": os.getpid(), "sys_path": sys.path}
+        args = {**self.args, "control_fd": child.fileno(), "parent": os.getpid(),
+                "sys_path": [os.fspath(p) for p in sys.path]}
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, json.dumps(args)],
                                          pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
@@ -509,7 +510,10 @@ class RewardPool:
         """Feed one worker; every task taken gets a result or goes back to the queue, whatever the worker does."""
         inflight: deque[_Task] = deque()  # sent to the worker, in order: it runs the head, the rest wait in its pipe
         deadline = 0.0  # when the head's budget runs out
-        self._ready(worker)  # started now, overlapping the trainer's set-up (a failure is retried at the first task)
+        try:
+            self._ready(worker)  # started now, overlapping the trainer's set-up (on failure: again at its first task)
+        except Exception as e:  # noqa: BLE001 - e.g. close() pulled the pipe away
+            self._errors.add(f"reward worker error: {type(e).__name__}: {e}")
         while not self._closed:
             try:
                 # PIPELINE_DEPTH tasks at the worker: it never waits for this thread (and the GIL it shares with the
@@ -571,7 +575,7 @@ class RewardPool:
         if worker.conn.poll(WORKER_START_TIMEOUT_S):
             try:
                 errors = worker.conn.recv()
-            except (EOFError, OSError):  # died while importing or in reward.worker_init
+            except (EOFError, OSError):  # died in reward.worker_init
                 pass
         with self._lock:
             self._start_wait_s += time.perf_counter() - start
