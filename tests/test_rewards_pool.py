@@ -494,7 +494,7 @@ def test_a_hostile_reward_run_finishes_with_every_fault_counted(user_modules, tm
     monkeypatch.setattr(RewardPool, "gather", gather)
     timeout_s, workers = 0.2, 2
     cfg = load_config(overrides=[
-        "grpo.num_prompts_per_step=8", "grpo.num_generations=4", "rollout.max_new_tokens=8", "sft.warmup_steps=0",
+        "grpo.num_prompts_per_step=12", "grpo.num_generations=4", "rollout.max_new_tokens=8", "sft.warmup_steps=0",
         "train.num_threads=1", "train.max_steps=6", "eval.at_start=false", "eval.every_steps=0",
         "checkpoint.every_steps=0", "logging.progress_bar=false", f"logging.output_dir={tmp_path}",
         f"reward.num_workers={workers}", f"reward.timeout_s={timeout_s}", "reward.functions=[pool_hostile:hostile]"])
