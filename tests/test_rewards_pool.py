@@ -258,6 +258,20 @@ def test_a_worker_killed_while_idle_is_respawned(pools):
     assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
 
 
+def test_a_dead_server_is_restarted_and_its_workers_replaced(user_modules):
+    """The server's workers die with it (Linux: parent-death signal); the next task starts a new server."""
+    with _pool(1) as pool:
+        run(pool, groups_of([["\\boxed{0}"]]))
+        worker, server = pool._workers[0], pool._server.proc
+        server.kill()
+        server.wait()
+        assert select.select([worker.pidfd], [], [], 10)[0]  # the worker is gone too
+        result, times = run(pool, groups_of([["\\boxed{0}"] * 3]))
+        assert pool._server.proc is not server and pool._server.proc.poll() is None
+    assert times["reward/workers_respawned"] == 1
+    assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
+
+
 def test_scoring_overlaps_the_submitter(pools):
     """With a slow reward and groups submitted over time (as the engine finishes them), most of the reward time is
     hidden: the wait after the last submission is below the total reward time."""
