@@ -34,14 +34,6 @@ BF16_ULP = 2.0**-7
 OPTIONS = {"plain": {}, "delta": {"delta": 1.4}, "dual": {"dual_clip_c": 1.5}}
 
 
-@pytest.fixture(params=["kernel", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(G, "use_triton", lambda t: False)
-        monkeypatch.setattr(TP, "TORCH_CHUNK", 16)  # several chunks: rows of padded input, token ranges of packed
-    return request.param
-
-
 def _lengths_to_mask(lengths, T):
     return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # [B, T] bool, right padding
 

@@ -21,7 +21,7 @@ from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref, grpo_loss_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_grpo_loss import TP, G, _assert_close, _compare, _inputs, _run, _sampling, path  # noqa: F401 (fixture)
+from test_grpo_loss import TP, G, _assert_close, _compare, _inputs, _run, _sampling
 
 KL_OPTIONS = st.fixed_dictionaries({
     "kl_estimator": st.sampled_from(["k1", "k2", "k3"]),
