@@ -63,12 +63,11 @@ import torch
 
 from ._utils import seq_index, use_triton
 from .grpo_kernels import triton_backward, triton_forward
-from .grpo_options import LEVELS, LOSS_TYPES, MASK_DTYPES, Options, validate
+from .grpo_options import LEVELS, LOSS_TYPES, MASK_DTYPES, POLICY_METRICS, Options, validate
 from .grpo_torch import torch_backward, torch_forward
 from .rollout_is import needs_sequences, rollout_is_weights
 
 __all__ = ["LEVELS", "LOSS_TYPES", "MASK_DTYPES", "grpo_loss"]
-CLIP_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 class _GRPOLossFunction(torch.autograd.Function):
@@ -98,9 +97,9 @@ def _metric_names(o: Options) -> dict[str, int]:
     """The returned metrics and their rows of the kernels' metrics vector (kl, low, high, region)."""
     names = {"kl": 0} if o.beta != 0.0 else {}
     if o.policy == "cispo":
-        names["cispo_clip_ratio"] = 2
-    elif o.policy != "sapo":
-        names.update((name, i + 1) for i, name in enumerate(CLIP_NAMES))
+        names["cispo_clip_ratio"] = 2  # its (high) flag
+    else:
+        names.update((name, i + 1) for i, name in enumerate(POLICY_METRICS[o.policy]))
     return names
 
 

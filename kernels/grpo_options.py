@@ -27,6 +27,8 @@ REDUCTIONS = ("grpo", "bnpo", "dr_grpo", "dapo")  # the finaliser's LOSS_TYPE sw
 LOSS_REDUCTION = {"grpo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo", "dapo": "dapo", "sapo": "grpo",
                   "cispo": "dapo", "cispo_clamp": "dapo"}
 POLICY_TERMS = ("clipped", "cispo", "cispo_clamp", "sapo")  # the kernels' PG switch, in this order
+CLIP_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+POLICY_METRICS = {"clipped": CLIP_NAMES, "cispo": ("cispo_clip_ratio",), "cispo_clamp": CLIP_NAMES, "sapo": ()}
 LOSS_POLICY = {"grpo": "clipped", "bnpo": "clipped", "dr_grpo": "clipped", "dapo": "clipped", "sapo": "sapo",
                "cispo": "cispo", "cispo_clamp": "cispo_clamp"}
 

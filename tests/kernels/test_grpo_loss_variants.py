@@ -18,7 +18,8 @@ import pytest
 import torch
 from fastgrpo.kernels._utils import pad_packed, unpad_padded
 from fastgrpo.kernels.grpo_loss import grpo_loss
-from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref, grpo_loss_ref
+from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
+from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref, grpo_loss_ref, linear_logprobs_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_grpo_loss import TP, G, _assert_close, _compare, _inputs, _run, _sampling
@@ -272,3 +273,47 @@ def test_bad_variant_options_name_the_argument():
     ]:
         with pytest.raises(ValueError, match=name):
             grpo_loss(**base, **kw)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("loss_type, kl", [
+    ("sapo", dict(kl_weight="ratio")),
+    ("cispo_clamp", dict(kl_weight="score", kl_input_clamp=0.4, kl_output_clamp=0.05)),
+    ("cispo", dict(kl_weight="sampling_ratio", kl_estimator="k2")),
+])
+def test_fused_linear_variants(path, packed, loss_type, kl):
+    """fused_linear_grpo_loss passes the variant options through: loss and gradients of hidden / weight / bias equal
+    the fp32 reference (linear_logprobs_ref → grpo_loss_ref), off-policy, with β > 0."""
+    B, T, H, V, lengths = 3, 9, 16, 41, [9, 0, 6]
+    g = torch.Generator().manual_seed(113)
+    hidden, weight, bias = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) / 4, torch.randn(V)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        logp0 = linear_logprobs_ref(hidden, weight, targets, bias=bias)  # [B, T]
+    old, ref, samp = (logp0 + 0.5 * torch.randn(B, T, generator=g) for _ in range(3))
+    adv = torch.randn(B, generator=g)
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    kw = dict(beta=0.3, **_policy_kw(loss_type, "token"), **kl)
+    up = torch.randn((), generator=g)
+
+    def fused(h, w, b):
+        if packed:
+            return fused_linear_grpo_loss(unpad_padded(h, cu), w, unpad_padded(targets, cu), unpad_padded(old, cu),
+                                          adv, unpad_padded(mask, cu), bias=b, ref_logprobs=unpad_padded(ref, cu),
+                                          sampling_logprobs=unpad_padded(samp, cu), cu_seqlens=cu, **kw)
+        return fused_linear_grpo_loss(h, w, targets, old, adv, mask, bias=b, ref_logprobs=ref, sampling_logprobs=samp,
+                                      **kw)
+
+    def reference(h, w, b):
+        lp = linear_logprobs_ref(h, w, targets, bias=b)
+        return grpo_loss_ref(lp, old, adv, mask, ref_logprobs=ref, sampling_logprobs=samp, **kw)
+
+    outs = []
+    for fn in (fused, reference):
+        leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        loss, _ = fn(*leaves)
+        (loss * up).backward()
+        outs.append([loss.detach(), *(x.grad for x in leaves)])
+    for name, a, r in zip(("loss", "hidden", "weight", "bias"), *outs):
+        _assert_close(a, r, what=f"{loss_type} {name}")
