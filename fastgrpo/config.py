@@ -24,8 +24,8 @@ import yaml
 
 DEFAULT_RECIPE = "tiny"
 DTYPES = ("float32", "bfloat16")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "cispo_clamp")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the ones delta and dual_clip_c apply to
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the ones delta and dual_clip_c apply to
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
 BASELINES = ("mean", "leave_one_out")
@@ -197,8 +197,8 @@ class GRPOConfig:
     num_generations: int = 8
     """Completions per prompt (the group size G)."""
     loss_type: str = "dapo"
-    """Loss: grpo, bnpo, dr_grpo, dapo (clipped surrogate, by normalisation), sapo, cispo (TRL) or cispo_clamp
-    (NeMo-RL's use_cispo) (see fastgrpo.kernels.grpo_loss)."""
+    """Loss: grpo, bnpo, dr_grpo, dapo, luspo (clipped surrogate, by normalisation), sapo, cispo (TRL) or
+    cispo_clamp (NeMo-RL's use_cispo) (see fastgrpo.kernels.grpo_loss)."""
     baseline: str = "mean"
     """Group baseline: "mean" or "leave_one_out" (mean of the other G-1 rewards)."""
     scale: str = "group"
@@ -229,6 +229,9 @@ class GRPOConfig:
     """SAPO's temperature for positive advantages (TRL's default)."""
     sapo_temperature_neg: float = 1.05
     """SAPO's temperature for negative advantages (TRL's default)."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off-policy sequence mask: no policy loss for a negative-advantage completion whose mean engine-minus-
+    policy log-prob exceeds this (None: off)."""
     mask_truncated_completions: bool = False
     """Completions cut at max_new_tokens get no loss."""
     dynamic_sampling: bool = False
@@ -274,6 +277,8 @@ class GRPOConfig:
                 _check_min(f"grpo.{name}", getattr(self, name), 0, strict=True)
         _check_min("grpo.sapo_temperature_pos", self.sapo_temperature_pos, 0, strict=True)
         _check_min("grpo.sapo_temperature_neg", self.sapo_temperature_neg, 0, strict=True)
+        if self.off_policy_mask_threshold is not None and not math.isfinite(self.off_policy_mask_threshold):
+            _fail("grpo.off_policy_mask_threshold", "must be finite", self.off_policy_mask_threshold)
         _check_choice("grpo.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
         _check_min("grpo.rollout_is_min", self.rollout_is_min, 0)
         _check_min("grpo.rollout_is_cap", self.rollout_is_cap, self.rollout_is_min, strict=True)

@@ -369,6 +369,7 @@ def loss_options(cfg: Config) -> dict:
         rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min, kl_estimator=g.kl_estimator,
         kl_weight=g.kl_weight, kl_input_clamp=g.kl_input_clamp, kl_output_clamp=g.kl_output_clamp,
         sapo_temperature_pos=g.sapo_temperature_pos, sapo_temperature_neg=g.sapo_temperature_neg,
+        off_policy_mask_threshold=g.off_policy_mask_threshold,
     )
 
 

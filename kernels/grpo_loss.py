@@ -1,4 +1,4 @@
-"""GRPO-family policy loss (grpo, bnpo, dr_grpo, dapo, sapo, cispo, cispo_clamp; GSPO's sequence level) with the
+"""GRPO-family policy loss (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, cispo_clamp; GSPO's sequence level) with the
 KL options of TRL and NeMo-RL, in one Triton pass each way.
 
 Files: this one (the math, the autograd function, the API); ``grpo_options.py`` (input checks); ``grpo_kernels.py``
@@ -10,14 +10,15 @@ Math. Mask ``m``, advantage ``A``, importance ratio ``r = exp(logp − old)`` pe
 "token"``) or ``r_b = exp(Σ_t m (logp − old) / max(Σ_t m, 1))`` per sequence (``"sequence"``, GSPO); ``sg`` stops
 the gradient. The policy term ``ℓ`` per token, by ``loss_type``::
 
-    grpo / bnpo / dr_grpo / dapo (clipped, TRL):
+    grpo / bnpo / dr_grpo / dapo / luspo (clipped, TRL):
         r1 = min(r, δ) (delta given)    r2 = clamp(r, 1 − ε_low, 1 + ε_high)
         ℓ  = −min(r1·A, r2·A);  ℓ = min(ℓ, −c·A) where A < 0   (dual_clip_c = c, NeMo-RL / veRL)
     cispo (TRL):          ℓ = −sg(min(r, ε_high)) · A · logp    (ε_high an absolute cap; TRL recommends 5.0)
     cispo_clamp (NeMo-RL use_cispo): ℓ = −sg(clamp(r, 1 − ε_low, 1 + ε_high)) · A · logp
     sapo (TRL):           ℓ = −(4/τ) · σ(τ (r − 1)) · A,  τ = sapo_temperature_pos if A > 0 else _neg
 
-then ``ℓ = ω·ℓ`` with the rollout IS weight ω (a constant, ``rollout_is.py``; rollout_is ≠ none), and with β ≠ 0
+then ``ℓ = ω·ℓ`` with the rollout IS weight ω (a constant, ``rollout_is.py``; rollout_is ≠ none; times TRL's off-policy
+sequence mask when ``off_policy_mask_threshold`` is given), and with β ≠ 0
 ``ℓ += β·kl``, the KL term (NeMo-RL's ``calculate_kl``; TRL's is the special case k3, no clamps)::
 
     x  = ref − logp, clamped to ±kl_input_clamp when given (NeMo-RL: 20)
@@ -42,6 +43,7 @@ Reductions (sapo reduces as grpo, cispo and cispo_clamp as dapo, as in TRL)::
 
     grpo    mean_b Σ_t m ℓ / max(Σ_t m, 1)      bnpo  Σ m ℓ / max(Σ m, 1)
     dr_grpo Σ m ℓ / (B · max_completion_length)  dapo  Σ m ℓ / max(num_items_in_batch or Σ m, 1)
+    luspo   Σ m ℓ / B
 
 so the loss is ``Σ_{b,t} w_b m_t ℓ_t`` with one weight ``w_b`` per sequence, and its gradient w.r.t. ``logp`` is
 elementwise once ``w_b`` is known (at the sequence level, plus a per-sequence sum ``S_b = Σ_t m ∂ℓ_t/∂log r_b``
@@ -65,7 +67,7 @@ from ._utils import seq_index, use_triton
 from .grpo_kernels import triton_backward, triton_forward
 from .grpo_options import LEVELS, LOSS_TYPES, MASK_DTYPES, POLICY_METRICS, Options, validate
 from .grpo_torch import torch_backward, torch_forward
-from .rollout_is import needs_sequences, rollout_is_weights
+from .rollout_is import needs_sequences, off_policy_mask, rollout_is_weights
 
 __all__ = ["LEVELS", "LOSS_TYPES", "MASK_DTYPES", "grpo_loss"]
 
@@ -131,6 +133,7 @@ def grpo_loss(
     kl_output_clamp: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    off_policy_mask_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-family loss and TRL's metrics; the math is in the module docstring.
 
@@ -153,7 +156,10 @@ def grpo_loss(
     ``rollout_is`` one of none, token_truncate (= tis), token_mask (= icepop), sequence_truncate, sequence_mask,
     seq-mask-tis re-weights each token's policy term (not the KL term) by ``π_old / π_sampler`` bounded by
     ``[rollout_is_min, rollout_is_cap]``. With ``sampling_logprobs`` and ``rollout_is="none"`` the loss is unchanged
-    and only the ``sampling/sampling_logp_difference`` metrics are added.
+    and only the ``sampling/sampling_logp_difference`` metrics are added. ``off_policy_mask_threshold`` δ (TRL's,
+    DeepSeek-V3.2's off-policy sequence mask) drops the policy term of a sequence with A < 0 whose mean
+    ``sampling_logprobs − logp`` (``old_logprobs − logp`` without them) exceeds δ; ``loss_type="luspo"`` is TRL's
+    (the clipped term, ``Σ m ℓ / B``).
 
     Returns ``(loss, metrics)``: loss a 0-d fp32 tensor; metrics detached 0-d fp32 tensors ``kl`` (β ≠ 0: the token
     mean of the weighted, clamped per-token KL, as TRL and NeMo-RL log it), ``clip_ratio/low_mean``,
@@ -171,7 +177,8 @@ def grpo_loss(
                  sampling_logprobs=sampling_logprobs, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
                  rollout_is_min=rollout_is_min, kl_estimator=kl_estimator, kl_weight=kl_weight,
                  kl_input_clamp=kl_input_clamp, kl_output_clamp=kl_output_clamp,
-                 sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+                 sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                 off_policy_mask_threshold=off_policy_mask_threshold)
     ref = ref_logprobs.detach().contiguous() if o.beta != 0.0 else None
     samp = sampling_logprobs.detach().contiguous() if o.beta != 0.0 and o.kl_weight == "sampling_ratio" else None
     old = old_logprobs.detach().contiguous()
@@ -180,12 +187,18 @@ def grpo_loss(
     mask = mask.contiguous()
     logprobs = logprobs.contiguous()
     triton_path = use_triton(logprobs)
-    need_sid = o.packed and (not triton_path or needs_sequences(o.rollout_is))
+    opsm = o.off_policy_mask_threshold is not None
+    need_sid = o.packed and (not triton_path or needs_sequences(o.rollout_is) or opsm)
     sid_N = seq_index(cu_seqlens, logprobs.shape[0]) if need_sid else None  # [N], no host sync
     isw, is_metrics = None, {}
     if sampling_logprobs is not None:
         isw, is_metrics = rollout_is_weights(old, sampling_logprobs, mask, mode=o.rollout_is, cap=o.rollout_is_cap,
                                              low=o.rollout_is_min, sid_N=sid_N, n_seqs=o.n_seqs)
+    if opsm:  # a constant per-token weight on the policy term, like the IS weight: folded into it
+        keep = off_policy_mask(logprobs.detach(), old if sampling_logprobs is None else sampling_logprobs, adv, mask,
+                               threshold=o.off_policy_mask_threshold, adv_per_token=o.adv_per_token, sid_N=sid_N,
+                               n_seqs=o.n_seqs)
+        isw = keep if isw is None else isw * keep
     seq = cu_seqlens.contiguous() if triton_path and o.packed else sid_N
     loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, samp, adv, mask, isw, seq, o, triton_path)
     return loss, {**{name: metrics[i].detach() for name, i in _metric_names(o).items()}, **is_metrics}

@@ -24,13 +24,14 @@ from .rollout_is import canonical_mode
 LEVELS = ("token", "sequence")
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
 REDUCTIONS = ("grpo", "bnpo", "dr_grpo", "dapo")  # the finaliser's LOSS_TYPE switch, in this order
-LOSS_REDUCTION = {"grpo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo", "dapo": "dapo", "sapo": "grpo",
-                  "cispo": "dapo", "cispo_clamp": "dapo"}
+# luspo: Σ m ℓ / B, dr_grpo's with max_completion_length 1
+LOSS_REDUCTION = {"grpo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo", "dapo": "dapo", "luspo": "dr_grpo",
+                  "sapo": "grpo", "cispo": "dapo", "cispo_clamp": "dapo"}
 POLICY_TERMS = ("clipped", "cispo", "cispo_clamp", "sapo")  # the kernels' PG switch, in this order
 CLIP_NAMES = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 POLICY_METRICS = {"clipped": CLIP_NAMES, "cispo": ("cispo_clip_ratio",), "cispo_clamp": CLIP_NAMES, "sapo": ()}
-LOSS_POLICY = {"grpo": "clipped", "bnpo": "clipped", "dr_grpo": "clipped", "dapo": "clipped", "sapo": "sapo",
-               "cispo": "cispo", "cispo_clamp": "cispo_clamp"}
+LOSS_POLICY = {"grpo": "clipped", "bnpo": "clipped", "dr_grpo": "clipped", "dapo": "clipped", "luspo": "clipped",
+               "sapo": "sapo", "cispo": "cispo", "cispo_clamp": "cispo_clamp"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Options:
     kl_output_clamp: float | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    off_policy_mask_threshold: float | None = None
 
     @property
     def reduction(self) -> str:
@@ -141,7 +143,7 @@ def _check_policy(loss_type, importance_sampling_level, epsilon_low, epsilon_hig
     if policy != "clipped":
         for name, value in (("delta", delta), ("dual_clip_c", dual_clip_c)):
             if value is not None:
-                raise ValueError(f"{name} applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo) only, "
+                raise ValueError(f"{name} applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo, luspo) only, "
                                  f"not loss_type={loss_type!r}; got {name}={value!r}")
     if policy in ("cispo", "cispo_clamp") and importance_sampling_level != "token":
         raise ValueError(f"loss_type={loss_type!r} needs importance_sampling_level='token' (CISPO weighs each "
@@ -157,7 +159,7 @@ def validate(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, beta, ep
              dual_clip_c, loss_type, importance_sampling_level, max_completion_length, num_items_in_batch,
              cu_seqlens, per_token_advantages, sampling_logprobs, rollout_is, rollout_is_cap, rollout_is_min,
              kl_estimator, kl_weight, kl_input_clamp, kl_output_clamp, sapo_temperature_pos,
-             sapo_temperature_neg) -> Options:
+             sapo_temperature_neg, off_policy_mask_threshold) -> Options:
     check_tensor("logprobs", logprobs, ndim=(1, 2), dtypes=FLOAT_DTYPES)
     dev = logprobs.device
     packed = cu_seqlens is not None
@@ -198,6 +200,9 @@ def validate(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, beta, ep
         or max_completion_length < 1
     ):
         raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
+    check_scalar("off_policy_mask_threshold", off_policy_mask_threshold)
+    if loss_type == "luspo":  # Σ m ℓ / B: dr_grpo's normaliser with a length of 1
+        max_completion_length = 1
     if loss_type == "dr_grpo" and packed and max_completion_length is None:
         raise ValueError("max_completion_length is required for loss_type='dr_grpo' with packed input "
                          "(padded input defaults it to T)")
@@ -218,4 +223,5 @@ def validate(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, beta, ep
         kl_input_clamp=None if kl_input_clamp is None else float(kl_input_clamp),
         kl_output_clamp=None if kl_output_clamp is None else float(kl_output_clamp),
         sapo_temperature_pos=float(sapo_temperature_pos), sapo_temperature_neg=float(sapo_temperature_neg),
+        off_policy_mask_threshold=None if off_policy_mask_threshold is None else float(off_policy_mask_threshold),
     )

@@ -50,6 +50,7 @@ def fused_linear_grpo_loss(
     kl_output_clamp: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    off_policy_mask_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """:func:`grpo_loss` on ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, no logits.
 
@@ -88,7 +89,7 @@ def fused_linear_grpo_loss(
         sampling_logprobs=sampling_logprobs, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
         rollout_is_min=rollout_is_min, kl_estimator=kl_estimator, kl_weight=kl_weight, kl_input_clamp=kl_input_clamp,
         kl_output_clamp=kl_output_clamp, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg,
+        sapo_temperature_neg=sapo_temperature_neg, off_policy_mask_threshold=off_policy_mask_threshold,
     )
     if return_entropy:
         with torch.no_grad():

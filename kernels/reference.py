@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ._utils import pad_packed
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "cispo_clamp")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
 # The sources the GRPO references are written from (read, not copied; line numbers at these versions):
@@ -92,6 +92,7 @@ def grpo_loss_ref(
     kl_output_clamp=None,
     sapo_temperature_pos=1.0,
     sapo_temperature_neg=1.05,
+    off_policy_mask_threshold=None,
     upcast=True,
 ):
     """GRPO-family loss, written the way TRL 1.16's ``GRPOTrainer._compute_loss`` computes it (``TRL`` above).
@@ -99,7 +100,7 @@ def grpo_loss_ref(
     "Equal to TRL" assumes TRL's ``use_bias_correction_kl=True`` (its default) for ``kl_weight="ratio"`` (the default
     here) and ``use_bias_correction_kl=False`` for ``kl_weight="none"``; ``kl_estimator="k3"`` and no KL clamps (TRL
     has neither option); ``vllm_importance_sampling_correction`` on for ``rollout_is`` ≠ none and off for none;
-    ``off_policy_mask_threshold=None``, ``top_entropy_quantile=1``, no entropy bonus; one process and no gradient
+    ``top_entropy_quantile=1``, no entropy bonus; one process and no gradient
     accumulation (TRL's dapo / cispo normaliser is then ``num_items_in_batch``). The other KL options follow NeMo-RL's
     ``calculate_kl`` (``NEMO_RL_KL``), ``cispo_clamp`` NeMo-RL's ``use_cispo``.
 
@@ -125,6 +126,11 @@ def grpo_loss_ref(
         bnpo     Σ m ℓ / max(Σ m, 1)
         dr_grpo  Σ m ℓ / (B · max_completion_length)      (max_completion_length defaults to T)
         dapo     Σ m ℓ / max(num_items_in_batch, 1)        (num_items_in_batch defaults to Σ m)
+        luspo    Σ m ℓ / B
+
+    ``off_policy_mask_threshold`` δ (TRL's, DeepSeek-V3.2's off-policy sequence mask): the policy term of sequence
+    b is dropped when A < 0 and ``Σ_t m (samp − sg(logp)) / max(Σ_t m, 1) > δ`` (samp: ``sampling_logprobs``, or
+    ``old`` without them).
 
     Rollout importance sampling, as TRL's ``vllm_importance_sampling_*`` (the ratio is computed in
     ``GRPOTrainer._generate_and_score_completions``; ``_compute_loss`` multiplies ``per_token_loss`` by it before
@@ -178,6 +184,11 @@ def grpo_loss_ref(
                        "sampling_ratio": None if sampling_logprobs is None else torch.exp(
                            logp - _maybe_upcast(sampling_logprobs, upcast))}[kl_weight]
             per_token_kl = _calculate_kl_ref(logp, ref, kl_estimator, kl_input_clamp, kl_output_clamp, weights)
+    if off_policy_mask_threshold is not None:  # TRL get_off_policy_mask, lines 2945-2970 (used at 3068-3081)
+        samp_lp = old if sampling_logprobs is None else _maybe_upcast(sampling_logprobs, upcast)
+        kl_div = torch.nan_to_num(samp_lp - logp.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((adv >= 0) | (avg_seq_kl <= off_policy_mask_threshold)).to(dtype=m.dtype)
     if loss_type == "cispo":  # TRL lines 3109-3111
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * logp
     elif loss_type == "cispo_clamp":  # NeMo-RL loss_functions.py lines 536-546
@@ -192,6 +203,8 @@ def grpo_loss_ref(
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
         if dual_clip_c is not None:
             per_token_loss = torch.where(adv < 0, torch.min(per_token_loss, -dual_clip_c * adv), per_token_loss)
+    if off_policy_mask_threshold is not None:  # TRL lines 3140-3141
+        per_token_loss = per_token_loss * off_policy_mask
     if rollout_is != "none":
         is_ratio, is_outside = _rollout_is_ratio_ref(old.detach().float(), sampling_logprobs.float(), m.float(),
                                                      rollout_is, rollout_is_cap, rollout_is_min)
@@ -200,12 +213,14 @@ def grpo_loss_ref(
         per_token_loss = per_token_loss + beta * per_token_kl
 
     B, T = logp.shape
-    if loss_type in ("grpo", "sapo"):  # TRL lines 3153-3182
+    if loss_type in ("grpo", "sapo"):  # TRL lines 3153-3157
         loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
         loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         loss = (per_token_loss * m).sum() / (B * (max_completion_length or T))
+    elif loss_type == "luspo":  # TRL lines 3175-3182
+        loss = (per_token_loss * m).sum(-1).mean()
     elif loss_type in ("dapo", "cispo", "cispo_clamp"):
         normalizer = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
         loss = (per_token_loss * m).sum() / normalizer.clamp(min=1.0)

@@ -130,3 +130,36 @@ def _bound(rho: torch.Tensor, mode: str, cap: float, low: float) -> tuple[torch.
     outside = (rho < low) | (rho > cap)
     w = rho.clamp(low, cap) if mode.endswith("truncate") else torch.where(outside, 0.0, rho)
     return w, outside
+
+
+def off_policy_mask(
+    logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    threshold: float,
+    adv_per_token: bool,
+    sid_N: torch.Tensor | None,
+    n_seqs: int,
+) -> torch.Tensor:
+    """TRL's off-policy sequence mask (DeepSeek-V3.2; trl 1.16 ``GRPOTrainer.get_off_policy_mask``): per token
+    ``1`` where ``A ≥ 0`` or the sequence's mean ``Σ_t m (behaviour − sg(logp)) / max(Σ_t m, 1) ≤ threshold``, else 0
+    (fp32, ``logp``'s shape); ``behaviour`` is the sampler's log-probs (the old ones without them). A constant weight
+    on the policy term, like ``w``; NaN differences count 0, as TRL's ``nan_to_num``."""
+    with torch.no_grad():
+        m = mask.float()
+        kl = m * torch.nan_to_num(behaviour.float() - logp.float(), nan=0.0)
+        if sid_N is None:
+            avg_B = kl.sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
+            low = (avg_B <= threshold)[:, None].expand_as(m)
+        else:
+            zeros = torch.zeros(n_seqs, device=logp.device, dtype=torch.float32)
+            avg_B = zeros.index_add(0, sid_N, kl) / zeros.index_add(0, sid_N, m).clamp(min=1.0)
+            low = (avg_B <= threshold)[sid_N]
+        if adv_per_token:
+            a = adv.float()
+        else:
+            a = adv.float()[:, None].expand_as(m) if sid_N is None else adv.float()[sid_N]
+        return ((a >= 0) | low).float().contiguous()
+

@@ -31,6 +31,7 @@ def test_config_names_are_the_kernels():
     ("grpo.sapo_temperature_neg=nan", "grpo.sapo_temperature_neg"),
     ("grpo.loss_type=ppo", "grpo.loss_type"),
     ("grpo.rollout_is=seq_mask_tis", "grpo.rollout_is"),
+    ("grpo.off_policy_mask_threshold=inf", "grpo.off_policy_mask_threshold"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -52,12 +53,15 @@ def test_loss_options_carry_every_field_to_the_loss():
     accepts the whole set."""
     cfg = load_config(overrides=["grpo.kl_estimator=k2", "grpo.kl_weight=sampling_ratio", "grpo.kl_input_clamp=5",
                                  "grpo.kl_output_clamp=2", "grpo.loss_type=sapo", "grpo.sapo_temperature_pos=0.9",
-                                 "grpo.sapo_temperature_neg=1.2", "grpo.rollout_is=icepop", "grpo.rollout_is_min=0.5"])
+                                 "grpo.sapo_temperature_neg=1.2", "grpo.rollout_is=icepop", "grpo.rollout_is_min=0.5",
+                                 "grpo.off_policy_mask_threshold=0.1"])
     kw = loss_options(cfg)
     assert {k: kw[k] for k in ("kl_estimator", "kl_weight", "kl_input_clamp", "kl_output_clamp", "loss_type",
-                               "sapo_temperature_pos", "sapo_temperature_neg", "rollout_is", "rollout_is_min")} == dict(
+                               "sapo_temperature_pos", "sapo_temperature_neg", "rollout_is", "rollout_is_min",
+                               "off_policy_mask_threshold")} == dict(
         kl_estimator="k2", kl_weight="sampling_ratio", kl_input_clamp=5.0, kl_output_clamp=2.0, loss_type="sapo",
-        sapo_temperature_pos=0.9, sapo_temperature_neg=1.2, rollout_is="icepop", rollout_is_min=0.5)
+        sapo_temperature_pos=0.9, sapo_temperature_neg=1.2, rollout_is="icepop", rollout_is_min=0.5,
+        off_policy_mask_threshold=0.1)
     logp = -torch.rand(2, 5)
     loss, metrics = grpo_loss(logp.requires_grad_(), logp.detach() + 0.1, torch.tensor([1.0, -1.0]),
                               torch.ones(2, 5, dtype=torch.bool), ref_logprobs=logp.detach() - 0.2, beta=0.1,
@@ -65,12 +69,12 @@ def test_loss_options_carry_every_field_to_the_loss():
     assert torch.isfinite(loss) and "kl" in metrics and "clip_ratio/low_mean" not in metrics  # sapo logs none
 
 
-@pytest.mark.parametrize("loss_type, extra", [("sapo", []), ("cispo", ["grpo.epsilon_high=5.0"]),
+@pytest.mark.parametrize("loss_type, extra", [("sapo", []), ("luspo", []), ("cispo", ["grpo.epsilon_high=5.0"]),
                                               ("cispo_clamp", ["grpo.epsilon_high=0.28"])])
 def test_update_with_new_loss_types_matches_unpacked_reference(loss_type, extra):
     """The update over several micro-batches normalises each loss type as TRL does (sapo: the mean over sequences,
-    cispo: the step's token count): loss and weight change equal the unpacked fp32 reference's (fp32 sums in
-    another order: 1e-5 relative; the argument of test_grpo.py's matching test)."""
+    luspo: the token sum over B, cispo: the step's token count): loss and weight change equal the unpacked fp32
+    reference's (fp32 sums in another order: 1e-5 relative; the argument of test_grpo.py's matching test)."""
     state = init_distributed("cpu")
     samples = make_samples()
     cfg = load_config(overrides=[*TINY, f"grpo.loss_type={loss_type}", *extra, "train.max_tokens_per_microbatch=24"])

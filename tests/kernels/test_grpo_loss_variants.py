@@ -31,7 +31,7 @@ KL_OPTIONS = st.fixed_dictionaries({
     "kl_input_clamp": st.sampled_from([None, 0.4, 20.0]),
     "kl_output_clamp": st.sampled_from([None, 0.05, 10.0]),
 })
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "cispo_clamp")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
 
 
 def _case(B, T, seed, per_token_adv, packed):
@@ -151,14 +151,15 @@ def test_kl_clamps_fire_and_stop_the_gradient(path, packed):
     loss_type=st.sampled_from(LOSS_TYPES), level=st.sampled_from(G.LEVELS), kl=KL_OPTIONS,
     beta=st.sampled_from([0.0, 0.2]), packed=st.booleans(), torch_path=st.booleans(),
     rollout_is=st.sampled_from(["none", "tis", "icepop", "seq-mask-tis", "sequence_truncate"]),
+    opsm=st.sampled_from([None, 0.0, 0.05]),
 )
 def test_property_variants_match_reference(B, T, seed, per_token, loss_type, level, kl, beta, packed, torch_path,
-                                           rollout_is):
+                                           rollout_is, opsm):
     if loss_type.startswith("cispo"):
         level = "token"  # CISPO is token level only (validated)
     tensors, cu = _case(B, T, seed, per_token, packed)
     kw = dict(beta=beta, rollout_is=rollout_is, rollout_is_cap=1.4, rollout_is_min=0.8, **kl,
-              **_policy_kw(loss_type, level))
+              off_policy_mask_threshold=opsm, **_policy_kw(loss_type, level))
     got, want = _both(kw, tensors, cu, per_token, torch.randn(()), torch_path)
     _compare(got, want, f"{loss_type}/{level} {kl} {rollout_is}")
 
@@ -317,3 +318,28 @@ def test_fused_linear_variants(path, packed, loss_type, kl):
         outs.append([loss.detach(), *(x.grad for x in leaves)])
     for name, a, r in zip(("loss", "hidden", "weight", "bias"), *outs):
         _assert_close(a, r, what=f"{loss_type} {name}")
+
+
+@pytest.mark.parametrize("behaviour", ["sampler", "old"])
+def test_off_policy_mask_drops_negative_far_sequences(path, behaviour):
+    """TRL's off_policy_mask_threshold: a threshold between the sequences' mean log-ratios keeps some negative-
+    advantage sequences and drops others (positive ones always stay); loss and gradient of the TRL-literal
+    reference, with the sampler's log-probs or (without them) the old ones as the behaviour policy."""
+    (logp, old, ref, _, mask, samp), _ = _case(6, 21, seed=127, per_token_adv=False, packed=False)
+    adv = torch.tensor([-1.0, -0.5, -2.0, 1.0, -1.5, 0.7])
+    behave = samp if behaviour == "sampler" else old
+    m = mask.float()
+    avg = ((behave - logp) * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
+    neg = avg[adv < 0]
+    threshold = float(neg.median())
+    dropped = (adv < 0) & (avg > threshold)
+    assert dropped.any() and ((adv < 0) & ~dropped).any()
+    up = torch.randn(())
+    kw = dict(old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, beta=0.1, loss_type="dapo",
+              off_policy_mask_threshold=threshold, sampling_logprobs=samp if behaviour == "sampler" else None)
+    got = _run(grpo_loss, logp, up, **kw)
+    _compare(got, _run(grpo_loss_ref, logp, up, **kw), f"{path} opsm {behaviour}")
+    off = _run(grpo_loss, logp, up, **dict(kw, off_policy_mask_threshold=None))
+    changed = (got[2] - off[2]).abs().sum(-1) > 0  # [B]: only the dropped sequences' gradients change
+    assert torch.equal(changed, dropped & (m.sum(-1) > 0))
+
