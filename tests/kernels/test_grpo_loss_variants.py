@@ -22,7 +22,7 @@ from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref, grpo_loss_ref, linear_logprobs_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_grpo_loss import TP, G, _assert_close, _compare, _inputs, _run, _sampling
+from test_grpo_loss import BF16_ULP, TP, G, _assert_close, _compare, _inputs, _run, _sampling
 
 KL_OPTIONS = st.fixed_dictionaries({
     "kl_estimator": st.sampled_from(["k1", "k2", "k3"]),
@@ -343,3 +343,25 @@ def test_off_policy_mask_drops_negative_far_sequences(path, behaviour):
     changed = (got[2] - off[2]).abs().sum(-1) > 0  # [B]: only the dropped sequences' gradients change
     assert torch.equal(changed, dropped & (m.sum(-1) > 0))
 
+
+
+@pytest.mark.parametrize("loss_type, level, kl", [
+    ("sapo", "sequence", dict(kl_weight="ratio")),
+    ("cispo", "token", dict(kl_weight="sampling_ratio", kl_estimator="k1")),
+    ("cispo_clamp", "token", dict(kl_weight="score", kl_input_clamp=0.4, kl_output_clamp=0.05)),
+    ("luspo", "sequence", dict(kl_weight="none", kl_estimator="k2")),
+])
+def test_bf16_inputs_flash_rule(path, loss_type, level, kl):
+    """bf16 log-probs: within twice the bf16 reference's error of the fp32 reference (plus one bf16 ulp of the
+    gradient, which is stored in bf16: test_grpo_loss.py's BF16_ULP)."""
+    (logp, old, ref, adv, mask, samp), _ = _case(4, 37, seed=131, per_token_adv=False, packed=False)
+    low = [x.to(torch.bfloat16) for x in (logp, old, ref, adv, samp)]
+    up = torch.randn(())
+    kw = dict(old_logprobs=low[1], advantages=low[3], mask=mask, ref_logprobs=low[2], sampling_logprobs=low[4],
+              beta=0.2, **kl, **_policy_kw(loss_type, level))
+    l1, m1, g1 = _run(grpo_loss, low[0], up, **kw)
+    l32, m32, g32 = _run(grpo_loss_ref, low[0], up, **kw)
+    llo, mlo, glo = _run(grpo_loss_ref, low[0], up, upcast=False, **kw)
+    _assert_close(l1, l32, llo, what=f"{loss_type} loss")
+    _assert_close(g1, g32, glo, atol_rel=BF16_ULP, what=f"{loss_type} grad")
+    _assert_close(m1["kl"], m32["kl"], mlo["kl"], what=f"{loss_type} kl")
