@@ -63,11 +63,12 @@ def clip_flags(r, a, o: Options):
     return torch.zeros_like(r), torch.zeros_like(r)
 
 
-def kl_term(lp, rf, sp, r, valid, o: Options):
-    """Per-token ``kl``, ``∂kl/∂logp`` and ``∂kl/∂log r_b`` (nonzero only for ``kl_weight="ratio"`` at the sequence
-    level)."""
+def kl_term(lp, rf, sp, r, valid, o: Options, *, with_grad: bool = True, value: bool = True):
+    """Per-token ``kl`` (None unless ``value`` or the output clamp needs it), ``∂kl/∂logp`` and ``∂kl/∂log r_b``
+    (nonzero only for ``kl_weight="ratio"`` at the sequence level; None where 0 or unless ``with_grad``). Factors of
+    1 and 0 are skipped and k3's ``k − k'(x)`` is taken as ``−x``: this runs on every chunk of the CPU trainer."""
     x = torch.where(valid, rf - lp, 0.0)
-    gate = 1.0
+    gate = None
     if o.kl_input_clamp is not None:
         c = o.kl_input_clamp
         gate = ((x >= -c) & (x <= c)).float()
@@ -80,23 +81,35 @@ def kl_term(lp, rf, sp, r, valid, o: Options):
         ex = torch.exp(x)
         k, dk = ex - 1.0 - x, ex - 1.0
     seq_w = o.kl_weight == "ratio" and o.seq_level
-    if o.kl_weight == "none":
-        w, dw = 1.0, 0.0
-    elif o.kl_weight == "ratio":
-        w, dw = r, (0.0 if seq_w else r)
-    elif o.kl_weight == "score":
-        w, dw = 1.0, 1.0
-    else:
+    w = None  # None: the weight is 1 (none, score)
+    if o.kl_weight == "ratio":
+        w = r
+    elif o.kl_weight == "sampling_ratio":
         w = torch.exp(torch.where(valid, lp - sp, 0.0))
-        dw = w
-    kl = w * k
-    dkl = gate * (dw * k - w * dk)
-    dkl_seq = gate * w * k if seq_w else torch.zeros_like(x)
-    if o.kl_output_clamp is not None:
-        c = o.kl_output_clamp
-        go = ((kl >= -c) & (kl <= c)).float()
-        kl = kl.clamp(-c, c)
-        dkl, dkl_seq = dkl * go, dkl_seq * go
+    kl = go = None
+    if value or o.kl_output_clamp is not None:
+        kl = k if w is None else w * k
+        if o.kl_output_clamp is not None:
+            c = o.kl_output_clamp
+            go = ((kl >= -c) & (kl <= c)).float()
+            kl = kl.clamp(-c, c)
+    if not with_grad:
+        return kl, None, None
+    # ∂kl/∂logp = (∂W/∂logp)·k − W·k'(x): ∂W/∂logp is 0 (none; ratio at the sequence level), 1 (score) or W
+    k_minus_dk = -x if o.kl_estimator == "k3" else k - dk
+    if o.kl_weight == "none":
+        dkl = -dk
+    elif o.kl_weight == "score":
+        dkl = k_minus_dk
+    elif seq_w:
+        dkl = -(w * dk)
+    else:
+        dkl = w * k_minus_dk
+    dkl_seq = w * k if seq_w else None
+    for factor in (gate, go):
+        if factor is not None:
+            dkl = dkl * factor
+            dkl_seq = None if dkl_seq is None else dkl_seq * factor
     return kl, dkl, dkl_seq
 
 
@@ -144,10 +157,12 @@ def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, o: Options):
         r = per_token(r_B).expand(m.shape) if o.seq_level else torch.exp(torch.where(valid, lp - old[sl].float(), 0.0))
         if o.beta != 0.0:
             sp = samp[sl].float() if o.kl_weight == "sampling_ratio" else lp
-            kl, _, dkl_seq = kl_term(lp, ref[sl].float(), sp, r, valid, o)
-            seq_add(kl_B, torch.where(valid, m * kl, 0.0))
-            seq_add(num_B, torch.where(valid, m * (o.beta * kl), 0.0))
-            if o.seq_level:
+            seq_w = o.seq_level and o.kl_weight == "ratio"  # the weight's gradient goes through log r_b
+            kl, _, dkl_seq = kl_term(lp, ref[sl].float(), sp, r, valid, o, with_grad=seq_w)
+            mkl = torch.where(valid, m * kl, 0.0)
+            seq_add(kl_B, mkl)
+            seq_add(num_B, o.beta * mkl)
+            if seq_w:
                 seq_add(s_B, torch.where(valid, m * (o.beta * dkl_seq), 0.0))
         if not o.seq_level:  # the sequence level counted in its first pass
             seq_add(cnt_B, m)
@@ -216,6 +231,6 @@ def torch_backward(grad, logp, old, ref, samp, adv, mask, isw, sid_N, w_B, g_B, 
             d = w * m * (dlr if isw is None else isw[sl] * dlr)
         if o.beta != 0.0:
             sp = samp[sl].float() if o.kl_weight == "sampling_ratio" else lp
-            d = d + w * m * o.beta * kl_term(lp, ref[sl].float(), sp, r, valid, o)[1]
+            d = d + w * m * o.beta * kl_term(lp, ref[sl].float(), sp, r, valid, o, value=False)[1]
         dlogp[sl] = torch.where(valid, grad * d, 0.0).to(logp.dtype)
     return dlogp
