@@ -12,8 +12,9 @@ from test_grpo import TINY, make_samples, run_update, teacher_forced
 
 from fastgrpo import config
 from fastgrpo.config import load_config
-from fastgrpo.distributed import init_distributed
-from fastgrpo.grpo import loss_options
+from fastgrpo.distributed import init_distributed, wrap_model
+from fastgrpo.grpo import PolicyUpdate, loss_options, packed_forward
+from fastgrpo.models import load_model
 
 
 def test_config_names_are_the_kernels():
@@ -90,5 +91,50 @@ def test_update_with_new_loss_types_matches_unpacked_reference(loss_type, extra)
                                 epsilon_high=cfg.grpo.epsilon_high, max_completion_length=8)
     ref_loss.backward()
     assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(delta[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("kl", [
+    ["grpo.kl_weight=score", "grpo.kl_input_clamp=20", "grpo.kl_output_clamp=10"],  # deepscaler-1.5b's
+    ["grpo.kl_weight=sampling_ratio", "grpo.kl_estimator=k2", "grpo.kl_output_clamp=0.05"],
+])
+def test_update_with_kl_options_matches_unpacked_reference(kl):
+    """β > 0 with a reference model: the update hands the KL options and the engine's log-probs to the loss; loss
+    and weight change equal the unpacked fp32 reference given the same reference and engine log-probs (fp32 sums in
+    another order: 1e-5 relative)."""
+    state = init_distributed("cpu")
+    samples = make_samples()
+    g = torch.Generator().manual_seed(2)
+    for s in samples:  # engine log-probs near -1 (the fake value of make_samples), different per token
+        s.sample_logprobs = (-1.0 + 0.3 * torch.randn(len(s.completion_ids), generator=g)).tolist()
+    cfg = load_config(overrides=[*TINY, *kl, "train.max_tokens_per_microbatch=24", "sft.warmup_steps=0"])
+    beta = 0.3
+    model, _ = load_model(cfg.model, state.device, seed=0)
+    ref_model, _ = load_model(cfg.model, state.device, seed=1)  # another initialisation: ref ≠ policy
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    wrapped = wrap_model(model, state, "ddp", forward=packed_forward)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = PolicyUpdate(cfg, wrapped, opt, sched, ref_model, state.device, state.world_size).run(
+        samples, beta=beta, epsilon_high=cfg.grpo.epsilon_high, max_new_tokens=cfg.rollout.max_new_tokens)
+    assert metrics["optimizer_steps"] == 1
+    delta = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(before[k])
+        ref_lp, _ = teacher_forced(ref_model, samples)
+    model.zero_grad()
+    logp, mask = teacher_forced(model, samples)
+    T = logp.shape[1]
+    samp = torch.stack([torch.nn.functional.pad(torch.tensor(s.sample_logprobs), (0, T - len(s.sample_logprobs)))
+                        for s in samples])
+    adv = torch.tensor([s.advantage for s in samples])
+    kw = {k: v for k, v in loss_options(cfg).items() if k.startswith("kl_")}
+    ref_loss, ref_metrics = grpo_loss_ref(logp, logp.detach(), adv, mask, ref_logprobs=ref_lp, beta=beta,
+                                          sampling_logprobs=samp, max_completion_length=8, **kw)
+    ref_loss.backward()
+    assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
+    assert metrics["kl"] == pytest.approx(float(ref_metrics["kl"]), rel=1e-5, abs=1e-7)
     for k, p in model.named_parameters():
         torch.testing.assert_close(delta[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
