@@ -365,3 +365,30 @@ def test_bf16_inputs_flash_rule(path, loss_type, level, kl):
     _assert_close(l1, l32, llo, what=f"{loss_type} loss")
     _assert_close(g1, g32, glo, atol_rel=BF16_ULP, what=f"{loss_type} grad")
     _assert_close(m1["kl"], m32["kl"], mlo["kl"], what=f"{loss_type} kl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_type, level, kl", [
+    ("dapo", "token", dict(kl_weight="score", kl_input_clamp=20.0, kl_output_clamp=10.0)),  # deepscaler-1.5b
+    ("sapo", "sequence", dict(kl_weight="ratio")),
+    ("cispo_clamp", "token", dict(kl_weight="sampling_ratio", kl_estimator="k2", kl_output_clamp=0.05)),
+    ("luspo", "sequence", dict(kl_weight="none", kl_input_clamp=0.4)),
+])
+def test_gpu_variants_match_reference(loss_type, level, kl):
+    """The compiled kernels (bench/gpu_check.sh) at a realistic length, packed, fp32: the fp32 reference's loss and
+    gradient (atol 1e-4 of the largest value: 64 × 3000 terms summed in another order)."""
+    (logp, old, ref, adv, mask, samp), _ = _case(64, 3000, seed=137, per_token_adv=False, packed=False)
+    lengths = mask.sum(-1)
+    mask = torch.arange(3000)[None, :] < lengths[:, None]  # right padding only: pack exactly the kept tokens
+    cu = torch.tensor([0, *itertools.accumulate(lengths.tolist())], dtype=torch.int32)
+    up = torch.randn(())
+    kw = dict(beta=0.1, rollout_is="icepop", rollout_is_cap=1.4, rollout_is_min=0.8, off_policy_mask_threshold=0.05,
+              **kl, **_policy_kw(loss_type, level))
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                sampling_logprobs=samp, **kw)
+    flat = [unpad_padded(t, cu).cuda() for t in (logp, old, ref, mask, samp)]
+    loss, metrics, g = _run(grpo_loss, flat[0], up.cuda(), old_logprobs=flat[1], advantages=adv.cuda(),
+                            mask=flat[3], ref_logprobs=flat[2], sampling_logprobs=flat[4], cu_seqlens=cu.cuda(), **kw)
+    got = (loss.cpu(), {k: v.cpu() for k, v in metrics.items()}, _repad(g.cpu(), cu, 3000))
+    _assert_close(got[0], want[0], atol_rel=1e-4, what=f"gpu {loss_type} loss")
+    _assert_close(got[2], want[2], atol_rel=1e-4, what=f"gpu {loss_type} grad")
