@@ -94,7 +94,7 @@ PUBLISHED = [
     ("truncated completions keep their loss", "grpo.overlong_filtering false", (False,) * 3, BASE,
      lambda c, s: c.grpo.mask_truncated_completions),
     ("no dynamic sampling", "grpo.use_dynamic_sampling false", (False,) * 3, BASE,
-     lambda c, s: c.grpo.dynamic_sampling),
+     lambda c, s: c.grpo.use_dynamic_sampling),
     ("warm-up length, in GRPO steps", "policy.scheduler LinearLR total_iters (one step per GRPO step)", (50,) * 3,
      BASE, lambda c, s: c.train.warmup_steps),
     ("warm-up start factor", "policy.scheduler LinearLR start_factor", (0.1,) * 3, BASE,

@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 import torch
+from checks import assert_is_decisive
 from fastgrpo.kernels._utils import pad_packed, unpad_padded
 from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
@@ -352,6 +353,7 @@ def test_rollout_is_matches_reference(path, mode, packed):
         _compare(got, want, f"{path} {mode} {level}")
         if mode != "none":
             assert 0 < want[1]["sampling/is_clipped_fraction"] < 1, "the case must truncate/mask some tokens"
+            assert_is_decisive(old, samp, mask, mode, cap=2.0, low=0.5)  # the fraction compared is not a tie
 
 
 def test_rollout_is_none_leaves_the_loss_unchanged():
@@ -590,6 +592,8 @@ def test_fused_linear_grpo_loss_rollout_is_on_policy(packed, mode):
     for k in m_want:
         torch.testing.assert_close(m_got[k], m_want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert 0 < m_want["sampling/is_clipped_fraction"] < 1
+    with torch.no_grad():  # on-policy: old = the policy's own log-probs
+        assert_is_decisive(linear_logprobs_ref(hidden, weight, targets, bias=bias), samp, mask, mode, cap=1.5, low=0.7)
 
 
 # ---- GPU tier (bench/gpu_check.sh): compiled kernels at realistic sizes ---------------------------------------------
