@@ -25,11 +25,15 @@ import yaml
 
 DEFAULT_RECIPE = "tiny"
 DTYPES = ("float32", "bfloat16")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the ones delta and dual_clip_c apply to
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
 BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "group_loo", "none")
 IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "seq-mask-tis",
+                    "tis", "icepop")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add",)
 ALGORITHMS = ("grpo", "dpo", "sft")
@@ -198,7 +202,8 @@ class GRPOConfig:
     num_generations: int = 8
     """Completions per prompt (the group size G)."""
     loss_type: str = "dapo"
-    """Loss normalisation: grpo, bnpo, dr_grpo or dapo (see fastgrpo.kernels.grpo_loss)."""
+    """Loss: grpo, bnpo, dr_grpo, dapo, luspo (clipped surrogate, by normalisation), sapo, cispo (TRL) or
+    cispo_clamp (NeMo-RL's use_cispo) (see fastgrpo.kernels.grpo_loss)."""
     baseline: str = "mean"
     """Group baseline: "mean" or "leave_one_out" (mean of the other G-1 rewards)."""
     scale: str = "group"
@@ -216,6 +221,22 @@ class GRPOConfig:
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     importance_sampling_level: str = "token"
     """Importance ratio per "token" or per "sequence" (GSPO)."""
+    kl_estimator: str = "k3"
+    """KL estimator of the beta term: k1, k2 or k3 (NeMo-RL's reference_policy_kl_type)."""
+    kl_weight: str = "ratio"
+    """Factor on the per-token KL: ratio (TRL's default use_bias_correction_kl), none (plain k3), score (NeMo-RL's
+    exp(logp - sg(logp))) or sampling_ratio (NeMo-RL's use_on_policy_kl_approximation)."""
+    kl_input_clamp: float | None = None
+    """Clamp of ref - logp before the KL estimator, gradient stopped where it fires (NeMo-RL: 20; None: off)."""
+    kl_output_clamp: float | None = None
+    """Clamp of the weighted per-token KL, gradient stopped where it fires (NeMo-RL: 10; None: off)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's temperature for positive advantages (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's temperature for negative advantages (TRL's default)."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off-policy sequence mask: no policy loss for a negative-advantage completion whose mean engine-minus-
+    policy log-prob exceeds this (None: off)."""
     mask_truncated_completions: bool = False
     """Completions cut at max_new_tokens get no loss."""
     mask_zero_std_groups: bool = False
@@ -233,7 +254,8 @@ class GRPOConfig:
     signal after them stops the run."""
     rollout_is: str = "none"
     """Rollout importance-sampling correction against the engine's log-probs (TRL's vllm_importance_sampling_mode):
-    none, token_truncate, token_mask, sequence_truncate or sequence_mask (fastgrpo/kernels/rollout_is.py)."""
+    none, token_truncate (= NeMo-RL tis), token_mask (= icepop), sequence_truncate, sequence_mask or NeMo-RL's
+    seq-mask-tis (fastgrpo/kernels/rollout_is.py)."""
     rollout_is_cap: float = 3.0
     """Upper bound of the rollout IS ratio: truncated to it, or masked above it."""
     rollout_is_min: float = 0.0
@@ -257,6 +279,22 @@ class GRPOConfig:
             _check_min("grpo.delta", self.delta, 1, strict=True)
         if self.dual_clip_c is not None:
             _check_min("grpo.dual_clip_c", self.dual_clip_c, 1, strict=True)
+        for name in ("delta", "dual_clip_c"):
+            if getattr(self, name) is not None and self.loss_type not in CLIPPED_LOSS_TYPES:
+                _fail(f"grpo.{name}", f"applies to the clipped loss types {list(CLIPPED_LOSS_TYPES)} only, not "
+                      f"grpo.loss_type={self.loss_type!r}", getattr(self, name))
+        if self.loss_type.startswith("cispo") and self.importance_sampling_level != "token":
+            _fail("grpo.importance_sampling_level", f"must be 'token' for grpo.loss_type={self.loss_type!r}",
+                  self.importance_sampling_level)
+        _check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("grpo.kl_weight", self.kl_weight, KL_WEIGHTS)
+        for name in ("kl_input_clamp", "kl_output_clamp"):
+            if getattr(self, name) is not None:
+                _check_min(f"grpo.{name}", getattr(self, name), 0, strict=True)
+        _check_min("grpo.sapo_temperature_pos", self.sapo_temperature_pos, 0, strict=True)
+        _check_min("grpo.sapo_temperature_neg", self.sapo_temperature_neg, 0, strict=True)
+        if self.off_policy_mask_threshold is not None and not math.isfinite(self.off_policy_mask_threshold):
+            _fail("grpo.off_policy_mask_threshold", "must be finite", self.off_policy_mask_threshold)
         _check_choice("grpo.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
         _check_min("grpo.rollout_is_min", self.rollout_is_min, 0)
         _check_min("grpo.rollout_is_cap", self.rollout_is_cap, self.rollout_is_min, strict=True)

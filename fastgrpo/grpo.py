@@ -62,6 +62,7 @@ from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config, RewardScalingConfig
 from fastgrpo.distributed import ForwardWrapper, all_reduce, broadcast_object, print0, reduce_metrics
 from fastgrpo.generation import Completion, SamplingParams
+from fastgrpo.kernels.grpo_options import LOSS_POLICY, LOSS_REDUCTION, POLICY_METRICS
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
@@ -395,22 +396,33 @@ class PolicyUpdate:
         ``sampling/is_clipped_fraction``).
         """
         g = self.cfg.grpo
+        reduction = LOSS_REDUCTION[g.loss_type]
         hidden_NH, weight_VH, bias_V = _call(self.model, mb)
         loss, metrics = fused_linear_grpo_loss(
             hidden_NH, weight_VH, mb.targets, mb.old_logprobs, mb.advantages, mb.mask, bias=bias_V,
             temperature=self.cfg.rollout.temperature, return_entropy=True,
-            ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_low=g.epsilon_low, epsilon_high=epsilon_high,
-            delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
-            importance_sampling_level=g.importance_sampling_level, max_completion_length=max_new_tokens,
-            num_items_in_batch=tokens if g.loss_type == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
-            per_token_advantages=False, sampling_logprobs=mb.sample_logprobs, rollout_is=g.rollout_is,
-            rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min,
+            ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_high=epsilon_high, max_completion_length=max_new_tokens,
+            num_items_in_batch=tokens if reduction == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
+            per_token_advantages=False, sampling_logprobs=mb.sample_logprobs, **loss_options(self.cfg),
         )
-        if g.loss_type == "bnpo":
+        if reduction == "bnpo":
             loss = loss * mb.num_loss_tokens / tokens
-        elif g.loss_type in ("grpo", "dr_grpo"):
+        elif reduction in ("grpo", "dr_grpo"):
             loss = loss * mb.num_seqs / seqs
         return loss, metrics
+
+
+def loss_options(cfg: Config) -> dict:
+    """The ``grpo_loss`` keywords the ``grpo`` group sets directly (β and ε_high come from the stage settings)."""
+    g = cfg.grpo
+    return dict(
+        epsilon_low=g.epsilon_low, delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
+        importance_sampling_level=g.importance_sampling_level, rollout_is=g.rollout_is,
+        rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min, kl_estimator=g.kl_estimator,
+        kl_weight=g.kl_weight, kl_input_clamp=g.kl_input_clamp, kl_output_clamp=g.kl_output_clamp,
+        sapo_temperature_pos=g.sapo_temperature_pos, sapo_temperature_neg=g.sapo_temperature_neg,
+        off_policy_mask_threshold=g.off_policy_mask_threshold,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the algorithm
@@ -708,8 +720,8 @@ class GRPO:
             upd = self.update.run(samples, beta=settings["beta"], epsilon_high=settings["epsilon_high"],
                                   max_new_tokens=settings["max_new_tokens"])
         # every rank has the same keys: metrics a rank lacks (no optimizer step succeeded) are NaN there
-        for key in ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                    "clip_ratio/region_mean", *DIFF_NAMES) + (("kl",) if settings["beta"] else ()) + (
+        for key in ("loss", "grad_norm", "entropy", *POLICY_METRICS[LOSS_POLICY[self.cfg.grpo.loss_type]],
+                    *DIFF_NAMES) + (("kl",) if settings["beta"] else ()) + (
                         RATIO_NAMES if self.cfg.grpo.rollout_is != "none" else ()):
             upd.setdefault(key, math.nan)
         local.update(upd)

@@ -37,12 +37,22 @@ def distinct_characters(completions, **kwargs):
     return [float(len(set(c))) for c in completions]
 
 
-@pytest.mark.parametrize("loss_type, accumulation, per_generation, iterations",
-                         [("dapo", 2, 4, 1), ("bnpo", 1, 1, 2), ("grpo", 1, 1, 1), ("dr_grpo", 2, 2, 1)])
-def test_fused_loss_in_trl_grpo_trainer(tmp_path, loss_type, accumulation, per_generation, iterations):
+KL = dict(beta=0.05)  # TRL loads a reference model (the initial weights): KL > 0 once the policy moves
+
+
+@pytest.mark.parametrize("loss_type, accumulation, per_generation, iterations, extra", [
+    ("dapo", 2, 4, 1, {}), ("bnpo", 1, 1, 2, {}), ("grpo", 1, 1, 1, {}), ("dr_grpo", 2, 2, 1, {}),
+    # issue 22: the KL with TRL's flag both ways (off-policy: the weight r ≠ 1 changes value and gradient), the other
+    # loss types and the off-policy sequence mask
+    ("dapo", 2, 4, 1, dict(KL, use_bias_correction_kl=True)), ("bnpo", 1, 1, 2, dict(KL, use_bias_correction_kl=False)),
+    ("cispo", 2, 4, 1, dict(KL, epsilon_high=5.0)), ("sapo", 1, 1, 2, dict(KL)),
+    ("luspo", 1, 1, 2, dict(KL, importance_sampling_level="sequence")),
+    ("grpo", 1, 1, 2, dict(off_policy_mask_threshold=0.0)),
+])
+def test_fused_loss_in_trl_grpo_trainer(tmp_path, loss_type, accumulation, per_generation, iterations, extra):
     """dapo: TRL's normaliser over an accumulation window of 2 micro-batches of a generation batch that spans 4
     (``steps_per_generation``); ``iterations`` 2: the second optimizer step of a generation reuses its completions
-    with TRL's old log-probs (ratio != 1)."""
+    with TRL's old log-probs (ratio != 1). ``extra``: GRPOConfig settings over the defaults below."""
     torch.manual_seed(0)
     FusedGRPOTrainer = readme_example()["FusedGRPOTrainer"]
     seen = []
@@ -60,13 +70,16 @@ def test_fused_loss_in_trl_grpo_trainer(tmp_path, loss_type, accumulation, per_g
     tok = build_tiny_tokenizer()
     cfg = ModelConfig(tiny_hidden_size=32, tiny_num_layers=1, tiny_intermediate_size=64)
     model = build_tiny_model(cfg, tok, seed=0)
+    if extra.get("beta"):  # TRL builds its reference model from the policy config's path: another initialisation
+        build_tiny_model(cfg, tok, seed=1).save_pretrained(tmp_path / "reference")
+        model.config._name_or_path = str(tmp_path / "reference")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
+    settings = dict(loss_type=loss_type, beta=0.0, use_bias_correction_kl=False, epsilon=0.2, epsilon_high=0.28)
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=accumulation,
         steps_per_generation=per_generation, num_generations=4, max_completion_length=8, num_iterations=iterations,
-        max_steps=2, learning_rate=1e-2,
-        loss_type=loss_type, beta=0.0, use_bias_correction_kl=False, epsilon=0.2, epsilon_high=0.28,
+        max_steps=2, learning_rate=1e-2, **(settings | extra),
         temperature=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
         seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
