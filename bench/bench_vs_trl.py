@@ -89,7 +89,7 @@ def run_fastgrpo(args, out_dir: Path, model_path: Path, seed: int) -> dict:
         "train.sequences_per_optimizer_step=0",
         f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
         "grpo.loss_type=dapo", "grpo.beta=0.0", "grpo.epsilon_low=0.2", "grpo.epsilon_high=0.28",
-        "grpo.baseline=mean", "grpo.scale=group", "grpo.dynamic_sampling=false",
+        "grpo.baseline=mean", "grpo.scale=group", "grpo.mask_zero_std_groups=false",
         "grpo.mask_truncated_completions=false",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         "rollout.top_k=0", "checkpoint.save_final=false", f"train.seed={seed}",

@@ -7,7 +7,8 @@ type; an unknown group or field is an error that names it. Every group validates
 value fails at start-up with the field's dotted name in the message (``grpo.epsilon_low must be >= 0, got -1``).
 
 ``algorithm`` (grpo, dpo or sft) picks what one training step does. Groups: ``model``, ``data``, ``reward``,
-``grpo``, ``dpo``, ``sft``, ``rollout``, ``train``, ``stages`` (a list), ``checkpoint``, ``logging``, ``eval``.
+``grpo``, ``reward_scaling``, ``reward_shaping``, ``dpo``, ``sft``, ``rollout``, ``train``, ``stages`` (a list),
+``checkpoint``, ``logging``, ``eval``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import yaml
 
 DEFAULT_RECIPE = "tiny"
 DTYPES = ("float32", "bfloat16")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the ones delta and dual_clip_c apply to
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
 BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "group_loo", "none")
 IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "seq-mask-tis",
+                    "tis", "icepop")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add",)
 ALGORITHMS = ("grpo", "dpo", "sft")
@@ -36,7 +41,11 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 TRUNCATION = ("drop", "truncate")
 # fields that moved to another group: the old dotted name → the new one
 MOVED = {"train.sft_warmup_steps": "sft.warmup_steps", "train.sft_lr": "sft.lr",
-         "train.sft_batch_size": "sft.batch_size", "train.sft_answer_noise": "sft.answer_noise"}
+         "train.sft_batch_size": "sft.batch_size", "train.sft_answer_noise": "sft.answer_noise",
+         "grpo.dynamic_sampling": "grpo.mask_zero_std_groups"}
+# why each moved field moved (the error message says it)
+MOVED_WHY = {"train": "the sft group holds the settings of algorithm sft and of the warm-up",
+             "grpo": "it only masked zero-std groups; grpo.use_dynamic_sampling is DAPO's, which generates more"}
 
 
 def _fail(name: str, what: str, value) -> None:
@@ -193,7 +202,8 @@ class GRPOConfig:
     num_generations: int = 8
     """Completions per prompt (the group size G)."""
     loss_type: str = "dapo"
-    """Loss normalisation: grpo, bnpo, dr_grpo or dapo (see fastgrpo.kernels.grpo_loss)."""
+    """Loss: grpo, bnpo, dr_grpo, dapo, luspo (clipped surrogate, by normalisation), sapo, cispo (TRL) or
+    cispo_clamp (NeMo-RL's use_cispo) (see fastgrpo.kernels.grpo_loss)."""
     baseline: str = "mean"
     """Group baseline: "mean" or "leave_one_out" (mean of the other G-1 rewards)."""
     scale: str = "group"
@@ -211,13 +221,41 @@ class GRPOConfig:
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     importance_sampling_level: str = "token"
     """Importance ratio per "token" or per "sequence" (GSPO)."""
+    kl_estimator: str = "k3"
+    """KL estimator of the beta term: k1, k2 or k3 (NeMo-RL's reference_policy_kl_type)."""
+    kl_weight: str = "ratio"
+    """Factor on the per-token KL: ratio (TRL's default use_bias_correction_kl), none (plain k3), score (NeMo-RL's
+    exp(logp - sg(logp))) or sampling_ratio (NeMo-RL's use_on_policy_kl_approximation)."""
+    kl_input_clamp: float | None = None
+    """Clamp of ref - logp before the KL estimator, gradient stopped where it fires (NeMo-RL: 20; None: off)."""
+    kl_output_clamp: float | None = None
+    """Clamp of the weighted per-token KL, gradient stopped where it fires (NeMo-RL: 10; None: off)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's temperature for positive advantages (TRL's default)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's temperature for negative advantages (TRL's default)."""
+    off_policy_mask_threshold: float | None = None
+    """TRL's off-policy sequence mask: no policy loss for a negative-advantage completion whose mean engine-minus-
+    policy log-prob exceeds this (None: off)."""
     mask_truncated_completions: bool = False
     """Completions cut at max_new_tokens get no loss."""
-    dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (their advantage is 0) before the update."""
+    mask_zero_std_groups: bool = False
+    """Give no loss to groups whose rewards are all equal (before reward_shaping): the batch keeps them, and shrinks
+    by them (use_dynamic_sampling generates more instead, and leaves no such group to mask)."""
+    use_dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (NeMo-RL's use_dynamic_sampling): drop groups whose rewards are all equal (before
+    reward_shaping) and generate further batches until num_prompts_per_step groups remain, counted over all ranks;
+    the surplus is cut (fastgrpo.grpo)."""
+    batch_multiplier: float = 1.0
+    """Dynamic sampling: each generation batch holds int(batch_multiplier x num_prompts_per_step) prompts (>= 1;
+    1 without use_dynamic_sampling, as NeMo-RL's)."""
+    dynamic_sampling_max_gen_batches: int = 10
+    """Dynamic sampling: generation batches one step may use; a step still short of num_prompts_per_step groups with
+    signal after them stops the run."""
     rollout_is: str = "none"
     """Rollout importance-sampling correction against the engine's log-probs (TRL's vllm_importance_sampling_mode):
-    none, token_truncate, token_mask, sequence_truncate or sequence_mask (fastgrpo/kernels/rollout_is.py)."""
+    none, token_truncate (= NeMo-RL tis), token_mask (= icepop), sequence_truncate, sequence_mask or NeMo-RL's
+    seq-mask-tis (fastgrpo/kernels/rollout_is.py)."""
     rollout_is_cap: float = 3.0
     """Upper bound of the rollout IS ratio: truncated to it, or masked above it."""
     rollout_is_min: float = 0.0
@@ -241,9 +279,87 @@ class GRPOConfig:
             _check_min("grpo.delta", self.delta, 1, strict=True)
         if self.dual_clip_c is not None:
             _check_min("grpo.dual_clip_c", self.dual_clip_c, 1, strict=True)
+        for name in ("delta", "dual_clip_c"):
+            if getattr(self, name) is not None and self.loss_type not in CLIPPED_LOSS_TYPES:
+                _fail(f"grpo.{name}", f"applies to the clipped loss types {list(CLIPPED_LOSS_TYPES)} only, not "
+                      f"grpo.loss_type={self.loss_type!r}", getattr(self, name))
+        if self.loss_type.startswith("cispo") and self.importance_sampling_level != "token":
+            _fail("grpo.importance_sampling_level", f"must be 'token' for grpo.loss_type={self.loss_type!r}",
+                  self.importance_sampling_level)
+        _check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("grpo.kl_weight", self.kl_weight, KL_WEIGHTS)
+        for name in ("kl_input_clamp", "kl_output_clamp"):
+            if getattr(self, name) is not None:
+                _check_min(f"grpo.{name}", getattr(self, name), 0, strict=True)
+        _check_min("grpo.sapo_temperature_pos", self.sapo_temperature_pos, 0, strict=True)
+        _check_min("grpo.sapo_temperature_neg", self.sapo_temperature_neg, 0, strict=True)
+        if self.off_policy_mask_threshold is not None and not math.isfinite(self.off_policy_mask_threshold):
+            _fail("grpo.off_policy_mask_threshold", "must be finite", self.off_policy_mask_threshold)
         _check_choice("grpo.rollout_is", self.rollout_is, ROLLOUT_IS_MODES)
         _check_min("grpo.rollout_is_min", self.rollout_is_min, 0)
         _check_min("grpo.rollout_is_cap", self.rollout_is_cap, self.rollout_is_min, strict=True)
+        _check_min("grpo.batch_multiplier", self.batch_multiplier, 1)
+        if self.batch_multiplier != 1 and not self.use_dynamic_sampling:
+            _fail("grpo.batch_multiplier", "must be 1 unless grpo.use_dynamic_sampling is true", self.batch_multiplier)
+        _check_min("grpo.dynamic_sampling_max_gen_batches", self.dynamic_sampling_max_gen_batches, 1)
+
+    @property
+    def prompts_per_gen_batch(self) -> int:
+        """Prompts of one generation batch, all ranks together: num_prompts_per_step, times batch_multiplier (rounded
+        down, as NeMo-RL's int()) with dynamic sampling."""
+        if not self.use_dynamic_sampling:
+            return self.num_prompts_per_step
+        return int(self.num_prompts_per_step * self.batch_multiplier)
+
+
+@dataclass
+class RewardScalingConfig:
+    """NeMo-RL's reward_scaling: each reward clamped to [source_min, source_max], then mapped linearly onto
+    [target_min, target_max] (before reward_shaping)."""
+
+    enabled: bool = False
+    """Rescale the rewards."""
+    source_min: float = 0.0
+    """Lower end of the rewards' range (smaller rewards are clamped to it)."""
+    source_max: float = 1.0
+    """Upper end of the rewards' range (larger rewards are clamped to it)."""
+    target_min: float = 0.0
+    """What source_min becomes."""
+    target_max: float = 1.0
+    """What source_max becomes."""
+
+    def __post_init__(self):
+        for name in ("source_min", "source_max", "target_min", "target_max"):
+            if not math.isfinite(getattr(self, name)):
+                _fail(f"reward_scaling.{name}", "must be finite", getattr(self, name))
+        if self.source_max <= self.source_min:
+            _fail("reward_scaling.source_max", f"must be > reward_scaling.source_min={self.source_min}",
+                  self.source_max)
+
+
+@dataclass
+class RewardShapingConfig:
+    """DAPO's overlong reward shaping (NeMo-RL's reward_shaping): a completion of L tokens gets
+    min(-(L - (max_response_length - overlong_buffer_length)) / overlong_buffer_length * overlong_buffer_penalty, 0)
+    added to its reward (fastgrpo.grpo.overlong_penalty)."""
+
+    enabled: bool = False
+    """Add the overlong penalty to the rewards."""
+    overlong_buffer_length: int = 128
+    """Tokens before max_response_length over which the penalty grows from 0 to overlong_buffer_penalty."""
+    overlong_buffer_penalty: float = 1.0
+    """Penalty at max_response_length tokens (it keeps growing at the same slope past it)."""
+    max_response_length: int = 0
+    """Completion length at which the penalty reaches overlong_buffer_penalty (0: the stage's
+    rollout.max_new_tokens)."""
+
+    def __post_init__(self):
+        _check_min("reward_shaping.overlong_buffer_length", self.overlong_buffer_length, 1)
+        _check_min("reward_shaping.overlong_buffer_penalty", self.overlong_buffer_penalty, 0)
+        _check_min("reward_shaping.max_response_length", self.max_response_length, 0)
+        if self.max_response_length and self.overlong_buffer_length > self.max_response_length:
+            _fail("reward_shaping.overlong_buffer_length", f"must be <= reward_shaping.max_response_length="
+                  f"{self.max_response_length}", self.overlong_buffer_length)
 
 
 @dataclass
@@ -509,6 +625,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+    reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -538,6 +656,13 @@ class Config:
         if seqs * self.data.max_length > self.train.max_tokens_per_microbatch:
             _fail("train.max_tokens_per_microbatch", f"must hold {seqs} sequence(s) of data.max_length="
                   f"{self.data.max_length} tokens (algorithm {self.algorithm})", self.train.max_tokens_per_microbatch)
+        shaping = self.reward_shaping
+        if shaping.enabled and not shaping.max_response_length:
+            limits = [self.rollout.max_new_tokens] + [s.max_new_tokens for s in self.stages]
+            if shaping.overlong_buffer_length > min(limits):
+                _fail("reward_shaping.overlong_buffer_length", f"must be <= the shortest max_new_tokens {min(limits)} "
+                      "(reward_shaping.max_response_length is 0: the stage's rollout.max_new_tokens)",
+                      shaping.overlong_buffer_length)
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)
@@ -608,8 +733,7 @@ def _build(cls, values: dict, prefix: str):
     unknown = sorted(set(values) - names)
     moved = [(f"{prefix}.{k}", MOVED[f"{prefix}.{k}"]) for k in unknown if f"{prefix}.{k}" in MOVED]
     if moved:
-        raise ValueError("; ".join(f"{old} is now {new}" for old, new in moved) + " (the sft group holds the "
-                         "settings of algorithm sft and of the warm-up)")
+        raise ValueError("; ".join(f"{old} is now {new}" for old, new in moved) + f" ({MOVED_WHY[prefix]})")
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ValueError(f"unknown config key(s) {[where + k for k in unknown]}; "

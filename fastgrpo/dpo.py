@@ -17,7 +17,19 @@ The reference is the policy as DPO starts: ``model.path`` as loaded, or the mode
 (``sft.warmup_steps``) when one runs. With ``dpo.precompute_ref_logprobs`` (the default) the reference's sequence
 log-probs of every training and held-out pair are computed once, before the first step, by no-grad packed
 forwards of that policy, and kept in the algorithm's state (two fp32 numbers per pair, saved with every
-checkpoint, so a resume never recomputes them). Otherwise a frozen copy of the starting policy (a second set of
+checkpoint, so a resume never recomputes them).
+
+The table is computed by the very function the loss uses (``fused_linear_dpo_loss``, its ``return_logps``), on
+the very micro-batches the steps will train: the sampler's schedule is replayed from the first DPO step until
+every training pair has appeared, and each pair's entry comes from the micro-batch of its first step (held-out
+pairs: from validation's micro-batches). This matters because a token's log-prob is not a function of the token
+alone on every backend: where the matmul behind a kernel gives a row a result that depends on its position in
+the block (numpy's OpenBLAS with its Haswell/Zen kernels, which ``tl.dot`` runs on under ``TRITON_INTERPRET=1``,
+rounds a row differently when the other rows move), packing a pair with other pairs moves its log-prob by
+rounding (2.4e-8 of a reward at β = 0.1, enough to flip ``rewards/accuracies``). With the same layout, the same
+forward and the same kernel, the first step's policy log-probs equal the table bit for bit, so every implicit
+reward is exactly 0 there, on every path. From the second step on the policy has moved and no such identity is
+asked for. Otherwise a frozen copy of the starting policy (a second set of
 weights on every rank: 3 GB for a 1.5B model in bf16) computes them in every step; when the warm-up changed the
 weights, that copy is also written to ``<run dir>/dpo_reference.safetensors`` for a resume.
 
@@ -31,6 +43,7 @@ synthetic task's held-out prompts.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -47,8 +60,7 @@ from fastgrpo.distributed import (
     print0,
     unwrap_model,
 )
-from fastgrpo.grpo import _call, _no_grad_forward, packed_forward, packed_logprobs
-from fastgrpo.kernels._utils import seq_index
+from fastgrpo.grpo import _call, _no_grad_forward, packed_forward
 from fastgrpo.kernels.dpo_loss import fused_linear_dpo_loss
 from fastgrpo.packing import plan_microbatches
 from fastgrpo.precision import accumulate, train_mode
@@ -75,11 +87,15 @@ def plan_pairs(pairs: list[PreferencePair], max_tokens: int) -> list[list[int]]:
                              max_tokens)
 
 
+@torch.no_grad()
 def sequence_logps(model, mb: LMBatch) -> torch.Tensor:
-    """``[2B]`` fp32 sums of the response tokens' log-probs under ``model`` (a packed-forward module), no grad."""
-    logp_N = packed_logprobs(model, mb, 1.0)  # [N], 0 off the mask
-    seq_N = seq_index(mb.batch.cu_seqlens, logp_N.shape[0])  # [N]
-    return torch.zeros(mb.batch.num_seqs, device=logp_N.device).index_add(0, seq_N, logp_N)
+    """``[2B]`` fp32 sums of the response tokens' log-probs under ``model`` (a packed-forward module), no grad:
+    the policy's own path (``fused_linear_dpo_loss``, the same forward and kernel), so that the same weights on
+    the same micro-batch give the policy's numbers bit for bit."""
+    hidden_NH, weight_VH, bias_V = _call(model, mb)
+    zeros_B = torch.zeros(mb.batch.num_seqs // 2, device=hidden_NH.device)  # [B]
+    return fused_linear_dpo_loss(hidden_NH, weight_VH, mb.targets, mb.mask, zeros_B, zeros_B, bias=bias_V,
+                                 cu_seqlens=mb.batch.cu_seqlens, return_logps=True)[2]
 
 
 class DPO:
@@ -125,21 +141,55 @@ class DPO:
             out["eval"] = self.held_out.items
         return out
 
+    def _rank_share(self, indices: list[int]) -> list[int]:
+        """This rank's pairs of a step's ``indices`` (consecutive equal shares)."""
+        st = self.trainer.state
+        per_rank = len(indices) // st.world_size
+        return indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+
+    def _step_schedule(self) -> list[list[int]]:
+        """The training pairs of the coming steps, replayed on a copy of the trainer's sampler, until every pair
+        has appeared once (one epoch, plus the rest of the step that ends it)."""
+        sampler, seen, steps = copy.deepcopy(self.trainer.sampler), set(), []
+        while len(seen) < len(self.train_data):
+            steps.append(sampler.next(self.rows_per_step))
+            seen.update(steps[-1])
+        return steps
+
+    def _layouts(self, split: str):
+        """``(owner, padded)`` per step that will use pairs of ``split``: this rank's micro-batches of that step
+        and, for each pair no earlier step held, the rank whose share holds its first occurrence. Held-out pairs:
+        validation's one layout (rank r holds pairs r, r + W, ...)."""
+        st = self.trainer.state
+        if split != "train":
+            yield {i: i % st.world_size for i in range(len(self.held_out))}, self._eval_microbatches()
+            return
+        done: set[int] = set()
+        for indices in self._step_schedule():
+            per_rank = len(indices) // st.world_size
+            owner = {}
+            for pos, i in enumerate(indices):
+                if i not in done:
+                    owner.setdefault(i, pos // per_rank)
+            done.update(indices)
+            mine = self._rank_share(indices)
+            yield owner, self._microbatches([self.train_data.items[i] for i in mine], mine)
+
     @torch.no_grad()
-    def _table(self, pairs: list[PreferencePair]) -> torch.Tensor:
-        """``[n, 2]`` reference sums of every pair, computed by the current policy: each rank its share, then
-        summed over ranks (each entry is written by exactly one rank)."""
-        t, st = self.trainer, self.trainer.state
-        mine = list(range(st.rank, len(pairs), st.world_size))
-        groups = plan_pairs([pairs[i] for i in mine], self.cfg.train.max_tokens_per_microbatch)
-        mbs = [([mine[j] for j in g], lm_batch(pair_examples([pairs[mine[j]] for j in g]), st.device))
-               for g in groups] or [([], lm_batch(pair_examples(pairs[:1]), st.device))]
-        table = torch.zeros(len(pairs), 2, device=st.device)
-        policy = _no_grad_forward(t.wrapped)
-        for (idx, mb), weight in same_count(mbs, st.device):
-            logps = sequence_logps(policy, mb)  # [2B]
-            if weight and idx:
-                table[idx] = torch.stack(logps.chunk(2), 1)
+    def _table(self, split: str) -> torch.Tensor:
+        """``[n, 2]`` reference sums of every pair of ``split``, computed by the current policy on the
+        micro-batches that will use them (module docstring). Each entry is written by exactly one rank, then the
+        table is summed over ranks."""
+        st = self.trainer.state
+        table = torch.zeros(len(self._splits()[split]), 2, device=st.device)
+        policy = _no_grad_forward(self.trainer.wrapped)
+        for owner, padded in self._layouts(split):
+            for (idx, mb), weight in padded:
+                logps = sequence_logps(policy, mb)  # [2B]; stand-ins (no pair of this rank) too, for FSDP2
+                new = [j for j, i in enumerate(idx) if weight and owner.get(i) == st.rank]
+                for j in new:
+                    if owner.pop(idx[j], None) is not None:  # a repeat in the same share is not written twice
+                        table[idx[j]] = torch.stack(logps.chunk(2), 1)[j]
         return all_reduce(table).cpu()
 
     def _reference_model(self, path: Path | None):
@@ -166,7 +216,7 @@ class DPO:
         t = self.trainer
         if self.cfg.dpo.precompute_ref_logprobs:
             start = time.perf_counter()
-            self.ref_tables = {name: self._table(pairs) for name, pairs in self._splits().items()}
+            self.ref_tables = {name: self._table(name) for name in self._splits()}
             print0(f"reference log-probs of {sum(len(p) for p in self._splits().values())} pairs computed in "
                    f"{time.perf_counter() - start:.1f} s")
             return
@@ -223,18 +273,25 @@ class DPO:
                                      sft_weight=d.sft_weight)
 
     def _microbatches(self, pairs: list[PreferencePair], indices: list[int]):
+        """``[((pair indices, LMBatch), weight)]``: ``pairs`` (this rank's, numbered ``indices``) packed, padded
+        to the same count on every rank (weight 0 on stand-ins; with no pair, a stand-in of the first pair)."""
         st = self.trainer.state
         groups = plan_pairs(pairs, self.cfg.train.max_tokens_per_microbatch)
         mbs = [([indices[j] for j in g], lm_batch(pair_examples([pairs[j] for j in g]), st.device)) for g in groups]
-        return same_count(mbs, st.device)
+        return same_count(mbs or [([], lm_batch(pair_examples(self.train_data.items[:1]), st.device))], st.device)
+
+    def _eval_microbatches(self):
+        """Validation's micro-batches: this rank's share of the held-out pairs (strided)."""
+        st = self.trainer.state
+        mine = list(range(st.rank, len(self.held_out), st.world_size))
+        return self._microbatches([self.held_out.items[i] for i in mine], mine)
 
     def _keys(self) -> tuple[str, ...]:
         return ("loss", *METRICS) + (("nll_loss",) if self.cfg.dpo.sft_weight > 0 else ())
 
     def step(self, indices: list[int], settings: dict) -> dict[str, float]:
         t, st = self.trainer, self.trainer.state
-        per_rank = len(indices) // st.world_size
-        mine = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+        mine = self._rank_share(indices)
         pairs = [self.train_data.items[i] for i in mine]
         keys = self._keys()
         sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=st.device)  # Σ B_mb · value, then tokens
@@ -259,10 +316,7 @@ class DPO:
     @torch.no_grad()
     def _eval_pairs(self) -> dict[str, float]:
         t, st = self.trainer, self.trainer.state
-        pairs = self.held_out.items
-        mine = list(range(st.rank, len(pairs), st.world_size))
-        padded = self._microbatches([pairs[i] for i in mine], mine) if mine else same_count(
-            [([], lm_batch(pair_examples(pairs[:1]), st.device))], st.device)
+        padded = self._eval_microbatches()
         sums = torch.zeros(2, dtype=torch.float64, device=st.device)
         model = _no_grad_forward(t.wrapped)
         for (idx, mb), weight in padded:
@@ -271,7 +325,7 @@ class DPO:
                 continue
             loss, metrics = self._loss(model, "eval", idx, mb)
             sums += torch.stack([loss, metrics["rewards/accuracies"]]).double() * (weight * len(idx))
-        loss, acc = (all_reduce(sums) / len(pairs)).tolist()  # sync: once per validation
+        loss, acc = (all_reduce(sums) / len(self.held_out)).tolist()  # sync: once per validation
         return {"eval/loss": loss, "eval/preference_accuracy": acc}
 
     def validate(self) -> dict[str, float]:

@@ -26,7 +26,15 @@ gets A = 0. A group with at most one valid completion gets b_i = r_i, so A = 0 (
 Sequences (prompt + completion) are packed into micro-batches of at most ``train.max_tokens_per_microbatch``
 tokens. At packed position ``t`` the target is token ``t + 1`` of the same sequence; the loss mask is 1 exactly
 where the target is a completion token (and the completion is trained on: masked truncated completions and, with
-dynamic sampling, zero-variance groups get mask 0).
+``grpo.mask_zero_std_groups``, zero-variance groups get mask 0).
+
+Rewards, per completion: the reward functions' weighted sum, then ``reward_scaling`` (:func:`scale_rewards`), then
+``reward_shaping``'s overlong penalty (:func:`overlong_penalty`); a group has signal when its rewards before shaping
+are not all equal. With ``grpo.use_dynamic_sampling`` (DAPO) a step generates batches until
+``num_prompts_per_step`` groups with signal exist over all ranks and trains on exactly that many
+(:meth:`GRPO.rollout`). Memory: the kept groups of up to ``dynamic_sampling_max_gen_batches`` batches wait on the host
+(token ids and log-probs as lists, about 70 bytes a token: 16 completions of 16K tokens are ~18 MB a group); a
+group moves between ranks once, pickled (``broadcast_object``). Time: each further batch is a whole generation.
 
 The update of one optimizer step over the micro-batches ``m`` of every rank: each micro-batch's loss is
 ``fused_linear_grpo_loss`` on its own tokens (straight from the last hidden state and the LM head weight),
@@ -51,15 +59,17 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.attention import packed_hidden_states
-from fastgrpo.config import Config
-from fastgrpo.distributed import ForwardWrapper, all_reduce, print0, reduce_metrics
-from fastgrpo.generation import SamplingParams
+from fastgrpo.config import Config, RewardScalingConfig
+from fastgrpo.distributed import ForwardWrapper, all_reduce, broadcast_object, print0, reduce_metrics
+from fastgrpo.generation import Completion, SamplingParams
+from fastgrpo.kernels.grpo_options import LOSS_POLICY, LOSS_REDUCTION, POLICY_METRICS
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 from fastgrpo.precision import accumulate, optimizer_params, train_mode
+from fastgrpo.rewards import RewardResult, add_faults
 
 ADV_EPS = 1e-4  # added to the reward std before dividing (TRL's value): a zero-variance group gets A = 0
 LOO_STD_EPS = 1e-6  # "group_loo": NeMo-RL's epsilon, added only where the leave-one-out std is > 0
@@ -115,6 +125,49 @@ def compute_advantages(rewards_PG: torch.Tensor, baseline: str = "mean", scale: 
     elif scale != "none":
         raise ValueError(f"scale must be 'group', 'batch', 'group_loo' or 'none', got {scale!r}")
     return adv.float(), zero_std_P
+
+
+def scale_rewards(rewards: list[float], cfg: RewardScalingConfig) -> list[float]:
+    """NeMo-RL's reward_scaling (``nemo_rl/algorithms/grpo.py`` ``scale_rewards`` at 7ea279a): each reward clamped to
+    [source_min, source_max], then mapped linearly onto [target_min, target_max]; unchanged when disabled."""
+    if not cfg.enabled:
+        return list(rewards)
+    lo, hi, a, b = cfg.source_min, cfg.source_max, cfg.target_min, cfg.target_max
+    return [a + (min(max(r, lo), hi) - lo) / (hi - lo) * (b - a) for r in rewards]
+
+
+def overlong_penalty(length: int, max_response_length: int, buffer: int, penalty: float) -> float:
+    """DAPO's overlong reward shaping of a completion of ``length`` tokens, as NeMo-RL computes it
+    (``nemo_rl/algorithms/reward_functions.py`` ``apply_reward_shaping`` at 7ea279a)::
+
+        R(L) = min(-(L - (L_max - B)) / B · p, 0)        L_max = max_response_length, B = buffer, p = penalty
+
+    0 up to L_max − B tokens, then linear down to −p at L = L_max. Past L_max it keeps the slope, as NeMo-RL's; the
+    DAPO paper's Eq. 13 and TRL's ``get_soft_overlong_punishment`` (p = 1) hold −1 there instead: the two agree for
+    L ≤ L_max, which is every completion when L_max is the response limit (the default, 0 in the config).
+    """
+    return min(-(length - (max_response_length - buffer)) / buffer * penalty, 0.0)
+
+
+def merge_results(a: RewardResult, b: RewardResult) -> RewardResult:
+    """Two generation batches' reward results as one (scores concatenated, fault counts added)."""
+    faults = {name: dict(counts) for name, counts in a.faults.items()}
+    for name, counts in b.faults.items():
+        add_faults(faults.setdefault(name, {}), counts)
+    return RewardResult(total=a.total + b.total, per_function={k: v + b.per_function[k] for k, v in
+                                                               a.per_function.items()}, faults=faults)
+
+
+@dataclass
+class Group:
+    """One prompt's G completions, as the rollout scored them."""
+
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards: list[float]
+    """[G] after reward_scaling and reward_shaping: what the advantages are computed from."""
+    signal: bool
+    """The rewards before reward_shaping are not all equal (dynamic sampling keeps the group)."""
 
 
 @dataclass
@@ -343,28 +396,42 @@ class PolicyUpdate:
         ``sampling/is_clipped_fraction``).
         """
         g = self.cfg.grpo
+        reduction = LOSS_REDUCTION[g.loss_type]
         hidden_NH, weight_VH, bias_V = _call(self.model, mb)
         loss, metrics = fused_linear_grpo_loss(
             hidden_NH, weight_VH, mb.targets, mb.old_logprobs, mb.advantages, mb.mask, bias=bias_V,
             temperature=self.cfg.rollout.temperature, return_entropy=True,
-            ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_low=g.epsilon_low, epsilon_high=epsilon_high,
-            delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
-            importance_sampling_level=g.importance_sampling_level, max_completion_length=max_new_tokens,
-            num_items_in_batch=tokens if g.loss_type == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
-            per_token_advantages=False, sampling_logprobs=mb.sample_logprobs, rollout_is=g.rollout_is,
-            rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min,
+            ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_high=epsilon_high, max_completion_length=max_new_tokens,
+            num_items_in_batch=tokens if reduction == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
+            per_token_advantages=False, sampling_logprobs=mb.sample_logprobs, **loss_options(self.cfg),
         )
-        if g.loss_type == "bnpo":
+        if reduction == "bnpo":
             loss = loss * mb.num_loss_tokens / tokens
-        elif g.loss_type in ("grpo", "dr_grpo"):
+        elif reduction in ("grpo", "dr_grpo"):
             loss = loss * mb.num_seqs / seqs
         return loss, metrics
+
+
+def loss_options(cfg: Config) -> dict:
+    """The ``grpo_loss`` keywords the ``grpo`` group sets directly (β and ε_high come from the stage settings)."""
+    g = cfg.grpo
+    return dict(
+        epsilon_low=g.epsilon_low, delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
+        importance_sampling_level=g.importance_sampling_level, rollout_is=g.rollout_is,
+        rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min, kl_estimator=g.kl_estimator,
+        kl_weight=g.kl_weight, kl_input_clamp=g.kl_input_clamp, kl_output_clamp=g.kl_output_clamp,
+        sapo_temperature_pos=g.sapo_temperature_pos, sapo_temperature_neg=g.sapo_temperature_neg,
+        off_policy_mask_threshold=g.off_policy_mask_threshold,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the algorithm
 
 REWARD_COUNTS = ("/failures", "/timeouts", "/nonfinite", "/workers_respawned")  # summed over ranks
 SEED_STRIDE = 1_000_003  # separates the per-(step, rank) sampling seeds
+# Generation batch b of step s samples with the seed of batch 0 of step s + b * DS_SEED_STRIDE (the engine keeps 31 bits
+# of a seed: the step is taken modulo 2^21), a step no run reaches
+DS_SEED_STRIDE = 100_003
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -372,6 +439,9 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     if cfg.grpo.num_prompts_per_step % world_size:
         raise ValueError(f"grpo.num_prompts_per_step={cfg.grpo.num_prompts_per_step} must be a multiple of the "
                          f"number of processes ({world_size})")
+    if cfg.grpo.prompts_per_gen_batch % world_size:
+        raise ValueError(f"int(grpo.batch_multiplier x grpo.num_prompts_per_step) = {cfg.grpo.prompts_per_gen_batch} "
+                         f"prompts per generation batch must be a multiple of the number of processes ({world_size})")
     seqs = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations
     per_step = cfg.train.sequences_per_optimizer_step
     if per_step and (seqs % per_step or per_step % world_size):
@@ -421,8 +491,9 @@ class GRPO:
 
     @property
     def rows_per_step(self) -> int:
-        """Training rows (prompts) one step draws from the data sampler, all ranks together."""
-        return self.cfg.grpo.num_prompts_per_step
+        """Training rows (prompts) of one generation batch, all ranks together: what a step draws from the data
+        sampler (dynamic sampling draws the next ones for each further batch)."""
+        return self.cfg.grpo.prompts_per_gen_batch
 
     def describe_data(self) -> str:
         dropped = self.train_data.num_dropped + (self.held_out.num_dropped if self.held_out else 0)
@@ -487,22 +558,23 @@ class GRPO:
         """Stop the reward workers."""
         self.rewards.close()
 
-    def rollout(self, indices: list[int], settings: dict) -> tuple[list[Sample], dict[str, float]]:
-        """Sample, score and compute advantages for this rank's share of the step's prompts ``indices``.
+    def _generate(self, indices: list[int], settings: dict, batch: int) -> tuple[list[Group], dict]:
+        """One generation batch: this rank's share of the prompts ``indices`` sampled, scored, rescaled and shaped;
+        its groups and its sums for the step's metrics.
 
         Each group goes to the reward pool as soon as the engine finishes it (decoded here, in the engine's
         callback), so scoring overlaps the decoding of the other groups; the scores come back in prompt order.
         """
         t = self.trainer
         cfg, st, g = self.cfg, t.state, self.cfg.grpo
-        per_rank = g.num_prompts_per_step // st.world_size
+        per_rank = len(indices) // st.world_size
         idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
         prompts = [self.train_data.prompt_ids[i] for i in idx]
         G = g.num_generations
         params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
                                 max_sequence_tokens=settings["max_sequence_tokens"] or None,
-                                seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + st.rank)
+                                seed=(cfg.train.seed * SEED_STRIDE + t.step + batch * DS_SEED_STRIDE) * 1024 + st.rank)
         prompt_texts = [t.tokenizer.decode(p) for p in prompts]
         columns = self.train_data.columns(idx)  # column -> one value per prompt
 
@@ -515,37 +587,126 @@ class GRPO:
             outs = t.generate(prompts, params, on_group_done=score)
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
         result, reward_times = self.rewards.gather()
-        r_PG = torch.tensor(result.total, dtype=torch.float64).view(len(prompts), G)
+        raw = scale_rewards(result.total, cfg.reward_scaling)
+        penalties = [0.0] * len(completions)
+        shaping = cfg.reward_shaping
+        if shaping.enabled:
+            limit = shaping.max_response_length or settings["max_new_tokens"]
+            penalties = [overlong_penalty(len(c.token_ids), limit, shaping.overlong_buffer_length,
+                                          shaping.overlong_buffer_penalty) for c in completions]
+        rewards = [r + x for r, x in zip(raw, penalties)]
+        groups = [Group(prompts[p], outs[p], rewards[p * G : (p + 1) * G], max(raw[p * G : (p + 1) * G]) >
+                        min(raw[p * G : (p + 1) * G])) for p in range(len(prompts))]
+        lengths = [len(c.token_ids) for c in completions]
+        correct = result.per_function.get("math", [float(x > 0) for x in result.total])
+        sums = {"reward/sum": sum(rewards), "reward_sq/sum": sum(r * r for r in rewards),
+                "completions/sum": len(lengths), "correct": sum(c == 1.0 for c in correct),
+                "length": sum(lengths), "length_max": max(lengths),
+                "truncated": sum(c.finish_reason == "length" for c in completions),
+                "zero_std": sum(not grp.signal for grp in groups), "groups": len(groups),
+                "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)), "penalty": sum(penalties),
+                "result": result, **reward_times}
+        stats = getattr(t.engine, "last_stats", None) or {}  # the engine's scheduling of this batch
+        if stats:
+            sums.update({"generation/peak_running/max": float(stats["peak_running"]),
+                         "generation/preemptions/sum": float(stats["preemptions"]),
+                         "generation/decode_steps/max": float(stats["decode_steps"]),
+                         "generation/kv_usage/max": stats["peak_kv_tokens"] / stats["kv_capacity_tokens"]})
+        return groups, sums
+
+    def _balance(self, kept: list[list[Group]], target: int) -> list[Group]:
+        """The first ``target`` groups of ``kept`` (this rank's groups with signal, per generation batch) over all
+        ranks, ``target / world_size`` of them on each rank.
+
+        The order is generation batch, then rank, then prompt; rank r trains on positions [r·k, (r+1)·k) of it
+        (k = target / world_size). A group that another rank trains on travels once, by ``broadcast_object`` from
+        the rank that generated it: only the unevenness between ranks moves, a few groups in a typical step.
+        """
+        st = self.trainer.state
+        W, k = st.world_size, target // st.world_size
+        counts_WB = torch.zeros(W, len(kept), dtype=torch.long)
+        counts_WB[st.rank] = torch.tensor([len(x) for x in kept])
+        counts_WB = all_reduce(counts_WB.to(self.trainer.coll_device())).cpu()  # sync: every rank plans the moves
+        order = [(r, b, i) for b in range(len(kept)) for r in range(W) for i in range(int(counts_WB[r, b]))][:target]
+        mine = {pos: kept[b][i] for pos, (r, b, i) in enumerate(order) if r == st.rank and pos // k == r}
+        for src in range(W):
+            leaving = {pos: (b, i) for pos, (r, b, i) in enumerate(order) if r == src and pos // k != src}
+            if leaving:  # every rank knows the plan, so every rank takes part in the same broadcasts
+                sent = {pos: kept[b][i] for pos, (b, i) in leaving.items()} if src == st.rank else None
+                mine.update({pos: grp for pos, grp in broadcast_object(sent, src=src).items() if pos // k == st.rank})
+        return [mine[pos] for pos in sorted(mine)]
+
+    def rollout(self, indices: list[int], settings: dict) -> tuple[list[Sample], dict[str, float]]:
+        """Sample, score and compute advantages for this rank's share of the step's prompts ``indices``.
+
+        With ``grpo.use_dynamic_sampling``, groups whose rewards (before ``reward_shaping``) are all equal are
+        dropped, and further generation batches of ``grpo.prompts_per_gen_batch`` prompts (the data sampler's next
+        ones) are generated until ``num_prompts_per_step`` groups with signal exist over all ranks, at most
+        ``grpo.dynamic_sampling_max_gen_batches`` batches; the first ``num_prompts_per_step`` of them (by batch,
+        rank and prompt) are trained on, the same number on every rank (:meth:`_balance`).
+        """
+        t = self.trainer
+        cfg, st, g = self.cfg, t.state, self.cfg.grpo
+        G, P = g.num_generations, g.num_prompts_per_step
+        kept: list[list[Group]] = []
+        totals: dict = {}
+        have = dropped = 0
+        for batch in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+            if batch:
+                indices = t.sampler.next(self.rows_per_step)
+            groups, sums = self._generate(indices, settings, batch)
+            for key, value in sums.items():
+                if key == "result":
+                    totals[key] = merge_results(totals[key], value) if key in totals else value
+                elif key.endswith("/max") or key == "length_max":
+                    totals[key] = max(totals.get(key, value), value)
+                else:
+                    totals[key] = totals.get(key, 0) + value
+            if not g.use_dynamic_sampling:
+                kept.append(groups)
+                break
+            kept.append([grp for grp in groups if grp.signal])
+            n = all_reduce(torch.tensor([len(kept[-1]), len(groups) - len(kept[-1])],
+                                        device=t.coll_device())).tolist()  # sync: the decision to generate more
+            have, dropped = have + n[0], dropped + n[1]
+            if have >= P:
+                break
+        else:
+            raise RuntimeError(
+                f"dynamic sampling (step {t.step}): {have} of grpo.num_prompts_per_step={P} groups have rewards that "
+                f"differ after grpo.dynamic_sampling_max_gen_batches={g.dynamic_sampling_max_gen_batches} generation "
+                f"batches of {self.rows_per_step} prompts ({dropped} groups dropped: every completion scored the same)"
+                "; raise grpo.batch_multiplier or grpo.dynamic_sampling_max_gen_batches, or train on prompts the "
+                "policy neither always solves nor always fails")
+        groups = self._balance(kept, P) if g.use_dynamic_sampling else kept[0]
+        r_PG = torch.tensor([grp.rewards for grp in groups], dtype=torch.float64).view(len(groups), G)
         batch_std = None
         if g.scale == "batch":
             s = all_reduce(torch.tensor([r_PG.sum(), (r_PG**2).sum(), r_PG.numel()], dtype=torch.float64,
                                         device=t.coll_device())).cpu().tolist()
             batch_std = math.sqrt(max(s[1] - s[0] ** 2 / s[2], 0.0) / max(s[2] - 1, 1))
-        adv_PG, zero_std_P = compute_advantages(r_PG, g.baseline, g.scale, batch_std)
-        adv, zero_std = adv_PG.view(-1).tolist(), zero_std_P.tolist()  # CPU tensors: Python lists once
+        adv = compute_advantages(r_PG, g.baseline, g.scale, batch_std)[0].view(-1).tolist()  # CPU: a list once
         samples = []
-        for j, c in enumerate(completions):
-            p = j // G
-            keep = not (g.mask_truncated_completions and c.finish_reason == "length")
-            keep = keep and not (g.dynamic_sampling and zero_std[p])
-            samples.append(Sample(prompts[p], list(c.token_ids), list(c.logprobs), adv[j], keep))
-        lengths = [len(c.token_ids) for c in completions]
-        correct = result.per_function.get("math", [float(x > 0) for x in result.total])
-        m = {
-            "reward/sum": float(r_PG.sum()), "reward_sq/sum": float((r_PG**2).sum()), "completions/sum": len(lengths),
-            "accuracy": sum(c == 1.0 for c in correct) / len(correct),
-            "response_length/mean": sum(lengths) / len(lengths), "response_length/max": float(max(lengths)),
-            "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "frac_reward_zero_std": float(zero_std_P.double().mean()),
-            "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)),
-            **result.metrics(), **reward_times,
-        }
-        stats = getattr(t.engine, "last_stats", None) or {}  # the engine's scheduling of this rollout
-        if stats:
-            m.update({"generation/peak_running/max": float(stats["peak_running"]),
-                      "generation/preemptions/sum": float(stats["preemptions"]),
-                      "generation/decode_steps/max": float(stats["decode_steps"]),
-                      "generation/kv_usage/max": stats["peak_kv_tokens"] / stats["kv_capacity_tokens"]})
+        for p, grp in enumerate(groups):
+            for j, c in enumerate(grp.completions):
+                keep = not (g.mask_truncated_completions and c.finish_reason == "length")
+                keep = keep and not (g.mask_zero_std_groups and not grp.signal)
+                samples.append(Sample(grp.prompt_ids, list(c.token_ids), list(c.logprobs), adv[p * G + j], keep))
+        n = totals["completions/sum"]
+        m = {key: totals[key] for key in ("reward/sum", "reward_sq/sum", "completions/sum", "tokens/sum")}
+        m.update({
+            "accuracy": totals["correct"] / n, "response_length/mean": totals["length"] / n,
+            "response_length/max": float(totals["length_max"]), "truncated_fraction": totals["truncated"] / n,
+            "frac_reward_zero_std": totals["zero_std"] / totals["groups"], **totals["result"].metrics(),
+            **{k: v for k, v in totals.items() if k.startswith(("time/", "reward/workers", "generation/"))},
+        })
+        if cfg.reward_shaping.enabled:
+            m["reward_shaping/penalty_mean"] = totals["penalty"] / n
+        if g.use_dynamic_sampling:  # the same on every rank (counted over all of them)
+            m.update({"dynamic_sampling/num_gen_batches": float(len(kept)),
+                      "dynamic_sampling/dropped_groups": float(dropped),
+                      "dynamic_sampling/discarded_valid_samples": float((have - P) * G),
+                      "dynamic_sampling/groups": float(len(groups) * st.world_size)})
         return samples, m
 
     def step(self, indices: list[int], settings: dict) -> dict[str, float]:
@@ -559,8 +720,8 @@ class GRPO:
             upd = self.update.run(samples, beta=settings["beta"], epsilon_high=settings["epsilon_high"],
                                   max_new_tokens=settings["max_new_tokens"])
         # every rank has the same keys: metrics a rank lacks (no optimizer step succeeded) are NaN there
-        for key in ("loss", "grad_norm", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                    "clip_ratio/region_mean", *DIFF_NAMES) + (("kl",) if settings["beta"] else ()) + (
+        for key in ("loss", "grad_norm", "entropy", *POLICY_METRICS[LOSS_POLICY[self.cfg.grpo.loss_type]],
+                    *DIFF_NAMES) + (("kl",) if settings["beta"] else ()) + (
                         RATIO_NAMES if self.cfg.grpo.rollout_is != "none" else ()):
             upd.setdefault(key, math.nan)
         local.update(upd)

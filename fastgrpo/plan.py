@@ -44,8 +44,9 @@ The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators `
 forward partials ``4 × [S, T]`` fp32 (S vocabulary splits). The plain-torch path (CPU) adds its chunk buffers.
 
 Generation (GRPO only; DPO and SFT do not generate) keeps the weights, the reference, masters, optimizer state
-and the last step's gradients (zeroed at the next step), a prefill working set (one layer's activations over the
-rank's prompt tokens) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
+and the last step's gradients (zeroed at the next step), a prefill working set (one layer's activations over one
+prefill chunk: the rank's prompt tokens of a generation batch, at most ``PREFILL_CHUNK_TOKENS`` or the longest
+sequence) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
 per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size,
 sequences per rank)``, at full length (:func:`longest_sequence`).
 Training peaks at its static part + activations + the loss workspace.
@@ -62,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.config import Config, load_config, stage_settings
+from fastgrpo.generation import PREFILL_CHUNK_TOKENS
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
@@ -303,9 +305,12 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         masters = 0 if c == 4 else 4 * P
         optimizer, gradients = 8 * P, 4 * P
         train_extra = c * P + (c * P if c < 4 else 0)  # the weights; the compute-dtype gradients of a backward
-    per_rank_seqs = max(1, g.num_prompts_per_step * g.num_generations // nproc)
+    per_rank_seqs = max(1, g.prompts_per_gen_batch * g.num_generations // nproc)  # one generation batch
     batch = min(r.max_batch_size, per_rank_seqs) if generates else 0
-    prompt_tokens = math.ceil(g.num_prompts_per_step / nproc) * cfg.data.max_prompt_tokens if generates else 0
+    # the engine prefills in packed chunks of PREFILL_CHUNK_TOKENS (a longer prompt, or a preempted sample's
+    # recompute up to seq_len tokens, alone)
+    prompt_tokens = min(math.ceil(g.prompts_per_gen_batch / nproc) * cfg.data.max_prompt_tokens,
+                        max(PREFILL_CHUNK_TOKENS, seq_len)) if generates else 0
     qk = (s.heads + 2 * s.kv_heads) * s.head_dim
     prefill = prompt_tokens * c * (3 * s.hidden + qk + 3 * s.intermediate)  # one layer's working set
     gen_ws = prefill + 3 * 4 * batch * s.vocab  # fp32 logits, log-softmax and noise of the decoding batch

@@ -3,56 +3,80 @@
 The trainer submits each GRPO group as soon as the engine finishes it (:meth:`RewardPool.submit`) and collects
 every score, in prompt order, before computing advantages (:meth:`RewardPool.gather`)::
 
-    pool = RewardPool(cfg.reward, num_workers=3)       # spawns the workers; they load the functions by name
+    pool = RewardPool(cfg.reward, num_workers=3)       # starts the workers' server; they load the functions by name
     pool.submit(p, prompts_G, completions_G, columns)  # one group, any order; returns at once
     result, times = pool.gather()                      # RewardResult in submission-index order
     pool.close()                                       # also on Ctrl-C / errors: no orphan processes
 
 Work is cut into tasks: one reward function on one chunk of at most ``CHUNK_SIZE`` = 4 completions of a group
 (the same fixed chunks :class:`fastgrpo.rewards.RewardSet` scores in process, so scores do not depend on
-``num_workers`` nor on the order groups finish). A parent-side supervisor thread per worker keeps
-``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never idles waiting for the
-thread, which shares the GIL with the generation loop). The worker runs them one at a time; a task's budget,
-``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it answered).
-Past it, the worker is killed: the k completions score 0 and count in ``reward/<name>/timeouts``, the task waiting
-behind it goes back to the queue, and a new worker is spawned at once. A worker that dies during a task (segfault,
-OOM kill) counts the task's completions in ``reward/<name>/failures`` and is replaced the same way.
-``reward/workers_respawned`` counts both.
+``num_workers`` nor on the order groups finish). A task is a call ``fn(*args)`` of a module-level function (sent by
+name) with a budget in seconds: a reward task calls one of the functions the worker loaded when it started; other
+work with a hard time limit can run in the same workers the same way. A parent-side supervisor
+thread per worker keeps ``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never
+idles waiting for the thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
+task's budget, ``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it
+answered). Past it, the worker is killed: the k completions score 0 and count in ``reward/<name>/timeouts``, the task
+waiting behind it goes back to the queue, and a new worker is started at once. A worker that dies during a task
+(segfault, ``os._exit``, OOM kill) counts the task's completions in ``reward/<name>/failures`` and is replaced the
+same way. ``reward/workers_respawned`` counts both.
 
-**Longest wait.** A task holds a worker at most ``B = 4 × timeout_s`` (plus the dispatch, milliseconds). With W
-workers and T tasks not finished when generation ends, the last task to finish entered its worker's pipe at the
-latest after ``(T − 1)/W`` budgets (until then every worker is busy), waits at most one budget for the task ahead
-of it and runs at most one, so ``time/reward_wait ≤ (⌈T/W⌉ + 2) · 4 · timeout_s + time/reward_worker_start``, the
-last term being the summed waits for workers to become ready (the first step's start-up, then each respawn: a
-Python interpreter, the imports, ``reward.worker_init``; at most :data:`WORKER_START_TIMEOUT_S` each, after which
-the task fails). With the demo's math reward (timeout_s = 5 s) and no hang the wait is the scoring time itself.
+**Longest wait.** Let ``B = 4 × timeout_s`` (the largest budget), T the step's tasks (reward functions × chunks of
+every group) and W the workers. A task runs at most once (a task sent back to the queue never started) and holds its
+worker at most B; it waits in the queue only while every worker holds two tasks, so the queue drains by W tasks per
+B at least, and once sent it waits at most one budget behind the task ahead of it. Hence
 
-**Isolation and memory.** Workers are ``spawn``ed: a fresh interpreter that inherits no CUDA context, no
-tensors and no open files of the trainer; only strings and the dataset columns are sent to them (pickled over a
-pipe, about the size of the text). A worker imports ``fastgrpo.rewards`` (no torch: ``fastgrpo`` loads its kernels
-lazily; ~20 MB, 0.5 s) and math-verify with sympy (~60 MB, ~2 s) when the ``math`` reward is on. Under ``torchrun
-fastgrpo/train.py`` spawn also re-imports that script in the worker, which imports torch (~0.3 GB resident, a few
-seconds; torch then runs on one thread there): the real run's 8 ranks × ~11 workers of a 96-core node hold ~30 GB
-of host memory. Workers ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them down), exit
-when their pipe closes, and on Linux get SIGKILL when the trainer thread that started them exits, so a killed
-trainer leaves none behind. A reward function cannot start ``multiprocessing`` children of its own (workers are
-daemonic); ``subprocess`` works.
+    time/reward_wait ≤ (⌈T/W⌉ + 2) · 4 · timeout_s + time/reward_worker_start + milliseconds per task of dispatch,
+
+the middle term being the summed waits for workers to become ready (the first step's start-up, then each respawn:
+a fork and ``reward.worker_init``; at most :data:`WORKER_START_TIMEOUT_S` each, after which the task fails). With the
+demo's math reward (timeout_s = 5 s) and no hang the wait is the scoring time itself.
+
+**Processes, isolation and memory.** The pool starts one server per pool, a fresh interpreter (``python -c``, with
+the trainer's ``sys.path``, working directory and environment as they are when the pool is built) that imports only
+:mod:`fastgrpo.rewards` and the modules of the configured functions and of ``reward.worker_init`` (math-verify and
+sympy for ``math``), and never the entry script: no ``__main__`` is re-run, so ``torchrun fastgrpo/train.py`` does
+not bring torch into the workers (a reward module that imports torch does; torch then runs on one thread there). A
+worker is a ``fork`` of that warm server: ready after a fork and ``reward.worker_init``, instead of a ``spawn``ed
+interpreter importing the entry script, torch, math-verify and sympy again. Workers share the server's pages until
+they write them: each adds what its own scoring touches (its PSS, not its RSS, is its cost), and none holds torch.
+Measured on 2 CPU cores with the math reward (``bench/bench_rewards.py --part workers``, rows in
+``bench/results/rewards.csv``, under a load average of ~9): from a worker's death to its replacement scoring, ~15 ms
+(spawned interpreters before: 8-13 s); per warm worker, the server's share included, ~28 MiB PSS and ~84 MiB RSS
+(before: ~306 and ~410 MiB), so 8 ranks × ~11 workers on a 96-core node hold ~2.5 GB, not ~27 GB. The server
+inherits no CUDA context, tensor or file of the trainer (``close_fds``, stdin from ``/dev/null``); a worker's
+descriptors are stdio and its pipe (plus any a reward module opened at import time). Per-worker state (sandboxes,
+connections, threads) belongs in ``reward.worker_init``, which runs in each worker after the fork, never in the
+server: a module's import-time state is copied into every worker (and CUDA, initialised before a fork, is unusable
+after it). Workers and the server ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them
+down) and exit when their pipe closes; on Linux the server gets SIGKILL when the trainer thread that started it
+exits, and a worker when the server does, so a killed trainer leaves none behind (a dead server is restarted at the
+next worker start; its workers die with it and count as respawned). The trainer watches and kills a worker through a
+pidfd (Linux ≥ 5.3), so a recycled pid is never signalled; elsewhere through its pid. A reward may start processes
+(``subprocess`` sees their exit statuses: the workers reset SIGCHLD); those that outlive a killed worker are not
+stopped by the pool.
 """
 
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
+import json
 import os
 import queue
+import select
 import signal
+import socket
+import struct
+import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from fastgrpo.config import RewardConfig
 from fastgrpo.rewards import (
@@ -66,14 +90,18 @@ from fastgrpo.rewards import (
     function_name,
     load_functions,
     no_scores,
+    resolve,
     score_chunk,
 )
 
-WORKER_START_TIMEOUT_S = 300.0  # a (re)spawned worker not ready by then is killed and its task fails
+WORKER_START_TIMEOUT_S = 300.0  # a (re)started worker not ready by then is killed and its task fails
 WORKER_STOP_TIMEOUT_S = 2.0  # close(): how long a worker may take to exit after being asked, before it is killed
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a process gets when its parent thread exits
 PIPELINE_DEPTH = 2  # tasks sent ahead to a worker: the next one waits in its pipe while it runs one
 GATHER_POLL_S = 0.5  # gather() wakes this often, so Ctrl-C is seen while it waits
+PID = struct.Struct("q")  # the server's answer to a fork request: the new worker's pid
+SERVER_CODE = ("import json, sys; a = json.loads(sys.argv[1]); sys.path[:] = a.pop('sys_path'); "
+               "from fastgrpo.reward_pool import _server_main; _server_main(**a)")
 
 
 def default_num_workers(busy_cores_per_rank: int, local_world_size: int) -> int:
@@ -86,14 +114,70 @@ def default_num_workers(busy_cores_per_rank: int, local_world_size: int) -> int:
     return max(1, (cores - busy_cores_per_rank * local) // local)
 
 
-def _worker_main(conn, functions: list[str], worker_init: str, timeout_s: float) -> None:
-    """A worker: load the functions, say which failed, then answer tasks until told to stop or the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
-    if sys.platform == "linux":  # killed with the thread that started it, even in a task that never returns
+# ---------------------------------------------------------------------- in the server and the workers
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the thread that started it exits (Linux), and exit now if it already has."""
+    if sys.platform == "linux":
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if "torch" in sys.modules:  # imported with the fastgrpo package: keep it off the trainer's cores
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _server_main(control_fd: int, parent: int, functions: list[str], worker_init: str, timeout_s: float) -> None:
+    """The server: import the reward modules once, then fork a worker for each pipe the trainer sends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
+    _die_with_parent(parent)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers: no zombies (reset in each worker)
+    load_functions(functions, "")  # imports the modules and math-verify; their errors are the workers' to report
+    if worker_init:
+        try:
+            resolve(worker_init)  # its module only: the initializer itself runs in each worker
+        except ValueError:
+            pass
+    control = socket.socket(fileno=control_fd)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except OSError:
+            return
+        if not msg or not fds:  # the trainer closed the pool or is gone
+            return
+        server = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                control.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # subprocess.run in a reward needs its exit statuses
+                _die_with_parent(server)
+                _worker_main(Connection(fds[0]), functions, worker_init, timeout_s)
+                code = 0
+            except BaseException:  # noqa: BLE001 - never return into the server's loop
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(fds[0])
+        try:
+            control.sendall(PID.pack(pid))
+        except OSError:  # the trainer is gone
+            return
+
+
+_functions: list[Callable | None] = []  # in a worker: the reward functions, in reward.functions order
+_timeout_s = 0.0  # in a worker: reward.timeout_s
+
+
+def _worker_main(conn: Connection, functions: list[str], worker_init: str, timeout_s: float) -> None:
+    """A worker: run the initializer, say which functions failed, then run tasks until told to stop or the pipe
+    closes. A task is ``(fn, args)``: a module-level function (pickled by name) and its arguments."""
+    global _functions, _timeout_s
+    if "torch" in sys.modules:  # a reward module imported it: keep it off the trainer's cores
         sys.modules["torch"].set_num_threads(1)
-    fns, errors = load_functions(functions, worker_init)
+    _functions, errors = load_functions(functions, worker_init)
+    _timeout_s = timeout_s
     conn.send(errors)
     while True:
         try:
@@ -102,65 +186,183 @@ def _worker_main(conn, functions: list[str], worker_init: str, timeout_s: float)
             return
         if task is None:
             return
-        f, prompts, completions, columns = task
-        conn.send(score_chunk(fns[f], prompts, completions, columns, timeout_s, soft_limit=False))
+        fn, args = task
+        conn.send(fn(*args))
+
+
+def _score(f: int, prompts: list[str], completions: list[str], columns: dict[str, list]):
+    """A task in a worker: reward function ``f`` on one chunk (the pool enforces the budget by killing)."""
+    return score_chunk(_functions[f], prompts, completions, columns, _timeout_s, soft_limit=False)
+
+
+# ---------------------------------------------------------------------- in the trainer
+
+class _Server:
+    """The trainer's handle on the server; thread-safe (the supervisors start workers concurrently)."""
+
+    def __init__(self, args: dict):
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+        self.control: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def start(self) -> None:
+        """Launch the server (returns at once: it imports the reward modules while the trainer goes on)."""
+        self.control, child = socket.socketpair()
+        args = {**self.args, "control_fd": child.fileno(), "parent": os.getpid(),
+                "sys_path": [os.fspath(p) for p in sys.path]}
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, json.dumps(args)],
+                                         pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            child.close()
+
+    def fork(self, fd: int) -> int:
+        """A new worker on pipe end ``fd``: its pid. Restarts a dead server once; raises OSError when the server
+        cannot fork within WORKER_START_TIMEOUT_S (the first call waits for its imports) or the pool is closing."""
+        with self.lock:
+            for attempt in range(2):
+                if self.closed:
+                    raise ConnectionError("the reward pool is closed")
+                if self.proc is None or self.proc.poll() is not None:
+                    self._stop()
+                    self.start()
+                try:
+                    self.control.settimeout(WORKER_START_TIMEOUT_S)
+                    socket.send_fds(self.control, [b"F"], [fd])
+                    answer = b""
+                    while len(answer) < PID.size:
+                        part = self.control.recv(PID.size - len(answer))
+                        if not part:
+                            raise ConnectionError("the reward worker server exited")
+                        answer += part
+                    return PID.unpack(answer)[0]
+                except OSError:  # dead, or stuck in a reward module's import: a fresh one on the next try
+                    self._stop()
+                    if attempt:
+                        raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Kill the server now (not under the lock: a fork waiting for its imports then fails at once)."""
+        self.closed = True
+        proc = self.proc
+        if proc is not None:
+            proc.kill()
+        with self.lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.control is not None:
+            self.control.close()  # the server exits on EOF
+        if self.proc is not None:
+            try:
+                self.proc.wait(WORKER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = self.control = None
+
+
+def _exited(pid: int | None, pidfd: int | None, timeout: float) -> bool:
+    """Whether process ``pid`` (its pidfd when there is one) has exited, waiting up to ``timeout`` s for it."""
+    if pid is None:
+        return True
+    if pidfd is not None:
+        try:
+            return bool(select.select([pidfd], [], [], timeout)[0])  # a pidfd turns readable when its process exits
+        except (OSError, ValueError):  # closed by a concurrent kill(), which waited for the exit
+            return True
+    end = time.perf_counter() + timeout
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.perf_counter() >= end:
+            return False
+        time.sleep(0.001)
+
+
+class _Worker:
+    """One worker process (a fork of the server), its pipe and its pidfd; used by one supervisor thread and by
+    close() (kill() is serialised by a lock)."""
+
+    def __init__(self, server: _Server):
+        self.server = server
+        self.pid: int | None = None
+        self.pidfd: int | None = None
+        self.conn: Connection | None = None
+        self.ready = False
+        self.lock = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self.conn is not None
+
+    def start(self) -> None:
+        """Fork a new worker from the server; raises OSError when the server cannot."""
+        ours, theirs = socket.socketpair()
+        try:
+            pid = self.server.fork(theirs.fileno())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the worker holds the only other end: its death reads as EOF here
+        with self.lock:
+            self.conn, self.pid, self.ready = Connection(ours.detach()), pid, False
+            try:
+                self.pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+            except ProcessLookupError:  # it exited already and was reaped; reads as dead from here on
+                self.pid = self.pidfd = None
+
+    def alive(self) -> bool:
+        return not _exited(self.pid, self.pidfd, 0.0)
+
+    def kill(self) -> None:
+        """SIGKILL the worker (if running), wait for its exit, close its pipe. Idempotent."""
+        with self.lock:
+            if self.alive():
+                try:
+                    if self.pidfd is not None:
+                        signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                    else:
+                        os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                _exited(self.pid, self.pidfd, WORKER_STOP_TIMEOUT_S)
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+            if self.conn is not None:
+                self.conn.close()
+            self.pid = self.pidfd = self.conn = None
+            self.ready = False
+
+    def stop(self) -> None:
+        """Ask the worker to exit; kill it if it has not within WORKER_STOP_TIMEOUT_S."""
+        conn, pid, pidfd = self.conn, self.pid, self.pidfd  # its supervisor may be killing it at the same moment
+        if conn is not None:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+            _exited(pid, pidfd, WORKER_STOP_TIMEOUT_S)
+        self.kill()
 
 
 @dataclass
 class _Task:
     key: tuple[int, int, int]  # (submission index, function, chunk start)
-    function: int
-    prompts: list[str]
-    completions: list[str]
-    columns: dict[str, list]
-
-
-class _Worker:
-    """One worker process and its pipe; used by one supervisor thread only (and by close())."""
-
-    def __init__(self, ctx, args: tuple):
-        self.ctx, self.args = ctx, args
-        self.proc = self.conn = None
-        self.ready = False
-
-    def start(self) -> None:
-        self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker_main, args=(child, *self.args), daemon=True,
-                                     name="fastgrpo-reward-worker")
-        self.proc.start()
-        child.close()  # the worker holds the only other end: its death reads as EOF here
-        self.ready = False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.join()
-        if self.conn is not None:
-            self.conn.close()
-        self.proc = self.conn = None
-        self.ready = False
-
-    def stop(self) -> None:
-        """Ask the worker to exit; kill it if it has not within WORKER_STOP_TIMEOUT_S."""
-        proc, conn = self.proc, self.conn  # its supervisor may be killing it at the same moment
-        if proc is None:
-            return
-        try:
-            conn.send(None)
-        except (OSError, AttributeError):
-            pass
-        proc.join(WORKER_STOP_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        conn.close()
-        if self.proc is proc:
-            self.proc = self.conn = None
+    fn: Callable  # a module-level function: the worker runs fn(*args) and sends back what it returns
+    args: tuple
+    size: int  # completions: a lost task scores this many zeros
+    budget_s: float  # the hard time limit of one run, from when the worker starts it
 
 
 class RewardPool:
-    """The configured reward functions, scored by ``num_workers`` spawned processes (0: in this process).
+    """The configured reward functions, scored by ``num_workers`` worker processes (0: in this process).
 
     See the module docstring for the scheduling, the time bound and the counters. ``num_workers=0`` keeps every
     submitted group until :meth:`gather`, which scores them here with :class:`fastgrpo.rewards.RewardSet`.
@@ -182,20 +384,16 @@ class RewardPool:
         self._errors: set[str] = set()
         self._warned: set[str] = set()
         self._lock = threading.Condition()
-        self._spawn_lock = threading.Lock()  # no worker starts once close() has begun
+        self._close_lock = threading.Lock()
         self._closed = False
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
-        ctx = mp.get_context("spawn")
-        self._workers = [_Worker(ctx, (list(cfg.functions), cfg.worker_init, cfg.timeout_s))
-                         for _ in range(num_workers)]
+        self._server = _Server({"functions": list(cfg.functions), "worker_init": cfg.worker_init,
+                                "timeout_s": cfg.timeout_s}) if num_workers else None
+        self._workers = [_Worker(self._server) for _ in range(num_workers)]
         self._threads = []
-        try:
-            for w in self._workers:
-                self._start(w)
-        except BaseException:
-            self.close()
-            raise
-        for i, w in enumerate(self._workers):
+        if self._server is not None:
+            self._server.start()  # it imports the reward modules while the trainer builds its model
+        for i, w in enumerate(self._workers):  # each supervisor starts its worker at once
             t = threading.Thread(target=self._supervise, args=(w,), daemon=True, name=f"reward-supervisor-{i}")
             t.start()
             self._threads.append(t)
@@ -227,8 +425,9 @@ class RewardPool:
             for f in range(len(self.names)):
                 for a, b in chunk_bounds(len(completions)):
                     self._expected += 1
-                    self._queue.put(_Task((index, f, a), f, prompts[a:b], completions[a:b],
-                                          {k: v[a:b] for k, v in columns.items()}))
+                    self._queue.put(_Task((index, f, a), _score, (f, prompts[a:b], completions[a:b],
+                                                                  {k: v[a:b] for k, v in columns.items()}),
+                                          b - a, (b - a) * self.cfg.timeout_s))
 
     def gather(self) -> tuple[RewardResult, dict[str, float]]:
         """Wait for every submitted batch's scores; returns them concatenated in index order, and the times.
@@ -286,7 +485,7 @@ class RewardPool:
 
     def close(self) -> None:
         """Stop every worker (asked first, killed after WORKER_STOP_TIMEOUT_S). Idempotent; safe in ``finally``."""
-        with self._spawn_lock:
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True
@@ -294,6 +493,8 @@ class RewardPool:
             self._queue.put(None)
         for w in self._workers:
             w.stop()
+        if self._server is not None:
+            self._server.close()
         for t in self._threads:
             t.join(WORKER_STOP_TIMEOUT_S)
 
@@ -309,6 +510,10 @@ class RewardPool:
         """Feed one worker; every task taken gets a result or goes back to the queue, whatever the worker does."""
         inflight: deque[_Task] = deque()  # sent to the worker, in order: it runs the head, the rest wait in its pipe
         deadline = 0.0  # when the head's budget runs out
+        try:
+            self._ready(worker)  # started now, overlapping the trainer's set-up (on failure: again at its first task)
+        except Exception as e:  # noqa: BLE001 - e.g. close() pulled the pipe away
+            self._errors.add(f"reward worker error: {type(e).__name__}: {e}")
         while not self._closed:
             try:
                 # PIPELINE_DEPTH tasks at the worker: it never waits for this thread (and the GIL it shares with the
@@ -321,15 +526,15 @@ class RewardPool:
                     if task is None or self._closed:
                         return
                     if not inflight and not self._ready(worker):
-                        self._store(task, no_scores(len(task.completions), "failures"))
+                        self._store(task, no_scores(task.size, "failures"))
                         continue
                     try:
-                        worker.conn.send((task.function, task.prompts, task.completions, task.columns))
+                        worker.conn.send((task.fn, task.args))
                     except OSError:  # it died since its last answer: the poll below, or the next _ready, sees it
                         self._queue.put(task)
                         break
                     if not inflight:
-                        deadline = time.perf_counter() + len(task.completions) * self.cfg.timeout_s
+                        deadline = time.perf_counter() + task.budget_s
                     inflight.append(task)
                 if not inflight:
                     continue
@@ -344,7 +549,7 @@ class RewardPool:
                         result = self._lose(worker, inflight, "failures")
                 self._store(head, result)
                 if inflight:  # the worker started the next task when it sent this answer
-                    deadline = time.perf_counter() + len(inflight[0].completions) * self.cfg.timeout_s
+                    deadline = time.perf_counter() + inflight[0].budget_s
             except Exception as e:  # noqa: BLE001 - e.g. close() pulled the pipe away: the tasks still get an answer
                 if self._closed:
                     return
@@ -352,16 +557,17 @@ class RewardPool:
                 worker.kill()
                 while inflight:
                     task = inflight.popleft()
-                    self._store(task, no_scores(len(task.completions), "failures"))
+                    self._store(task, no_scores(task.size, "failures"))
 
     def _ready(self, worker: _Worker) -> bool:
         """Start the worker if it is not running (counted when it died) and wait until it has loaded the functions;
-        False when it died or did not start within WORKER_START_TIMEOUT_S."""
-        if worker.proc is None or not worker.proc.is_alive():  # killed after its last task, or died while idle
-            if worker.proc is not None:
+        False when it could not start, died, or was not ready within WORKER_START_TIMEOUT_S."""
+        if not worker.alive():  # never started, killed after its last task, or died while idle
+            if worker.started:
                 worker.kill()
                 self._count_respawn()
-            self._start(worker)
+            if not self._start(worker):
+                return False
         if worker.ready:
             return True
         start = time.perf_counter()
@@ -369,7 +575,7 @@ class RewardPool:
         if worker.conn.poll(WORKER_START_TIMEOUT_S):
             try:
                 errors = worker.conn.recv()
-            except (EOFError, OSError):  # died while importing or in reward.worker_init
+            except (EOFError, OSError):  # died in reward.worker_init
                 pass
         with self._lock:
             self._start_wait_s += time.perf_counter() - start
@@ -389,7 +595,7 @@ class RewardPool:
         while inflight:
             self._queue.put(inflight.popleft())
         self._respawn(worker)
-        return no_scores(len(head.completions), fault)
+        return no_scores(head.size, fault)
 
     def _store(self, task: _Task, result: tuple[list[float], dict[str, int]]) -> None:
         with self._lock:
@@ -397,19 +603,32 @@ class RewardPool:
             self._last_result = time.perf_counter()
             self._lock.notify_all()
 
-    def _start(self, worker: _Worker) -> None:
-        with self._spawn_lock:
-            if self._closed:
-                raise RuntimeError("the reward pool is closed")
+    def _start(self, worker: _Worker) -> bool:
+        """Fork the worker from the server (the wait counts in ``time/reward_worker_start``); False when the server
+        could not, or the pool is closing."""
+        if self._closed:
+            return False
+        start = time.perf_counter()
+        try:
             worker.start()
+        except OSError as e:
+            if not self._closed:
+                self._errors.add(f"the reward worker server could not start a worker: {type(e).__name__}: {e}")
+            return False
+        finally:
+            with self._lock:
+                self._start_wait_s += time.perf_counter() - start
+        if self._closed:  # close() may have stopped this worker before it existed
+            worker.kill()
+            return False
+        return True
 
     def _respawn(self, worker: _Worker) -> None:
         """Kill the worker and start its replacement now, overlapping the remaining work (waited for at its next
         task); nothing starts once the pool is closing."""
         worker.kill()
         self._count_respawn()
-        if not self._closed:
-            self._start(worker)
+        self._start(worker)
 
     def _count_respawn(self) -> None:
         with self._lock:

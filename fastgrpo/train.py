@@ -6,6 +6,7 @@ Launch (torchrun only; one process needs no flags)::
     torchrun fastgrpo/train.py                                      # the `tiny` GRPO demo on CPU: a few minutes
     torchrun --nproc_per_node 2 fastgrpo/train.py --recipe tiny     # two processes (DDP, gloo on CPU)
     torchrun fastgrpo/train.py --recipe tiny train.max_steps=20 grpo.num_generations=4 rollout.max_new_tokens=8
+    torchrun fastgrpo/train.py --recipe dapo-tiny                   # DAPO: dynamic sampling, overlong shaping, CPU
     torchrun fastgrpo/train.py --recipe dpo-tiny                    # DPO after a supervised warm-up, CPU
     torchrun fastgrpo/train.py --recipe sft-tiny                    # SFT from scratch, CPU
     torchrun --nproc_per_node 8 fastgrpo/train.py --recipe deepscaler-1.5b \\

@@ -44,6 +44,13 @@ def fused_linear_grpo_loss(
     rollout_is: str = "none",
     rollout_is_cap: float = 3.0,
     rollout_is_min: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_weight: str = "ratio",
+    kl_input_clamp: float | None = None,
+    kl_output_clamp: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    off_policy_mask_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """:func:`grpo_loss` on ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, no logits.
 
@@ -57,7 +64,9 @@ def fused_linear_grpo_loss(
     ``old_logprobs=None`` is the on-policy case (one optimizer step per rollout, as TRL's default): the old
     log-probs are the detached ``logp`` themselves (ratio 1; the gradient is that of the clipped surrogate at 1).
     They are then also ``π_old`` of the rollout importance-sampling weight ``exp(logp − sampling_logprobs)``
-    (``rollout_is``; TRL computes the same old log-probs with a separate no-grad forward before the update).
+    (``rollout_is``; TRL computes the same old log-probs with a separate no-grad forward before the update). The KL
+    weight ``kl_weight="ratio"`` is then 1 with the gradient of ``"score"`` (TRL's and NeMo-RL's defaults agree
+    on-policy).
     ``return_logprobs=True`` returns ``(loss, metrics, logp)`` instead of ``(loss, metrics)``: ``logp`` the detached
     fp32 log-probs (``mask``'s shape, 0 where the mask is 0), e.g. to keep as the old log-probs of later optimizer
     steps or to compare with the sampler's — at no extra cost, from the same single pass over the vocabulary.
@@ -78,7 +87,9 @@ def fused_linear_grpo_loss(
         importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, per_token_advantages=per_token_advantages,
         sampling_logprobs=sampling_logprobs, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
-        rollout_is_min=rollout_is_min,
+        rollout_is_min=rollout_is_min, kl_estimator=kl_estimator, kl_weight=kl_weight, kl_input_clamp=kl_input_clamp,
+        kl_output_clamp=kl_output_clamp, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, off_policy_mask_threshold=off_policy_mask_threshold,
     )
     if return_entropy:
         with torch.no_grad():

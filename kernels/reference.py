@@ -15,7 +15,13 @@ import torch.nn.functional as F
 
 from ._utils import pad_packed
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
+# The sources the GRPO references are written from (read, not copied; line numbers at these versions):
+TRL = "trl 1.16.0 (PyPI wheel) trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss"
+NEMO_RL = "NVIDIA-NeMo/RL@7ea279a nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn"
+NEMO_RL_KL = "NVIDIA-NeMo/RL@7ea279a nemo_rl/algorithms/utils.py calculate_kl"
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
@@ -80,9 +86,23 @@ def grpo_loss_ref(
     rollout_is="none",
     rollout_is_cap=3.0,
     rollout_is_min=0.0,
+    kl_estimator="k3",
+    kl_weight="ratio",
+    kl_input_clamp=None,
+    kl_output_clamp=None,
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    off_policy_mask_threshold=None,
     upcast=True,
 ):
-    """GRPO-family loss, written the way TRL 1.16's ``GRPOTrainer._compute_loss`` computes it.
+    """GRPO-family loss, written the way TRL 1.16's ``GRPOTrainer._compute_loss`` computes it (``TRL`` above).
+
+    "Equal to TRL" assumes TRL's ``use_bias_correction_kl=True`` (its default) for ``kl_weight="ratio"`` (the default
+    here) and ``use_bias_correction_kl=False`` for ``kl_weight="none"``; ``kl_estimator="k3"`` and no KL clamps (TRL
+    has neither option); ``vllm_importance_sampling_correction`` on for ``rollout_is`` ≠ none and off for none;
+    ``top_entropy_quantile=1``, no entropy bonus; one process and no gradient
+    accumulation (TRL's dapo / cispo normaliser is then ``num_items_in_batch``). The other KL options follow NeMo-RL's
+    ``calculate_kl`` (``NEMO_RL_KL``), ``cispo_clamp`` NeMo-RL's ``use_cispo``.
 
     Padded inputs are ``[B, T]`` with ``mask`` ``[B, T]``; packed inputs are ``[N]`` with ``cu_seqlens``
     ``[B + 1]`` and are padded here first. ``advantages`` is ``[B]`` (one per sequence) or per token.
@@ -94,13 +114,23 @@ def grpo_loss_ref(
         r2   = clamp(r, 1 − ε_low, 1 + ε_high)  (ε_high defaults to ε_low)
         ℓ    = −min(r1 · A, r2 · A)
         ℓ    = min(ℓ, −c · A) where A < 0       if dual_clip_c = c is given (NeMo-RL / veRL dual clip)
-        ℓ   += β · (exp(ref − logp) − (ref − logp) − 1)   (k3 estimator) if β ≠ 0
+        ℓ    = −sg(min(r, ε_high)) · A · logp     cispo (TRL: ε_high an absolute cap, 5.0 recommended)
+        ℓ    = −sg(clamp(r, 1 − ε_low, 1 + ε_high)) · A · logp   cispo_clamp (NeMo-RL use_cispo)
+        ℓ    = −(4 / τ) · σ(τ (r − 1)) · A, τ = τ_pos if A > 0 else τ_neg   sapo
+        ℓ   += β · kl if β ≠ 0, with kl = W · (exp(ref − logp) − (ref − logp) − 1) (k3) and W = r (kl_weight
+               "ratio", TRL's use_bias_correction_kl) or 1 ("none"); other estimators, weights and the clamps as
+               NeMo-RL's calculate_kl (``_calculate_kl_ref``)
 
-    Reductions over the mask ``m``:
+    Reductions over the mask ``m`` (sapo reduces as grpo; cispo and cispo_clamp as dapo):
         grpo     mean_b [ Σ_t m ℓ / max(Σ_t m, 1) ]
         bnpo     Σ m ℓ / max(Σ m, 1)
         dr_grpo  Σ m ℓ / (B · max_completion_length)      (max_completion_length defaults to T)
         dapo     Σ m ℓ / max(num_items_in_batch, 1)        (num_items_in_batch defaults to Σ m)
+        luspo    Σ m ℓ / B
+
+    ``off_policy_mask_threshold`` δ (TRL's, DeepSeek-V3.2's off-policy sequence mask): the policy term of sequence
+    b is dropped when A < 0 and ``Σ_t m (samp − sg(logp)) / max(Σ_t m, 1) > δ`` (samp: ``sampling_logprobs``, or
+    ``old`` without them).
 
     Rollout importance sampling, as TRL's ``vllm_importance_sampling_*`` (the ratio is computed in
     ``GRPOTrainer._generate_and_score_completions``; ``_compute_loss`` multiplies ``per_token_loss`` by it before
@@ -117,7 +147,9 @@ def grpo_loss_ref(
     Metrics (detached, fp32 scalars): ``kl`` (when β ≠ 0), ``clip_ratio/low_mean`` (r < 1 − ε_low and A < 0),
     ``clip_ratio/high_mean`` (r > 1 + ε_high and A > 0), ``clip_ratio/region_mean`` (either); token means over
     the mask, or means over sequences at the sequence level. As in TRL, ``r`` in the metrics is after the
-    ``delta`` clamp.
+    ``delta`` clamp, ``kl`` is the mean of the weighted (and clamped) per-token KL, cispo logs ``cispo_clip_ratio``
+    (r > ε_high and A > 0) instead of the clip ratios and sapo none of them. cispo_clamp logs the clip ratios of
+    its clamp whatever the advantage's sign (``low``: r < 1 − ε_low, ``high``: r > 1 + ε_high).
     """
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -140,29 +172,56 @@ def grpo_loss_ref(
         log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
     else:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
-    coef_1 = torch.exp(log_w)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    if dual_clip_c is not None:
-        per_token_loss = torch.where(adv < 0, torch.min(per_token_loss, -dual_clip_c * adv), per_token_loss)
+    coef_1 = torch.exp(log_w)  # TRL _compute_loss line 3095
+    if beta != 0.0:
+        if kl_estimator == "k3" and kl_input_clamp is None and kl_output_clamp is None and kl_weight in ("none",
+                                                                                                        "ratio"):
+            per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1  # TRL lines 3100-3102
+            if kl_weight == "ratio":  # use_bias_correction_kl (TRL lines 3104-3105)
+                per_token_kl = per_token_kl * coef_1
+        else:
+            weights = {"none": None, "ratio": coef_1, "score": torch.exp(logp - logp.detach()),
+                       "sampling_ratio": None if sampling_logprobs is None else torch.exp(
+                           logp - _maybe_upcast(sampling_logprobs, upcast))}[kl_weight]
+            per_token_kl = _calculate_kl_ref(logp, ref, kl_estimator, kl_input_clamp, kl_output_clamp, weights)
+    if off_policy_mask_threshold is not None:  # TRL get_off_policy_mask, lines 2945-2970 (used at 3068-3081)
+        samp_lp = old if sampling_logprobs is None else _maybe_upcast(sampling_logprobs, upcast)
+        kl_div = torch.nan_to_num(samp_lp - logp.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((adv >= 0) | (avg_seq_kl <= off_policy_mask_threshold)).to(dtype=m.dtype)
+    if loss_type == "cispo":  # TRL lines 3109-3111
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * adv * logp
+    elif loss_type == "cispo_clamp":  # NeMo-RL loss_functions.py lines 536-546
+        per_token_loss = -adv * coef_1.clamp(1.0 - epsilon_low, 1.0 + epsilon_high).detach() * logp
+    elif loss_type == "sapo":  # TRL lines 3121-3124
+        temperatures = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * adv
+    else:  # TRL lines 3112-3120
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+        if dual_clip_c is not None:
+            per_token_loss = torch.where(adv < 0, torch.min(per_token_loss, -dual_clip_c * adv), per_token_loss)
+    if off_policy_mask_threshold is not None:  # TRL lines 3140-3141
+        per_token_loss = per_token_loss * off_policy_mask
     if rollout_is != "none":
         is_ratio, is_outside = _rollout_is_ratio_ref(old.detach().float(), sampling_logprobs.float(), m.float(),
                                                      rollout_is, rollout_is_cap, rollout_is_min)
         per_token_loss = per_token_loss * is_ratio.to(per_token_loss.dtype)
     if beta != 0.0:
-        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
         per_token_loss = per_token_loss + beta * per_token_kl
 
     B, T = logp.shape
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):  # TRL lines 3153-3157
         loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
         loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         loss = (per_token_loss * m).sum() / (B * (max_completion_length or T))
-    elif loss_type == "dapo":
+    elif loss_type == "luspo":  # TRL lines 3175-3182
+        loss = (per_token_loss * m).sum(-1).mean()
+    elif loss_type in ("dapo", "cispo", "cispo_clamp"):
         normalizer = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype)
         loss = (per_token_loss * m).sum() / normalizer.clamp(min=1.0)
     else:
@@ -174,13 +233,16 @@ def grpo_loss_ref(
         return (x * m).sum() / m.sum().clamp(min=1.0)
 
     with torch.no_grad():
-        is_low = ((coef_1 < 1 - epsilon_low) & (adv < 0)).float()
-        is_high = ((coef_1 > 1 + epsilon_high) & (adv > 0)).float()
-        metrics = {
-            "clip_ratio/low_mean": masked_mean(is_low),
-            "clip_ratio/high_mean": masked_mean(is_high),
-            "clip_ratio/region_mean": masked_mean(torch.maximum(is_low, is_high)),
-        }
+        metrics = {}
+        if loss_type == "cispo":  # TRL lines 3284-3286
+            metrics["cispo_clip_ratio"] = masked_mean(((coef_1 > epsilon_high) & (adv > 0)).float())
+        elif loss_type != "sapo":  # TRL lines 3272-3279; cispo_clamp: its clamp on either side, any sign of A
+            any_sign = loss_type == "cispo_clamp"
+            is_low = ((coef_1 < 1 - epsilon_low) & ((adv < 0) | any_sign)).float()
+            is_high = ((coef_1 > 1 + epsilon_high) & ((adv > 0) | any_sign)).float()
+            metrics["clip_ratio/low_mean"] = masked_mean(is_low)
+            metrics["clip_ratio/high_mean"] = masked_mean(is_high)
+            metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(is_low, is_high))
         if beta != 0.0:
             metrics["kl"] = masked_mean(per_token_kl)
         if sampling_logprobs is not None:
@@ -198,10 +260,40 @@ def grpo_loss_ref(
     return loss, metrics
 
 
+def _calculate_kl_ref(logp, ref, kl_type, input_clamp, output_clamp, weights):
+    """Per-token KL estimate as NeMo-RL's ``calculate_kl`` (``NEMO_RL_KL``, lines 42-100): ``x = ref − logp``,
+    clamped to ±input_clamp (where it is clamped the weight is detached: no gradient at all there); k1 = −x,
+    k2 = x²/2, k3 = eˣ − 1 − x; times ``weights`` (None: 1); then clamped to ±output_clamp."""
+    logr = ref - logp
+    if input_clamp is not None:
+        clamped = logr.clamp(min=-input_clamp, max=input_clamp)
+        if weights is not None:
+            weights = torch.where(logr == clamped, weights, weights.detach())
+        logr = clamped
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = torch.square(logr) / 2
+    elif kl_type == "k3":
+        kl = torch.exp(logr) - 1 - logr
+    else:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_type!r}")
+    if weights is not None:
+        kl = weights * kl
+    if output_clamp is not None:
+        kl = kl.clamp(min=-output_clamp, max=output_clamp)
+    return kl
+
+
 def _rollout_is_ratio_ref(old, sampling, m, mode, cap, low):
     """TRL's bounded importance ratio ``[B, T]`` (token modes) or ``[B, 1]`` (sequence modes), and where the raw
     ratio lay outside ``[low, cap]``."""
+    mode = {"tis": "token_truncate", "icepop": "token_mask"}.get(mode, mode)  # NeMo-RL's names for TRL's modes
     d = (old - sampling) * m  # [B, T]
+    if mode == "seq-mask-tis":  # NeMo-RL loss_functions.py lines 637-664: geometric-mean sequence ratio decides
+        geo = torch.exp(d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))  # [B, 1]
+        outside = (geo < low) | (geo > cap)
+        return torch.exp(d).masked_fill(outside, 0.0), outside
     if mode.startswith("sequence"):
         d = d.sum(-1, keepdim=True)  # [B, 1]
     ratio = torch.exp(d)
@@ -211,6 +303,98 @@ def _rollout_is_ratio_ref(old, sampling, m, mode, cap, low):
     if mode.endswith("mask"):
         return ratio.masked_fill(outside, 0.0), outside
     raise ValueError(f"rollout_is must be token_/sequence_ truncate or mask, got {mode!r}")
+
+
+def clipped_pg_loss_nemo_ref(
+    logprobs,
+    prev_logprobs,
+    advantages,
+    mask,
+    *,
+    generation_logprobs,
+    reference_policy_logprobs=None,
+    reference_policy_kl_penalty=0.0,
+    reference_policy_kl_type="k3",
+    kl_input_clamp_value=20.0,
+    kl_output_clamp_value=10.0,
+    use_on_policy_kl_approximation=False,
+    ratio_clip_min=0.2,
+    ratio_clip_max=0.2,
+    ratio_clip_c=None,
+    use_cispo=False,
+    use_importance_sampling_correction=False,
+    truncated_importance_sampling_type=None,
+    truncated_importance_sampling_ratio=None,
+    truncated_importance_sampling_ratio_min=None,
+    token_level_loss=True,
+    global_valid_toks=None,
+    global_valid_seqs=None,
+):
+    """NeMo-RL's ``ClippedPGLossFn`` loss (``NEMO_RL``, ``__call__`` lines 374-790), in fp32, from its formulas.
+
+    Padded ``[B, T]`` inputs, ``mask`` the token mask of the completions (NeMo-RL's ``token_mask`` times
+    ``sample_mask``, shifted), ``advantages`` ``[B]`` or ``[B, T]``; the keywords are NeMo-RL's loss_fn keys (its
+    defaults: ``ClippedPGLossConfig``, lines 111-164; ``disable_ppo_ratio``, ``force_on_policy_ratio``,
+    ``sequence_level_importance_ratios``, ``use_kl_in_reward`` and ``positive_example_nll_weight`` are left out).
+    ``global_valid_toks`` / ``_seqs`` default to this batch's counts. Returns the loss (a 0-d tensor)::
+
+        kl_w   = exp(logp − gen) if use_on_policy_kl_approximation else exp(logp − sg(logp))     (lines 482-495)
+        kl     = β · calculate_kl(logp, ref, type, in_clamp, out_clamp, kl_w)                      (lines 496-503)
+        r      = exp(logp − prev);  r_c = clamp(r, 1 − clip_min, 1 + clip_max)                    (lines 518-543)
+        ℓ      = −A · sg(r_c) · logp  if use_cispo  else  max(−A r, −A r_c)                       (lines 545-552)
+        ℓ      = min(ℓ, −c A) where A < 0 (ratio_clip_c = c)                                      (lines 553-562)
+        w_is   = exp(prev − gen), then tis / icepop / seq-mask-tis on it (lines 564-664), 1 unless
+                 use_importance_sampling_correction                                               (lines 673-676)
+        loss   = Σ m w_is ℓ / (toks + 1e-8) + Σ m kl / (toks + 1e-8)     token_level_loss         (lines 678-683)
+               = Σ_b [Σ_t m w_is ℓ / (Σ_t m + 1e-8)] / (seqs + 1e-8) + the same of kl   otherwise  (lines 684-691)
+
+    (``masked_mean`` divides by the count + 1e-8: ``nemo_rl/algorithms/utils.py`` lines 212-224.)
+    """
+    logp, prev, gen = logprobs.float(), prev_logprobs.float(), generation_logprobs.float()
+    m = mask.float()  # [B, T]
+    adv = advantages.float()
+    adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv  # [B, T]
+    toks = m.sum() if global_valid_toks is None else torch.as_tensor(float(global_valid_toks))
+    seqs = torch.tensor(float(m.shape[0])) if global_valid_seqs is None else torch.as_tensor(float(global_valid_seqs))
+
+    def reduce(x):
+        if token_level_loss:
+            return (x * m).sum() / (toks + 1e-8)
+        return ((x * m).sum(-1) / (m.sum(-1) + 1e-8)).sum() / (seqs + 1e-8)
+
+    if reference_policy_kl_penalty != 0:
+        if use_on_policy_kl_approximation:
+            kl_w = torch.exp(logp - gen)
+        else:
+            kl_w = torch.exp(logp - logp.detach())
+        kl_w = torch.nan_to_num(kl_w, nan=0.0, posinf=0.0, neginf=0.0)
+        kl = reference_policy_kl_penalty * _calculate_kl_ref(
+            logp, reference_policy_logprobs.float(), reference_policy_kl_type, kl_input_clamp_value,
+            kl_output_clamp_value, kl_w)
+        kl = reduce(kl)
+    else:
+        kl = torch.zeros(())
+    ratios = torch.exp(logp - prev)
+    ratios_clamped = ratios.clamp(1.0 - ratio_clip_min, 1.0 + ratio_clip_max)
+    if use_cispo:
+        clip_loss = -adv * ratios_clamped.detach() * logp
+    else:
+        clip_loss = torch.max(-adv * ratios, -adv * ratios_clamped)
+    if ratio_clip_c is not None:
+        clip_loss = torch.where(adv < 0, torch.min(clip_loss, -adv * ratio_clip_c), clip_loss)
+    w_is = torch.nan_to_num(torch.exp(prev - gen), nan=0.0, posinf=0.0, neginf=0.0)
+    hi, lo = truncated_importance_sampling_ratio, truncated_importance_sampling_ratio_min
+    if truncated_importance_sampling_type == "tis":
+        w_is = w_is.clamp(min=0.0 if lo is None else lo, max=hi)
+    elif truncated_importance_sampling_type == "icepop":
+        w_is = torch.where((w_is >= lo) & (w_is <= hi), w_is, torch.zeros_like(w_is))
+    elif truncated_importance_sampling_type == "seq-mask-tis":
+        log_is = torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)
+        geo = torch.exp((log_is * m).sum(-1) / (m.sum(-1) + 1e-8))  # [B]
+        w_is = w_is * ((geo >= lo) & (geo <= hi)).float()[:, None]
+    if not use_importance_sampling_correction:
+        w_is = torch.ones_like(prev)
+    return reduce(w_is.detach() * clip_loss) + kl
 
 
 def dpo_loss_ref(

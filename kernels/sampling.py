@@ -141,9 +141,10 @@ def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[tor
     """Inverse-CDF draw, one token per row, from unnormalised weights; returns ``(token [S] int64, Σ_v w [S] fp64)``.
 
     With ``C_r[v] = Σ_{v' ≤ v} w_rv'``, token r is the ``v`` with ``C_r[v−1] ≤ u_r · C_r[V−1] < C_r[v]``: for
-    ``u_r ~ U[0, 1)`` it is distributed as ``w_r / Σ w_r``, and a zero weight is never drawn. One uniform per row
-    instead of Gumbel-max's V (the engine's path where the fused kernel does not run: no ``[S, V]`` noise, no two
-    logs over the vocabulary).
+    ``u_r ~ U[0, 1)`` it is distributed as ``w_r / Σ w_r``, and a zero weight is never drawn; where the sums are
+    exact (integer weights), ``u_r · C_r[V−1]`` exactly on a boundary ``C_r[k]`` draws the next positive weight, at
+    both levels below. One uniform per row instead of Gumbel-max's V (the engine's path where the fused kernel does
+    not run: no ``[S, V]`` noise, no two logs over the vocabulary).
 
     ``weights_SV``: non-negative and finite, fp32 or wider, at least one positive entry per row, row-major or
     vocabulary-major (strides (1, S): a transposed ``[V, S]`` tensor); ``u_S``: fp64 in
@@ -166,15 +167,17 @@ def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[tor
         sums.append(weights_SV[:, nb * B :].sum(-1, keepdim=True))
     blocks_SN = torch.cat(sums, dim=1).double().cumsum_(dim=1)  # [S, blocks]: C at each block's end
     total_S = blocks_SN[:, -1]
-    b_S = _first_above(blocks_SN, u_S * total_S)
+    t_S = u_S * total_S
+    b_S = _first_above(blocks_SN, t_S)
     lo_S = torch.where(b_S > 0, blocks_SN.gather(1, (b_S - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
     mass_S = blocks_SN.gather(1, b_S[:, None]).squeeze(1) - lo_S  # > 0: a block of positive mass is chosen
-    # where u_r falls inside the chosen block, as a fraction of its mass (exact up to fp64 rounding)
-    frac_S = ((u_S * total_S - lo_S) / mass_S).clamp(0.0, 1.0)
     cols_SB = b_S[:, None] * B + torch.arange(B, device=weights_SV.device)  # the block's columns
     w_SB = weights_SV.gather(1, cols_SB.clamp(max=V - 1)).masked_fill(cols_SB >= V, 0.0)
     c_SB = w_SB.cumsum(dim=1, dtype=torch.float64)
-    j_S = _first_above(c_SB, frac_S * c_SB[:, -1])
+    # where t falls inside the chosen block, on the scale of the block's own CDF: its offset times (fine sum / coarse
+    # mass), a ratio of exactly 1 where the two sums agree, so that a boundary hit exactly stays exact (a fraction
+    # offset / mass times the fine sum rounds, e.g. (1 / 49) · 49 < 1, and would draw the token before the boundary)
+    j_S = _first_above(c_SB, (t_S - lo_S) * (c_SB[:, -1] / mass_S))
     return b_S * B + j_S, total_S
 
 

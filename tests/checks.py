@@ -1,8 +1,11 @@
-"""Checks shared by the tests: flash-attn's tolerance rule, the kernels' test device, a total-variation bound.
+"""Checks shared by the tests: flash-attn's tolerance rule, the kernels' test device, a total-variation bound, the
+margin a discontinuous metric needs before two computations of it may be compared.
 
 Imported as ``from checks import ...``: loading ``tests/conftest.py`` puts ``tests/`` on sys.path (the folder has
 no ``__init__.py``, pytest's default "prepend" import mode), for the tests under ``tests/kernels/`` too.
 """
+
+import math
 
 import pytest
 import torch
@@ -15,6 +18,29 @@ def assert_flash(name: str, got: torch.Tensor, ref32: torch.Tensor, ref_lowp: to
     err = (got.float() - ref32.float()).abs().max().item()
     bound = 2 * (ref_lowp.float() - ref32.float()).abs().max().item() + atol
     assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def assert_decisive(name: str, values: torch.Tensor, thresholds, margin: float) -> None:
+    """Guard for a discontinuous metric (an accuracy, a count over a threshold, an argmax) compared between two
+    computations that differ by rounding: every value it thresholds must lie at least ``margin`` from every
+    threshold, so that rounding cannot move one across. Fails naming the closest value: then the case, not the
+    code, must change (another seed), and the comparison would otherwise be decided by the CPU's kernels."""
+    values = values.detach().double().flatten()
+    gaps = torch.stack([(values - float(t)).abs() for t in thresholds])  # [thresholds, n]
+    worst = gaps.min(0).values.argmin()
+    assert gaps.min() >= margin, (f"{name}: value {values[worst].item():.9g} lies {gaps.min().item():.3g} from a "
+                                  f"threshold (< {margin:g}): rounding could decide the comparison")
+
+
+def assert_is_decisive(old: torch.Tensor, samp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float,
+                       low: float, margin: float = 1e-4) -> None:
+    """``assert_decisive`` for ``sampling/is_clipped_fraction``: the rollout IS log-ratios (padded ``[B, T]``;
+    per token, or summed per sequence in the ``sequence_*`` modes, as ``kernels/rollout_is.py`` states) lie at
+    least ``margin`` nats from ``log cap`` and ``log low``."""
+    delta_BT = torch.where(mask.bool(), old.double() - samp.double(), 0.0)
+    values = delta_BT[mask.bool()] if mode.startswith("token") else delta_BT.sum(-1)[mask.bool().any(-1)]
+    bounds = [math.log(cap)] + ([math.log(low)] if low > 0 else [])
+    assert_decisive(f"{mode} log-ratio", values, bounds, margin)
 
 
 def kernel_device() -> str:

@@ -1,14 +1,18 @@
 """DPO on the trainer's loop (fastgrpo/dpo.py): the packed step against an unpacked fp32 reference, the reference
 log-probs (precomputed = on the fly), 2 processes = 1, exact resume."""
 
+import json
 import math
 import os
+import platform
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from checks import assert_decisive
 from fastgrpo.kernels.reference import dpo_loss_ref
 
 from fastgrpo.config import load_config
@@ -86,6 +90,9 @@ def test_packed_step_matches_unpacked_fp32_reference(tmp_path, loss_type, averag
     lengths = {"chosen_lengths": n_c, "rejected_lengths": n_r}
     if average:
         pc, pr, rc, rr, lengths = pc / n_c, pr / n_r, rc / n_c, rr / n_r, {}
+    # rewards/accuracies counts pairs with (π_c − ref_c) > (π_r − ref_r): the margins must exceed the ~1e-5 by
+    # which the packed and the unpacked sums can differ, or the comparison below would be decided by rounding
+    assert_decisive("reward margin", (pc - rc) - (pr - rr), [0.0], 1e-4)
     loss, metrics = dpo_loss_ref(pc, pr, rc, rr, beta=0.5, loss_type=loss_type, label_smoothing=smoothing,
                                  **lengths)
     loss = loss + sft_weight * -pc.mean()
@@ -117,12 +124,47 @@ def test_precomputed_reference_equals_on_the_fly(tmp_path):
         if not pre:
             assert (run / REFERENCE_FILE).is_file()
             assert not any(p.requires_grad for p in t.algorithm.ref_forward.parameters())
-    assert len(rows[True]) == 2
-    for a, b in zip(rows[True], rows[False]):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
-    assert rows[True][0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the first step: policy = reference
+    # the table is computed on the steps' own micro-batches by the loss's own path, and the reference model runs on
+    # those micro-batches too: the same weights, layout and kernels, so the rows are equal bit for bit
+    assert len(rows[True]) == 2 and rows[True] == rows[False]
+    first = rows[True][0]  # policy = reference: every implicit reward is exactly 0
+    assert [first[k] for k in (*REWARDS, "rewards/accuracies")] == [0.0] * 4
+
+
+FIRST_STEP = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from test_dpo import trainer, training_rows
+from pathlib import Path
+out = []
+for i, overrides in enumerate(json.loads(sys.argv[2])):
+    run = Path(sys.argv[3]) / str(i)
+    trainer(run, "train.max_steps=1", "eval.at_start=false", "eval.at_end=false", "checkpoint.every_steps=0",
+            *overrides).fit()
+    out.append(training_rows(run)[0])
+print(json.dumps(out))
+"""
+
+
+def test_first_step_rewards_are_exactly_zero(tmp_path):
+    """At the first DPO step the policy is the reference: every implicit reward is exactly 0 (so is the accuracy),
+    for random batch sizes, micro-batch budgets, warm-ups and seeds. Run under the Triton interpreter with numpy's
+    OpenBLAS forced to its Haswell kernels (those of an AVX2 machine without AVX-512, e.g. AMD EPYC), whose
+    ``tl.dot`` rounds a row differently when it moves within a block: a reference table packed in another layout
+    than the step's gave one pair a reward of −2.4e-8 and an accuracy of 0.125 there."""
+    rng = random.Random(24)
+    cases = [[f"dpo.batch_size={rng.choice([2, 4, 8, 16])}", f"sft.warmup_steps={rng.choice([0, 1])}",
+              f"train.max_tokens_per_microbatch={rng.choice([48, 64, 96, 200])}", f"train.seed={rng.randrange(100)}"]
+             for _ in range(4)]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    if platform.machine() == "x86_64" and " avx2 " in Path("/proc/cpuinfo").read_text():
+        env["OPENBLAS_CORETYPE"] = "Haswell"
+    proc = subprocess.run([sys.executable, "-c", FIRST_STEP, str(REPO / "tests"), json.dumps(cases), str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, row in zip(cases, rows, strict=True):
+        assert [row[k] for k in (*REWARDS, "rewards/accuracies")] == [0.0] * 4, case
 
 
 def training_rows(run_dir):
@@ -130,13 +172,32 @@ def training_rows(run_dir):
             if "loss" in r]
 
 
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+BETA = load_config("dpo-tiny").dpo.beta
+
+
 def assert_same_rows(a, b, rel):
+    """Rows of two runs that sum in other orders (other processes, packing): equal to ``rel``.
+
+    An implicit reward is β·(π − ref), a difference of two sums that each agree to ``rel``: it agrees to
+    ``rel·β·(|π| + |ref|)``, ≈ ``2·rel·β·|logps|`` (the policy is near the reference), however small the reward.
+    ``rewards/accuracies`` is a share of pairs whose margin is above 0: at the first step every margin is exactly 0
+    in both runs (the reference is the policy, bit for bit), later a margin can be within rounding of 0 and flip
+    one pair, so it is compared at the first step only (its value against a reference: the packed-step test)."""
     assert [r["step"] for r in a] == [r["step"] for r in b] and a
-    for ra, rb in zip(a, b):
+    for i, (ra, rb) in enumerate(zip(a, b)):
         assert ra.keys() == rb.keys()
-        diff = {k: (ra[k], rb[k]) for k in ra
-                if not (ra[k] == rb[k] or math.isclose(ra[k], rb[k], rel_tol=rel, abs_tol=1e-7))}
+        logps = max(abs(ra["logps/chosen"]), abs(ra["logps/rejected"]))
+        diff = {}
+        for k in ra:
+            if k == "rewards/accuracies" and i:
+                continue
+            abs_tol = 2 * rel * BETA * logps if k in REWARDS else 1e-7
+            if not (ra[k] == rb[k] or math.isclose(ra[k], rb[k], rel_tol=rel, abs_tol=abs_tol)):
+                diff[k] = (ra[k], rb[k])
         assert not diff, f"step {ra['step']}: {diff}"
+    assert [a[0][k] for k in (*REWARDS, "rewards/accuracies")] == [b[0][k] for k in (*REWARDS, "rewards/accuracies")
+                                                                   ] == [0.0] * 4
 
 
 RUN = ["sft.warmup_steps=2", "checkpoint.every_steps=2", "eval.at_start=false"]

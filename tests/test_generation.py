@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from checks import one_thread, total_variation  # noqa: F401  (one_thread: an autouse fixture)
+from checks import assert_decisive, one_thread, total_variation  # noqa: F401  (one_thread: autouse)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -51,8 +51,15 @@ def random_prompts(lengths, seed=1):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
+GREEDY_MARGIN = 1e-4  # logits: the engine's differ from HF's by summation order (~1e-6), far below this
+
+
 def hf_greedy(model, prompt, max_new_tokens, eos):
-    """HF greedy continuation of one prompt (batch 1: no padding; explicit mask so no id is taken for padding)."""
+    """HF greedy continuation of one prompt (batch 1: no padding; explicit mask so no id is taken for padding).
+
+    Every greedy choice must win by ``GREEDY_MARGIN``: a near tie would let the summation order of the CPU's
+    kernels pick the token, and an equality test against another implementation would then be decided by rounding.
+    """
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
@@ -61,8 +68,12 @@ def hf_greedy(model, prompt, max_new_tokens, eos):
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    return out[0, len(prompt) :].tolist()
+    top2 = torch.cat(out.logits).float().topk(2, dim=-1).values  # [steps, 2]
+    assert_decisive("greedy top-1 - top-2 logit gap", top2[:, 0] - top2[:, 1], [0.0], GREEDY_MARGIN)
+    return out.sequences[0, len(prompt) :].tolist()
 
 
 def teacher_forced_logp(model, prompt, completion, temperature=1.0):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import assert_is_decisive
 from fastgrpo.kernels.reference import grpo_loss_ref
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,7 +23,9 @@ from fastgrpo.grpo import (
     Sample,
     compute_advantages,
     make_microbatch,
+    overlong_penalty,
     packed_forward,
+    scale_rewards,
 )
 from fastgrpo.models import enable_activation_checkpointing, load_model
 from fastgrpo.precision import MasterAdamW, make_optimizer
@@ -118,6 +121,48 @@ def test_group_loo_needs_the_leave_one_out_baseline():
         compute_advantages(torch.ones(2, 4), "mean", "group_loo")
     with pytest.raises(ValueError, match="valid_PG must be a bool tensor of shape"):
         compute_advantages(torch.ones(2, 4), "leave_one_out", "group_loo", valid_PG=torch.ones(2, 4))
+
+
+@given(st.data())
+def test_overlong_penalty_is_trl_soft_overlong_punishment(data):
+    """Up to the limit the penalty (p = 1) equals TRL 1.16's ``get_soft_overlong_punishment`` (trl/rewards/
+    other_rewards.py: 0 up to L_max - L_cache, then (L_max - L_cache - L) / L_cache); past it TRL gives -1 and
+    NeMo-RL's formula keeps its slope: -(L - (L_max - B)) / B."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    limit = data.draw(st.integers(1, 64), label="L_max")
+    buffer = data.draw(st.integers(1, limit), label="B")
+    lengths = data.draw(st.lists(st.integers(0, 2 * limit), min_size=1, max_size=20), label="L")
+    trl = get_soft_overlong_punishment(max_completion_len=limit, soft_punish_cache=buffer)([[7] * n for n in lengths])
+    for n, want in zip(lengths, trl):
+        got = overlong_penalty(n, limit, buffer, 1.0)
+        if n <= limit:
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (n, limit, buffer)
+        else:
+            assert want == -1.0 and got == pytest.approx(-(n - (limit - buffer)) / buffer, rel=1e-12)
+    penalty = data.draw(st.floats(0, 4), label="p")
+    assert overlong_penalty(limit, limit, buffer, penalty) == pytest.approx(-penalty)  # -p at the limit
+
+
+def test_overlong_penalty_and_reward_scaling_by_hand():
+    """TRL's docstring example (90 tokens, limit 100, cache 20: -0.5); NeMo-RL's DAPO recipe (limit 14336, buffer
+    2048): 0 at 12288 tokens, -0.5 at 13312, -1 at 14336, -2 at 16384. reward_scaling [0, 1] -> [-1, 1] with
+    clamping (NeMo-RL's scale_rewards)."""
+    from fastgrpo.config import RewardScalingConfig
+
+    assert overlong_penalty(90, 100, 20, 1.0) == -0.5
+    assert [overlong_penalty(n, 14336, 2048, 1.0) for n in (100, 12288, 13312, 14336, 16384)] == [0, 0, -0.5, -1, -2]
+    scaling = RewardScalingConfig(enabled=True, target_min=-1.0)
+    assert scale_rewards([0.0, 0.25, 1.0, 3.0, -2.0], scaling) == [-1.0, -0.5, 1.0, 1.0, -1.0]
+    assert scale_rewards([0.0, 3.0], RewardScalingConfig(target_min=-1.0)) == [0.0, 3.0]  # disabled
+    with pytest.raises(ValueError, match="reward_scaling.source_max must be > reward_scaling.source_min=1.0"):
+        load_config(overrides=["reward_scaling.source_min=1.0"])
+    with pytest.raises(ValueError, match="reward_shaping.overlong_buffer_length must be <= the shortest "
+                                         "max_new_tokens 6"):
+        load_config(overrides=["reward_shaping.enabled=true", "reward_shaping.overlong_buffer_length=7",
+                               "stages=[{at_step: 3, max_new_tokens: 6}]"])
+    with pytest.raises(ValueError, match="reward_shaping.overlong_buffer_length must be <= reward_shaping.max_resp"):
+        load_config(overrides=["reward_shaping.overlong_buffer_length=70", "reward_shaping.max_response_length=64"])
 
 
 def test_microbatch_targets_and_mask():
@@ -261,6 +306,7 @@ def test_update_rollout_is_uses_the_engine_logprobs(mode):
             "sampling/is_clipped_fraction"]
     if mode.startswith("token"):  # sequence modes: TRL's stats are over sequences, the log's over micro-batches
         keys += [f"sampling/importance_sampling_ratio/{s}" for s in ("min", "mean", "max")]
+    assert_is_decisive(logp.detach(), samp, mask, mode, cap=2.0, low=0.5)  # the clipped fraction is no tie
     for key in keys:
         assert metrics[key] == pytest.approx(float(ref_metrics[key]), rel=1e-5, abs=1e-6), key
     assert 0 < metrics["sampling/is_clipped_fraction"] < 1

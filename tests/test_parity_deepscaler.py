@@ -11,12 +11,16 @@ inherited, and the row cites the file it comes from.
 value checked too, so that the table stays true.
 """
 
+import importlib
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from checks import ScriptedEngine
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastgrpo.config import load_config, stage_settings
 from fastgrpo.data import format_prompt, load_datasets
@@ -73,12 +77,24 @@ PUBLISHED = [
     ("loss normalisation", "loss_fn.token_level_loss (mean over the step's tokens)", ("dapo",) * 3, BASE,
      lambda c, s: c.grpo.loss_type),
     ("dual clip", "loss_fn.ratio_clip_c", (None,) * 3, BASE, lambda c, s: c.grpo.dual_clip_c),
+    ("KL estimator", "loss_fn.reference_policy_kl_type", ("k3",) * 3, BASE, lambda c, s: c.grpo.kl_estimator),
+    ("KL input clamp (|ref - logp|)", "loss_fn.kl_input_clamp_value", (20.0,) * 3, BASE,
+     lambda c, s: c.grpo.kl_input_clamp),
+    ("KL output clamp (|weighted KL|)", "loss_fn.kl_output_clamp_value", (10.0,) * 3, BASE,
+     lambda c, s: c.grpo.kl_output_clamp),
+    ("KL gradient: k3 times exp(logp - sg(logp)), value k3, gradient beta (logp - ref) / N",
+     "loss_fn.use_on_policy_kl_approximation false (nemo_rl/algorithms/loss/loss_functions.py lines 482-495)",
+     ("score",) * 3, BASE, lambda c, s: c.grpo.kl_weight),
+    ("policy term: clipped surrogate, not CISPO", "loss_fn.use_cispo false", ("dapo",) * 3, BASE,
+     lambda c, s: c.grpo.loss_type),
+    ("no importance-sampling correction", "loss_fn.use_importance_sampling_correction false", ("none",) * 3, BASE,
+     lambda c, s: c.grpo.rollout_is),
     ("importance ratio per token", "loss_fn.sequence_level_importance_ratios false", ("token",) * 3, BASE,
      lambda c, s: c.grpo.importance_sampling_level),
     ("truncated completions keep their loss", "grpo.overlong_filtering false", (False,) * 3, BASE,
      lambda c, s: c.grpo.mask_truncated_completions),
     ("no dynamic sampling", "grpo.use_dynamic_sampling false", (False,) * 3, BASE,
-     lambda c, s: c.grpo.dynamic_sampling),
+     lambda c, s: c.grpo.use_dynamic_sampling),
     ("warm-up length, in GRPO steps", "policy.scheduler LinearLR total_iters (one step per GRPO step)", (50,) * 3,
      BASE, lambda c, s: c.train.warmup_steps),
     ("warm-up start factor", "policy.scheduler LinearLR start_factor", (0.1,) * 3, BASE,
@@ -118,8 +134,6 @@ DEPARTURES = [
     ("prompt length bound", "prompts of >= max_total_sequence_length tokens get no loss",
      lambda c: c.data.max_prompt_tokens == 1024 and c.data.drop_long_prompts,
      "DeepScaleR's problems are far shorter than 1024 tokens; a longer one is dropped and counted in the log"),
-    ("KL estimator", "k3 with kl_input_clamp_value 20, kl_output_clamp_value 10", lambda c: True,
-     "fastgrpo's k3 is unclamped; the clamps act only where |log ratio| > 20 or the KL term > 10"),
     ("data order at a stage", "a new run walks the shuffled training set from its start again (grpo.seed 42)",
      lambda c: c.data.shuffle, "fastgrpo's stages are one run: the data order carries on (the 16K stage would "
      "otherwise see the 8K stage's first 240 batches again)"),
@@ -221,3 +235,83 @@ def test_rollout_uses_the_leave_one_out_std(tmp_path):
     samples, _ = trainer.algorithm.rollout(trainer.sampler.next(1), stage_settings(cfg, 0))
     other = -(1 / 3) / (3**-0.5 + 1e-6)
     assert [s.advantage for s in samples] == pytest.approx([1.0, other, other, other])
+
+
+def _nemo_loss_fn(settings: dict) -> dict:
+    """NeMo-RL's loss_fn keys at a stage (the PUBLISHED values: BASE, K16, K24)."""
+    return dict(reference_policy_kl_penalty=settings["beta"], reference_policy_kl_type="k3", kl_input_clamp_value=20.0,
+                kl_output_clamp_value=10.0, use_on_policy_kl_approximation=False, ratio_clip_min=0.2,
+                ratio_clip_max=settings["epsilon_high"], ratio_clip_c=None, use_cispo=False,
+                use_importance_sampling_correction=False, token_level_loss=True)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), step=st.sampled_from([240, 530]), packed=st.booleans(),
+       torch_path=st.booleans())
+def test_loss_and_gradient_equal_nemo_rl(seed, step, packed, torch_path):
+    """With the recipe's loss settings at the 16K and 24K stages (β > 0), grpo_loss called as the trainer calls it
+    (fastgrpo.grpo.loss_options, the stage's β and ε_high, the optimizer step's token count) equals NeMo-RL's
+    ClippedPGLossFn (kernels/reference.py clipped_pg_loss_nemo_ref, from its formulas) in loss and gradient to fp32
+    rounding (1e-5 of the largest value: sums in another order), off-policy (16 optimizer steps per rollout), on
+    both paths, with some |ref − logp| > 20 and some k3 values > 10 so that both clamps act."""
+    from fastgrpo.kernels import grpo_loss
+    from fastgrpo.kernels._utils import pad_packed, unpad_padded
+    from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref
+
+    from fastgrpo.grpo import loss_options
+
+    cfg = load_config("deepscaler-1.5b")
+    s = stage_settings(cfg, step)
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 40
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    logp = -torch.rand(B, T, generator=g) * 4
+    old = logp + 0.3 * torch.randn(B, T, generator=g)
+    ref = logp + 0.5 * torch.randn(B, T, generator=g)
+    ref[:, ::7] += 25.0  # |ref − logp| > 20: the input clamp acts
+    ref[:, 3::9] += 3.5  # k3 ≈ e^3.5 − 4.5 > 10: the output clamp acts
+    samp = old + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    up = torch.randn((), generator=g)
+    tokens = float(mask.sum())
+
+    x = logp.clone().requires_grad_()
+    want = clipped_pg_loss_nemo_ref(x, old, adv, mask, generation_logprobs=samp, reference_policy_logprobs=ref,
+                                    global_valid_toks=tokens, **_nemo_loss_fn(s))
+    (want * up).backward()
+    kw = dict(beta=s["beta"], epsilon_high=s["epsilon_high"], num_items_in_batch=tokens, **loss_options(cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        if torch_path:
+            mp.setattr(importlib.import_module("fastgrpo.kernels.grpo_loss"), "use_triton", lambda t: False)
+        cu = torch.tensor([0, *itertools.accumulate(lengths.tolist())], dtype=torch.int32)
+        y = (unpad_padded(logp, cu) if packed else logp).clone().requires_grad_()
+        args = [unpad_padded(t, cu) if packed else t for t in (old, ref, mask, samp)]
+        loss, _ = grpo_loss(y, args[0], adv, args[2], ref_logprobs=args[1], sampling_logprobs=args[3],
+                            cu_seqlens=cu if packed else None, **kw)
+        (loss * up).backward()
+    grad = pad_packed(y.grad, cu) if packed else y.grad
+    tol = 1e-5 * max(1.0, float(want.detach().abs()))
+    loss, want = float(loss.detach()), float(want.detach())
+    assert abs(loss - want) <= tol, (loss, want)
+    torch.testing.assert_close(torch.nn.functional.pad(grad, (0, T - grad.shape[1])), x.grad, rtol=0,
+                               atol=1e-5 * float(x.grad.abs().max()))
+
+
+def test_plain_k3_gradient_is_not_nemo_rl():
+    """The departure issue 22 found, measured: differentiating plain k3 (kl_weight none, fastgrpo before) differs
+    from NeMo-RL's KL gradient β(logp − ref)/N by β(e^x − 1 − x)/N, x = ref − logp (≈ β x²/2): 15.6% of it at
+    ref − logp = −0.35, 19.8% at +0.35. So the recipe's kl_weight matters, and the test above can fail."""
+    from fastgrpo.kernels import grpo_loss
+
+    logp = torch.full((1, 4), -1.0, requires_grad=True)
+    for x, (lo, hi) in ((-0.35, (0.155, 0.157)), (0.35, (0.197, 0.199))):
+        ref = logp.detach() + x
+        grads = {}
+        for weight in ("none", "score"):
+            loss, _ = grpo_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 4, dtype=torch.bool),
+                                ref_logprobs=ref, beta=1.0, kl_weight=weight)
+            grads[weight] = torch.autograd.grad(loss, logp)[0]
+        assert grads["score"][0, 0] == pytest.approx(-x / 4)
+        rel = float((grads["score"] - grads["none"]).abs().max() / grads["score"].abs().max())
+        assert lo <= rel <= hi, rel

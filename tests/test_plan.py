@@ -6,6 +6,8 @@
 - Whole step: the predicted training peak of one micro-batch (``kernel_loss=False``: the CPU loss path) is within
   25% of the resident high-water mark of building the model and running two real ``PolicyUpdate`` steps on CPU
   (``bench/common.peak_extra_bytes``: exact resident-size tracking), for the tiny demo model and a ~30M model.
+- Activation figure: the bytes of a 32K-token micro-batch with and without checkpointing, for the 1.5B model (bf16,
+  fp32) and Qwen3-1.7B, against the docstring's formula evaluated by hand.
 """
 
 from __future__ import annotations
@@ -155,6 +157,50 @@ def test_deepscaler_fits_8x80():
     ddp = memory_plan(load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}", "train.strategy=ddp"]),
                       8, 80, activation_checkpointing=True, shape=s)
     assert not ddp.fits and "rollout.max_batch_size<=" in ddp.verdict() and "fsdp2" in ddp.verdict()
+
+
+def _qwen3_1p7b_shape():
+    """Qwen3-1.7B's shape (its config.json: hidden 2048, MLP 6144, 28 layers, 16 / 8 heads of 128, q_norm / k_norm,
+    tied embeddings), read from a meta-device model."""
+    import transformers
+
+    hf = transformers.Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    with torch.device("meta"):
+        return shape_of(transformers.AutoModelForCausalLM.from_config(hf))
+
+
+# Per-token activation bytes from the module docstring, evaluated by hand (c: compute dtype bytes, L = 28 layers).
+# A = norms 2·(4h + 4 + 2ch) + [Qwen3] (4 + c)(n_q + n_kv)d + 4(n_q + n_kv) + attention c(2n_q + 2n_kv)d + 4n_q
+#     + MLP 4cI;  once = (4h + 4 + ch) + ch + 2cd + 48;  transient = c(2I + 2h)
+# checkpointing keeps L·c·h + A, else L·A; each plus once + transient.
+ACTIVATION_CASES = {
+    # DeepSeek-R1-Distill-Qwen-1.5B, bf16: h 1536, 12 / 2 heads of 128, I 8960
+    # A = 24584 + 0 + (7168 + 48) + 71680 = 103480; once = 9220 + 3072 + 512 + 48 = 12852; transient = 41984
+    # with: 28·3072 + 103480 = 189496 -> 244332;  without: 28·103480 = 2897440 -> 2952276
+    "qwen2-1.5b-bf16": (QWEN_1P5B, "bfloat16", None, 244_332, 2_952_276),
+    # the same in fp32: A = 36872 + (14336 + 48) + 143360 = 194616; once = 12292 + 6144 + 1024 + 48 = 19508;
+    # transient = 83968; with: 28·6144 + 194616 = 366648 -> 470124;  without: 28·194616 = 5449248 -> 5552724
+    "qwen2-1.5b-fp32": (QWEN_1P5B, "float32", None, 470_124, 5_552_724),
+    # Qwen3-1.7B, bf16: h 2048, 16 / 8 heads of 128, I 6144, q_norm / k_norm
+    # A = 32776 + (18432 + 96) + (12288 + 64) + 49152 = 112808; once = 12292 + 4096 + 512 + 48 = 16948;
+    # transient = 32768; with: 28·4096 + 112808 = 227496 -> 277212;  without: 28·112808 = 3158624 -> 3208340
+    "qwen3-1.7b-bf16": (QWEN_1P5B, "bfloat16", _qwen3_1p7b_shape, 277_212, 3_208_340),
+}
+
+
+@pytest.mark.parametrize("case", ACTIVATION_CASES, ids=list(ACTIVATION_CASES))
+def test_activation_figure_with_and_without_checkpointing(case):
+    """The activation bytes of the DeepScaleR micro-batch (32768 tokens, checkpointing on as shipped), the number
+    itself against the docstring's formula evaluated by hand, with and without checkpointing."""
+    path, dtype, shape, with_ckpt, without = ACTIVATION_CASES[case]
+    cfg = load_config("deepscaler-1.5b", overrides=[f"model.path={path}", f"model.dtype={dtype}"])
+    plan = memory_plan(cfg, 8, 80, shape=shape() if shape else model_shape(cfg))
+    assert plan.checkpointing and plan.tokens == 32768
+    assert plan.activations == 32768 * with_ckpt
+    assert plan.activations_other == 32768 * without
+    off = memory_plan(cfg, 8, 80, activation_checkpointing=False, shape=plan.shape)
+    assert (off.activations, off.activations_other) == (plan.activations_other, plan.activations)
 
 
 @pytest.mark.parametrize("recipe", ["dpo-1.5b", "sft-1.5b"])

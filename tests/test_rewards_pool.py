@@ -1,24 +1,35 @@
 """The reward worker pool: every fault scored 0 and counted in its own counter, hard timeouts within the stated
 bound, dead workers respawned, the same scores in the same order for 0, 1 and 3 workers and any submission order,
-overlap with the submitter, and clean shutdown.
+overlap with the submitter, clean shutdown, workers free of torch and of the entry script, and a hostile reward
+through a whole training run.
 
-Two pools (1 and 3 workers) are shared by the module: spawning a worker costs about a second here.
+Two pools (1 and 3 workers) are shared by the module: starting a pool's server costs about a second here (a fresh
+interpreter importing the reward modules); a worker is then a fork of it.
 """
 
+import json
 import math
 import os
 import random
+import re
+import select
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import RewardConfig
-from fastgrpo.reward_pool import RewardPool, default_num_workers
-from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet
+from fastgrpo.reward_pool import RewardPool, _Worker, default_num_workers
+from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet, chunk_bounds
+
+REPO = Path(__file__).resolve().parents[1]
 
 TIMEOUT_S = 0.25
 SLEEP_S = 0.05  # sleepy(): seconds per "SLOW" completion
@@ -67,6 +78,38 @@ USER_MODULE = """
     def sleep_each(prompts, completions, **kw):
         time.sleep(0.01 * len(completions))
         return [1.0] * len(completions)
+
+    def report(prompts, completions, report, **kw):  # what this process imported and holds open, to a file
+        import json, sys
+        fds = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+            except FileNotFoundError:  # the listing's own descriptor, closed by now
+                pass
+        with open(report[0], "w") as f:
+            json.dump({"pid": os.getpid(), "ppid": os.getppid(), "modules": sorted(sys.modules), "fds": fds,
+                       "main": getattr(sys.modules["__main__"], "__file__", None), "init": STATE.get("ready")}, f)
+        return [1.0] * len(completions)
+"""
+HOSTILE_MODULE = """
+    import math, os, time, zlib
+
+    def kind(prompt, completion):  # 0 hangs, 1 raises, 2 kills the worker, 3 is NaN: 1 completion in 23 each
+        return zlib.crc32(f"{prompt}\\0{completion}".encode()) % 23
+
+    def hostile(prompts, completions, **kw):
+        out = []
+        for p, c in zip(prompts, completions):
+            k = kind(p, c)
+            if k == 0:
+                time.sleep(3600)
+            if k == 1:
+                raise RuntimeError("a faulty reward")
+            if k == 2:
+                os._exit(3)
+            out.append(math.nan if k == 3 else len(c) % 7 / 7)
+        return out
 """
 FUNCTIONS = ["format", "pool_user:initialized", "pool_user:raises", "pool_user:nan_second",
              "pool_user:wrong_length", "pool_user:hang", "pool_user:die", "pool_user:length", "pool_user:sleepy",
@@ -83,8 +126,9 @@ def user_modules(tmp_path_factory):
     path = tmp_path_factory.mktemp("pool_rewards")
     (path / "pool_user.py").write_text(textwrap.dedent(USER_MODULE).replace("SLEEP_S", repr(SLEEP_S)))
     (path / "pool_broken.py").write_text("raise ImportError('this reward module is broken')\n")
+    (path / "pool_hostile.py").write_text(textwrap.dedent(HOSTILE_MODULE))
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(path))  # spawned workers get the parent's sys.path
+        mp.syspath_prepend(str(path))  # the workers' server gets the trainer's sys.path
         yield path
 
 
@@ -206,9 +250,24 @@ def test_the_math_reward_in_a_worker_matches_in_process(user_modules):
 
 def test_a_worker_killed_while_idle_is_respawned(pools):
     pool = pools[1]
-    pool._workers[0].proc.kill()
-    pool._workers[0].proc.join()
+    worker = pool._workers[0]
+    signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
+    assert select.select([worker.pidfd], [], [], 10)[0]  # it has exited
     result, times = run(pool, groups_of([["\\boxed{0}"] * 3]))
+    assert times["reward/workers_respawned"] == 1
+    assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
+
+
+def test_a_dead_server_is_restarted_and_its_workers_replaced(user_modules):
+    """The server's workers die with it (Linux: parent-death signal); the next task starts a new server."""
+    with _pool(1) as pool:
+        run(pool, groups_of([["\\boxed{0}"]]))
+        worker, server = pool._workers[0], pool._server.proc
+        server.kill()
+        server.wait()
+        assert select.select([worker.pidfd], [], [], 10)[0]  # the worker is gone too
+        result, times = run(pool, groups_of([["\\boxed{0}"] * 3]))
+        assert pool._server.proc is not server and pool._server.proc.poll() is None
     assert times["reward/workers_respawned"] == 1
     assert result.per_function["format"] == [1.0] * 3 and result.faults["format"] == dict.fromkeys(FAULTS, 0)
 
@@ -228,14 +287,34 @@ def test_scoring_overlaps_the_submitter(pools):
             assert times["time/reward_wait"] == times["time/reward"]
 
 
-def test_close_kills_hung_workers_and_is_idempotent(user_modules):
+def record_processes(monkeypatch) -> list[int]:
+    """Patches the pool to keep a pidfd of every worker it starts (respawns included) and of its server."""
+    pidfds = []
+    real_start = _Worker.start
+
+    def start(self):
+        real_start(self)
+        pidfds.append(os.pidfd_open(self.pid))
+        pidfds.append(os.pidfd_open(self.server.proc.pid))
+
+    monkeypatch.setattr(_Worker, "start", start)
+    return pidfds
+
+
+def exited(pidfd):
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def test_close_kills_hung_workers_and_is_idempotent(user_modules, monkeypatch):
+    pidfds = record_processes(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         with _pool(2) as pool:
             pool.submit(0, *groups_of([["HANG"] * 4])[0])
-            procs = [w.proc for w in pool._workers]
+            while len(pidfds) < 4 or not pool._queue.empty():  # both workers started, the hang taken
+                time.sleep(0.01)
             raise KeyboardInterrupt  # Ctrl-C while a worker hangs
-    assert all(not p.is_alive() for p in procs)
-    assert all(w.proc is None for w in pool._workers) and not any(t.is_alive() for t in pool._threads)
+    assert all(exited(fd) for fd in pidfds)
+    assert all(w.pid is None for w in pool._workers) and not any(t.is_alive() for t in pool._threads)
     pool.close()
     with pytest.raises(RuntimeError, match="after close"):
         pool.submit(1, ["p"], ["c"], {})
@@ -293,6 +372,7 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
         return real_run(self, samples, **kwargs)
 
     monkeypatch.setattr(PolicyUpdate, "run", run_then_interrupt)
+    pidfds = record_processes(monkeypatch)
     cfg = load_config(overrides=[
         "grpo.num_prompts_per_step=6", "grpo.num_generations=4", "rollout.max_new_tokens=8",
         "rollout.max_batch_size=8", "sft.warmup_steps=0", "train.num_threads=1", "train.max_steps=5",
@@ -301,12 +381,151 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
         "reward.functions=[pool_user:sleep_each]"])
     trainer = Trainer(cfg)
     pool = trainer.algorithm.rewards
-    procs = [w.proc for w in pool._workers]
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
-    assert not any(p.is_alive() for p in procs) and all(w.proc is None for w in pool._workers)
+    assert pidfds and all(exited(fd) for fd in pidfds) and all(w.pid is None for w in pool._workers)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "time/reward" in r]
     assert [r["step"] for r in rows] == [1, 2] and calls == [24, 24, 24]
     second = rows[1]  # the first also waits for the worker to start
     assert second["reward/sleep_each/timeouts"] == 0 and second["reward/workers_respawned"] == 0
     assert second["time/reward_wait"] < second["time/reward"]
+
+
+ENTRY_SCRIPT = """
+import json, sys
+import torch  # as fastgrpo/train.py does: a worker that re-imported this entry script would import torch
+from fastgrpo.config import RewardConfig
+from fastgrpo.reward_pool import RewardPool
+
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[1])
+    torch.ones(4).sum()  # the trainer's torch is loaded and in use
+    cfg = RewardConfig(functions=["pool_user:report", "math"], worker_init="pool_user:init")
+    with RewardPool(cfg, 2) as pool:
+        for i in range(2):
+            pool.submit(i, ["p"], ["\\\\boxed{1}"], {"answer": ["1"], "report": [f"{sys.argv[2]}/{i}.json"]})
+        result, _ = pool.gather()
+    print(json.dumps(result.per_function))
+"""
+
+
+def test_workers_import_neither_torch_nor_the_entry_script(user_modules, tmp_path):
+    """From an entry script that imports torch (the trainer's case), a worker holds the reward modules (math-verify
+    here), its initializer's state, stdio and its pipe: no torch, no entry script, no other descriptor."""
+    script = tmp_path / "entry.py"
+    script.write_text(ENTRY_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script), str(user_modules), str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"report": [1.0, 1.0], "math": [1.0, 1.0]}
+    for i in range(2):
+        r = json.loads((tmp_path / f"{i}.json").read_text())
+        heavy = [m for m in r["modules"] if m.split(".")[0] in ("torch", "triton", "transformers", "numpy")]
+        assert heavy == [] and "fastgrpo.train" not in r["modules"]
+        assert r["main"] is None and "math_verify" in r["modules"] and r["init"] is True
+        fds = r["fds"]
+        assert fds["0"] == "/dev/null" and set(fds) - {"0", "1", "2"} == {
+            fd for fd, target in fds.items() if fd not in ("0", "1", "2") and target.startswith("socket:")}
+        assert len(set(fds) - {"0", "1", "2"}) == 1  # its pipe, nothing else
+        assert r["ppid"] != out.returncode and r["pid"] != r["ppid"]
+
+
+def readme_reward_module() -> str:
+    """The README's ``reward.worker_init`` example, as a user would save it."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"\n( *)```python\n(\1# my_rewards\.py.*?)\n\1```", text, re.S)
+    assert block, "the README's reward.worker_init example is gone"
+    return textwrap.dedent(block.group(2))
+
+
+def test_the_readme_worker_init_example_runs_in_the_workers(tmp_path, monkeypatch):
+    """Each worker runs ``start_sandbox`` itself (its own directory, named by its pid), and ``passes_tests`` runs
+    the tests with ``subprocess``: a failing test scores 0 (workers see their children's exit statuses)."""
+    (tmp_path / "my_rewards.py").write_text(readme_reward_module())
+    sandboxes = tmp_path / "tmp"
+    sandboxes.mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(sandboxes))  # the server and its workers take the environment of the pool
+    cfg = RewardConfig(functions=["my_rewards:passes_tests"], worker_init="my_rewards:start_sandbox")
+    pidfds = record_processes(monkeypatch)
+    codes = ["def f():\n    return 1", "def f():\n    return 2", "def f(:", "def f():\n    return 1"] * 2
+    tests = ["assert f() == 1"] * 8
+    with RewardPool(cfg, 2) as pool:
+        pool.submit(0, ["write f"] * 4, codes[:4], {"tests": tests[:4]})
+        pool.submit(1, ["write f"] * 4, codes[4:], {"tests": tests[4:]})
+        result, times = pool.gather()
+        pids = {w.pid for w in pool._workers}
+    assert result.per_function["passes_tests"] == [1.0, 0.0, 0.0, 1.0] * 2
+    assert result.faults["passes_tests"] == dict.fromkeys(FAULTS, 0) and times["reward/workers_respawned"] == 0
+    owners = {int(d.name.split("-")[1]) for d in sandboxes.iterdir() if d.name.startswith("sandbox-")}
+    assert owners == pids and len(pids) == 2  # one sandbox per worker, made in the worker
+    assert all(exited(fd) for fd in pidfds)
+
+
+def hostile_expectation(groups, kind) -> tuple[dict[str, int], int, list[float]]:
+    """The fault counts, worker kills and scores the hostile reward must give on ``groups`` (prompts, completions):
+    per chunk, the first completion that hangs (the chunk times out), raises or kills the worker (the chunk fails)
+    decides; otherwise each NaN counts alone. Every faulty completion scores 0."""
+    counts, kills, scores = dict.fromkeys(FAULTS, 0), 0, []
+    for prompts, completions in groups:
+        for a, b in chunk_bounds(len(completions)):
+            kinds = [kind(p, c) for p, c in zip(prompts[a:b], completions[a:b])]
+            fatal = next((k for k in kinds if k in (0, 1, 2)), None)
+            if fatal is None:
+                counts["nonfinite"] += kinds.count(3)
+                scores += [0.0 if k == 3 else len(c) % 7 / 7 for k, c in zip(kinds, completions[a:b])]
+                continue
+            counts["timeouts" if fatal == 0 else "failures"] += b - a
+            kills += fatal != 1
+            scores += [0.0] * (b - a)
+    return counts, kills, scores
+
+
+def test_a_hostile_reward_run_finishes_with_every_fault_counted(user_modules, tmp_path, monkeypatch):
+    """Issue 23's run, shrunk: 6 GRPO steps of the tiny recipe with 2 workers and a reward of which 1 completion in
+    23 hangs, 1 raises, 1 calls os._exit and 1 returns NaN. Every step logs exactly the faults, kills, and mean
+    score that the completions it generated imply, and a time/reward_wait within the pool's documented bound."""
+    from pool_hostile import kind
+
+    from fastgrpo.config import load_config
+    from fastgrpo.metrics import read_jsonl
+    from fastgrpo.train import Trainer
+
+    steps, submitted = [], []
+    real_submit, real_gather = RewardPool.submit, RewardPool.gather
+
+    def submit(self, index, prompts, completions, columns):
+        submitted.append((list(prompts), list(completions)))
+        return real_submit(self, index, prompts, completions, columns)
+
+    def gather(self):
+        steps.append(list(submitted))
+        submitted.clear()
+        return real_gather(self)
+
+    monkeypatch.setattr(RewardPool, "submit", submit)
+    monkeypatch.setattr(RewardPool, "gather", gather)
+    timeout_s, workers = 0.2, 2
+    cfg = load_config(overrides=[
+        "grpo.num_prompts_per_step=12", "grpo.num_generations=4", "rollout.max_new_tokens=8", "sft.warmup_steps=0",
+        "train.num_threads=1", "train.max_steps=6", "eval.at_start=false", "eval.every_steps=0",
+        "checkpoint.every_steps=0", "logging.progress_bar=false", f"logging.output_dir={tmp_path}",
+        f"reward.num_workers={workers}", f"reward.timeout_s={timeout_s}", "reward.functions=[pool_hostile:hostile]"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        Trainer(cfg).fit()
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "time/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and len(steps) == 6
+    total = dict.fromkeys(FAULTS, 0)
+    for row, groups in zip(rows, steps):
+        counts, kills, scores = hostile_expectation(groups, kind)
+        assert {f: row[f"reward/hostile/{f}"] for f in FAULTS} == counts
+        assert row["reward/workers_respawned"] == kills
+        assert row["reward/hostile/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-12)
+        tasks = sum(len(chunk_bounds(len(c))) for _, c in groups)
+        bound = (math.ceil(tasks / workers) + 2) * CHUNK_SIZE * timeout_s + row["time/reward_worker_start"] + 0.5
+        assert row["time/reward_wait"] <= bound
+        total = {f: total[f] + counts[f] for f in FAULTS}
+    assert all(total.values()), total  # the run met every kind of fault (raises and exits count as failures)
+    assert any(kind(p, c) == 2 for g in steps for ps, cs in g for p, c in zip(ps, cs))  # and a worker exit

@@ -1,11 +1,16 @@
-"""SFT on the trainer's loop (fastgrpo/sft.py): the packed step against an unpacked fp32 reference, the mask, the
-validation loss, and the warm-up's noisy examples."""
+"""SFT on the trainer's loop (fastgrpo/sft.py): the packed step against an unpacked fp32 reference, the mask (which
+packed positions are trained, on what target, from rows of both formats), the validation loss, and the warm-up's
+noisy examples."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from fastgrpo.config import load_config
-from fastgrpo.data import SFTExample
+from fastgrpo.config import DataConfig, load_config
+from fastgrpo.data import Renderer, SFTExample, sft_example
+from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.sft import lm_batch
 
 SMALL = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "data.synthetic_num_terms=2",
          "data.synthetic_eval_size=16", "data.max_length=24", "train.max_tokens_per_microbatch=40", "sft.batch_size=8",
@@ -87,3 +92,46 @@ def test_warmup_noise_swaps_responses_only(tmp_path, monkeypatch):
         assert ex.input_ids[cut:] in responses
         swapped += ex not in examples
     assert 5 < swapped < 40  # about half are swapped (some swaps land on an equal answer)
+
+
+def trained_pairs(mb) -> list[tuple[int, int]]:
+    """``(packed position, target)`` of every trained position of an :class:`LMBatch`."""
+    return [(t, int(mb.targets[t])) for t in torch.nonzero(mb.mask).flatten().tolist()]
+
+
+def test_lm_batch_trains_from_the_last_prompt_position():
+    """Two packed sequences, by hand: position t predicts token t + 1, so the first trained position is the last
+    prompt token's (its target is the first completion token), and a sequence's last position is never trained."""
+    a = SFTExample([5, 6, 7, 8, 9], [False, False, True, True, True])  # prompt [5, 6], completion [7, 8, 9]
+    b = SFTExample([1, 2, 3], [False, True, True])  # prompt [1], completion [2, 3]; packed at positions 5-7
+    mb = lm_batch([a, b], torch.device("cpu"))
+    assert trained_pairs(mb) == [(1, 7), (2, 8), (3, 9), (5, 2), (6, 3)]
+    assert mb.num_loss_tokens == 5
+
+
+TOK = build_tiny_tokenizer()
+TEXT = st.text(alphabet="0123456789+= ", min_size=1, max_size=10)
+
+
+@given(rows=st.lists(st.tuples(TEXT, TEXT, st.booleans()), min_size=1, max_size=4))
+def test_rows_train_exactly_their_completions(rows):
+    """Rows as users write them (``{prompt, completion}`` or a user / assistant conversation), tokenised by
+    ``fastgrpo.data`` and packed by ``lm_batch``: the trained targets are each completion's tokens then EOS, in
+    order, from the last prompt position on (the tiny tokenizer's template renders ``<|user|>q<|assistant|>a``)."""
+    cfg = DataConfig(max_prompt_tokens=64, max_length=64)
+
+    def ids(text):
+        return TOK(text, add_special_tokens=False)["input_ids"]
+
+    examples, want, offset = [], [], 0
+    for q, a, chat in rows:
+        row = ({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} if chat
+               else {"prompt": q, "completion": a})
+        examples.append(sft_example(row, Renderer(TOK, cfg), cfg))
+        prompt, completion = ids(f"<|user|>{q}<|assistant|>"), ids(a) + [TOK.eos_token_id]
+        assert examples[-1].input_ids == prompt + completion
+        want += [(offset + len(prompt) - 1 + i, t) for i, t in enumerate(completion)]
+        offset += len(prompt) + len(completion)
+    mb = lm_batch(examples, torch.device("cpu"))
+    assert trained_pairs(mb) == want
+    assert mb.num_loss_tokens == len(want)

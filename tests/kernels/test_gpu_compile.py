@@ -103,9 +103,18 @@ def _drive_grpo_loss(shape, dtype):
     logp = torch.randn(TOKENS, requires_grad=True)  # log-probs are fp32 whatever the model's dtype
     cu = torch.tensor([0, 17, TOKENS], dtype=torch.int32)
     mask = torch.ones(TOKENS, dtype=torch.bool)
-    for beta in (0.0, 0.04):
-        loss, _ = grpo_loss(logp, logp.detach(), torch.randn(2), mask, ref_logprobs=logp.detach(), beta=beta,
-                            cu_seqlens=cu)
+    samp = logp.detach() + 0.1
+    variants = [  # the defaults, then each policy term, KL estimator, KL weight, the clamps, the IS weight, GSPO
+        dict(beta=0.0), dict(beta=0.04),
+        dict(beta=1e-3, kl_weight="score", kl_input_clamp=20.0, kl_output_clamp=10.0),  # deepscaler-1.5b
+        dict(beta=0.04, loss_type="sapo", importance_sampling_level="sequence"),
+        dict(beta=0.04, loss_type="cispo_clamp", kl_weight="sampling_ratio", kl_estimator="k2"),
+        dict(beta=0.04, loss_type="cispo", epsilon_high=5.0, kl_estimator="k1", kl_weight="none",
+             rollout_is="seq-mask-tis", rollout_is_min=0.5),
+    ]
+    for kw in variants:
+        loss, _ = grpo_loss(logp, logp.detach(), torch.randn(2), mask, ref_logprobs=logp.detach(), cu_seqlens=cu,
+                            sampling_logprobs=samp, **kw)
         loss.backward()
 
 

@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 import torch
+from checks import assert_is_decisive
 from fastgrpo.kernels._utils import pad_packed, unpad_padded
 from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
@@ -22,18 +23,16 @@ from fastgrpo.kernels.reference import grpo_loss_ref, linear_logprobs_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# the module itself (``fastgrpo.kernels.grpo_loss`` as an attribute is the re-exported function)
+# the modules themselves (``fastgrpo.kernels.grpo_loss`` as an attribute is the re-exported function)
 G = importlib.import_module("fastgrpo.kernels.grpo_loss")
+K = importlib.import_module("fastgrpo.kernels.grpo_kernels")
+TP = importlib.import_module("fastgrpo.kernels.grpo_torch")
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the loss types with the clipped surrogate (delta, dual clip apply)
 
+# The gradient is returned in logp's dtype: two fp32 values equal to rounding may round to adjacent bf16 values,
+# one bf16 ulp apart (≤ 2^-7 of the largest gradient).
+BF16_ULP = 2.0**-7
 OPTIONS = {"plain": {}, "delta": {"delta": 1.4}, "dual": {"dual_clip_c": 1.5}}
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(G, "use_triton", lambda t: False)
-        monkeypatch.setattr(G, "TORCH_CHUNK", 16)  # several chunks: rows of padded input, token ranges of packed
-    return request.param
 
 
 def _lengths_to_mask(lengths, T):
@@ -78,7 +77,7 @@ def _compare(got, want, what=""):
         _assert_close(m1[k], m2[k], what=f"{what} {k}")
 
 
-@pytest.mark.parametrize("loss_type, level", list(itertools.product(G.LOSS_TYPES, G.LEVELS)))
+@pytest.mark.parametrize("loss_type, level", list(itertools.product(CLIPPED, G.LEVELS)))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("option", OPTIONS)
 def test_matches_reference(loss_type, level, beta, option):
@@ -149,24 +148,24 @@ def test_bf16_inputs_flash_rule(level):
     logp, old, ref, adv, mask = _inputs(4, 53, seed=11)
     low = [x.to(torch.bfloat16) for x in (logp, old, ref, adv)]
     up = torch.randn(())
-    for loss_type in G.LOSS_TYPES:
+    for loss_type in CLIPPED:
         kw = dict(old_logprobs=low[1], advantages=low[3], mask=mask, ref_logprobs=low[2], beta=0.04,
                   loss_type=loss_type, importance_sampling_level=level, delta=1.5)
         l1, m1, g1 = _run(grpo_loss, low[0], up, **kw)
         l32, m32, g32 = _run(grpo_loss_ref, low[0], up, **kw)  # upcast: fp32 math on the bf16 values
         llo, mlo, glo = _run(grpo_loss_ref, low[0], up, upcast=False, **kw)
         _assert_close(l1, l32, llo, atol_rel=1e-5, what=f"{loss_type} loss")
-        _assert_close(g1, g32, glo, atol_rel=1e-5, what=f"{loss_type} grad")
+        _assert_close(g1, g32, glo, atol_rel=BF16_ULP, what=f"{loss_type} grad")
         _assert_close(m1["kl"], m32["kl"], mlo["kl"], what="kl")
 
 
 def test_many_chunks_and_sequences(monkeypatch):
     """Token level splits sequences into chunks of several blocks and the finaliser loops over several blocks of
     sequences (sizes shrunk so that small inputs take the loops that real sizes (T > 1024, B > 128) take)."""
-    monkeypatch.setattr(G, "MAX_BLOCK", 16)
-    monkeypatch.setattr(G, "TARGET_PROGRAMS", 16)  # 5 sequences × 10 blocks → chunks of 3 blocks, 4 per sequence
-    monkeypatch.setattr(G, "FINALIZE_BLOCK_B", 2)
-    assert G._launch_config(150, 5)[1:3] == (48, 4)  # chunk length, chunks per sequence
+    monkeypatch.setattr(K, "MAX_BLOCK", 16)
+    monkeypatch.setattr(K, "TARGET_PROGRAMS", 16)  # 5 sequences × 10 blocks → chunks of 3 blocks, 4 per sequence
+    monkeypatch.setattr(K, "FINALIZE_BLOCK_B", 2)
+    assert K.launch_config(150, 5)[1:3] == (48, 4)  # chunk length, chunks per sequence
     up = torch.randn(())
     logp, old, ref, adv, mask = _inputs(5, 150, per_token_adv=True, lengths=[150, 0, 70, 64, 129], seed=13)
     for loss_type in ("grpo", "bnpo"):
@@ -239,7 +238,7 @@ def test_length_one_completions_use_the_mask():
 @settings(max_examples=10, deadline=None)
 @given(
     B=st.integers(1, 5), T=st.integers(2, 40), seed=st.integers(0, 2**16), per_token=st.booleans(),
-    loss_type=st.sampled_from(G.LOSS_TYPES), level=st.sampled_from(G.LEVELS), beta=st.sampled_from([0.0, 0.3]),
+    loss_type=st.sampled_from(CLIPPED), level=st.sampled_from(G.LEVELS), beta=st.sampled_from([0.0, 0.3]),
     option=st.sampled_from(sorted(OPTIONS)), eps=st.floats(0.0, 0.5),
 )
 def test_property_random_shapes(B, T, seed, per_token, loss_type, level, beta, option, eps):
@@ -354,6 +353,7 @@ def test_rollout_is_matches_reference(path, mode, packed):
         _compare(got, want, f"{path} {mode} {level}")
         if mode != "none":
             assert 0 < want[1]["sampling/is_clipped_fraction"] < 1, "the case must truncate/mask some tokens"
+            assert_is_decisive(old, samp, mask, mode, cap=2.0, low=0.5)  # the fraction compared is not a tie
 
 
 def test_rollout_is_none_leaves_the_loss_unchanged():
@@ -369,20 +369,23 @@ def test_rollout_is_none_leaves_the_loss_unchanged():
                                              "sampling/sampling_logp_difference/max"}
 
 
-def test_rollout_is_weights_the_policy_term_only():
+@pytest.mark.parametrize("kl_weight", ["ratio", "none"])
+def test_rollout_is_weights_the_policy_term_only(kl_weight):
     """Closed form: on-policy (old = logp, ratio 1, no clipping), dapo, the gradient of token ``t`` is
-    ``−A_b · ω_t / Σ m`` from the policy term plus the KL term's ``β (1 − exp(ref − logp)) / Σ m``, ω the truncated
-    token ratio; the KL term is not re-weighted."""
+    ``−A_b · ω_t / Σ m`` from the policy term, ω the truncated token ratio, plus the KL term's, not re-weighted:
+    ``β (logp − ref) / Σ m`` with the default ``kl_weight="ratio"`` (on-policy the score-function gradient, TRL's
+    ``use_bias_correction_kl=True``), ``β (1 − exp(ref − logp)) / Σ m`` (plain k3's derivative) with ``"none"``."""
     logp, _, ref, adv, mask = _inputs(2, 11, seed=75)
     samp = _sampling(logp, 76, spread=1.0)
     x = logp.clone().requires_grad_()
     beta, cap = 0.2, 1.5
     loss, _ = grpo_loss(x, logp, adv, mask, ref_logprobs=ref, beta=beta, loss_type="dapo", sampling_logprobs=samp,
-                        rollout_is="token_truncate", rollout_is_cap=cap)
+                        rollout_is="token_truncate", rollout_is_cap=cap, kl_weight=kl_weight)
     loss.backward()
     m = mask.float()
     omega = torch.exp(logp - samp).clamp(max=cap)
-    want = m * (-adv[:, None] * omega + beta * (1 - torch.exp(ref - logp))) / m.sum()
+    dkl = logp - ref if kl_weight == "ratio" else 1 - torch.exp(ref - logp)
+    want = m * (-adv[:, None] * omega + beta * dkl) / m.sum()
     torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-7)
     assert (omega[mask] == cap).any() and (omega[mask] < 1).any()
 
@@ -400,7 +403,7 @@ def test_rollout_is_bf16_flash_rule(mode):
     l32, m32, g32 = _run(grpo_loss_ref, low[0], up, **kw)
     llo, _, glo = _run(grpo_loss_ref, low[0], up, upcast=False, **kw)
     _assert_close(l1, l32, llo, what=f"{mode} loss")
-    _assert_close(g1, g32, glo, what=f"{mode} grad")
+    _assert_close(g1, g32, glo, atol_rel=BF16_ULP, what=f"{mode} grad")
     for k in m32:  # the metrics read the same bf16 values in fp32 on both sides
         _assert_close(m1[k], m32[k], what=k)
 
@@ -408,7 +411,7 @@ def test_rollout_is_bf16_flash_rule(mode):
 @settings(max_examples=12, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 30), min_size=1, max_size=5), seed=st.integers(0, 2**16),
-    mode=st.sampled_from(IS_MODES), level=st.sampled_from(G.LEVELS), loss_type=st.sampled_from(G.LOSS_TYPES),
+    mode=st.sampled_from(IS_MODES), level=st.sampled_from(G.LEVELS), loss_type=st.sampled_from(CLIPPED),
     cap=st.floats(1.05, 4.0), low=st.floats(0.0, 0.95), packed=st.booleans(), torch_path=st.booleans(),
     per_token=st.booleans(),
 )
@@ -422,7 +425,7 @@ def test_property_rollout_is(lengths, seed, mode, level, loss_type, cap, low, pa
     with pytest.MonkeyPatch.context() as mp:
         if torch_path:
             mp.setattr(G, "use_triton", lambda t: False)
-            mp.setattr(G, "TORCH_CHUNK", 8)
+            mp.setattr(TP, "TORCH_CHUNK", 8)
         if packed:
             l2, m2, g2 = _run(grpo_loss, unpad_padded(logp, cu), up, old_logprobs=unpad_padded(old, cu),
                               advantages=unpad_padded(adv, cu) if per_token else adv, mask=unpad_padded(mask, cu),
@@ -589,6 +592,8 @@ def test_fused_linear_grpo_loss_rollout_is_on_policy(packed, mode):
     for k in m_want:
         torch.testing.assert_close(m_got[k], m_want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert 0 < m_want["sampling/is_clipped_fraction"] < 1
+    with torch.no_grad():  # on-policy: old = the policy's own log-probs
+        assert_is_decisive(linear_logprobs_ref(hidden, weight, targets, bias=bias), samp, mask, mode, cap=1.5, low=0.7)
 
 
 # ---- GPU tier (bench/gpu_check.sh): compiled kernels at realistic sizes ---------------------------------------------
@@ -600,7 +605,7 @@ def test_gpu_matches_reference(dtype, level):
     logp, old, ref, adv, mask = (x.cuda() for x in _inputs(64, 3000, per_token_adv=True, seed=43))
     low = [x.to(dtype) for x in (logp, old, ref, adv)]
     up = torch.randn((), device="cuda")
-    for loss_type in G.LOSS_TYPES:
+    for loss_type in CLIPPED:
         kw = dict(old_logprobs=low[1], advantages=low[3], mask=mask, ref_logprobs=low[2], beta=0.04,
                   loss_type=loss_type, importance_sampling_level=level, dual_clip_c=3.0)
         l1, m1, g1 = _run(grpo_loss, low[0], up, **kw)

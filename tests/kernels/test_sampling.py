@@ -1,6 +1,10 @@
 """gumbel_sample against the closed form: the returned log-prob is ``log_softmax(logits / T)[token]``, a row's seed
 fixes its draw whatever the other rows are, and (GPU, many rows) the tokens follow ``softmax(logits / T)``; each path
-equals ``gumbel_sample_ref`` on the uniforms ``uniform_rows`` gives for the same seeds."""
+equals ``gumbel_sample_ref`` on the uniforms ``uniform_rows`` gives for the same seeds; ``inverse_cdf_sample`` against
+the exact counts of a grid of uniforms and against every boundary of an exactly representable CDF."""
+
+import itertools
+import random
 
 import pytest
 import torch
@@ -8,6 +12,8 @@ from checks import kernel_device, total_variation
 from fastgrpo.kernels import sampling
 from fastgrpo.kernels.reference import gumbel_sample_ref
 from fastgrpo.kernels.sampling import gumbel_sample
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 LOGP_ATOL = 1e-5  # fp32 log-sum-exp over a few thousand entries, different summation order
 
@@ -127,3 +133,45 @@ def test_inverse_cdf_sample_is_scale_free():
     u = torch.tensor([0.2, 0.3, 0.999], dtype=torch.float64)
     tok, _ = sampling.inverse_cdf_sample(w, u)
     assert tok.tolist() == [1, 3, 2]  # C / total = [0, 0.25, 0.25, 1]
+
+
+@settings(max_examples=40)
+@given(V=st.sampled_from([1, 2, 3, 7, 64, 300, 1025]), seed=st.integers(0, 2**32 - 1),
+       zeros=st.sampled_from([0.0, 0.3, 0.8]), run=st.booleans(), ends=st.booleans(),
+       layout=st.sampled_from(["row-major", "vocab-major"]))
+def test_inverse_cdf_sample_on_exact_boundaries(V, seed, zeros, run, ends, layout):
+    """Uniforms exactly on the CDF's boundaries. Integer weights (zeros scattered, in a run that may cover whole
+    blocks of the two-level CDF, first and last) with a power-of-two total ``P``: every cumulative sum is exact in
+    fp32 and fp64, and so are ``u = C_k / P`` and ``u · P = C_k``. Token v owns ``[C_{v−1}, C_v)``, so ``u · P = C_k``
+    must draw the first v with ``C_v > C_k`` (Python integers): the next positive weight, never a zero weight, at
+    every boundary (``u = 0``, each block's end, the start of the last positive weight) and at ``u = 1 − 2⁻⁵³``."""
+    rng = random.Random(seed)
+    w = [0 if rng.random() < zeros else rng.randint(1, 60) for _ in range(V)]
+    if run:
+        a, b = sorted(rng.sample(range(V + 1), 2))
+        w[a:b] = [0] * (b - a)
+    if ends:
+        w[0] = w[-1] = 0
+    if not any(w):
+        w[rng.randrange(V)] = 1
+    P = 1 << (sum(w) - 1).bit_length()
+    w[rng.choice([v for v in range(V) if w[v]])] += P - sum(w)  # total P (< 2^24: fp32 sums of the blocks exact)
+    C = [0, *itertools.accumulate(w)]  # C[k]: the weight of tokens < k
+    bounds = sorted({c for c in C if c < P})
+    want = [next(v for v in range(V) if C[v + 1] > c) for c in bounds] + [max(v for v in range(V) if w[v])]
+    u = torch.tensor([c / P for c in bounds] + [1.0 - 2.0**-53], dtype=torch.float64)
+    w_V = torch.tensor(w, dtype=torch.float32)
+    N = len(u)
+    w_NV = w_V.expand(N, V) if layout == "row-major" else w_V[:, None].repeat(1, N).t()
+    tok, total = sampling.inverse_cdf_sample(w_NV, u)
+    assert all(w[t] > 0 for t in tok.tolist()), "a zero weight was drawn"
+    assert tok.tolist() == want
+    assert (total == P).all()
+
+
+def test_inverse_cdf_sample_boundary_inside_a_block():
+    """V = 7 (blocks of 2): block 0 holds [1, 48], mass 49, total 64. u = 1/64 lies on C_0 = 1, the start of token 1;
+    as a fraction of the block, (1 / 49) · 49 rounds below 1 in fp64 and would draw token 0."""
+    w = torch.tensor([[1.0, 48.0, 0.0, 0.0, 15.0, 0.0, 0.0]])
+    tok, _ = sampling.inverse_cdf_sample(w, torch.tensor([1 / 64], dtype=torch.float64))
+    assert tok.tolist() == [1]
