@@ -614,7 +614,12 @@ def _linear_t(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor 
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: ``weight · (x / sqrt(mean(x²) + eps))``, normalised in fp32, cast back, then scaled."""
+    """Hugging Face's RMSNorm: ``weight · (x / sqrt(mean(x²) + eps))``, normalised in fp32, cast back, then scaled.
+
+    fp32 off CUDA: torch's fused ``rms_norm`` (one kernel instead of six; bit-identical to the composition on CPU for
+    hidden sizes 8-4096 and 1-77 rows, 1 and 2 threads)."""
+    if x.dtype == weight.dtype == torch.float32 and not x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
