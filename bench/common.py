@@ -53,7 +53,21 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
+    return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()} {_cpu_model()}".rstrip()
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; empty elsewhere): rows of two machines with the same core
+    count stay apart (bench/results/ holds rows from an AMD EPYC and an Intel Xeon host, both ``x86_64x2``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def git_sha() -> str:
