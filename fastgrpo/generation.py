@@ -195,10 +195,8 @@ class _Workspace(NamedTuple):
     the KV budget; otherwise every layer gathers its rows' pages at every step (``paged_decode_attention_torch``,
     slower).
 
-    **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors
-    (a fresh CPU tensor of 64 KiB or more is typically its own mmap, with page faults on every first touch: a few
-    hundred µs per MiB, as much as the matmuls of a tiny model's layer), as the feature-major products of
-    ``_linear_t``. None under autocast (``out=`` products are not cast)."""
+    **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors,
+    as the feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast)."""
 
     k_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]; None: attention through the pages
     v_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]
