@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -222,6 +223,7 @@ def main():
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=num_prompts * n)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=0)
 
+    load_start = os.getloadavg()[0]  # recorded with the rows: a machine busier than its cores stalls threaded runs
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, seed=0))  # warm-up (first-call costs)
     hf_generate(model, prompts[:2], 2, 4, device)
     repeats = args.repeats or (1 if cuda else 3)
@@ -256,6 +258,8 @@ def main():
         for r in rows:
             r["matmul_floor_s"] = floor_s
             r["x_floor"] = r["seconds"] / floor_s
+    for r in rows:
+        r.update(loadavg_start=round(load_start, 2), loadavg_end=round(os.getloadavg()[0], 2))
     if cuda:
         one = SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=0)
         prefill_s, _ = timed(lambda: engine.generate(prompts, one), device)
