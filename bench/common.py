@@ -35,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -215,31 +216,38 @@ def _cpu_peak_in_child(fn: Callable[[], object]) -> int:
     for stream in (sys.stdout, sys.stderr):  # nothing buffered is printed twice
         stream.flush()
     read_fd, write_fd = os.pipe()
+    grad = torch.is_grad_enabled()
     pid = os.fork()
     if pid == 0:  # the child: report and leave without running the parent's exit handlers
-        code = 0
+        result = ["error\nno result"]
+
+        def measure() -> None:
+            try:
+                torch.set_grad_enabled(grad)  # torch's grad mode is per thread
+                _map_file_pages()
+                exact_cpu_rss()
+                with open("/proc/self/clear_refs", "w") as f:  # "5" resets the resident high-water mark (Linux)
+                    f.write("5")
+                before = _rss_kib("VmRSS")
+                out = fn()
+                result[0] = str(max(_rss_kib("VmHWM") - before, 0) * 1024)
+                del out
+            except BaseException:  # noqa: BLE001 (everything goes back to the parent, which raises)
+                result[0] = "error\n" + traceback.format_exc()
+
         try:
             os.close(read_fd)
-            # GNU OpenMP's thread pool does not survive a fork (the parent's workers are gone: the child's next
-            # parallel region waits for them forever), so the child runs on one thread
-            torch.set_num_threads(1)
-            _map_file_pages()
-            exact_cpu_rss()
-            with open("/proc/self/clear_refs", "w") as f:  # "5" resets the resident high-water mark (Linux)
-                f.write("5")
-            before = _rss_kib("VmRSS")
-            out = fn()
-            msg = str(max(_rss_kib("VmHWM") - before, 0) * 1024)
-            del out
-        except BaseException:  # noqa: BLE001 (everything goes back to the parent, which raises)
-            msg, code = "error\n" + traceback.format_exc(), 1
+            # on a new thread: GNU OpenMP's pool belongs to the thread that started it, and its workers do not
+            # survive a fork (the main thread's next parallel region would wait for them forever); a new thread
+            # starts its own, with the parent's thread count (torch.compile's guards see the same state: no recompile)
+            worker = threading.Thread(target=measure)
+            worker.start()
+            worker.join()
+            os.write(write_fd, result[0].encode())
+            sys.stdout.flush()
+            sys.stderr.flush()
         finally:
-            try:
-                os.write(write_fd, msg.encode())
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
+            os._exit(0 if result[0].isdigit() else 1)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as f:
         msg = f.read().decode()
