@@ -10,10 +10,11 @@ mark on CPU, the caching allocator's peak on GPU); the gradients (the size of th
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from common import append_rows, median_ms, peak_extra_bytes, print_table
-from fastgrpo.kernels.grpo_loss import fused_linear_grpo_loss
+from fastgrpo.kernels import fused_linear_grpo_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.attention import enable_packed_attention
@@ -50,7 +51,7 @@ def measure(config: dict, dtype: torch.dtype, device: torch.device, mb, ac: bool
     ms = median_ms(lambda: step(model, mb), device, warmup=0, rep=1)
     return {"checkpointing": ac, "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
             "tokens": mb.batch.input_ids.numel(), "dtype": str(dtype).removeprefix("torch."),
-            "peak_MiB": peak / 2**20, "ms": ms}
+            "peak_MiB": peak / 2**20, "ms": ms, "threads": torch.get_num_threads(), "loadavg_1min": os.getloadavg()[0]}
 
 
 def main() -> None:

@@ -12,7 +12,9 @@ shrinks either). Figures:
   then an upper bound for the full length (its per-step cost grows with the cache), so the ratio is a lower bound.
 - CPU: the matmul floor = the time of the weight matmuls alone for the batch, × the steps; both implementations
   pay it, so it bounds the achievable speedup (``x_floor`` = seconds / floor).
-- Peak extra memory of each call (the engine's KV cache is freed when it returns).
+- Peak extra memory of each call (the engine's KV cache is freed when it returns), measured after the timing on one
+  more call (on CPU in a forked child, ``common.peak_extra_bytes``), so every timed call runs with the default
+  allocator.
 - GPU: the paged decode-attention kernel alone against a contiguous-cache reference and the memory roofline
   (:func:`paged_attention_rows`), rows in ``bench/results/decode_attention.csv``.
 
@@ -29,12 +31,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from common import append_rows, copy_bandwidth_gbps, median_ms, peak_extra_bytes, print_table, sync
+from common import append_rows, assert_timing_state, copy_bandwidth_gbps, median_ms, peak_extra_bytes, print_table, sync
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.generation import GenerationEngine, SamplingParams
@@ -75,19 +78,14 @@ def make_prompts(num: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def timed(fn, device) -> tuple[float, int, object]:
-    """(seconds, peak extra bytes, result) of one call."""
-    box = {}
-
-    def run():
-        sync(device)
-        t0 = time.perf_counter()
-        box["out"] = fn()
-        sync(device)
-        box["s"] = time.perf_counter() - t0
-
-    peak = peak_extra_bytes(run, device)
-    return box["s"], peak, box.pop("out")
+def timed(fn, device) -> tuple[float, object]:
+    """(seconds, result) of one call, in the default process state (memory is measured apart: ``peak_extra_bytes``)."""
+    assert_timing_state()
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
 
 
 def hf_generate(model, prompts, n, max_new_tokens, device):
@@ -225,20 +223,24 @@ def main():
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=num_prompts * n)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=0)
 
+    load_start = os.getloadavg()[0]  # recorded with the rows: a machine busier than its cores stalls threaded runs
     engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, seed=0))  # warm-up (first-call costs)
     hf_generate(model, prompts[:2], 2, 4, device)
     repeats = args.repeats or (1 if cuda else 3)
     eng_runs, hf_runs = [], []
     for _ in range(repeats):  # alternating, so a slow phase of a shared machine hits both sides
-        eng_s, eng_peak, out = timed(lambda: engine.generate(prompts, params), device)
+        eng_s, out = timed(lambda: engine.generate(prompts, params), device)
         assert all(len(c.token_ids) == new for comps in out for c in comps)
-        hf_s, hf_peak, hf_out = timed(lambda: hf_generate(model, prompts, n, hf_new, device), device)
+        hf_s, hf_out = timed(lambda: hf_generate(model, prompts, n, hf_new, device), device)
         assert hf_out.shape[0] == num_prompts * n
-        eng_runs.append((eng_s, eng_peak))
-        hf_runs.append((hf_s, hf_peak))
+        eng_runs.append(eng_s)
+        hf_runs.append(hf_s)
     del out, hf_out
-    eng_s, hf_s = statistics.median(r[0] for r in eng_runs), statistics.median(r[0] for r in hf_runs)
-    eng_peak, hf_peak = max(r[1] for r in eng_runs), max(r[1] for r in hf_runs)
+    eng_s, hf_s = statistics.median(eng_runs), statistics.median(hf_runs)
+    # memory after the timing, one more call each (on CPU in a forked child: the timed calls above never ran with
+    # its allocator setting)
+    eng_peak = peak_extra_bytes(lambda: engine.generate(prompts, params), device)
+    hf_peak = peak_extra_bytes(lambda: hf_generate(model, prompts, n, hf_new, device), device)
     eng_tps = num_prompts * n * new / eng_s
     hf_tps = num_prompts * n * hf_new / hf_s
 
@@ -256,9 +258,11 @@ def main():
         for r in rows:
             r["matmul_floor_s"] = floor_s
             r["x_floor"] = r["seconds"] / floor_s
+    for r in rows:
+        r.update(loadavg_start=round(load_start, 2), loadavg_end=round(os.getloadavg()[0], 2))
     if cuda:
         one = SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=0)
-        prefill_s, _, _ = timed(lambda: engine.generate(prompts, one), device)
+        prefill_s, _ = timed(lambda: engine.generate(prompts, one), device)
         step_ms = (eng_s - prefill_s) / (new - 1) * 1e3
         gbps = copy_bandwidth_gbps()
         roof_ms = decode_roofline_s(model, prompts, n, new, gbps) / (new - 1) * 1e3

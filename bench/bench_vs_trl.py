@@ -19,7 +19,11 @@ validation, no checkpoints, the same number of CPU threads. Each side runs in it
   time is measured around the reward function.
 
 The reward (math-verify on every ``\\boxed{}`` answer) is the same function on both sides: ``reward_s`` shows how
-much of a step it takes, and ``no_reward_vs_fastgrpo`` compares the rest (the trainers' own work).
+much of a step it takes, and ``no_reward_vs_fastgrpo`` compares the rest (the trainers' own work). TRL scores in
+the step, after generation. fastgrpo scores in worker processes while it decodes; its ``reward_s`` is the step's
+wait for the last scores after generation (``time/reward_wait``), ``reward_busy_s`` the scoring's span from the first
+group submitted to the last score (``time/reward``, overlapping the decode). fastgrpo's breakdown of a step:
+``generation_s`` + ``reward_s`` + ``update_s`` (+ metrics and bookkeeping).
 
 Each side runs once per seed (``--seeds``: the sampling seed, and the prompt order, of both trainers), and the
 first ``--warmup`` steps of each run are dropped; the table shows the median of the rest, pooled over the seeds.
@@ -47,7 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 1e-3  # the tiny recipe's GRPO learning rate
-PHASES = ("generation", "reward", "update")  # fastgrpo's own breakdown of a step (time/<phase> in its metrics)
+# fastgrpo's own breakdown of a step: column <- time/<phase> in its metrics
+PHASES = {"generation_s": "generation", "reward_s": "reward_wait", "reward_busy_s": "reward", "update_s": "update"}
 
 
 def _threads(requested: int) -> int:
@@ -97,8 +102,8 @@ def run_fastgrpo(args, out_dir: Path, model_path: Path, seed: int) -> dict:
     rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "time/step" in r]
     out = {"step_s": [r["time/step"] for r in rows], "length": [r["response_length/mean"] for r in rows],
            "reward": [r["reward/mean"] for r in rows]}
-    for phase in PHASES:
-        out[f"{phase}_s"] = [r.get(f"time/{phase}", float("nan")) for r in rows]
+    for column, phase in PHASES.items():
+        out[column] = [r.get(f"time/{phase}", float("nan")) for r in rows]
     return out
 
 
@@ -269,7 +274,7 @@ def main() -> None:
                      "s_per_step": statistics.median(timed), "s_per_step_min": min(timed),
                      "no_reward_s": statistics.median(rest), "response_length": statistics.mean(res["length"]),
                      "reward_mean": statistics.mean(res["reward"]), "sft_steps": args.sft_steps})
-        for key in (f"{phase}_s" for phase in PHASES):
+        for key in PHASES:
             if key in res:
                 rows[-1][key] = statistics.median(res[key])
     for r in rows:

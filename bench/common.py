@@ -8,10 +8,16 @@ benchmarks stay scripts: they print side-by-side ratios against baselines measur
 - GPU time: CUDA events (pytest-benchmark rounds read :func:`cuda_event_clock`; scripts use
   ``triton.testing.do_bench``), medians. CPU time: ``perf_counter``.
 - GPU peak extra memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
-- CPU peak extra memory: the process's resident high-water mark (``VmHWM``, reset through
-  ``/proc/self/clear_refs``) above the resident size before the call. On glibc the measurement is made exact
-  (``exact_cpu_rss``): every block of 64 KiB or more is its own mmap, unmapped when freed, and free heap pages are
-  handed back before the call, so the resident size follows the bytes actually live.
+- Timing and memory are separate measurements. Every timing runs in the state users run in: the default
+  allocator and threads (:func:`assert_timing_state` checks it before each timed call and fails otherwise).
+- GPU peak extra memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
+- CPU peak extra memory: measured in a forked child, never in the timed process. The child makes the resident size
+  exact (``exact_cpu_rss``: on glibc every block of 64 KiB or more becomes its own mmap, unmapped when freed, and
+  free heap pages are handed back before the call; the libraries' pages are mapped in first, as they are in the
+  parent: ``_map_file_pages``), runs the call once and reports the resident high-water mark
+  (``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident size before it. That setting slows code
+  that allocates fresh tensors (every one is page-faulted in), so it must never reach a timed call: the fork keeps
+  it out of the parent.
 - Ceilings (the roofline), measured on random data in the same run (METHOD.md: never time zeros): the
   device's copy bandwidth (bytes read + written) and its matmul rate (bf16 on GPU, fp32 on CPU).
 """
@@ -28,7 +34,10 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +54,21 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
+    return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()} {_cpu_model()}".rstrip()
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; empty elsewhere): rows of two machines with the same core
+    count stay apart (bench/results/ holds rows from an AMD EPYC and an Intel Xeon host, both ``x86_64x2``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def git_sha() -> str:
@@ -71,6 +94,7 @@ def median_ms(fn: Callable[[], object], device: torch.device | str, *, warmup: i
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    assert_timing_state()
     for _ in range(warmup):
         fn()
     times = []
@@ -91,6 +115,10 @@ def _rss_kib(field: str) -> int:
 
 MMAP_THRESHOLD_BYTES = 64 * 1024  # blocks this large or larger are mmapped, so freeing one unmaps it
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameter numbers (malloc.h)
+# the allocator probe's block: below glibc's largest dynamic mmap threshold (32 MiB on 64-bit), far above its heap's
+# usual free space (the top pad is 128 KiB)
+_PROBE_BYTES = 16 << 20
+_IS_MMAPPED = 0x2  # the flag bit in a glibc chunk's size word (the word just before the pointer malloc returns)
 
 
 @functools.cache
@@ -100,12 +128,16 @@ def _glibc():
     if name is None:
         return None
     libc = ctypes.CDLL(name)
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
 
 
-@functools.cache
 def _fix_malloc_thresholds() -> None:
-    """Once per process: a fixed mmap threshold of 64 KiB and no trim hysteresis (glibc ``mallopt``).
+    """A fixed mmap threshold of 64 KiB and no trim hysteresis (glibc ``mallopt``), for the rest of the process:
+    only ever called in the child of :func:`peak_extra_bytes`.
 
     By default glibc raises its mmap threshold (up to 32 MiB) each time an mmapped block is freed, after which
     such blocks come from the heap, and freed heap pages stay resident: a call that reuses them never raises the
@@ -125,11 +157,112 @@ def exact_cpu_rss() -> None:
         libc.malloc_trim(0)
 
 
-def peak_extra_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
-    """Peak memory ``fn`` needs above what was in use before it ran (its outputs included).
+def malloc_thresholds_fixed() -> bool | None:
+    """Whether this process's glibc has a fixed mmap threshold, as ``exact_cpu_rss`` sets (None: not glibc).
 
-    GPU: the caching allocator's peak above the bytes allocated before. CPU: the resident high-water mark above
-    the resident size before, after ``exact_cpu_rss`` (blocks under 64 KiB are not tracked exactly: noise).
+    It reads the allocator's behaviour, not a flag of ours. By default glibc's threshold is dynamic: freeing an
+    mmapped block raises the threshold above that block's size, so the same request made again comes from the
+    heap. The probe mallocs 16 MiB, frees it, mallocs it again and reads the second chunk's ``IS_MMAPPED`` bit: clear
+    by default (the request is below the threshold by then), set once the threshold is fixed below it (``mallopt``,
+    or ``MALLOC_MMAP_THRESHOLD_`` in the environment), unless a 16 MiB free block happens to lie in the heap.
+    """
+    libc = _glibc()
+    if libc is None:
+        return None
+    libc.free(libc.malloc(_PROBE_BYTES))
+    ptr = libc.malloc(_PROBE_BYTES)
+    if not ptr:
+        raise MemoryError("malloc of the allocator probe failed")
+    try:
+        return bool(ctypes.c_size_t.from_address(ptr - ctypes.sizeof(ctypes.c_size_t)).value & _IS_MMAPPED)
+    finally:
+        libc.free(ptr)
+
+
+def assert_timing_state() -> None:
+    """Fail unless this process times in the users' state: glibc's default (dynamic) mmap threshold, not the fixed
+    one ``exact_cpu_rss`` sets. Every timing helper here calls it before timing."""
+    if malloc_thresholds_fixed():
+        raise RuntimeError("this process's malloc has a fixed mmap threshold (exact_cpu_rss ran here, or "
+                           "MALLOC_MMAP_THRESHOLD_ is set): timings would not be those of the default allocator")
+
+
+_MADV_POPULATE_READ = 22  # madvise advice (Linux >= 5.14): map the pages of a range now, reading them if need be
+
+
+def _map_file_pages() -> None:
+    """Map, in this (forked) process, every page of its readable file mappings (the libraries' code and constants).
+
+    fork copies the page tables of anonymous memory only; a file mapping's pages (libtorch's code, ~400 MiB mapped)
+    are mapped again on first use, so a child's call would count, as its own resident memory, every page of code
+    it runs that the parent had already mapped (35 MiB more for one training step of the tiny model). Mapping them
+    all before the measurement leaves the call's own memory.
+    """
+    libc = _glibc()
+    if libc is None:
+        return
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 6 or not fields[5].startswith("/") or fields[1][0] != "r":
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            libc.madvise(start, end - start, _MADV_POPULATE_READ)  # a failure (old kernel) leaves it as it was
+
+
+def _cpu_peak_in_child(fn: Callable[[], object]) -> int:
+    """Fork; the child makes RSS exact, runs ``fn`` once and sends back its peak extra resident bytes."""
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered is printed twice
+        stream.flush()
+    read_fd, write_fd = os.pipe()
+    grad = torch.is_grad_enabled()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's exit handlers
+        result = ["error\nno result"]
+
+        def measure() -> None:
+            try:
+                torch.set_grad_enabled(grad)  # torch's grad mode is per thread
+                _map_file_pages()
+                exact_cpu_rss()
+                with open("/proc/self/clear_refs", "w") as f:  # "5" resets the resident high-water mark (Linux)
+                    f.write("5")
+                before = _rss_kib("VmRSS")
+                out = fn()
+                result[0] = str(max(_rss_kib("VmHWM") - before, 0) * 1024)
+                del out
+            except BaseException:  # noqa: BLE001 (everything goes back to the parent, which raises)
+                result[0] = "error\n" + traceback.format_exc()
+
+        try:
+            os.close(read_fd)
+            # on a new thread: GNU OpenMP's pool belongs to the thread that started it, and its workers do not
+            # survive a fork (the main thread's next parallel region would wait for them forever); a new thread
+            # starts its own, with the parent's thread count (torch.compile's guards see the same state: no recompile)
+            worker = threading.Thread(target=measure)
+            worker.start()
+            worker.join()
+            os.write(write_fd, result[0].encode())
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(0 if result[0].isdigit() else 1)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        msg = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0 or not msg.isdigit():
+        raise RuntimeError(f"the memory-measurement child failed (status {status}):\n{msg}")
+    return int(msg)
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device | str) -> int:
+    """Peak memory one call of ``fn`` needs above what was in use before it ran (its outputs included).
+
+    GPU: the caching allocator's peak above the bytes allocated before. CPU: measured in a forked child (see the
+    module docstring), so the calling process keeps the default allocator and its later timings are the users';
+    ``fn``'s side effects and result stay in the child (blocks under 64 KiB are not tracked exactly: noise).
     """
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -142,14 +275,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device | str) -> in
         peak = torch.cuda.max_memory_allocated() - before
         del out
         return peak
-    exact_cpu_rss()
-    with open("/proc/self/clear_refs", "w") as f:  # "5" resets the resident high-water mark (Linux)
-        f.write("5")
-    before = _rss_kib("VmRSS")
-    out = fn()
-    peak = _rss_kib("VmHWM") - before
-    del out
-    return max(peak, 0) * 1024
+    return _cpu_peak_in_child(fn)
 
 
 def copy_bandwidth_gbps(nbytes: int | None = None, device: torch.device | str = "cuda") -> float:
@@ -213,9 +339,10 @@ def measure(benchmark, fn: Callable[[], object], *, device: torch.device | str, 
     """Time ``fn`` as one pytest-benchmark case and record what the tables and plots need in ``extra_info``.
 
     ``fn`` has already run once (the numbers check, which also compiles and autotunes). Its peak extra memory is
-    measured on one more call, then ``rounds`` timed calls follow (default: 25 on GPU after 3 warm-up rounds; on
-    CPU as many as fit in about 1.5 s, 3 to 20). On GPU every round starts with a cold L2 and is timed by CUDA
-    events (:func:`cuda_event_clock`).
+    measured on one more call (on CPU in a forked child: :func:`peak_extra_bytes`), then ``rounds`` timed calls
+    follow in the default process state (default: 25 on GPU after 3 warm-up rounds; on CPU one untimed call, then
+    as many as fit in about 1.5 s, 3 to 20). On GPU every round starts with a cold L2 and is timed by CUDA events
+    (:func:`cuda_event_clock`).
     ``setup`` runs before each call, outside the timing (e.g. fresh inputs for an in-place method).
     ``extra_info``: ``method``, ``device``, ``peak_extra_MiB``, ``median_ms``, and with ``bytes_moved`` the
     effective ``GB/s`` and ``frac_of_copy_bw`` (of the measured copy bandwidth), with ``flops`` the ``TFLOP/s``
@@ -228,10 +355,15 @@ def measure(benchmark, fn: Callable[[], object], *, device: torch.device | str, 
         return
     if setup is not None:
         setup()
-    start = time.perf_counter()
     peak = peak_extra_bytes(fn, device)
-    once = time.perf_counter() - start  # CPU: as many rounds as fit in ~1.5 s, 3 to 20
-    rounds = rounds or (25 if cuda else max(3, min(20, int(1.5 / max(once, 1e-6)))))
+    assert_timing_state()
+    if rounds is None and not cuda:  # as many rounds as fit in ~1.5 s, 3 to 20, from one call in the timed state
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        rounds = max(3, min(20, int(1.5 / max(time.perf_counter() - start, 1e-6))))
+    rounds = rounds or 25
     if cuda:
         benchmark._timer = cuda_event_clock()  # the fixture's timer, read around each round (pytest-benchmark API)
 

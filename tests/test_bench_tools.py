@@ -1,13 +1,18 @@
 """The microbenchmark plumbing: pytest-benchmark collects bench/ with the project's configuration, plot.py renders
-and merges pytest-benchmark JSON. (The benchmarks themselves measure; no test asserts a time.)"""
+and merges pytest-benchmark JSON, the timed calls run with the default allocator while memory is measured apart.
+(The benchmarks themselves measure; no test asserts a time.)"""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -57,3 +62,88 @@ def test_pytest_collects_the_microbenchmarks_with_benchmark_only():
     assert res.returncode == 0, res.stdout + res.stderr
     files = {line.split("::")[0] for line in res.stdout.splitlines() if line.startswith("bench/")}
     assert files == {f"bench/{p.name}" for p in BENCH.glob("micro_*.py")}
+
+
+class _Benchmark:
+    """The parts of pytest-benchmark's fixture that ``common.measure`` uses: rounds run as asked, median recorded."""
+
+    disabled = False
+
+    def __init__(self):
+        self.extra_info, self.stats = {}, None
+
+    def pedantic(self, fn, setup=None, rounds=1, warmup_rounds=0):
+        times = []
+        for _ in range(warmup_rounds + rounds):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        self.stats = types.SimpleNamespace(stats=types.SimpleNamespace(median=statistics.median(times[warmup_rounds:])))
+
+
+def _churn_heap():
+    """Leave what glibc's default state leaves after real work: freed 8 MiB blocks (the dynamic mmap threshold
+    raised above them) and freed heap pages still resident."""
+    blocks = [torch.ones(2 << 20) for _ in range(4)]  # 8 MiB each
+    del blocks
+    blocks = [torch.ones(2 << 20) for _ in range(4)]
+    del blocks
+
+
+def test_timed_calls_run_with_the_default_allocator_and_memory_stays_exact():
+    """``measure``'s timed rounds see glibc's default (dynamic) mmap threshold, in this very process, even though
+    the peak memory was measured first; the memory figure still comes out exact (from the forked child)."""
+    import common
+
+    _churn_heap()
+    assert common.malloc_thresholds_fixed() is False  # the test process starts in the default state
+    states = []
+
+    def fn():
+        states.append(common.malloc_thresholds_fixed())
+        return torch.ones(4 << 20)  # 16 MiB, written
+
+    bench = _Benchmark()
+    common.measure(bench, fn, device="cpu", method="probe", ceilings={}, rounds=3)
+    assert states == [False] * 3  # every timed round; the memory call ran in the child and recorded nothing here
+    assert common.malloc_thresholds_fixed() is False
+    assert 16 <= bench.extra_info["peak_extra_MiB"] < 16 + 4  # the output's 16 MiB (+ noise under 4 MiB)
+    # the child runs with the fixed thresholds (else the call below could read 0: reused resident heap pages)
+    common.peak_extra_bytes(lambda: common.malloc_thresholds_fixed() or 1 / 0, "cpu")  # raises if not fixed there
+    _churn_heap()
+    assert 8 <= common.peak_extra_bytes(lambda: torch.ones(2 << 20), "cpu") / 2**20 < 8 + 4
+
+
+def test_the_timing_check_fails_once_the_memory_setting_leaks_into_the_timed_process():
+    """The check can fail: a process that called ``exact_cpu_rss`` itself (what peak_extra_bytes did before) is
+    refused by every timing helper, the generation bench's included."""
+    code = """
+import common, torch
+from bench_generation import timed
+assert common.malloc_thresholds_fixed() is False
+common.exact_cpu_rss()
+assert common.malloc_thresholds_fixed() is True
+for call in (lambda: common.median_ms(lambda: None, "cpu"), lambda: timed(lambda: None, "cpu")):
+    try:
+        call()
+    except RuntimeError as e:
+        assert "fixed mmap threshold" in str(e)
+    else:
+        raise SystemExit("a timing helper timed with the fixed thresholds")
+print("refused")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MALLOC_MMAP_THRESHOLD_")}
+    res = subprocess.run([sys.executable, "-c", code], cwd=BENCH, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "refused", res.stdout + res.stderr
+
+
+def test_a_failing_memory_call_raises_in_the_caller():
+    import common
+
+    def boom():
+        raise ValueError("the call failed")
+
+    with pytest.raises(RuntimeError, match="the call failed"):
+        common.peak_extra_bytes(boom, "cpu")
