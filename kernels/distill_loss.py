@@ -84,6 +84,7 @@ from ._utils import (
     use_triton,
 )
 from .grpo_loss import MASK_DTYPES
+from .grpo_options import check_normaliser
 from .linear_logprobs import _chunk_buffers, _chunk_logits, _input_precision, _view
 
 if HAS_TRITON:
@@ -644,20 +645,7 @@ def _validate(hs, ws, ht, wt, mask, bs, bt, beta, mixed_kl_weight, temperature, 
         raise ValueError(f"vocab_size must be an int in [1, {rows}] (the heads' rows), got {vocab_size!r}")
     if loss_type not in AGGREGATIONS:
         raise ValueError(f"loss_type must be one of {AGGREGATIONS}, got {loss_type!r}")
-    if max_completion_length is not None and (isinstance(max_completion_length, bool)
-                                              or not isinstance(max_completion_length, int)
-                                              or max_completion_length < 1):
-        raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
-    if loss_type == "dr_grpo" and packed and max_completion_length is None:
-        raise ValueError("max_completion_length is required for loss_type='dr_grpo' with packed input "
-                         "(padded input defaults it to T)")
-    if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch must hold one value, got shape {tuple(num_items_in_batch.shape)}")
-    elif num_items_in_batch is not None and (isinstance(num_items_in_batch, bool)
-                                             or not isinstance(num_items_in_batch, numbers.Real)
-                                             or not num_items_in_batch >= 0):
-        raise ValueError(f"num_items_in_batch must be a number >= 0, got {num_items_in_batch!r}")
+    check_normaliser(loss_type, max_completion_length, num_items_in_batch, packed)
     return div, int(vocab_size)
 
 

@@ -80,6 +80,25 @@ def check_scalar(name: str, value, *, low: float | None = None, strict: bool = F
         raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value!r}")
 
 
+def check_normaliser(loss_type: str, max_completion_length, num_items_in_batch, packed: bool) -> None:
+    """The normaliser arguments of the losses that aggregate as GRPO's (``loss_type`` grpo / bnpo / dr_grpo / dapo):
+    ``max_completion_length`` a positive int (required for packed dr_grpo), ``num_items_in_batch`` a number ≥ 0 or a
+    one-element tensor."""
+    if max_completion_length is not None and (
+        isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int)
+        or max_completion_length < 1
+    ):
+        raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
+    if loss_type == "dr_grpo" and packed and max_completion_length is None:
+        raise ValueError("max_completion_length is required for loss_type='dr_grpo' with packed input "
+                         "(padded input defaults it to T)")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must hold one value, got shape {tuple(num_items_in_batch.shape)}")
+    else:
+        check_scalar("num_items_in_batch", num_items_in_batch, low=0.0)
+
+
 def _check_advantages(advantages, per_token_advantages, packed, n_seqs, max_len, n_tok, dev) -> bool:
     """Whether the advantages are per token (else per sequence)."""
     check_tensor("advantages", advantages, ndim=(1, 2), dtypes=FLOAT_DTYPES, device=dev)
@@ -195,24 +214,12 @@ def validate(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, beta, ep
                                       logprobs.shape[0], dev)
     eps_high = _check_policy(loss_type, importance_sampling_level, epsilon_low, epsilon_high, delta, dual_clip_c,
                              sapo_temperature_pos, sapo_temperature_neg)
-    if max_completion_length is not None and (
-        isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int)
-        or max_completion_length < 1
-    ):
-        raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
+    check_normaliser(loss_type, max_completion_length, num_items_in_batch, packed)
     check_scalar("off_policy_mask_threshold", off_policy_mask_threshold)
     if loss_type == "luspo":  # Σ m ℓ / B: dr_grpo's normaliser with a length of 1
         max_completion_length = 1
-    if loss_type == "dr_grpo" and packed and max_completion_length is None:
-        raise ValueError("max_completion_length is required for loss_type='dr_grpo' with packed input "
-                         "(padded input defaults it to T)")
-    if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch must hold one value, got shape {tuple(num_items_in_batch.shape)}")
-        num_items = num_items_in_batch.to(device=dev, dtype=torch.float32).reshape(())
-    else:
-        check_scalar("num_items_in_batch", num_items_in_batch, low=0.0)
-        num_items = num_items_in_batch
+    num_items = (num_items_in_batch.to(device=dev, dtype=torch.float32).reshape(())
+                 if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch)
     return Options(
         loss_type=loss_type, seq_level=importance_sampling_level == "sequence", adv_per_token=adv_per_token,
         beta=float(beta), eps_low=float(epsilon_low), eps_high=float(eps_high),
