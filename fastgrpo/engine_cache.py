@@ -1,0 +1,103 @@
+"""The per-``generate`` memory of the engine: the KV page pool (``_KVCache``) and, on the eager (CPU) path, the row
+cache and reused step buffers (``_Workspace``), with the ``_Run`` steps that size the workspace and refresh its rows
+from the pages (``_RowCacheSteps``). Which sequence owns which row and pages is the scheduler's
+(``fastgrpo.scheduler``); this file only copies K/V where the block tables say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass
+class _KVCache:
+    """The per-``generate`` memory (freed when generate returns): the KV page pool, head-major (a page's keys of
+    one kv head are contiguous: a row refresh copies whole blocks, and the CUDA kernel reads 64 × D contiguous
+    values per page and head), and, on the eager (CPU) path, the row cache and the step's reused buffers."""
+
+    k: torch.Tensor  # [L, Hkv, pages, page_size, D]
+    v: torch.Tensor  # [L, Hkv, pages, page_size, D]
+    work: _Workspace | None = None
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's pools as ``[pages, page_size, Hkv, D]`` views (the decode-attention API's layout)."""
+        return self.k[layer].permute(1, 2, 0, 3), self.v[layer].permute(1, 2, 0, 3)
+
+    def write(self, layer: int, slot_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
+        """K/V of N tokens into flat slots ``page · page_size + offset`` of the layer's pool."""
+        Hkv, D = self.k.shape[1], self.k.shape[-1]
+        self.k[layer].view(Hkv, -1, D)[:, slot_N] = k_NHD.transpose(0, 1)
+        self.v[layer].view(Hkv, -1, D)[:, slot_N] = v_NHD.transpose(0, 1)
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of pages ``src`` into pages ``dst``."""
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+
+
+class _Workspace(NamedTuple):
+    """The eager (CPU) decode step's memory besides the pages.
+
+    **Row cache.** Its attention reads each row's keys laid out contiguously, ``k_rows[layer, row, :, :len]``, not
+    a fresh gather of the row's pages at every layer and step (which copies the whole live K/V once more per step and
+    was the largest cost of a CPU step). Every decode step writes its token's K/V to the pages and to the row cache;
+    a row whose sequence changed (admitted, moved by compaction, recomputed after a preemption) is refreshed from
+    its pages through the block table, so the pages stay the one source of truth. Memory: a static cache for the
+    rows (``L · R · Hkv · max_pages · page_size · D`` keys and values), kept only when it holds no more tokens than
+    the KV budget; otherwise every layer gathers its rows' pages at every step (``paged_decode_attention_torch``,
+    slower).
+
+    **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors,
+    as the feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast)."""
+
+    k_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]; None: attention through the pages
+    v_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]
+    scores: torch.Tensor  # [R · Hq · max_pages · page_size] fp32: the attention's scores
+    gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation
+    up: torch.Tensor | None  # [R · intermediate]
+    down: torch.Tensor | None  # [R · H]: the MLP's output
+    logits: torch.Tensor | None  # [R · V] fp32
+
+
+class _RowCacheSteps:
+    """The ``_Run`` steps of the CPU row cache (a mixin of ``fastgrpo.generation._Run``)."""
+
+    def _workspace(self, R: int, max_keys: int) -> _Workspace:
+        """The eager decode step's row cache and buffers for ``R`` rows of at most ``max_keys`` keys (see
+        :class:`_Workspace`): by default the row cache only when it holds no more tokens than the KV budget
+        (``R · max_keys ≤ max_total_tokens``: the eager path's K/V stays within twice the budget); no activation
+        buffers under autocast."""
+        e, dev, dt = self.e, self.device, self.dtype
+        shape = (len(e.layers), R, e.num_kv_heads, max_keys, e.head_dim)
+        rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
+        plain = dt == next(e.model.parameters()).dtype
+        inter = e.layers[0].mlp.gate_proj.out_features
+        return _Workspace(
+            # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
+            k_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
+            v_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
+            scores=torch.empty(R * e.num_heads * max_keys, device=dev),
+            gate=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
+            up=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
+            down=torch.empty(R * e.model.config.hidden_size, device=dev, dtype=dt) if plain else None,
+            logits=torch.empty(R * e.vocab_size, device=dev) if plain else None,
+        )
+
+    def _refresh_rows(self, work: _Workspace, cache: _KVCache, n_pages: int) -> None:
+        """Copy into the row cache, from the pages, every running row whose sequence is not the one it holds."""
+        rows = [row for row, seq in enumerate(self.sched.rows) if self.row_owner[row] is not seq]
+        self.row_owner[len(self.sched.rows) :] = [None] * (len(self.row_owner) - len(self.sched.rows))
+        if not rows:
+            return
+        for row in rows:
+            self.row_owner[row] = self.sched.rows[row]
+        idx = torch.tensor(rows, device=self.device)
+        pages_NP = self.st.table[idx, :n_pages].long()
+        L, Hkv, _, ps, D = cache.k.shape
+        T = n_pages * ps
+        for pool, row_cache in ((cache.k, work.k_rows), (cache.v, work.v_rows)):
+            keys = pool[:, :, pages_NP]  # [L, Hkv, N, P, page_size, D]
+            row_cache[:, idx, :, :T] = keys.transpose(1, 2).reshape(L, len(rows), Hkv, T, D)

@@ -1,0 +1,198 @@
+"""The model pieces of the engine's device step: the layer's projections, attention of a packed prefill, the MLP, the
+final norm and the fp32 LM head, read from the model's own parameter tensors (``_ModelPieces``, a base of
+``fastgrpo.generation.GenerationEngine``), and the elementwise ops ``torch.compile`` fuses on CUDA (``_Ops``).
+The decode forward, which picks the attention path, is ``GenerationEngine._decode_forward``.
+Tensor names carry their shape (the letters of ``fastgrpo.generation``: N packed tokens, M rows, H hidden, V vocab).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fastgrpo.engine_cache import _Workspace
+
+LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
+
+
+class _ModelPieces:
+    """The forward pieces of :class:`~fastgrpo.generation.GenerationEngine` (its attributes: model, layers, head
+    counts, scale, qk_norm, silu, _compile, _compiled_ops)."""
+
+    def _autocast(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
+        if dtype == param_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+
+    def _rope_tables(self, length: int, device: torch.device, dtype: torch.dtype):
+        """cos/sin ``[T, D]`` from the model's own rotary module (its inv_freq and attention scaling)."""
+        probe = torch.empty(1, device=device, dtype=dtype)
+        positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
+        cos, sin = self.model.model.rotary_emb(probe, positions)
+        return cos[0].to(dtype), sin[0].to(dtype)  # [T, D]
+
+    def _ops(self, device: torch.device) -> _Ops:
+        """The elementwise helpers: compiled (fused kernels) on CUDA unless ``compile=False``, eager elsewhere."""
+        want = device.type == "cuda" if self._compile is None else self._compile
+        if not want:
+            return _EAGER_OPS
+        if self._compiled_ops is None:
+            self._compiled_ops = _Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in _EAGER_OPS))
+        return self._compiled_ops
+
+    def _attn_in(self, ops: _Ops, layer, h, cos, sin, dtype):
+        """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
+        attn = layer.self_attn
+        M = h.shape[0]
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(M, self.num_heads, self.head_dim)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(M, self.num_kv_heads, self.head_dim)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(M, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q, k = ops.rope_qk(q, k, cos, sin)
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+
+    def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ, work: _Workspace | None = None):
+        """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
+        workspace the gate and up projections and the activation go to its buffers (in place, the same values)."""
+        attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        o = F.linear(o_MQ, attn.o_proj.weight, attn.o_proj.bias)
+        x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
+        if work is None or work.gate is None:
+            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+            act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
+            return x, F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
+        gate = _linear_t(h, mlp.gate_proj.weight, mlp.gate_proj.bias, work.gate)  # [M, I] feature-major views
+        up = _linear_t(h, mlp.up_proj.weight, mlp.up_proj.bias, work.up)
+        act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
+        return x, _linear_t(act, mlp.down_proj.weight, mlp.down_proj.bias, work.down)
+
+    def _norm_in(self, ops: _Ops, layer, x, delta):
+        """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
+        ln1 = layer.input_layernorm
+        if delta is None:
+            return x, ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
+        return ops.add_rms_norm(x, delta, ln1.weight, ln1.variance_epsilon)
+
+    def _prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, cache, slot_N, dtype):
+        """Packed prefill of prompts sorted into equal-length groups; returns the last residual stream ``[N, H]``
+        (before the final norm).
+
+        ``groups``: ``(start, count, length)`` = ``count`` prompts of ``length`` tokens at ``start`` in the row.
+        Token i's K/V go to flat slot ``slot_N[i]`` of the page pool (page · page_size + offset). Its attention reads
+        the same K/V values it writes (the fresh tensors, before the write), so it equals attention through the pages.
+        """
+        N = tokens_N.shape[0]
+        G = self.num_heads // self.num_kv_heads
+        cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
+        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = self._norm_in(ops, layer, x, delta)
+            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
+            cache.write(li, slot_N, k, v)
+            out = torch.empty_like(q)  # [N, Hq, D]
+            for start, count, length in groups:
+                end = start + count * length
+                qg = q[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+                kg = k[start:end].view(count, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                vg = v[start:end].view(count, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+                if G > 1:  # query head h reads kv head h // G (Hugging Face's repeat_kv)
+                    kg, vg = kg.repeat_interleave(G, dim=1), vg.repeat_interleave(G, dim=1)
+                og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale)  # [c, Hq, len, D]
+                out[start:end] = og.transpose(1, 2).reshape(count * length, self.num_heads, self.head_dim)
+            x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
+        return x + delta
+
+    def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
+        norm = self.model.model.norm
+        return self._lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
+
+    def _lm_head(self, h_MH: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits = h Wᵀ (+ b)`` ``[M, V]``, accumulated and returned in fp32 like the training kernels' (never
+        rounded to bf16 before the softmax). bf16/fp16 on CUDA: cuBLAS with an fp32 output (``torch.mm``'s
+        ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over vocabulary chunks of
+        ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time). ``out`` (off CUDA): a flat fp32 buffer the
+        product ``W hᵀ`` is written to; the logits are then its feature-major ``[M, V]`` view (see ``_linear_t``)."""
+        weight_VH, bias_V = self.model.lm_head.weight, self.model.lm_head.bias
+        with torch.autocast(h_MH.device.type, enabled=False):
+            if h_MH.dtype == weight_VH.dtype == torch.float32:
+                return F.linear(h_MH, weight_VH, bias_V) if out is None else _linear_t(h_MH, weight_VH, bias_V, out)
+            if h_MH.is_cuda:
+                logits_MV = torch.mm(h_MH, weight_VH.to(h_MH.dtype).t(), out_dtype=torch.float32)
+                return logits_MV if bias_V is None else logits_MV + bias_V.float()
+            M, V = h_MH.shape[0], weight_VH.shape[0]
+            h32 = h_MH.float()
+            logits_VM = torch.empty(V, M, device=h_MH.device) if out is None else out[: V * M].view(V, M)
+            for v0 in range(0, V, LM_HEAD_CHUNK):
+                w_CH = weight_VH[v0 : v0 + LM_HEAD_CHUNK].float()
+                torch.mm(w_CH, h32.t(), out=logits_VM[v0 : v0 + LM_HEAD_CHUNK])
+            if bias_V is not None:
+                logits_VM += bias_V.float()[:, None]
+            return logits_VM.t()
+
+
+def _linear_t(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, out: torch.Tensor):
+    """``F.linear(x, weight, bias)`` for 2-D ``x``, computed as ``W xᵀ`` into the flat buffer ``out`` (``[N, M]``,
+    contiguous) and returned as its ``[M, N]`` view, feature-major (strides (1, M)).
+
+    For a few rows (decode: M = the batch) MKL's product is up to 2x faster with the weight as the long operand
+    (the 16K × 256 LM head of ``bench_generation.py`` at M = 32: 2.1–2.5 ms against 3.4–4.9 ms cache-cold; the MLP's
+    704 × 256 products 95 against 124 µs), and the buffer saves a fresh allocation per step. Elementwise ops and
+    the next product take the view as it is (``x`` may itself be such a view: ``xᵀ`` is then contiguous)."""
+    M, N = x_MK.shape[0], weight_NK.shape[0]
+    y_NM = torch.mm(weight_NK, x_MK.t(), out=out[: N * M].view(N, M))
+    if bias_N is not None:
+        y_NM += bias_N[:, None]
+    return y_NM.t()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: ``weight · (x / sqrt(mean(x²) + eps))``, normalised in fp32, cast back, then scaled.
+
+    fp32 off CUDA: torch's fused ``rms_norm`` (one kernel instead of six; bit-identical to the composition on CPU for
+    hidden sizes 8-4096 and 1-77 rows, 1 and 2 threads)."""
+    if x.dtype == weight.dtype == torch.float32 and not x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Residual add then RMSNorm: returns (x + delta, rms_norm(x + delta))."""
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
+
+
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+
+class _Ops(NamedTuple):
+    """The elementwise pieces of a layer; torch.compile fuses each into one or two kernels on CUDA."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rope_qk: Callable
+    silu_mul: Callable
+
+
+_EAGER_OPS = _Ops(_rms_norm, _add_rms_norm, _rope_qk, _silu_mul)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x·cos + rotate_half(x)·sin`` (Hugging Face's convention); x [..., D], cos/sin broadcast."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)

@@ -1,0 +1,169 @@
+"""Sampling for the generation engine: the request (``SamplingParams``), the result (``Completion``), each sample's
+random stream and the draw of one token per row (``_sample``).
+
+With ``temperature == 0`` the token is ``argmax(logits)`` and its log-prob is ``log_softmax(logits)``.
+Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
+kept), then top-p keeps the smallest set of the most likely tokens (of the top-k renormalised distribution)
+whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
+renormalised distribution. Every sample has its own random stream keyed by ``h(seed, sample, t)`` for its t-th token
+(``fastgrpo.kernels.sampling``), so a sample's tokens do not depend on the batch it runs in, its slot,
+``max_batch_size`` or ``sync_every``, and no host sync is needed to seed them. On CUDA the draw is the Gumbel-max
+trick (``argmax(logp_masked - log(-log(U)))``, ``U = U(h, v)`` philox); temperature-only sampling (no top-k/top-p,
+the GRPO default) is ``fastgrpo.kernels.sampling.gumbel_sample``, one kernel that draws the noise in registers and
+reads each row of logits twice. Elsewhere it is the inverse CDF with one 53-bit uniform per row, a hash of ``h``
+(``inverse_cdf_sample``: fp64 CDF in two levels, no ``[S, V]`` noise). Same distribution, different draws.
+The logits are accumulated and kept in fp32 (the LM head's product has an fp32 output even for bf16 weights), like
+the training kernels', so no bf16 rounding happens before the softmax.
+**The returned log-prob is ``logp[token]``: under the temperature-scaled distribution before top-p/top-k
+truncation**, which is what the training forward computes with the same temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fastgrpo.kernels._utils import use_triton
+from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, inverse_cdf_sample, uniform_rows
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: ``n`` completions per prompt, each at most ``max_new_tokens`` long."""
+
+    n: int = 1
+    """Completions per prompt (the GRPO group size); the prompt is prefilled once for all of them."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the most likely tokens whose probability mass reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    max_new_tokens: int = 256
+    """Upper bound on generated tokens per completion (finish_reason "length" when reached without a stop)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the engine's eos_token_ids; the stop token is included in the output."""
+    seed: int | None = None
+    """Seed of the sampling generator; None draws one from torch's default generator (torch.manual_seed)."""
+    max_sequence_tokens: int | None = None
+    """Prompt + response budget (NeMo-RL's max_total_sequence_length): each prompt's response limit is
+    ``min(max_new_tokens, max_sequence_tokens - len(prompt))``; None = max_new_tokens alone."""
+
+    def __post_init__(self):
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        stops = tuple(self.stop_token_ids)
+        if not all(is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        mst = self.max_sequence_tokens
+        if mst is not None and (not is_int(mst) or mst < 2):
+            raise ValueError(f"SamplingParams.max_sequence_tokens must be an integer >= 2 or None, got {mst!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def response_limit(self, prompt_len: int) -> int:
+        """Most tokens a completion of a ``prompt_len``-token prompt may have (may be < 1: no room)."""
+        if self.max_sequence_tokens is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.max_sequence_tokens - prompt_len)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt (the prompt itself is not included)."""
+
+    token_ids: list[int]
+    """Generated tokens; ends with the stop token when finish_reason is "stop"."""
+    logprobs: list[float] = field(repr=False)
+    """log p(token) under softmax(logits / temperature) before top-p/top-k truncation (temperature 1 for greedy)."""
+    finish_reason: str
+    """"stop" (an eos or stop token was sampled) or "length" (the response limit was reached)."""
+
+
+def _use_fused_sampling(t: torch.Tensor) -> bool:
+    """Temperature-only sampling by the Triton kernel on CUDA; torch ops elsewhere (and for top-k/top-p)."""
+    return t.is_cuda and use_triton(t)
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of int64 values in [0, 2^31) onto [0, 2^31) (xor-shift-multiply; no overflow in int64)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & SEED_MASK
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & SEED_MASK
+    return x ^ (x >> 16)
+
+
+def _sample_streams(seed: int, sample_S: torch.Tensor) -> torch.Tensor:
+    """The key of each sample's random stream, a hash of (call seed, sample id): computed once when a sample takes
+    its row, so that a decode step hashes only the token index (``_row_seeds``)."""
+    return _mix31(_mix31(torch.full_like(sample_S, seed & SEED_MASK)) ^ sample_S)
+
+
+def _row_seeds(stream_S: torch.Tensor, index_S: torch.Tensor) -> torch.Tensor:
+    """The seed of each row's next draw: a hash of (call seed, sample id, index of the token being drawn), from the
+    sample's stream key, on the rows' device (no host sync). A sample's noise is then the same whatever batch or row
+    it runs in."""
+    return _mix31(stream_S ^ index_S)
+
+
+def _row_uniforms(seeds_S: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, fp64 with 53 random bits, from the row's stream (``_row_seeds``): the high 31
+    bits are the seed itself, the low 22 a second hash of it. On the rows' device, no host sync."""
+    low = _mix31(seeds_S ^ 0x2545F491) >> 9  # 22 bits
+    return ((seeds_S << 22) | low).double() * 2.0**-53
+
+
+def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor):
+    """Draw one token per row (row r from its stream ``seeds_S[r]``); returns (token [S] int64, log-prob [S] fp32
+    before top-p/top-k truncation). ``logits_SV`` is consumed: the unfused path works in place on it.
+
+    On CUDA (the Triton kernels) the draw is Gumbel-max over the row's uniforms ``U(seed, v)``; elsewhere it is the
+    inverse CDF with one uniform per row (``inverse_cdf_sample``): the same distribution, no ``[S, V]`` noise."""
+    if params.greedy:
+        logp = torch.log_softmax(logits_SV, dim=-1)
+        tok = logits_SV.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    fused = _use_fused_sampling(logits_SV)
+    plain = not params.top_k and params.top_p == 1.0
+    if plain and fused:
+        return gumbel_sample(logits_SV, params.temperature, seeds_S)
+    if plain:  # w = exp(x − max x) in place, x = logits / T; log p[token] = log w[token] − log Σ w
+        w_SV = logits_SV if params.temperature == 1.0 else logits_SV.div_(params.temperature)
+        w_SV.sub_(w_SV.amax(dim=-1, keepdim=True)).exp_()
+        tok, total = inverse_cdf_sample(w_SV, _row_uniforms(seeds_S))
+        return tok, (w_SV.gather(1, tok[:, None]).squeeze(1).double().log() - total.log()).float()
+    logp = torch.log_softmax(logits_SV / params.temperature, dim=-1)  # [S, V]
+    kept = logp
+    if params.top_k and params.top_k < logp.shape[-1]:
+        kth = torch.topk(logp, params.top_k, dim=-1).values[:, -1:]  # [S, 1]
+        kept = kept.masked_fill(logp < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_lp, order = torch.sort(kept, dim=-1, descending=True)
+        probs = torch.softmax(sorted_lp, dim=-1)  # renormalised over what top-k kept
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+        drop = mass_before >= params.top_p  # the first token always stays (mass_before = 0 < top_p)
+        kept = kept.scatter(1, order, sorted_lp.masked_fill(drop, -math.inf))
+    if fused:  # Gumbel(0, 1) noise −log(−log u) from the kernel's uniforms (philox, no host sync)
+        u = uniform_rows(seeds_S, kept.shape[-1])  # [S, V]
+        tok = (kept - (-u.log()).log()).argmax(dim=-1)
+    else:  # the truncated tokens have weight exp(−inf) = 0: never drawn
+        tok, _ = inverse_cdf_sample(kept.exp(), _row_uniforms(seeds_S))
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
