@@ -246,6 +246,16 @@ def teacher_forced(model, samples):
     return torch.stack([torch.nn.functional.pad(r, (0, T - len(r))) for r in rows]), mask
 
 
+def teacher_forced_at(model, before, samples):
+    """``teacher_forced`` at the weights ``before`` (an update's starting point): the model is reset to them and its
+    gradients cleared, so that a reference loss's backward leaves the reference gradient in ``p.grad``."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(before[k])
+    model.zero_grad()
+    return teacher_forced(model, samples)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_update_matches_unpacked_reference_across_microbatches(loss_type):
     state = init_distributed("cpu")
@@ -255,11 +265,7 @@ def test_update_matches_unpacked_reference_across_microbatches(loss_type):
     assert metrics["optimizer_steps"] == 1 and metrics["bad_steps"] == 0
 
     # reference: the original weights, each sequence alone through the HF forward, padded fp32 loss
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(before[k])
-    model.zero_grad()
-    logp, mask = teacher_forced(model, samples)
+    logp, mask = teacher_forced_at(model, before, samples)
     adv = torch.tensor([s.advantage for s in samples])
     ref_loss, _ = grpo_loss_ref(logp, logp.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
     ref_loss.backward()
@@ -288,11 +294,7 @@ def test_update_rollout_is_uses_the_engine_logprobs(mode):
         noise = torch.randn(len(s.completion_ids), generator=g) * 0.5
         s.sample_logprobs = (logp0[b, : len(s.completion_ids)] + noise).tolist()
     metrics, delta, model, before = run_update(cfg, samples, state)
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(before[k])
-    model.zero_grad()
-    logp, mask = teacher_forced(model, samples)
+    logp, mask = teacher_forced_at(model, before, samples)
     samp = torch.stack([torch.nn.functional.pad(torch.tensor(s.sample_logprobs), (0, logp.shape[1] -
                                                 len(s.sample_logprobs))) for s in samples])
     adv = torch.tensor([s.advantage for s in samples])
