@@ -52,26 +52,30 @@ def _repad(g_N, cu, T):
     return torch.nn.functional.pad(g, (0, T - g.shape[1]))
 
 
-def _both(kw, tensors, cu, per_token, up, torch_path):
-    """(grpo_loss, grpo_loss_ref) on the same case: grpo_loss packed when ``cu`` is given, on the chosen path."""
+def _fastgrpo(kw, tensors, cu, per_token, up, torch_path):
+    """grpo_loss's (loss, metrics, padded gradient) on the case: packed when ``cu`` is given, on the chosen path."""
     logp, old, ref, adv, mask, samp = tensors
-    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
-                sampling_logprobs=samp, **kw)
     with pytest.MonkeyPatch.context() as mp:
         if torch_path:
             mp.setattr(G, "use_triton", lambda t: False)
             mp.setattr(TP, "TORCH_CHUNK", 8)
         if cu is None:
-            got = _run(grpo_loss, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
-                       sampling_logprobs=samp, **kw)
-        else:
-            flat = [unpad_padded(x, cu) for x in (logp, old, ref, mask, samp)]
-            loss, metrics, g = _run(grpo_loss, flat[0], up, old_logprobs=flat[1],
-                                    advantages=unpad_padded(adv, cu) if per_token else adv, mask=flat[3],
-                                    ref_logprobs=flat[2], sampling_logprobs=flat[4], cu_seqlens=cu,
-                                    per_token_advantages=per_token, **kw)
-            got = (loss, metrics, _repad(g, cu, logp.shape[1]))
-    return got, want
+            return _run(grpo_loss, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                        sampling_logprobs=samp, **kw)
+        flat = [unpad_padded(x, cu) for x in (logp, old, ref, mask, samp)]
+        loss, metrics, g = _run(grpo_loss, flat[0], up, old_logprobs=flat[1],
+                                advantages=unpad_padded(adv, cu) if per_token else adv, mask=flat[3],
+                                ref_logprobs=flat[2], sampling_logprobs=flat[4], cu_seqlens=cu,
+                                per_token_advantages=per_token, **kw)
+        return loss, metrics, _repad(g, cu, logp.shape[1])
+
+
+def _both(kw, tensors, cu, per_token, up, torch_path):
+    """(grpo_loss, grpo_loss_ref) on the same case: grpo_loss packed when ``cu`` is given, on the chosen path."""
+    logp, old, ref, adv, mask, samp = tensors
+    want = _run(grpo_loss_ref, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
+                sampling_logprobs=samp, **kw)
+    return _fastgrpo(kw, tensors, cu, per_token, up, torch_path), want
 
 
 def _policy_kw(loss_type, level):
@@ -216,19 +220,7 @@ def _nemo_case(nemo, tensors, cu, up, torch_path):
     want = loss_ref(x, old, adv, mask, generation_logprobs=samp, reference_policy_logprobs=ref, **nemo)
     (want * up).backward()
     kw = nemo_to_fastgrpo(nemo, float(mask.sum()))
-    with pytest.MonkeyPatch.context() as mp:
-        if torch_path:
-            mp.setattr(G, "use_triton", lambda t: False)
-            mp.setattr(TP, "TORCH_CHUNK", 8)
-        if cu is None:
-            got = _run(grpo_loss, logp, up, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref,
-                       sampling_logprobs=samp, **kw)
-        else:
-            flat = [unpad_padded(t, cu) for t in (logp, old, ref, mask, samp)]
-            loss, metrics, g = _run(grpo_loss, flat[0], up, old_logprobs=flat[1], advantages=adv, mask=flat[3],
-                                    ref_logprobs=flat[2], sampling_logprobs=flat[4], cu_seqlens=cu, **kw)
-            got = (loss, metrics, _repad(g, cu, logp.shape[1]))
-    return got, (want.detach(), x.grad)
+    return _fastgrpo(kw, tensors, cu, False, up, torch_path), (want.detach(), x.grad)
 
 
 @settings(max_examples=30, deadline=None)
