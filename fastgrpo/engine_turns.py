@@ -88,6 +88,9 @@ class _TurnSteps:
             new = seq.generated - len(traj.seen)  # at most sync_every tokens since the last read
             if new <= 0:
                 continue
+            if new > len(window[row]):
+                raise RuntimeError(f"sample {seq.sample}: {new} tokens since the last stop-string check, at most "
+                                   f"{len(window[row])} expected")
             checked = len(traj.seen)
             traj.seen += window[row][len(window[row]) - new :]
             i = _first_stop(decode, traj.seen, checked, traj.stop_strings)
