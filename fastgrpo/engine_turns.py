@@ -173,4 +173,5 @@ class _TurnSteps:
         traj.ids += ids
         traj.logprobs += [0.0] * len(ids)
         traj.mask += [0] * len(ids)
+        self.stats["re_prefill_tokens"] += total  # what prefilling the whole conversation again would cost
         self.sched.resume(seq, len(ids), min(self.params.max_new_tokens, self.max_context - total))

@@ -57,7 +57,8 @@ full when it resumes: the cost the KV reuse saves, paid only under memory pressu
 (``max_sequence_tokens``, default the model's context) sizes the block tables and, on CPU, the row cache: set it to
 the real bound. ``engine.last_stats`` reports each call: peak_running, preemptions, decode_steps, prefill_tokens
 (prompts, recomputes and resumed turns' appended tokens), resume_prefill_tokens (the appended ones: observations +
-the one sampled token per resume whose K/V were not cached), evictions (paused samples whose pages were freed),
+the one sampled token per resume whose K/V were not cached), re_prefill_tokens (what re-prefilling the whole
+conversation at every resumed turn would have cost, TRL's way), evictions (paused samples whose pages were freed),
 peak_paused, peak_kv_tokens, kv_capacity_tokens, page_size.
 
 Where it lives (``fastgrpo.generation`` is the entry module; it re-exports the public names):
@@ -471,7 +472,7 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.logits_RV = torch.empty(R, e.vocab_size, device=dev) if self.use_graphs else None
-        self.stats = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0)
+        self.stats = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0, re_prefill_tokens=0)
         try:
             return self._loop(cache, R, on_group_done)
         finally:
@@ -483,6 +484,7 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
                 decode_steps=self.stats["decode_steps"],
                 prefill_tokens=self.stats["prefill_tokens"],
                 resume_prefill_tokens=self.stats["resume_prefill_tokens"],
+                re_prefill_tokens=self.stats["re_prefill_tokens"],
                 evictions=sched.evictions,
                 peak_paused=sched.peak_paused,
                 peak_kv_tokens=sched.peak_pages * ps,

@@ -75,7 +75,8 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
     """Greedy, every turn answered with a few tokens: each sampled turn is HF greedy ``generate`` on prompt +
     everything before it (same stop ids), each observation the handler's tokens, and with a pool that holds
     everything nothing is prefilled twice: prefill tokens = the prompts + per resume the appended tokens and the one
-    sampled token whose K/V were not cached (the KV stays across turns)."""
+    sampled token whose K/V were not cached (the KV stays across turns); re_prefill_tokens counts what prefilling
+    each resumed turn's whole conversation would have cost."""
     model = tiny_model("qwen3", seed=1)
     prompts = random_prompts([4, 9, 6], seed=2)
     free = [hf_greedy(model, p, 10, None) for p in prompts]
@@ -89,7 +90,7 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
                               tokenizer=CharTokenizer(VOCAB))
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10, max_turns=3)
     out = engine.generate(prompts, params, turns=turns)
-    appended = 0
+    appended = conversations = 0
     for p, (prompt, comps) in enumerate(zip(prompts, out)):
         for j, c in enumerate(comps):
             pos, turn = 0, 0
@@ -105,6 +106,7 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
                     )
                     pos += len(app)
                     appended += len(app) + 1
+                    conversations += len(prompt) + pos
             assert c.num_turns == turn and turns.log[(p, j)] == [
                 c.token_ids[i : i + k] for i, k in _runs(c.loss_mask)
             ][: len(turns.log[(p, j)])]
@@ -114,6 +116,7 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
     assert stats["preemptions"] == stats["evictions"] == 0
     assert stats["resume_prefill_tokens"] == appended
     assert stats["prefill_tokens"] == sum(map(len, prompts)) + appended
+    assert stats["re_prefill_tokens"] == conversations  # the whole conversation at every resumed turn
 
 
 def _runs(mask):
