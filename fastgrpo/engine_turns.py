@@ -22,8 +22,10 @@ some running sample has stop strings). ``_first_stop`` finds the first token who
 the decoded text of the whole turn whenever every token decodes to at least one character and the decoding of a
 token sequence is the concatenation of its tokens' (byte-level BPE, character-level tokenizers; a SentencePiece
 leading space is one character of the first token of a window, outside the ``W - 1`` that matter). One decode of a
-short window per running sample per read; a sample whose window does not contain any stop string costs nothing
-more. If the stop string ends inside a token, the turn ends with that token (its text may run past the match).
+short window per running sample per read (27 µs for 24 ids with a ``PreTrainedTokenizerFast``, the tiny model's,
+on a loaded 2-core host: ~7 ms per read at 256 rows, once per 8 decode steps on CUDA); a sample whose window does
+not contain any stop string costs nothing more. If the stop string ends inside a token, the turn ends with that
+token (its text may run past the match).
 
 **Answers.** ``turns.ready(block=False)`` is polled every ``sync_every`` steps while samples wait on it, and
 ``ready(block=True)`` only when nothing decodes and nothing can be admitted. An answer with ``finish`` ends the
