@@ -181,8 +181,9 @@ def _cut(name: str, content: str, fault: str | None, max_chars: int) -> ToolResu
 def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Callable], timeout_s: float, max_chars: int,
                    loop: asyncio.AbstractEventLoop) -> list[ToolResult]:
     """Run ``calls`` against ``tools`` (name -> function or bound method, sync or async); never raises for a
-    tool's fault. Each call gets ``timeout_s``; the async calls of the turn run concurrently on ``loop`` (within one
-    ``timeout_s`` together). Contents longer than ``max_chars`` are cut (with a note saying how much)."""
+    tool's fault. Each call gets ``timeout_s``; the async calls of the turn run concurrently on ``loop`` (each
+    within ``timeout_s``, all within 2 × ``timeout_s``). Contents longer than ``max_chars`` are cut (with a note
+    saying how much)."""
     results: list[ToolResult | None] = [None] * len(calls)
     pending = []  # (index, coroutine function, arguments)
     for i, call in enumerate(calls):
@@ -222,13 +223,14 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Callable], timeou
 
 def _run_async(pending: list, timeout_s: float, loop: asyncio.AbstractEventLoop) -> list:
     """The results (or exceptions) of the turn's async calls, run concurrently, each within ``timeout_s``; a
-    coroutine that blocks the loop is stopped by SIGALRM after ``timeout_s`` (all of them then time out)."""
+    coroutine that blocks the loop (sync code inside it) is stopped by SIGALRM after 2 × ``timeout_s``, and all of
+    them then time out."""
 
     async def gather():
         return await asyncio.gather(*(asyncio.wait_for(fn(**args), timeout_s) for _, fn, args in pending),
                                     return_exceptions=True)
 
-    with time_limit(timeout_s) as status:
+    with time_limit(2 * timeout_s) as status:
         try:
             out = loop.run_until_complete(gather())
         except RewardTimeout:

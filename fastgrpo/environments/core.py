@@ -17,8 +17,9 @@ hard time limits, kills, respawns and counters as reward chunks. The worker side
   and a respawned worker loses nothing. A step that fails leaves the state as it was before it.
 
 Time limits: each reset, tool call, step and ``get_reward`` gets ``timeout_s`` (``reward.timeout_s`` unless given)
-as a SIGALRM limit on the worker's main thread; the pool's hard limit (the soft ones plus :data:`GRACE_S`) kills the
-worker when code escapes it (a C extension, a blocked signal).
+as a SIGALRM limit on the worker's main thread; the pool's hard limit (the soft one plus :data:`GRACE_S`; for a turn's
+k tool calls 2·k·``timeout_s`` plus it, async calls having 2 × ``timeout_s`` together) kills the worker when code
+escapes the soft limit (a C extension, a blocked signal).
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ class EnvironmentPool:
         """A turn's calls (``key``/``worker`` None: standalone tools, any worker); ``done(results | None, f)``."""
         env = self.environments[name]
         self._run(_task_tools, (key if env.kind == "factory" else None, env.tools, calls, self.timeout_s,
-                                self.max_observation_chars), len(calls) * self.timeout_s, done, worker)
+                                self.max_observation_chars), 2 * len(calls) * self.timeout_s, done, worker)
 
     def finish(self, key: tuple, name, worker: int, done) -> None:
         """Trajectory ``key`` ended: its reward (if the environment has one), its instance freed."""

@@ -68,7 +68,8 @@ class Trajectory:
     """Tool calls the model made, readable or not."""
     failures: Counter = field(default_factory=Counter)
     """``"<where>/<kind>"`` -> count: tool/<kind> for :data:`fastgrpo.tools.TOOL_FAULTS`, step/<kind>,
-    reset/<kind>, get_reward/<kind> (kinds: raised, timeout, worker_died, nonfinite, mismatch), instance_lost."""
+    reset/<kind>, get_reward/<kind> (kinds: raised, timeout, worker_died, nonfinite, mismatch), instance_lost,
+    template (the chat template could not append the observation after this turn: the trajectory ends)."""
     truncated: int = 0
     """Observations cut to max_observation_chars."""
     env_s: float = 0.0
@@ -93,6 +94,7 @@ class _Live:
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) of calls not run
     finishing: bool = False  # its finish task was sent
+    end_token: int | None = None  # the EOS / stop token that ended the current turn (None: a stop string did)
 
 
 class EnvTurns:
@@ -202,11 +204,12 @@ class EnvTurns:
         tr, lv = self._trajs[key], self._live[key]
         env = self.pool.environments[tr.env]
         template = self.template(tr.env)
-        tokenizer = template.tokenizer
+        tokenizer = template.tok
         if id(tokenizer) not in self._special:
             self._special[id(tokenizer)] = set(tokenizer.all_special_ids)
-        text = turn_text
+        text, lv.end_token = turn_text, None
         if turn_ids and turn_ids[-1] in self._special[id(tokenizer)]:  # the end-of-turn token is not content
+            lv.end_token = turn_ids[-1]
             text = text.removesuffix(tokenizer.decode([turn_ids[-1]]))
         tr.turns += 1
         lv.length += len(turn_ids)
@@ -367,7 +370,11 @@ class EnvTurns:
 
     def _append(self, key, new: list[dict], stops) -> TurnResult:
         tr, lv = self._trajs[key], self._live[key]
-        ids = self.template(tr.env).suffix_ids(tr.messages, new)
+        try:
+            ids = self.template(tr.env).suffix_ids(tr.messages, new, end_token=lv.end_token)
+        except ValueError:  # the template re-rendered the conversation (the sampled text broke its prefix)
+            tr.failures["template"] += 1
+            return self._end(key, "error")
         tr.messages.extend(new)
         lv.length += len(ids)
         lv.last_ids = ids

@@ -1,0 +1,514 @@
+"""Environments in the reward workers, driven through EnvTurns as the engine drives it (start / ready): TRL 1.16's
+environment_factory contract (stateful instances pinned to their worker, async tools, get_reward, reset's text in
+the prompt), a dict of factories routed by the ``environment`` column, a plain tools list, the text-step contract
+(state that survives the death of every worker), and hostile environments: a tool or step that raises, hangs past
+its soft limit, hangs past the hard one, kills its worker (os._exit, SIGKILL), returns a 100K-token observation, or
+a model that emits malformed calls. Each is counted and bounded, and the run goes on.
+
+One pool (2 workers, 0.3 s per call) is shared by the module: its server starts once (about a second here).
+"""
+
+import textwrap
+import time
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastgrpo.config import RewardConfig
+from fastgrpo.environments import EnvironmentPool, EnvTurns, environment_modules
+from fastgrpo.environments.adder import AdderEnvironment, add
+from fastgrpo.environments.core import GRACE_S
+from fastgrpo.environments.sliding_puzzle import (
+    SlidingPuzzle,
+    generate,
+    neighbours,
+    optimal_moves,
+    render,
+    solved,
+)
+from fastgrpo.reward_pool import RewardPool
+
+TIMEOUT_S = 0.3
+MAX_CHARS = 1000
+USER_MODULE = '''
+    import asyncio, os, signal, time
+
+    from fastgrpo.environments.core import TextStepEnvironment
+
+
+    class Counter:
+        """A stateful environment: the counter lives in the worker that ran reset."""
+
+        def __init__(self):
+            self.n = 0
+
+        def reset(self, start=0, **row):
+            self.n = int(start)
+            return f" Start at {self.n}; columns {sorted(row)}."
+
+        def incr(self, by: int) -> int:
+            """Add to the counter.
+
+            Args:
+                by: The amount.
+            """
+            self.n += by
+            return self.n
+
+        async def double(self, x: int) -> int:
+            """Double a number, asynchronously.
+
+            Args:
+                x: The number.
+            """
+            await asyncio.sleep(0.05)
+            return 2 * x
+
+        async def get_reward(self) -> float:
+            await asyncio.sleep(0)
+            return float(self.n)
+
+
+    class Hostile:
+        """Tools that misbehave in every way a tool can."""
+
+        def reset(self, mode="", **row):
+            if mode == "raise":
+                raise RuntimeError("reset failed")
+            if mode == "hang":
+                time.sleep(60)
+            return None
+
+        def ok(self) -> str:
+            """Answer."""
+            return "fine"
+
+        def boom(self) -> str:
+            """Raise."""
+            raise RuntimeError("boom")
+
+        def nap(self) -> str:
+            """Sleep past the soft limit."""
+            time.sleep(60)
+            return "awake"
+
+        def stuck(self) -> str:
+            """Block the soft limit's signal, then hang: only the pool's hard limit stops it."""
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            time.sleep(60)
+            return "unreachable"
+
+        def die(self) -> str:
+            """Exit the worker."""
+            os._exit(3)
+
+        def sigkill(self) -> str:
+            """SIGKILL the worker."""
+            os.kill(os.getpid(), signal.SIGKILL)
+            return "unreachable"
+
+        def flood(self) -> str:
+            """About 100K tokens."""
+            return "word " * 100_000
+
+        def get_reward(self) -> float:
+            return 1.0
+
+
+    class Steps(TextStepEnvironment):
+        """A text-step environment that misbehaves on request; its state counts the steps that completed."""
+
+        stop_strings = ("STOP",)
+
+        def reset(self, **row):
+            return " go", {"steps": 0}
+
+        def step(self, turn_text, state):
+            state["steps"] += 1  # before any fault: a failed step must not keep it
+            if "RAISE" in turn_text:
+                raise ValueError("step failed")
+            if "HANG" in turn_text:
+                time.sleep(60)
+            if "STUCK" in turn_text:
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+                time.sleep(60)
+            if "DIE" in turn_text:
+                os._exit(1)
+            if "FLOOD" in turn_text:
+                return "x " * 100_000, 0.25, False, None
+            if "DONE" in turn_text:
+                return "bye", 1.0, True, None
+            return f"step {state['steps']}", 0.5, False, ["STOP", "END"]
+'''
+
+
+class CharTokenizer:
+    """One id per character (``ord + 1``) and id 0 for ``<eos>``, the one special token."""
+
+    eos_token_id = 0
+    all_special_ids = [0]
+
+    def encode(self, text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            if text.startswith("<eos>", i):
+                out.append(0)
+                i += 5
+            else:
+                out.append(ord(text[i]) + 1)
+                i += 1
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join("<eos>" if i == 0 else chr(i - 1) for i in ids)
+
+
+class StandInTemplate:
+    """The contract of ``fastgrpo.chat.ChatTemplate`` (prompt_ids, suffix_ids with end_token, tool_call_format,
+    ``tok``) on a character tokenizer, rendered as ``<|role|>content``, an assistant turn ending with ``<eos>``; the
+    suffix is the difference of two renderings, as the contract says."""
+
+    def __init__(self):
+        self.tok = CharTokenizer()
+
+    def render(self, messages, generation_prompt):
+        text = "".join(f"<|{m['role']}|>{m['content']}" + ("<eos>" if m["role"] == "assistant" else "")
+                       for m in messages)
+        return text + ("<|assistant|>" if generation_prompt else "")
+
+    def prompt_ids(self, messages):
+        return self.tok.encode(self.render(messages, True))
+
+    def suffix_ids(self, messages, new_messages, *, end_token=None):
+        before, after = self.render(messages, False), self.render(messages + new_messages, True)
+        cut = len(before) - len("<eos>")
+        assert after.startswith(before[:cut])
+        suffix = after[cut:]
+        return self.tok.encode(suffix.removeprefix("<eos>") if end_token == 0 else suffix)
+
+    def tool_call_format(self):
+        return "qwen"
+
+
+TEMPLATE = StandInTemplate()
+
+
+def call(name, **arguments) -> str:
+    import json
+
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def envs_module(tmp_path_factory):
+    path = tmp_path_factory.mktemp("envs")
+    (path / "env_user.py").write_text(textwrap.dedent(USER_MODULE))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(path))  # before the pool: its server takes the trainer's sys.path
+        import env_user
+
+        yield env_user
+
+
+@pytest.fixture(scope="module")
+def pool(envs_module):
+    factories = {"count": envs_module.Counter, "hostile": envs_module.Hostile, "steps": envs_module.Steps,
+                 "adder": AdderEnvironment, "puzzle": SlidingPuzzle}
+    p = RewardPool(RewardConfig(functions=["format"], timeout_s=TIMEOUT_S), 2,
+                   preload=environment_modules(factories, [add]))
+    yield p
+    p.close()
+
+
+def environments(pool, factory, tools=(), **kw):
+    return EnvironmentPool(pool, factory, tools, max_observation_chars=MAX_CHARS, **kw)
+
+
+class Driver:
+    """Plays the engine: each ``turn`` starts a sample's turn (its text + EOS sampled) and blocks for its answer,
+    keeping every sample's token sequence (prompt, then turns and appended ids) and its finish reason."""
+
+    def __init__(self, turns: EnvTurns, template=TEMPLATE):
+        self.turns, self.tok = turns, template.tok
+        self.seq = {}
+        self.finish = {}
+        for i, ids in enumerate(turns.prompt_ids()):
+            for j in range(turns.n):
+                self.seq[(i, j)] = list(ids)
+
+    def turn(self, key, text: str, eos: bool = True):
+        ids = self.tok.encode(text) + ([0] if eos else [])
+        self.turns.start(key, ids, self.tok.decode(ids))
+        self.seq[key] += ids
+        while True:
+            got = dict(self.turns.ready(block=True))
+            if key in got:
+                break
+        result = got[key]
+        if result.finish is not None:
+            self.finish[key] = result.finish
+        else:
+            self.seq[key] += result.append_ids
+        return result
+
+
+def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
+    """Counter's state persists across turns (instance on its worker), async tools and get_reward, reset's text
+    appended to the last user message, several calls per turn; the sequence is exactly the template's rendering
+    of the conversation (observation tokens = the suffixes)."""
+    envs = environments(pool, envs_module.Counter)
+    assert [s["function"]["name"] for s in envs.schemas()] == ["double", "incr"]  # reset, get_reward: not tools
+    rows = [{"prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "count"}], "start": 5},
+            {"prompt": "again", "start": 1}]
+    turns = EnvTurns(envs, TEMPLATE, rows, n=2)
+    d = Driver(turns)
+    assert TEMPLATE.tok.decode(d.seq[(0, 0)]) == (
+        "<|system|>sys<|user|>count Start at 5; columns ['prompt'].<|assistant|>")
+    r = d.turn((0, 0), "let me " + call("incr", by=2) + call("double", x=21))
+    assert r.finish is None and r.stop_strings is None
+    assert TEMPLATE.tok.decode(r.append_ids) == "<|tool|>7<|tool|>42<|assistant|>"
+    d.turn((0, 0), call("incr", by=3))
+    d.turn((0, 1), call("incr", by=100))
+    assert d.turn((0, 0), "done").finish == "stop"
+    d.turn((1, 0), call("double", x=1) + call("incr", by=1))
+    res = turns.results()  # (0, 1) and (1, *) were ended by "the engine": their rewards are collected here
+    assert {k: t.reward for k, t in res.items()} == {(0, 0): 10.0, (0, 1): 105.0, (1, 0): 2.0, (1, 1): 1.0}
+    assert {k: t.finish for k, t in res.items()} == {(0, 0): "stop", (0, 1): None, (1, 0): None, (1, 1): None}
+    t = res[(0, 0)]
+    assert (t.turns, t.tool_calls, sum(t.failures.values()), t.truncated) == (3, 3, 0, 0)
+    for key, tr in res.items():
+        if tr.finish is None:
+            tr.messages.append({"role": "assistant", "content": ""})  # the engine ended it: close the last turn
+            d.seq[key].append(0)
+        assert TEMPLATE.tok.decode(d.seq[key]) == TEMPLATE.render(tr.messages, False), key
+    m = turns.metrics({(0, 1): "length"})
+    assert m["env/finish/stop"] == 1 and m["env/finish/length"] == 1 and m["env/finish/engine"] == 2
+    assert m["env/turns_max"] == 3 and m["env/tool_calls"] == 6 and m["env/reward_mean"] == 118 / 4
+    assert m["env/observation_tokens"] == sum(t.observation_tokens for t in res.values()) > 0
+    assert m["env/reprefill_tokens"] > m["env/observation_tokens"] and m["time/env"] > 0
+
+
+def test_a_dict_of_factories_routes_rows_and_exposes_each_environments_tools(pool, envs_module):
+    envs = environments(pool, {"count": envs_module.Counter, "adder": AdderEnvironment, "puzzle": SlidingPuzzle},
+                        [add])
+    assert [s["function"]["name"] for s in envs.schemas("count")] == ["add", "double", "incr"]
+    assert [s["function"]["name"] for s in envs.schemas("adder")] == ["add", "add"]  # standalone + its method
+    assert envs.schemas("puzzle") == []
+    with pytest.raises(ValueError, match=r"row 1: environment='chess' is not among"):
+        EnvTurns(envs, TEMPLATE, [{"environment": "count"}, {"environment": "chess"}], 1)
+    rows = [{"prompt": "c", "environment": "count", "start": 2}, {"prompt": "what is 2+3?", "environment": "adder",
+                                                                   "answer": 5},
+            {"environment": "puzzle", "seed": 3}]
+    turns = EnvTurns(envs, {"count": TEMPLATE, "adder": TEMPLATE, "puzzle": TEMPLATE}, rows, 1)
+    d = Driver(turns)
+    assert "columns ['prompt']" in TEMPLATE.tok.decode(d.seq[(0, 0)])  # no 'environment' column in reset
+    assert "sliding puzzle" in TEMPLATE.tok.decode(d.seq[(2, 0)])
+    r = d.turn((0, 0), call("incr", by=1) + call("add", a=1, b=2))
+    assert TEMPLATE.tok.decode(r.append_ids) == "<|tool|>3<|tool|>3<|assistant|>"
+    r = d.turn((1, 0), call("add", a=2, b=3) + call("incr", by=1))  # Counter's tool is not the adder's
+    assert TEMPLATE.tok.decode(r.append_ids) == "<|tool|>5<|tool|>{'error': 'Tool incr not found.'}<|assistant|>"
+    d.turn((2, 0), "<action>up</action>")
+    res = turns.results()
+    assert res[(0, 0)].reward == 3.0 and res[(1, 0)].reward == 1.0 and res[(1, 0)].failures == {
+        "tool/unknown_tool": 1}
+    assert [t.env for t in res.values()] == ["count", "adder", "puzzle"]
+
+
+def test_a_plain_tools_list_runs_on_any_worker(pool):
+    envs = environments(pool, None, [add])
+    turns = EnvTurns(envs, TEMPLATE, [{"prompt": "2+3?"}], 2)
+    d = Driver(turns)
+    assert TEMPLATE.tok.decode(d.turn((0, 0), call("add", a=2, b=3)).append_ids) == "<|tool|>5<|assistant|>"
+    assert d.turn((0, 0), "\\boxed{5}").finish == "stop"
+    res = turns.results()
+    assert list(res) == [(0, 0), (0, 1)] and (res[(0, 0)].reward, res[(0, 0)].turns, res[(0, 0)].finish) == (
+        0.0, 2, "stop")
+    assert (res[(0, 1)].turns, res[(0, 1)].finish, res[(0, 1)].failures) == (0, None, {})
+    with pytest.raises(ValueError, match="needs an environment_factory or tools"):
+        EnvironmentPool(pool)
+    with pytest.raises(ValueError, match="must be importable by the workers"):
+        EnvironmentPool(pool, None, [lambda a: a])
+
+
+def kill_workers(pool):
+    for w in pool._workers:
+        w.kill()
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 10**6), st.sampled_from([2, 3]))
+def test_sliding_puzzle_boards_need_at_least_three_moves(seed, size):
+    grid = generate(size, 8 if size == 2 else 10, 3, seed)
+    d = optimal_moves(grid, size, 20)
+    assert d is not None and d >= 3
+    for _, g in neighbours(grid, size):  # one move takes the optimum down by at most one (BFS is consistent)
+        assert optimal_moves(g, size, 20) >= d - 1
+
+
+def optimal_actions(grid, size) -> list[str]:
+    """A shortest solution, one action per move, found by walking down the BFS distance."""
+    actions = []
+    while grid != solved(size):
+        d = optimal_moves(grid, size, 30)
+        name, grid = next((n, g) for n, g in neighbours(grid, size) if optimal_moves(g, size, 30) == d - 1)
+        actions.append(name)
+    return actions
+
+
+def test_text_step_state_travels_with_the_sample_and_survives_dead_workers(pool):
+    """The BFS-optimal play solves each board in exactly its optimum (>= 3 turns) with reward 1 ("env_done"),
+    although every worker is killed before every step: the state lives with the sample."""
+    envs = environments(pool, SlidingPuzzle)
+    rows = [{"seed": s, "size": 2} for s in (1, 2)]
+    turns = EnvTurns(envs, TEMPLATE, rows, 1)
+    d = Driver(turns)
+    for i, row in enumerate(rows):
+        grid = generate(2, 8, 3, row["seed"])
+        assert render(grid, 2) in TEMPLATE.tok.decode(d.seq[(i, 0)])
+        actions = optimal_actions(grid, 2)
+        assert len(actions) >= 3
+        for k, a in enumerate(actions):
+            kill_workers(pool)
+            r = d.turn((i, 0), f"I slide <action>{a}</action>", eos=False)  # stopped at the stop string
+            assert (r.finish == "env_done") == (k == len(actions) - 1)
+    res = turns.results()
+    assert all(t.reward == 1.0 and t.finish == "env_done" and not t.failures for t in res.values())
+    assert [t.turns for t in res.values()] == [len(optimal_actions(generate(2, 8, 3, r["seed"]), 2)) for r in rows]
+
+
+def test_sliding_puzzle_rules():
+    env = SlidingPuzzle()
+    text, state = env.reset(seed=5, size=2, min_moves=3, max_moves=3)
+    assert "<action>" in text and state["moves"] == 0
+    before = list(state["grid"])
+    obs, reward, done, stops = env.step("no action here", state)
+    assert "No valid action" in obs and (reward, done, stops) == (0.0, False, None) and state["grid"] == before
+    empty = before.index(0)
+    illegal = "up" if empty >= 2 else "down"  # no tile below the bottom row, none above the top row
+    obs, _, _, _ = env.step(f"<action>{illegal}</action>", state)
+    assert obs.startswith(f"Cannot move {illegal}") and state["grid"] == before and state["moves"] == 2
+    obs, reward, done, _ = env.step("<action>slide 9 9</action>", state)  # the third move: out of moves
+    assert (reward, done) == (0.0, True) and "Out of moves" in obs
+
+
+def hostile_turns(pool, envs_module, rows, n=1, **kw):
+    envs = environments(pool, envs_module.Hostile, **kw)
+    return Driver(EnvTurns(envs, TEMPLATE, rows, n))
+
+
+def test_hostile_tools_are_counted_and_bounded(pool, envs_module):
+    """Per trajectory (2 workers: trajectory t lives on worker t % 2): a tool that raises or naps past its soft
+    limit gets an error observation and the trajectory goes on; one that escapes the soft limit (hard kill), exits
+    or SIGKILLs its worker ends its trajectory ("error", reward 0) and every other trajectory whose instance was on
+    that worker ends at its next call ("instance_lost"); a 100K-token result is cut to max_observation_chars;
+    malformed calls and too many calls get error observations; a reset that raises or hangs ends the trajectory at
+    its first turn. Trajectories on the other worker are untouched, and new ones start fine."""
+    rows = [{"prompt": "p"}] * 8 + [{"prompt": "p", "mode": "raise"}, {"prompt": "p", "mode": "hang"}]
+    d = hostile_turns(pool, envs_module, rows, max_tool_calls_per_turn=3)
+    k = [(i, 0) for i in range(10)]
+    r = d.turn(k[0], call("boom") + call("nap") + call("ok"))
+    assert d.tok.decode(r.append_ids) == "<|tool|>{'error': 'boom'}<|tool|>{'error': 'Tool nap ran longer than " \
+                                         f"{TIMEOUT_S} s'}}<|tool|>fine<|assistant|>"
+    r = d.turn(k[1], call("flood"))
+    flood = d.tok.decode(r.append_ids)
+    assert len(flood) < MAX_CHARS + 100 and "truncated 499000 characters" in flood
+    r = d.turn(k[2], call("ok") + '<tool_call>{"name": "ok", "argu</tool_call>' + call("ok") * 3)
+    text = d.tok.decode(r.append_ids)
+    assert text.count("fine") == 3 and "malformed tool call" in text and "more than 3 tool calls" in text
+    assert d.turn(k[2], "done").finish == "stop"  # its get_reward runs on worker 0 before the kill below
+    start = time.perf_counter()
+    assert d.turn(k[4], call("stuck")).finish == "error"  # worker 0: killed past the hard limit
+    assert time.perf_counter() - start < 2 * TIMEOUT_S + GRACE_S + 2  # bounded by the hard limit (+ respawn)
+    assert d.turn(k[3], call("die")).finish == "error"  # worker 1: os._exit
+    assert d.turn(k[0], call("ok")).finish == "error"  # its instance died with worker 0 (k[4]'s kill)
+    assert d.turn(k[1], "no call").finish == "stop"  # ended before noticing: its get_reward finds no instance
+    assert d.turn(k[8], call("ok")).finish == "error" and d.turn(k[9], call("ok")).finish == "error"
+    r = d.turn(k[6], call("ok"))  # worker 0, reset after nothing died: but k[4] killed it later
+    assert r.finish == "error"
+    res = d.turns.results()
+    f = {key: dict(t.failures) for key, t in res.items()}
+    assert f[k[0]] == {"tool/raised": 1, "tool/timeout": 1, "instance_lost": 1}
+    assert f[k[1]] == {"instance_lost": 1} and res[k[1]].truncated == 1
+    assert f[k[2]] == {"tool/malformed": 1, "tool/too_many": 1}
+    assert f[k[3]] == {"tool/worker_died": 1, "instance_lost": 1}
+    assert f[k[4]] == {"tool/timeout": 1, "instance_lost": 1}
+    assert f[k[8]] == {"reset/raised": 1} and f[k[9]] == {"reset/timeout": 1}
+    assert f[k[6]] == {"instance_lost": 1}
+    assert f[k[5]] == {"instance_lost": 1} and f[k[7]] == {"instance_lost": 1}  # never called: lost at results()
+    rewards = {key: t.reward for key, t in res.items()}
+    assert rewards[k[2]] == 1.0 and all(v == 0.0 for key, v in rewards.items() if key != k[2])
+    # the run goes on: fresh trajectories on respawned workers
+    d = hostile_turns(pool, envs_module, [{"prompt": "p"}] * 2)
+    assert all(d.turn((i, 0), call("ok")).finish is None for i in range(2))
+    assert all(t.reward == 1.0 and not t.failures for t in d.turns.results().values())
+
+
+def test_hostile_text_steps_are_counted_and_keep_the_state(pool, envs_module):
+    envs = environments(pool, envs_module.Steps)
+    turns = EnvTurns(envs, TEMPLATE, [{"prompt": "play"}], 1)
+    d = Driver(turns)
+    key = (0, 0)
+    r = d.turn(key, "a")
+    assert d.tok.decode(r.append_ids) == "<|user|>step 1<|assistant|>" and r.stop_strings == ("STOP", "END")
+    for bad in ("RAISE", "HANG", "STUCK", "DIE"):
+        r = d.turn(key, bad)
+        assert r.finish is None and r.stop_strings is None and "environment step failed" in d.tok.decode(r.append_ids)
+    r = d.turn(key, "FLOOD")
+    assert len(d.tok.decode(r.append_ids)) < MAX_CHARS + 100
+    r = d.turn(key, "b")
+    assert d.tok.decode(r.append_ids) == "<|user|>step 3<|assistant|>"  # the four failed steps did not count
+    assert d.turn(key, "DONE").finish == "env_done"
+    t = turns.results()[key]
+    assert t.reward == 0.5 + 0.25 + 0.5 + 1.0 and t.turns == 8 and t.truncated == 1
+    assert dict(t.failures) == {"step/raised": 1, "step/timeout": 2, "step/worker_died": 1}
+
+
+ACTIONS = ["ok", "boom", "nap", "die", "flood", "malformed", "stop"]
+
+
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=3), min_size=4, max_size=4),
+       st.lists(st.integers(0, 3), min_size=1, max_size=12))
+def test_random_hostile_schedules_are_counted_exactly(pool, envs_module, scripts, order):
+    """Random tool behaviours per trajectory, interleaved in a random order: the counts, finish reasons and rewards
+    equal those of a model of the pool (an instance lives on worker t % 2 and dies with it)."""
+    d = hostile_turns(pool, envs_module, [{"prompt": "p"}] * 4)
+    alive, ended, truncated = [True] * 4, [False] * 4, [0] * 4
+    expect = [Counter() for _ in range(4)]
+    finish, pos = [None] * 4, [0] * 4
+    text = {"ok": call("ok"), "boom": call("boom"), "nap": call("nap"), "die": call("die"), "flood": call("flood"),
+            "malformed": '<tool_call>{"name": </tool_call>', "stop": "the end"}
+    for t in order + [0, 1, 2, 3] * 3:
+        if ended[t] or pos[t] == len(scripts[t]):
+            continue
+        action = scripts[t][pos[t]]
+        pos[t] += 1
+        r = d.turn((t, 0), text[action])
+        if action == "stop":
+            finish[t], ended[t] = "stop", True
+        elif action == "malformed":
+            expect[t]["tool/malformed"] += 1
+        elif not alive[t]:
+            expect[t]["instance_lost"] += 1
+            finish[t], ended[t] = "error", True
+        elif action == "die":
+            expect[t].update({"tool/worker_died": 1, "instance_lost": 1})
+            finish[t], ended[t] = "error", True
+            for u in range(4):
+                if u % 2 == t % 2 and not ended[u]:
+                    alive[u] = False
+        elif action in ("boom", "nap"):
+            expect[t]["tool/raised" if action == "boom" else "tool/timeout"] += 1
+        elif action == "flood":
+            truncated[t] += 1
+        assert r.finish == finish[t]
+    res = d.turns.results()
+    for t in range(4):
+        if finish[t] != "error" and not alive[t]:
+            expect[t]["instance_lost"] += 1  # found gone by get_reward
+        assert res[(t, 0)].failures == expect[t]
+        assert res[(t, 0)].finish == finish[t]
+        assert res[(t, 0)].reward == (1.0 if alive[t] and finish[t] != "error" else 0.0)
+        assert res[(t, 0)].truncated == truncated[t]
