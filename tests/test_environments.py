@@ -8,9 +8,11 @@ a model that emits malformed calls. Each is counted and bounded, and the run goe
 One pool (2 workers, 0.3 s per call) is shared by the module: its server starts once (about a second here).
 """
 
+import re
 import textwrap
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -468,7 +470,7 @@ def test_hostile_text_steps_are_counted_and_keep_the_state(pool, envs_module):
 ACTIONS = ["ok", "boom", "nap", "die", "flood", "malformed", "stop"]
 
 
-@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=3), min_size=4, max_size=4),
        st.lists(st.integers(0, 3), min_size=1, max_size=12))
 def test_random_hostile_schedules_are_counted_exactly(pool, envs_module, scripts, order):
@@ -512,3 +514,45 @@ def test_random_hostile_schedules_are_counted_exactly(pool, envs_module, scripts
         assert res[(t, 0)].finish == finish[t]
         assert res[(t, 0)].reward == (1.0 if alive[t] and finish[t] != "error" else 0.0)
         assert res[(t, 0)].truncated == truncated[t]
+
+
+def readme_module(name: str) -> str:
+    """The README's example module ``# <name>.py: ...``, as a user would save it."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(rf"\n```python\n(# {name}\.py.*?)\n```", text, re.S)
+    assert block, f"the README's {name}.py example is gone"
+    return block.group(1)
+
+
+def test_the_readme_examples_run_in_the_workers(tmp_path, monkeypatch):
+    """Both README contracts, saved as the user would, in a fresh pool: the shop's async price and failing buy
+    (an error observation) then a good buy (get_reward 1); the game won by bisection (step rewards sum to 1)."""
+    for name in ("my_envs", "my_games"):
+        (tmp_path / f"{name}.py").write_text(readme_module(name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_envs
+    import my_games
+
+    with RewardPool(RewardConfig(functions=["format"], timeout_s=1.0), 1,
+                    preload=environment_modules({"shop": my_envs.Shop, "guess": my_games.Guess})) as p:
+        envs = EnvironmentPool(p, {"shop": my_envs.Shop, "guess": my_games.Guess})
+        rows = [{"prompt": "Buy a pear.", "environment": "shop", "coins": 7, "wanted": "pear"},
+                {"prompt": "Play.", "environment": "guess", "seed": 11}]
+        d = Driver(EnvTurns(envs, TEMPLATE, rows, 1))
+        assert d.tok.decode(d.seq[(0, 0)]).endswith("Buy a pear. You have 7 coins.<|assistant|>")
+        r = d.turn((0, 0), call("price", item="pear") + call("buy", item="apple") + call("buy", item="pear"))
+        assert d.tok.decode(r.append_ids) == ("<|tool|>5<|tool|>bought apple, 4 coins left<|tool|>{'error': 'pear "
+                                              "costs 5, you have 4'}<|assistant|>")
+        d.turn((0, 0), "no pear for me")
+        low, high, turns = 1, 100, 0
+        while True:
+            guess = (low + high) // 2
+            r = d.turn((1, 0), f"<guess>{guess}</guess>", eos=False)
+            turns += 1
+            if r.finish:
+                break
+            text = d.tok.decode(r.append_ids)
+            low, high = (guess + 1, high) if "Higher" in text else (low, guess - 1)
+        res = d.turns.results()
+    assert (res[(0, 0)].reward, res[(0, 0)].failures) == (0.0, {"tool/raised": 1})  # no pear: the apple was bought
+    assert (res[(1, 0)].reward, res[(1, 0)].finish, res[(1, 0)].turns) == (1.0, "env_done", turns) and turns <= 7
