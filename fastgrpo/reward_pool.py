@@ -12,9 +12,11 @@ Work is cut into tasks: one reward function on one chunk of at most ``CHUNK_SIZE
 (the same fixed chunks :class:`fastgrpo.rewards.RewardSet` scores in process, so scores do not depend on
 ``num_workers`` nor on the order groups finish). A task is a call ``fn(*args)`` of a module-level function (sent by
 name) with a budget in seconds: a reward task calls one of the functions the worker loaded when it started; other
-work with a hard time limit can run in the same workers the same way. A parent-side supervisor
-thread per worker keeps ``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never
-idles waiting for the thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
+work with a hard time limit runs in the same workers the same way through :meth:`RewardPool.run` (environment steps
+and tool calls, :mod:`fastgrpo.environments`), which may pin a task to one worker (where its state lives): each
+worker takes its own pinned tasks before the shared queue's. A parent-side supervisor thread per worker keeps
+``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never idles waiting for the
+thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
 task's budget, ``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it
 answered). Past it, the worker is killed: the k completions score 0 and count in ``reward/<name>/timeouts``, the task
 waiting behind it goes back to the queue, and a new worker is started at once. A worker that dies during a task

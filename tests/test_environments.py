@@ -119,6 +119,11 @@ USER_MODULE = '''
             return 1.0
 
 
+    class Moody:
+        def reset(self, **row):
+            return f" I am {os.getpid()}"
+
+
     class Steps(TextStepEnvironment):
         """A text-step environment that misbehaves on request; its state counts the steps that completed."""
 
@@ -441,10 +446,29 @@ def test_hostile_tools_are_counted_and_bounded(pool, envs_module):
     assert f[k[5]] == {"instance_lost": 1} and f[k[7]] == {"instance_lost": 1}  # never called: lost at results()
     rewards = {key: t.reward for key, t in res.items()}
     assert rewards[k[2]] == 1.0 and all(v == 0.0 for key, v in rewards.items() if key != k[2])
-    # the run goes on: fresh trajectories on respawned workers
+    # the run goes on, on the respawned workers: a tool that SIGKILLs its worker (0) ends its trajectory and the
+    # other one on that worker, not the one on worker 1; then fresh trajectories work on both
+    d = hostile_turns(pool, envs_module, [{"prompt": "p"}] * 3)
+    assert d.turn((0, 0), call("sigkill")).finish == "error"
+    assert d.turn((1, 0), call("ok")).finish is None and d.turn((2, 0), call("ok")).finish == "error"
+    res = d.turns.results()
+    assert [dict(t.failures) for t in res.values()] == [{"tool/worker_died": 1, "instance_lost": 1}, {},
+                                                        {"instance_lost": 1}]
+    assert [t.reward for t in res.values()] == [0.0, 1.0, 0.0]
     d = hostile_turns(pool, envs_module, [{"prompt": "p"}] * 2)
     assert all(d.turn((i, 0), call("ok")).finish is None for i in range(2))
     assert all(t.reward == 1.0 and not t.failures for t in d.turns.results().values())
+
+
+def test_a_sample_whose_reset_text_differs_from_its_groups_ends_with_an_error(pool, envs_module):
+    """A group shares one prompt: Moody's reset text names its worker, so the sample on the other worker than
+    sample 0's differs, is counted (reset/mismatch) and ends at its first turn."""
+    envs = environments(pool, envs_module.Moody)
+    d = Driver(EnvTurns(envs, TEMPLATE, [{"prompt": "p"}], 2))
+    assert d.seq[(0, 0)] == d.seq[(0, 1)]
+    assert d.turn((0, 0), "x").finish == "stop" and d.turn((0, 1), "x").finish == "error"
+    res = d.turns.results()
+    assert [dict(t.failures) for t in res.values()] == [{}, {"reset/mismatch": 1}]
 
 
 def test_hostile_text_steps_are_counted_and_keep_the_state(pool, envs_module):

@@ -263,11 +263,13 @@ class EnvTurns:
             item = self._next_arrival(block=True)
             if item is not None:
                 self._handle(*item)
+        self.close()  # a sample dropped at its reset (a text unlike its group's) still holds an instance
         return dict(self._trajs)
 
     def close(self) -> None:
-        """Free the instances of trajectories that were never finished (after an error in the caller)."""
-        if any(lv.alive and not lv.finishing for lv in self._live.values()):
+        """Free, in every worker, the instances of this handler's trajectories that were not finished (after an
+        error in the caller; :meth:`results` calls it too)."""
+        if any(self.pool.environments[t.env].kind == "factory" for t in self._trajs.values()):
             self.pool.drop(self._owner)
 
     # ------------------------------------------------------------------ answers
