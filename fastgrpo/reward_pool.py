@@ -550,6 +550,11 @@ class RewardPool:
                 add_faults(faults[name], p.faults[name])
         return combine(self.names, self.weights, per_function, faults)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (tasks still queued or running then get no answer)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop every worker (asked first, killed after WORKER_STOP_TIMEOUT_S). Idempotent; safe in ``finally``."""
         with self._close_lock:

@@ -580,3 +580,12 @@ def test_the_readme_examples_run_in_the_workers(tmp_path, monkeypatch):
         res = d.turns.results()
     assert (res[(0, 0)].reward, res[(0, 0)].failures) == (0.0, {"tool/raised": 1})  # no pear: the apple was bought
     assert (res[(1, 0)].reward, res[(1, 0)].finish, res[(1, 0)].turns) == (1.0, "env_done", turns) and turns <= 7
+
+
+def test_waiting_on_a_closed_pool_raises_instead_of_hanging(envs_module):
+    with RewardPool(RewardConfig(functions=["format"], timeout_s=TIMEOUT_S), 1) as p:
+        d = Driver(EnvTurns(environments(p, envs_module.Hostile), TEMPLATE, [{"prompt": "p"}], 1))
+        ids = d.tok.encode(call("stuck")) + [0]
+        d.turns.start((0, 0), ids, d.tok.decode(ids))
+    with pytest.raises(RuntimeError, match="reward pool was closed"):
+        d.turns.ready(block=True)

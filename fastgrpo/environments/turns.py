@@ -290,6 +290,8 @@ class EnvTurns:
             try:
                 item = self._arrivals.get(timeout=READY_POLL_S) if block else self._arrivals.get_nowait()
             except queue.Empty:
+                if block and self.pool.pool.closed:
+                    raise RuntimeError("the reward pool was closed while environment tasks were running") from None
                 if block and (self._in_flight or not self._arrivals.empty()):
                     continue
                 return None
