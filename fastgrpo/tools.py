@@ -171,11 +171,16 @@ def error_content(message: str) -> str:
     return str({"error": message})
 
 
+def truncate(text: str, max_chars: int) -> tuple[str, bool]:
+    """``text`` cut to ``max_chars`` characters with a note of how many were cut, and whether it was."""
+    if len(text) <= max_chars:
+        return text, False
+    return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]", True
+
+
 def _cut(name: str, content: str, fault: str | None, max_chars: int) -> ToolResult:
-    if len(content) <= max_chars:
-        return ToolResult(name, content, fault)
-    return ToolResult(name, content[:max_chars] + f"... [truncated {len(content) - max_chars} characters]", fault,
-                      truncated=True)
+    text, cut = truncate(content, max_chars)
+    return ToolResult(name, text, fault, cut)
 
 
 def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Callable], timeout_s: float, max_chars: int,
@@ -249,4 +254,4 @@ def _run_async(pending: list, timeout_s: float, loop: asyncio.AbstractEventLoop)
 
 
 __all__ = ["TOOL_FAULTS", "TOOL_FORMATS", "ToolCall", "ToolResult", "parse_tool_calls", "run_tool_calls",
-           "tool_schemas"]
+           "tool_schemas", "truncate"]

@@ -589,3 +589,19 @@ def test_waiting_on_a_closed_pool_raises_instead_of_hanging(envs_module):
         d.turns.start((0, 0), ids, d.tok.decode(ids))
     with pytest.raises(RuntimeError, match="reward pool was closed"):
         d.turns.ready(block=True)
+
+
+def test_the_python_tool_runs_in_a_worker(tmp_path, monkeypatch):
+    """Through the pool (TMPDIR: a directory of the test's): the program's directory is named by the worker's pid
+    and removed after the call; its output comes back as the tool message."""
+    from fastgrpo.environments.python_code import run_python
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the server and its workers take the environment of the pool
+    with RewardPool(RewardConfig(functions=["format"], timeout_s=5.0), 1,
+                    preload=environment_modules(None, [run_python])) as p:
+        d = Driver(EnvTurns(EnvironmentPool(p, None, [run_python]), TEMPLATE, [{"prompt": "p"}], 1))
+        program = "import os\nprint(6 * 7, os.path.basename(os.getcwd()))"
+        r = d.turn((0, 0), call("run_python", code=program))
+        worker = p._workers[0].pid
+    assert d.tok.decode(r.append_ids).startswith(f"<|tool|>exit status 0\n42 fastgrpo-code-{worker}-")
+    assert list(tmp_path.iterdir()) == []

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastgrpo.rewards import RewardTimeout, time_limit
-from fastgrpo.tools import ToolCall, ToolResult, run_tool_calls, tool_schemas
+from fastgrpo.tools import ToolCall, ToolResult, run_tool_calls, tool_schemas, truncate
 
 GRACE_S = 1.0  # the hard limit of a task = its soft limits + this; then the worker is killed
 MAX_OBSERVATION_CHARS = 16_384  # default cut of one tool result / step observation (~4K tokens of English)
@@ -186,18 +186,13 @@ def _task_step_reset(cls: type, row: dict, timeout_s: float) -> tuple[tuple | No
     return _guarded(run, timeout_s)
 
 
-def _cut_observation(obs, max_chars: int) -> tuple[str | list[dict], bool]:
+def _cut_observation(obs: str | list[dict], max_chars: int) -> tuple[str | list[dict], bool]:
+    """The observation with each text cut to ``max_chars`` (:func:`fastgrpo.tools.truncate`), and whether any was."""
     if isinstance(obs, str):
-        if len(obs) <= max_chars:
-            return obs, False
-        return obs[:max_chars] + f"... [truncated {len(obs) - max_chars} characters]", True
-    cut, any_cut = [], False
-    for m in obs:
-        content, was_cut = _cut_observation(m.get("content", ""), max_chars) if isinstance(
-            m.get("content"), str) else (m.get("content"), False)
-        cut.append({**m, "content": content})
-        any_cut |= was_cut
-    return cut, any_cut
+        return truncate(obs, max_chars)
+    cut = [(m, (m["content"], False) if not isinstance(m.get("content"), str) else truncate(m["content"], max_chars))
+           for m in obs]
+    return [{**m, "content": c} for m, (c, _) in cut], any(was for _, (_, was) in cut)
 
 
 def _task_step(cls: type, turn_text: str, state: dict, timeout_s: float, max_chars: int) -> tuple:
