@@ -368,9 +368,11 @@ def test_text_step_state_travels_with_the_sample_and_survives_dead_workers(pool)
     """The BFS-optimal play solves each board in exactly its optimum (>= 3 turns) with reward 1 ("env_done"),
     although every worker is killed before every step: the state lives with the sample."""
     envs = environments(pool, SlidingPuzzle)
+    assert envs.stop_strings() == ("</action>",)
     rows = [{"seed": s, "size": 2} for s in (1, 2)]
     turns = EnvTurns(envs, TEMPLATE, rows, 1)
     d = Driver(turns)
+    assert turns.prompt_ids() == [d.seq[(0, 0)], d.seq[(1, 0)]]  # once: the same prompts, no second reset
     for i, row in enumerate(rows):
         grid = generate(2, 8, 3, row["seed"])
         assert render(grid, 2) in TEMPLATE.tok.decode(d.seq[(i, 0)])

@@ -313,6 +313,12 @@ class EnvironmentPool:
         """The tool schemas of environment ``name`` (None: the single one), for ``ChatTemplate(tokenizer, tools)``."""
         return self.environments[name].schemas
 
+    def stop_strings(self, name=None) -> tuple[str, ...]:
+        """The first turn's stop strings of environment ``name``: a TextStepEnvironment's ``stop_strings``, else
+        none (for ``SamplingParams.stop_strings``)."""
+        env = self.environments[name]
+        return tuple(env.factory.stop_strings) if env.kind == "step" else ()
+
     def _run(self, fn, args, budget_s, done, worker=None) -> None:
         self.pool.run(fn, args, budget_s + GRACE_S, done, worker=worker)
 

@@ -121,6 +121,7 @@ class EnvTurns:
         self._first_submit = self._last_answer = None
         self._wait_s = 0.0
         self._special: dict[int, set[int]] = {}  # id(tokenizer) -> its special token ids
+        self._prompts: list[list[int]] | None = None
         for i, row in enumerate(self.rows):
             name = row.get("environment") if pool.multi else None
             if name not in pool.environments:
@@ -148,7 +149,9 @@ class EnvTurns:
         """Reset every trajectory's environment (in the workers, all at once) and render each row's prompt: the
         token ids to give the engine, one list per row. A row's samples share their prompt: a sample whose reset
         failed, or returned a different text than the row's first good one, ends at its first turn ("error",
-        counted as ``reset/<kind>``)."""
+        counted as ``reset/<kind>``). Once per handler: later calls return the same prompts."""
+        if self._prompts is not None:
+            return self._prompts
         for key, tr in self._trajs.items():
             env = self.pool.environments[tr.env]
             row = self._reset_kwargs(self.rows[key[0]])
@@ -190,6 +193,7 @@ class EnvTurns:
                 tr.messages = [dict(m) for m in messages]
                 lv.length, lv.last_ids = len(ids), ids
             prompts.append(ids)
+        self._prompts = prompts
         return prompts
 
     def _fail(self, key, kind: str) -> None:
