@@ -21,6 +21,14 @@ observation costs at most that through the pipe and the tokenizer; counted in ``
 how much was cut; a suffix that still does not fit ``max_sequence_tokens`` ends the trajectory in the engine with
 "length". Every fault is an error observation or an "error" finish, counted in ``env/failures/<where>/<kind>``.
 
+Memory and host time, for the real run (128 prompts × 8 on 8 GPUs: 128 trajectories per rank, up to 24K tokens):
+the handler keeps each trajectory's messages as text (~4 characters per token, 1 byte per ASCII character: at
+most ~100 KB per trajectory, ~13 MB per rank) and the ids before the current turn; the workers hold the factory
+instances (the user's) and send back at most ``max_observation_chars`` per result. Each observation costs the
+template's renders of the conversation so far (``ChatTemplate.suffix_ids``: milliseconds for 24K tokens) and one
+tokenisation of the suffix alone, on the trainer's thread inside :meth:`ready`; tool-call parsing is a regular
+expression over the turn.
+
 Counting (item 7 of issue 19): per trajectory, its turns, tool calls, failures by kind, environment seconds (the
 summed latency of its worker tasks), the observation tokens appended, and the tokens a re-prefill of the whole
 conversation before each turn (what TRL's loop costs) would have taken.
