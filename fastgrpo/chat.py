@@ -26,8 +26,8 @@ conversation, as text and as ids. A template that fails is replaced by a known p
 (Qwen3 -> :data:`QWEN3_TRAINING_TEMPLATE`: Qwen3 drops the ``<think>`` blocks of turns before the last user question
 and adds an empty one to a last turn without one) or raises ``ValueError`` naming it.
 
-Cost: three template renders of the conversation so far per suffix (a few milliseconds at most for a long
-conversation, on the host, once per turn and sample); the construction check renders a six-message probe ~12 times.
+Cost: two template renders of the conversation so far per suffix (a few milliseconds at most for a long
+conversation, on the host, once per turn and sample); the construction check renders a probe of ~9 messages ~10 times.
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ KNOWN_TEMPLATES = {
 }
 QWEN3_SHA256 = "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8"
 
-# Qwen3's template with one change: an assistant message renders as given, its content verbatim (a <think> block it
-# holds stays exactly where the policy sampled it; a reasoning_content field renders as a <think> block before it),
-# in every turn. Qwen3's own template keeps the think blocks only after the last user question, re-formats them, and
-# gives a last turn without one an empty block, so appending a message changes how earlier turns render. The system,
-# tools, user and tool parts and the generation prompt render as Qwen3's do, character for character.
+# Qwen3's template with one change: an assistant message renders as given, its content verbatim after what the
+# generation prompt writes (a <think> block it holds stays exactly where the policy sampled it; with enable_thinking
+# false the generation prompt's empty think block comes before it; a reasoning_content field renders as a <think>
+# block before it), in every turn. Qwen3's own template keeps the think blocks only after the last user question,
+# re-formats them, and gives a last turn without one an empty block, so appending a message changes how earlier turns
+# render. The system, tools, user and tool parts and the generation prompt render as Qwen3's do, character for
+# character (tests/test_chat.py checks it against the published template).
 QWEN3_TRAINING_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -74,6 +76,8 @@ QWEN3_TRAINING_TEMPLATE = (
     "{%- if message.reasoning_content is string %}"
     "{%- set content = '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' "
     "+ content.lstrip('\\n') %}"
+    "{%- elif enable_thinking is defined and enable_thinking is false %}"
+    "{%- set content = '<think>\\n\\n</think>\\n\\n' + content %}"
     "{%- endif %}"
     "{{- content }}"
     "{%- for tool_call in message.tool_calls or [] %}"
@@ -118,18 +122,20 @@ class ChatTemplate:
     """A tokenizer's chat template, checked prefix-preserving, with the tools it renders (module docstring).
 
     ``tools``: JSON schemas (``transformers.utils.get_json_schema``), rendered into every prompt as the template does
-    (``apply_chat_template(tools=...)``). ``template``: the template used (the tokenizer's own, or the training
+    (``apply_chat_template(tools=...)``). ``template_kwargs``: the template's own variables, passed to every render
+    (Qwen3's ``enable_thinking``). ``template``: the template used (the tokenizer's own, or the training
     template that replaced it), ``name``: how messages name it, ``end_of_turn``: the text it renders after an
     assistant turn's content (measured by the construction check). Host-only, stateless after construction: one
     instance serves every sample of a run.
     """
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, tools: list[dict] | None = None, template_kwargs: dict | None = None):
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"tools must be a list of JSON-schema dicts (transformers.utils.get_json_schema), got "
                              f"{tools!r}")
         self.tok = tokenizer
         self.tools = tools or None
+        self.template_kwargs = dict(template_kwargs or {})
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: "
                              "multi-turn rollouts render conversations with one")
@@ -152,7 +158,7 @@ class ChatTemplate:
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         """``messages`` rendered as text by :attr:`template` with :attr:`tools`."""
         return self.tok.apply_chat_template(messages, tools=self.tools, chat_template=self.template, tokenize=False,
-                                            add_generation_prompt=generation_prompt)
+                                            add_generation_prompt=generation_prompt, **self.template_kwargs)
 
     def ids(self, text: str) -> list[int]:
         """``text`` tokenised alone, without the tokenizer's BOS/EOS (the templates write those themselves)."""

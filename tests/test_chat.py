@@ -43,18 +43,19 @@ def conversations(draw, with_tools: bool, think: bool):
     return system + [{"role": "user", "content": draw(TEXT)}], turns
 
 
-@pytest.mark.parametrize("name", list(TOKENIZERS))
+@pytest.mark.parametrize("name, kwargs", [(name, {}) for name in TOKENIZERS] + [("qwen3", {"enable_thinking": False})])
 @pytest.mark.parametrize("with_tools", [False, True])
 @given(data=st.data())
 @settings(max_examples=25)
-def test_prompt_sampled_and_suffix_ids_are_the_tokenised_conversation(name, with_tools, data):
+def test_prompt_sampled_and_suffix_ids_are_the_tokenised_conversation(name, kwargs, with_tools, data):
     """prompt_ids + Σ (sampled ids [+ the EOS that ended the turn] + suffix_ids) equals HF's tokenisation of the
     whole conversation rendered by the template in use, for random contents, turn counts, tool and user messages,
     and turns ended by EOS or by a stop string (then the suffix carries the end of turn). The sampled ids here are
     each content tokenised alone; the contents are stripped (Llama 3.1 trims them) and the template's turn
-    boundaries are special tokens, so on these BPE tokenizers the equality is exact too."""
+    boundaries are special tokens, so on these BPE tokenizers the equality is exact too. Qwen3 with thinking off
+    too: its generation prompt then ends with an empty think block, which the suffix carries."""
     tok = tokenizer(name)
-    template = ChatTemplate(tok, TOOLS if with_tools else None)
+    template = ChatTemplate(tok, TOOLS if with_tools else None, template_kwargs=kwargs)
     messages, turns = data.draw(conversations(with_tools, think=name == "qwen3"))
     seq = template.prompt_ids(messages)
     for content, eos_ended, new in turns:
@@ -63,7 +64,7 @@ def test_prompt_sampled_and_suffix_ids_are_the_tokenised_conversation(name, with
         seq += template.suffix_ids(messages, new, end_token=tok.eos_token_id if eos_ended else None)
         messages = [*messages, *new]
     whole = tok.apply_chat_template(messages, tools=template.tools, chat_template=template.template,
-                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+                                    add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
     assert seq == whole
 
 
@@ -115,34 +116,36 @@ def test_a_runtime_re_render_raises_instead_of_guessing():
 def test_qwen3_gets_the_training_template_and_renders_as_qwen3_elsewhere():
     """Qwen3's own template fails the check (a copy that differs only by a comment, so it is not recognised,
     raises); the recognised one is replaced by the training template, which renders every prompt exactly as Qwen3's
-    (system, tools, user and tool turns, the generation prompt with and without thinking) and a last assistant turn
-    in Qwen3's own think format exactly as Qwen3's too."""
+    (system, tools, user and tool turns, the generation prompt with and without thinking), and with thinking on a
+    conversation whose assistant turns Qwen3 keeps as they are (a last turn in its think format, a tool call after
+    the last question) exactly as Qwen3's too. With thinking off, the training template keeps the generation
+    prompt's empty think block in every assistant turn, where Qwen3 drops it from the history."""
     tok = tokenizer("qwen3")
     template = ChatTemplate(tok, TOOLS)
     assert template.template == QWEN3_TRAINING_TEMPLATE and "Qwen3" in template.name
     with pytest.raises(ValueError, match=r"chat template of .* \(sha256 .*\) cannot be used for multi-turn rollouts"):
         ChatTemplate(qwen3(published("qwen3") + "{#- a copy #}"), TOOLS)
     own = published("qwen3")
-    conversations_ = [
-        [{"role": "user", "content": "hi"}],
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="},
-         {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n3"}],
-        [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "",
-                                               "tool_calls": [{"type": "function", "function": {
-                                                   "name": "add", "arguments": {"a": 1, "b": 2}}}]},
-         {"role": "tool", "name": "add", "content": "3"}, {"role": "tool", "name": "add", "content": "4"}],
-    ]
-    for messages in conversations_:
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    prompts = [[{"role": "user", "content": "hi"}],
+               [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="}],
+               [{"role": "user", "content": "1+2="}, {"role": "tool", "name": "add", "content": "3"},
+                {"role": "tool", "name": "add", "content": "4"}]]
+    histories = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="},
+                  {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n3"}],
+                 [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "name": "add", "content": "3"}, {"role": "tool", "name": "add", "content": "4"}]]
+    cases = [(m, True, kw) for m in prompts for kw in ({}, {"enable_thinking": False})]
+    cases += [(m, m[-1]["role"] != "assistant", {}) for m in histories]
+    for messages, gen, kwargs in cases:
         for tools in (None, TOOLS):
-            for kwargs in ({}, {"enable_thinking": False}):
-                for gen in (True, False):
-                    if messages[-1]["role"] == "assistant" and gen:
-                        continue
-                    if messages[-1]["role"] == "tool" and not gen:
-                        continue
-                    args = dict(tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs)
-                    mine = tok.apply_chat_template(messages, chat_template=QWEN3_TRAINING_TEMPLATE, **args)
-                    assert mine == tok.apply_chat_template(messages, chat_template=own, **args)
+            args = dict(tools=tools, tokenize=False, add_generation_prompt=gen, **kwargs)
+            mine = tok.apply_chat_template(messages, chat_template=QWEN3_TRAINING_TEMPLATE, **args)
+            assert mine == tok.apply_chat_template(messages, chat_template=own, **args)
+    off = dict(tools=None, tokenize=False, add_generation_prompt=False, enable_thinking=False)
+    history = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    assert tok.apply_chat_template(history, chat_template=QWEN3_TRAINING_TEMPLATE, **off).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n3<|im_end|>\n")
 
 
 def test_a_template_that_is_not_prefix_preserving_raises_naming_it():
