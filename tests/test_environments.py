@@ -5,7 +5,9 @@ the prompt), a dict of factories routed by the ``environment`` column, a plain t
 its soft limit, hangs past the hard one, kills its worker (os._exit, SIGKILL), returns a 100K-token observation, or
 a model that emits malformed calls. Each is counted and bounded, and the run goes on.
 
-One pool (2 workers, 0.3 s per call) is shared by the module: its server starts once (about a second here).
+One pool (2 workers, 0.3 s per call) is shared by the module: its server starts once (about a second here). The
+conversations go through the tiny model's tokenizer and chat template (``fastgrpo.chat.ChatTemplate``), so every
+appended suffix is the real one and a whole trajectory's ids are checked against the template's rendering.
 """
 
 import re
@@ -18,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fastgrpo.chat import ChatTemplate
 from fastgrpo.config import RewardConfig
 from fastgrpo.environments import EnvironmentPool, EnvTurns, environment_modules
 from fastgrpo.environments.adder import AdderEnvironment, add
@@ -30,6 +33,7 @@ from fastgrpo.environments.sliding_puzzle import (
     render,
     solved,
 )
+from fastgrpo.models import build_tiny_tokenizer
 from fastgrpo.reward_pool import RewardPool
 
 TIMEOUT_S = 0.3
@@ -151,55 +155,24 @@ USER_MODULE = '''
 '''
 
 
-class CharTokenizer:
-    """One id per character (``ord + 1``) and id 0 for ``<eos>``, the one special token."""
-
-    eos_token_id = 0
-    all_special_ids = [0]
-
-    def encode(self, text: str) -> list[int]:
-        out, i = [], 0
-        while i < len(text):
-            if text.startswith("<eos>", i):
-                out.append(0)
-                i += 5
-            else:
-                out.append(ord(text[i]) + 1)
-                i += 1
-        return out
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join("<eos>" if i == 0 else chr(i - 1) for i in ids)
+TOKENIZER = build_tiny_tokenizer()
+EOS = TOKENIZER.eos_token_id
 
 
-class StandInTemplate:
-    """The contract of ``fastgrpo.chat.ChatTemplate`` (prompt_ids, suffix_ids with end_token, tool_call_format,
-    ``tok``) on a character tokenizer, rendered as ``<|role|>content``, an assistant turn ending with ``<eos>``; the
-    suffix is the difference of two renderings, as the contract says."""
-
-    def __init__(self):
-        self.tok = CharTokenizer()
-
-    def render(self, messages, generation_prompt):
-        text = "".join(f"<|{m['role']}|>{m['content']}" + ("<eos>" if m["role"] == "assistant" else "")
-                       for m in messages)
-        return text + ("<|assistant|>" if generation_prompt else "")
-
-    def prompt_ids(self, messages):
-        return self.tok.encode(self.render(messages, True))
-
-    def suffix_ids(self, messages, new_messages, *, end_token=None):
-        before, after = self.render(messages, False), self.render(messages + new_messages, True)
-        cut = len(before) - len("<eos>")
-        assert after.startswith(before[:cut])
-        suffix = after[cut:]
-        return self.tok.encode(suffix.removeprefix("<eos>") if end_token == 0 else suffix)
-
-    def tool_call_format(self):
-        return "qwen"
+def templates(envs: EnvironmentPool):
+    """The tiny model's chat template with each environment's tools (a dict of them for a dict of factories)."""
+    t = {name: ChatTemplate(TOKENIZER, tools=envs.schemas(name) or None) for name in envs.environments}
+    return t if envs.multi else t[None]
 
 
-TEMPLATE = StandInTemplate()
+def tool_reply(*contents: str, eos: bool = True) -> str:
+    """The suffix after a turn answered by tool messages (the tiny template's rendering)."""
+    return ("" if eos else "<|endoftext|>") + "".join(
+        f"<|tool|><tool_response>\n{c}\n</tool_response>" for c in contents) + "<|assistant|>"
+
+
+def user_reply(text: str, eos: bool = True) -> str:
+    return ("" if eos else "<|endoftext|>") + f"<|user|>{text}<|assistant|>"
 
 
 def call(name, **arguments) -> str:
@@ -237,8 +210,8 @@ class Driver:
     """Plays the engine: each ``turn`` starts a sample's turn (its text + EOS sampled) and blocks for its answer,
     keeping every sample's token sequence (prompt, then turns and appended ids) and its finish reason."""
 
-    def __init__(self, turns: EnvTurns, template=TEMPLATE):
-        self.turns, self.tok = turns, template.tok
+    def __init__(self, turns: EnvTurns):
+        self.turns, self.tok = turns, TOKENIZER
         self.seq = {}
         self.finish = {}
         for i, ids in enumerate(turns.prompt_ids()):
@@ -246,7 +219,7 @@ class Driver:
                 self.seq[(i, j)] = list(ids)
 
     def turn(self, key, text: str, eos: bool = True):
-        ids = self.tok.encode(text) + ([0] if eos else [])
+        ids = self.tok(text, add_special_tokens=False)["input_ids"] + ([EOS] if eos else [])
         self.turns.start(key, ids, self.tok.decode(ids))
         self.seq[key] += ids
         while True:
@@ -269,13 +242,14 @@ def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
     assert [s["function"]["name"] for s in envs.schemas()] == ["double", "incr"]  # reset, get_reward: not tools
     rows = [{"prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "count"}], "start": 5},
             {"prompt": "again", "start": 1}]
-    turns = EnvTurns(envs, TEMPLATE, rows, n=2)
+    turns = EnvTurns(envs, templates(envs), rows, n=2)
     d = Driver(turns)
-    assert TEMPLATE.tok.decode(d.seq[(0, 0)]) == (
-        "<|system|>sys<|user|>count Start at 5; columns ['prompt'].<|assistant|>")
+    prompt = TOKENIZER.decode(d.seq[(0, 0)])
+    assert prompt.startswith("<|system|>sys\n\n<tools>\n") and '"name": "incr"' in prompt
+    assert prompt.endswith("</tools><|user|>count Start at 5; columns ['prompt'].<|assistant|>")
     r = d.turn((0, 0), "let me " + call("incr", by=2) + call("double", x=21))
     assert r.finish is None and r.stop_strings is None
-    assert TEMPLATE.tok.decode(r.append_ids) == "<|tool|>7<|tool|>42<|assistant|>"
+    assert TOKENIZER.decode(r.append_ids) == tool_reply("7", "42")
     d.turn((0, 0), call("incr", by=3))
     d.turn((0, 1), call("incr", by=100))
     assert d.turn((0, 0), "done").finish == "stop"
@@ -285,11 +259,12 @@ def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
     assert {k: t.finish for k, t in res.items()} == {(0, 0): "stop", (0, 1): None, (1, 0): None, (1, 1): None}
     t = res[(0, 0)]
     assert (t.turns, t.tool_calls, sum(t.failures.values()), t.truncated) == (3, 3, 0, 0)
+    template = turns.template(None)
     for key, tr in res.items():
         if tr.finish is None:
             tr.messages.append({"role": "assistant", "content": ""})  # the engine ended it: close the last turn
-            d.seq[key].append(0)
-        assert TEMPLATE.tok.decode(d.seq[key]) == TEMPLATE.render(tr.messages, False), key
+            d.seq[key].append(EOS)
+        assert d.seq[key] == template.ids(template.render(tr.messages, False)), key  # the same ids, token by token
     m = turns.metrics({(0, 1): "length"})
     assert m["env/finish/stop"] == 1 and m["env/finish/length"] == 1 and m["env/finish/engine"] == 2
     assert m["env/turns_max"] == 3 and m["env/tool_calls"] == 6 and m["env/reward_mean"] == 118 / 4
@@ -304,18 +279,18 @@ def test_a_dict_of_factories_routes_rows_and_exposes_each_environments_tools(poo
     assert [s["function"]["name"] for s in envs.schemas("adder")] == ["add", "add"]  # standalone + its method
     assert envs.schemas("puzzle") == []
     with pytest.raises(ValueError, match=r"row 1: environment='chess' is not among"):
-        EnvTurns(envs, TEMPLATE, [{"environment": "count"}, {"environment": "chess"}], 1)
+        EnvTurns(envs, templates(envs), [{"environment": "count"}, {"environment": "chess"}], 1)
     rows = [{"prompt": "c", "environment": "count", "start": 2}, {"prompt": "what is 2+3?", "environment": "adder",
                                                                    "answer": 5},
             {"environment": "puzzle", "seed": 3}]
-    turns = EnvTurns(envs, {"count": TEMPLATE, "adder": TEMPLATE, "puzzle": TEMPLATE}, rows, 1)
+    turns = EnvTurns(envs, templates(envs), rows, 1)
     d = Driver(turns)
-    assert "columns ['prompt']" in TEMPLATE.tok.decode(d.seq[(0, 0)])  # no 'environment' column in reset
-    assert "sliding puzzle" in TEMPLATE.tok.decode(d.seq[(2, 0)])
+    assert "columns ['prompt']" in TOKENIZER.decode(d.seq[(0, 0)])  # no 'environment' column in reset
+    assert "sliding puzzle" in TOKENIZER.decode(d.seq[(2, 0)])
     r = d.turn((0, 0), call("incr", by=1) + call("add", a=1, b=2))
-    assert TEMPLATE.tok.decode(r.append_ids) == "<|tool|>3<|tool|>3<|assistant|>"
+    assert TOKENIZER.decode(r.append_ids) == tool_reply("3", "3")
     r = d.turn((1, 0), call("add", a=2, b=3) + call("incr", by=1))  # Counter's tool is not the adder's
-    assert TEMPLATE.tok.decode(r.append_ids) == "<|tool|>5<|tool|>{'error': 'Tool incr not found.'}<|assistant|>"
+    assert TOKENIZER.decode(r.append_ids) == tool_reply("5", "{'error': 'Tool incr not found.'}")
     d.turn((2, 0), "<action>up</action>")
     res = turns.results()
     assert res[(0, 0)].reward == 3.0 and res[(1, 0)].reward == 1.0 and res[(1, 0)].failures == {
@@ -325,9 +300,9 @@ def test_a_dict_of_factories_routes_rows_and_exposes_each_environments_tools(poo
 
 def test_a_plain_tools_list_runs_on_any_worker(pool):
     envs = environments(pool, None, [add])
-    turns = EnvTurns(envs, TEMPLATE, [{"prompt": "2+3?"}], 2)
+    turns = EnvTurns(envs, templates(envs), [{"prompt": "2+3?"}], 2)
     d = Driver(turns)
-    assert TEMPLATE.tok.decode(d.turn((0, 0), call("add", a=2, b=3)).append_ids) == "<|tool|>5<|assistant|>"
+    assert TOKENIZER.decode(d.turn((0, 0), call("add", a=2, b=3)).append_ids) == tool_reply("5")
     assert d.turn((0, 0), "\\boxed{5}").finish == "stop"
     res = turns.results()
     assert list(res) == [(0, 0), (0, 1)] and (res[(0, 0)].reward, res[(0, 0)].turns, res[(0, 0)].finish) == (
@@ -370,19 +345,24 @@ def test_text_step_state_travels_with_the_sample_and_survives_dead_workers(pool)
     envs = environments(pool, SlidingPuzzle)
     assert envs.stop_strings() == ("</action>",)
     rows = [{"seed": s, "size": 2} for s in (1, 2)]
-    turns = EnvTurns(envs, TEMPLATE, rows, 1)
+    turns = EnvTurns(envs, templates(envs), rows, 1)
     d = Driver(turns)
     assert turns.prompt_ids() == [d.seq[(0, 0)], d.seq[(1, 0)]]  # once: the same prompts, no second reset
     for i, row in enumerate(rows):
         grid = generate(2, 8, 3, row["seed"])
-        assert render(grid, 2) in TEMPLATE.tok.decode(d.seq[(i, 0)])
+        assert render(grid, 2) in TOKENIZER.decode(d.seq[(i, 0)])
         actions = optimal_actions(grid, 2)
         assert len(actions) >= 3
         for k, a in enumerate(actions):
             kill_workers(pool)
             r = d.turn((i, 0), f"I slide <action>{a}</action>", eos=False)  # stopped at the stop string
             assert (r.finish == "env_done") == (k == len(actions) - 1)
+            if r.finish is None:  # the template's end of turn follows the stop string, then the observation
+                assert d.tok.decode(r.append_ids).startswith(f"<|endoftext|><|user|>Moved {a}.")
     res = turns.results()
+    template = turns.template(None)
+    for key, tr in res.items():  # the whole trajectory, token by token, is the template's rendering
+        assert d.seq[key] + [EOS] == template.ids(template.render(tr.messages, False))
     assert all(t.reward == 1.0 and t.finish == "env_done" and not t.failures for t in res.values())
     assert [t.turns for t in res.values()] == [len(optimal_actions(generate(2, 8, 3, r["seed"]), 2)) for r in rows]
 
@@ -404,7 +384,7 @@ def test_sliding_puzzle_rules():
 
 def hostile_turns(pool, envs_module, rows, n=1, **kw):
     envs = environments(pool, envs_module.Hostile, **kw)
-    return Driver(EnvTurns(envs, TEMPLATE, rows, n))
+    return Driver(EnvTurns(envs, templates(envs), rows, n))
 
 
 def test_hostile_tools_are_counted_and_bounded(pool, envs_module):
@@ -418,8 +398,8 @@ def test_hostile_tools_are_counted_and_bounded(pool, envs_module):
     d = hostile_turns(pool, envs_module, rows, max_tool_calls_per_turn=3)
     k = [(i, 0) for i in range(10)]
     r = d.turn(k[0], call("boom") + call("nap") + call("ok"))
-    assert d.tok.decode(r.append_ids) == "<|tool|>{'error': 'boom'}<|tool|>{'error': 'Tool nap ran longer than " \
-                                         f"{TIMEOUT_S} s'}}<|tool|>fine<|assistant|>"
+    assert d.tok.decode(r.append_ids) == tool_reply("{'error': 'boom'}",
+                                                    f"{{'error': 'Tool nap ran longer than {TIMEOUT_S} s'}}", "fine")
     r = d.turn(k[1], call("flood"))
     flood = d.tok.decode(r.append_ids)
     assert len(flood) < MAX_CHARS + 100 and "truncated 499000 characters" in flood
@@ -466,7 +446,7 @@ def test_a_sample_whose_reset_text_differs_from_its_groups_ends_with_an_error(po
     """A group shares one prompt: Moody's reset text names its worker, so the sample on the other worker than
     sample 0's differs, is counted (reset/mismatch) and ends at its first turn."""
     envs = environments(pool, envs_module.Moody)
-    d = Driver(EnvTurns(envs, TEMPLATE, [{"prompt": "p"}], 2))
+    d = Driver(EnvTurns(envs, templates(envs), [{"prompt": "p"}], 2))
     assert d.seq[(0, 0)] == d.seq[(0, 1)]
     assert d.turn((0, 0), "x").finish == "stop" and d.turn((0, 1), "x").finish == "error"
     res = d.turns.results()
@@ -475,18 +455,18 @@ def test_a_sample_whose_reset_text_differs_from_its_groups_ends_with_an_error(po
 
 def test_hostile_text_steps_are_counted_and_keep_the_state(pool, envs_module):
     envs = environments(pool, envs_module.Steps)
-    turns = EnvTurns(envs, TEMPLATE, [{"prompt": "play"}], 1)
+    turns = EnvTurns(envs, templates(envs), [{"prompt": "play"}], 1)
     d = Driver(turns)
     key = (0, 0)
     r = d.turn(key, "a")
-    assert d.tok.decode(r.append_ids) == "<|user|>step 1<|assistant|>" and r.stop_strings == ("STOP", "END")
+    assert d.tok.decode(r.append_ids) == user_reply("step 1") and r.stop_strings == ("STOP", "END")
     for bad in ("RAISE", "HANG", "STUCK", "DIE"):
         r = d.turn(key, bad)
         assert r.finish is None and r.stop_strings is None and "environment step failed" in d.tok.decode(r.append_ids)
     r = d.turn(key, "FLOOD")
     assert len(d.tok.decode(r.append_ids)) < MAX_CHARS + 100
     r = d.turn(key, "b")
-    assert d.tok.decode(r.append_ids) == "<|user|>step 3<|assistant|>"  # the four failed steps did not count
+    assert d.tok.decode(r.append_ids) == user_reply("step 3")  # the four failed steps did not count
     assert d.turn(key, "DONE").finish == "env_done"
     t = turns.results()[key]
     assert t.reward == 0.5 + 0.25 + 0.5 + 1.0 and t.turns == 8 and t.truncated == 1
@@ -564,11 +544,11 @@ def test_the_readme_examples_run_in_the_workers(tmp_path, monkeypatch):
         envs = EnvironmentPool(p, {"shop": my_envs.Shop, "guess": my_games.Guess})
         rows = [{"prompt": "Buy a pear.", "environment": "shop", "coins": 7, "wanted": "pear"},
                 {"prompt": "Play.", "environment": "guess", "seed": 11}]
-        d = Driver(EnvTurns(envs, TEMPLATE, rows, 1))
+        d = Driver(EnvTurns(envs, templates(envs), rows, 1))
         assert d.tok.decode(d.seq[(0, 0)]).endswith("Buy a pear. You have 7 coins.<|assistant|>")
         r = d.turn((0, 0), call("price", item="pear") + call("buy", item="apple") + call("buy", item="pear"))
-        assert d.tok.decode(r.append_ids) == ("<|tool|>5<|tool|>bought apple, 4 coins left<|tool|>{'error': 'pear "
-                                              "costs 5, you have 4'}<|assistant|>")
+        assert d.tok.decode(r.append_ids) == tool_reply("5", "bought apple, 4 coins left",
+                                                        "{'error': 'pear costs 5, you have 4'}")
         d.turn((0, 0), "no pear for me")
         low, high, turns = 1, 100, 0
         while True:
@@ -586,8 +566,9 @@ def test_the_readme_examples_run_in_the_workers(tmp_path, monkeypatch):
 
 def test_waiting_on_a_closed_pool_raises_instead_of_hanging(envs_module):
     with RewardPool(RewardConfig(functions=["format"], timeout_s=TIMEOUT_S), 1) as p:
-        d = Driver(EnvTurns(environments(p, envs_module.Hostile), TEMPLATE, [{"prompt": "p"}], 1))
-        ids = d.tok.encode(call("stuck")) + [0]
+        envs = environments(p, envs_module.Hostile)
+        d = Driver(EnvTurns(envs, templates(envs), [{"prompt": "p"}], 1))
+        ids = d.tok(call("stuck"), add_special_tokens=False)["input_ids"] + [EOS]
         d.turns.start((0, 0), ids, d.tok.decode(ids))
     with pytest.raises(RuntimeError, match="reward pool was closed"):
         d.turns.ready(block=True)
@@ -601,9 +582,10 @@ def test_the_python_tool_runs_in_a_worker(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the server and its workers take the environment of the pool
     with RewardPool(RewardConfig(functions=["format"], timeout_s=5.0), 1,
                     preload=environment_modules(None, [run_python])) as p:
-        d = Driver(EnvTurns(EnvironmentPool(p, None, [run_python]), TEMPLATE, [{"prompt": "p"}], 1))
+        envs = EnvironmentPool(p, None, [run_python])
+        d = Driver(EnvTurns(envs, templates(envs), [{"prompt": "p"}], 1))
         program = "import os\nprint(6 * 7, os.path.basename(os.getcwd()))"
         r = d.turn((0, 0), call("run_python", code=program))
         worker = p._workers[0].pid
-    assert d.tok.decode(r.append_ids).startswith(f"<|tool|>exit status 0\n42 fastgrpo-code-{worker}-")
+    assert d.tok.decode(r.append_ids).startswith(f"<|tool|><tool_response>\nexit status 0\n42 fastgrpo-code-{worker}-")
     assert list(tmp_path.iterdir()) == []
