@@ -110,6 +110,46 @@ class _ModelPieces:
             x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
         return x + delta
 
+    def _prefill_onto(self, ops, tokens_N, pos_N, spans, tables, cos_TD, sin_TD, cache, slot_N, dtype):
+        """Packed prefill of new tokens of sequences whose earlier K/V are already in their pages (a resumed turn's
+        appended tokens: a chunked prefill, nothing before them recomputed); returns the last residual stream
+        ``[N, H]`` (before the final norm).
+
+        ``spans``: ``(start, count, kv)`` per sequence: its ``count`` tokens at ``start`` in the row sit at positions
+        ``kv .. kv + count - 1``; ``tables``: its pages (int64) covering positions ``[0, kv + count)``. Each layer
+        writes the new K/V to their slots first, then each sequence's queries attend to its keys ``[0, kv + count)``
+        read back through its pages, causally (query at position p reads keys ``<= p``): the explicit mask
+        ``[count, kv + count]`` goes to SDPA (on CUDA its memory-efficient kernel, no scores stored; on CPU the
+        math path holds ``Hq · count · (kv + count)`` fp32 scores per layer, a few MiB for an observation of a few
+        hundred tokens in a few thousand).
+        """
+        N = tokens_N.shape[0]
+        G = self.num_heads // self.num_kv_heads
+        cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
+        masks = [
+            torch.arange(kv + m, device=tokens_N.device) <= torch.arange(kv, kv + m, device=tokens_N.device)[:, None]
+            for _, m, kv in spans
+        ]  # [count, kv + count] bool: True = attend
+        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = self._norm_in(ops, layer, x, delta)
+            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
+            cache.write(li, slot_N, k, v)
+            out = torch.empty_like(q)  # [N, Hq, D]
+            Hkv, D = self.num_kv_heads, self.head_dim
+            for (start, m, kv), pages, mask in zip(spans, tables, masks):
+                L = kv + m
+                kg = cache.k[li][:, pages].reshape(Hkv, -1, D)[:, :L]  # [Hkv, L, D]
+                vg = cache.v[li][:, pages].reshape(Hkv, -1, D)[:, :L]
+                if G > 1:  # query head h reads kv head h // G (Hugging Face's repeat_kv)
+                    kg, vg = kg.repeat_interleave(G, dim=0), vg.repeat_interleave(G, dim=0)
+                qg = q[start : start + m].transpose(0, 1)  # [Hq, m, D]
+                og = F.scaled_dot_product_attention(qg[None], kg[None], vg[None], attn_mask=mask, scale=self.scale)
+                out[start : start + m] = og[0].transpose(0, 1)  # [m, Hq, D]
+            x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
+        return x + delta
+
     def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
         norm = self.model.model.norm
         return self._lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32

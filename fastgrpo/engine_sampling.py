@@ -1,13 +1,16 @@
-"""Sampling for the generation engine: the request (``SamplingParams``), the result (``Completion``), each sample's
-random stream and the draw of one token per row (``_sample``).
+"""Sampling for the generation engine: the request (``SamplingParams``), the result (``Completion``), the multi-turn
+interface (``TurnHandler``, ``TurnResult``), each sample's random stream and the draw of one token per row
+(``_sample``).
 
 With ``temperature == 0`` the token is ``argmax(logits)`` and its log-prob is ``log_softmax(logits)``.
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
 kept), then top-p keeps the smallest set of the most likely tokens (of the top-k renormalised distribution)
 whose mass reaches ``top_p`` — the order Hugging Face's warpers apply them. The token is drawn from the truncated,
-renormalised distribution. Every sample has its own random stream keyed by ``h(seed, sample, t)`` for its t-th token
-(``fastgrpo.kernels.sampling``), so a sample's tokens do not depend on the batch it runs in, its slot,
-``max_batch_size`` or ``sync_every``, and no host sync is needed to seed them. On CUDA the draw is the Gumbel-max
+renormalised distribution. Every sample has its own random stream keyed by ``h(seed, sample, t)`` for its t-th
+*sampled* token (``fastgrpo.kernels.sampling``; t counts the tokens the policy sampled in all its turns, not the
+appended observations, nor the tokens drawn past a stop string and trimmed), so a sample's tokens do not depend on
+the batch it runs in, its slot, ``max_batch_size``, ``sync_every``, when its turn handler answers, or whether it
+was preempted, and no host sync is needed to seed them. On CUDA the draw is the Gumbel-max
 trick (``argmax(logp_masked - log(-log(U)))``, ``U = U(h, v)`` philox); temperature-only sampling (no top-k/top-p,
 the GRPO default) is ``fastgrpo.kernels.sampling.gumbel_sample``, one kernel that draws the noise in registers and
 reads each row of logits twice. Elsewhere it is the inverse CDF with one 53-bit uniform per row, a hash of ``h``
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -49,7 +53,14 @@ class SamplingParams:
     """Seed of the sampling generator; None draws one from torch's default generator (torch.manual_seed)."""
     max_sequence_tokens: int | None = None
     """Prompt + response budget (NeMo-RL's max_total_sequence_length): each prompt's response limit is
-    ``min(max_new_tokens, max_sequence_tokens - len(prompt))``; None = max_new_tokens alone."""
+    ``min(max_new_tokens, max_sequence_tokens - len(prompt))``; None = max_new_tokens alone. Multi-turn: the budget
+    of the whole conversation (prompt + every turn + every observation; None = the model's context), and
+    ``max_new_tokens`` is per turn."""
+    stop_strings: tuple[str, ...] = ()
+    """A turn (a completion) also ends when its decoded text ends with one of these (needs the engine's tokenizer);
+    it ends at the token that completes the first match, included ("stop", or a turn boundary)."""
+    max_turns: int = 1
+    """Most sampled turns per trajectory; > 1 needs a turn handler (``generate(..., turns=)``); 1 = single-turn."""
 
     def __post_init__(self):
         def is_int(x):
@@ -75,6 +86,14 @@ class SamplingParams:
         mst = self.max_sequence_tokens
         if mst is not None and (not is_int(mst) or mst < 2):
             raise ValueError(f"SamplingParams.max_sequence_tokens must be an integer >= 2 or None, got {mst!r}")
+        if isinstance(self.stop_strings, str):
+            raise ValueError(f"SamplingParams.stop_strings must be a tuple of strings, got {self.stop_strings!r}")
+        strings = tuple(self.stop_strings)
+        if not all(isinstance(x, str) and x for x in strings):
+            raise ValueError(f"SamplingParams.stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        object.__setattr__(self, "stop_strings", strings)
+        if not is_int(self.max_turns) or self.max_turns < 1:
+            raise ValueError(f"SamplingParams.max_turns must be an integer >= 1, got {self.max_turns!r}")
 
     @property
     def greedy(self) -> bool:
@@ -87,16 +106,56 @@ class SamplingParams:
         return min(self.max_new_tokens, self.max_sequence_tokens - prompt_len)
 
 
+FINISH_REASONS = ("stop", "length", "max_turns", "env_done", "error")
+HANDLER_FINISH_REASONS = ("stop", "env_done", "error")  # the ones a turn handler may end a trajectory with
+
+
 @dataclass
 class Completion:
-    """One sampled continuation of a prompt (the prompt itself is not included)."""
+    """One trajectory of a prompt (the prompt itself is not included): one turn, or, multi-turn, the sampled turns
+    with the appended observations between them."""
 
     token_ids: list[int]
-    """Generated tokens; ends with the stop token when finish_reason is "stop"."""
+    """Everything after the prompt, in order: sampled turns and appended observations. A sampled turn ends with its
+    stop token, or at the token that completes a stop string, when it ended at a boundary."""
     logprobs: list[float] = field(repr=False)
-    """log p(token) under softmax(logits / temperature) before top-p/top-k truncation (temperature 1 for greedy)."""
+    """Aligned with token_ids: log p(token) under softmax(logits / temperature) before top-p/top-k truncation
+    (temperature 1 for greedy) at sampled tokens, 0.0 at appended ones."""
     finish_reason: str
-    """"stop" (an eos or stop token was sampled) or "length" (the response limit was reached)."""
+    """"stop" (an eos/stop token or stop string ended it, or the turn handler said "stop"), "length" (a turn's
+    max_new_tokens, the max_sequence_tokens budget, or an observation that did not fit it), "max_turns" (the handler
+    answered the max_turns-th turn with an observation), "env_done" or "error" (the turn handler's reasons)."""
+    loss_mask: list[int] = field(default_factory=list, repr=False)
+    """Aligned with token_ids: 1 where the policy sampled the token, 0 where it was appended."""
+    num_turns: int = 1
+    """Sampled turns (1 for single-turn)."""
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """A turn handler's answer for a sample that paused at a turn boundary."""
+
+    append_ids: list[int]
+    """Tokens to append after the sampled turn (observation + template suffix through the next assistant generation
+    prompt); prefilled into the sample's own pages, then decoding resumes."""
+    stop_strings: tuple[str, ...] | None = None
+    """The sample's stop strings from now on (None: keep)."""
+    finish: str | None = None
+    """Not None: the trajectory ends now with this finish reason ("stop", "env_done" or "error"); append_ids are
+    ignored."""
+
+
+class TurnHandler(Protocol):
+    """What ``GenerationEngine.generate(..., turns=)`` calls at turn boundaries (an environment, tools, a script)."""
+
+    def start(self, key: tuple[int, int], turn_ids: list[int], turn_text: str) -> None:
+        """Sample ``key`` = (prompt index, sample index) ended a turn at EOS, a stop token or a stop string.
+        ``turn_ids``: the tokens it sampled this turn (trimmed exactly at the stop string; the EOS/stop token
+        included when one ended it); ``turn_text``: their decoding. Must not block (work goes to a worker)."""
+
+    def ready(self, block: bool) -> list[tuple[tuple[int, int], TurnResult]]:
+        """The results available now; ``block=True``: wait until at least one is (the engine asks so only when no
+        sample is decoding)."""
 
 
 def _use_fused_sampling(t: torch.Tensor) -> bool:

@@ -70,13 +70,15 @@ from fastgrpo.engine_cache import _KVCache, _RowCacheSteps
 from fastgrpo.engine_cuda import _GraphSteps
 from fastgrpo.engine_forward import LM_HEAD_CHUNK, _ModelPieces, _Ops
 from fastgrpo.engine_loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
-from fastgrpo.engine_sampling import Completion, SamplingParams
+from fastgrpo.engine_sampling import Completion, SamplingParams, TurnHandler, TurnResult
+from fastgrpo.engine_turns import _TurnSteps
 from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
 from fastgrpo.scheduler import Scheduler
 
 __all__ = [
-    "GenerationEngine", "SamplingParams", "Completion", "PREFILL_CHUNK_TOKENS", "LM_HEAD_CHUNK",
+    "GenerationEngine", "SamplingParams", "Completion", "TurnHandler", "TurnResult", "PREFILL_CHUNK_TOKENS",
+    "LM_HEAD_CHUNK",
     "SUPPORTED_MODEL_TYPES", "DEFAULT_CPU_TOTAL_TOKENS", "CUDA_MEMORY_FRACTION", "CUDA_SYNC_EVERY", "DEFAULT_PAGE_SIZE",
 ]
 
@@ -112,6 +114,9 @@ class GenerationEngine(_ModelPieces):
         row_cache: where the paged kernel does not run (CPU), decode attention reads a contiguous row cache kept in
             step with the pages (see ``_Workspace``) instead of gathering every row's pages per layer and step; None
             = when it holds no more tokens than the KV budget (``max_total_tokens``). Ignored on CUDA.
+        tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
+            tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
+            handler (its ``turn_text``). Never used to encode.
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class GenerationEngine(_ModelPieces):
         compile: bool | None = None,
         page_size: int | None = None,
         row_cache: bool | None = None,
+        tokenizer=None,
     ):
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
@@ -166,6 +172,9 @@ class GenerationEngine(_ModelPieces):
             raise ValueError(f"page_size must be an integer >= 1 or None, got {page_size!r}")
         if row_cache is not None and not isinstance(row_cache, bool):
             raise ValueError(f"row_cache must be True, False or None, got {row_cache!r}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(f"tokenizer must have a decode(ids) method, got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
         self.page_size = page_size
         self.last_stats: dict = {}
         self.max_batch_size = max_batch_size
@@ -201,12 +210,21 @@ class GenerationEngine(_ModelPieces):
         params: SamplingParams,
         *,
         on_group_done: Callable[[int, list[Completion]], None] | None = None,
+        turns: TurnHandler | None = None,
     ) -> list[list[Completion]]:
         """Sample ``params.n`` completions for each prompt; returns ``[prompt][sample]`` :class:`Completion`.
 
         The model runs in eval mode under ``no_grad`` and gets its previous mode back afterwards. A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
-        "stop") or after ``params.response_limit(len(prompt))`` tokens (reason "length").
+        "stop"), at the token that completes the first ``params.stop_strings`` match in its decoded text ("stop";
+        see ``fastgrpo.engine_turns``), or after ``params.response_limit(len(prompt))`` tokens (reason "length").
+
+        ``turns`` (multi-turn, see ``fastgrpo.engine_turns``): a sample whose turn ends at one of those boundaries
+        pauses with its KV pages kept while the others go on decoding, and ``turns.start(key, turn_ids, turn_text)``
+        is called; the handler's answer (``turns.ready``) ends the trajectory or gives tokens to append, which are
+        prefilled into the sample's pages against its cached K/V, and decoding resumes. ``params.max_new_tokens``
+        is then per turn, ``params.max_sequence_tokens`` (default: the model's context) bounds the whole
+        conversation, ``params.max_turns`` the sampled turns.
 
         ``on_group_done(prompt_index, completions)`` is called as soon as all ``params.n`` samples of a prompt have
         finished (in finishing order, each prompt exactly once, before ``generate`` returns), so a caller can score
@@ -216,7 +234,15 @@ class GenerationEngine(_ModelPieces):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if on_group_done is not None and not callable(on_group_done):
             raise ValueError(f"on_group_done must be callable or None, got {type(on_group_done).__name__}")
-        prompts = self._check_prompts(prompt_token_ids, params)
+        if turns is not None and not (callable(getattr(turns, "start", None)) and callable(getattr(turns, "ready",
+                                                                                                   None))):
+            raise ValueError(f"turns must have start(key, turn_ids, turn_text) and ready(block), got {turns!r}")
+        if params.max_turns > 1 and turns is None:
+            raise ValueError(f"params.max_turns={params.max_turns} needs a turn handler (generate(..., turns=))")
+        if self.tokenizer is None and (params.stop_strings or turns is not None):
+            what = "params.stop_strings" if params.stop_strings else "a turn handler (its turn_text)"
+            raise ValueError(f"{what} needs the engine's tokenizer (GenerationEngine(..., tokenizer=))")
+        prompts = self._check_prompts(prompt_token_ids, params, multi_turn=turns is not None)
         if not prompts:
             return []
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -227,7 +253,8 @@ class GenerationEngine(_ModelPieces):
         param = next(model.parameters())
         device = param.device
         dtype = self._dtype or param.dtype
-        max_len = max(len(p) + params.response_limit(len(p)) for p in prompts)  # T
+        max_context = self._max_context(params) if turns is not None else None  # a conversation's budget
+        max_len = max_context or max(len(p) + params.response_limit(len(p)) for p in prompts)  # T
         budget = self._budget_tokens(device, dtype)
 
         if params.seed is None:
@@ -240,14 +267,23 @@ class GenerationEngine(_ModelPieces):
         try:
             with torch.no_grad(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
-                run = _Run(self, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget)
+                run = _Run(self, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget, turns, max_context)
                 return run.run(on_group_done)
         finally:
             model.train(was_training)
 
     # ------------------------------------------------------------------ validation and planning
 
-    def _check_prompts(self, prompt_token_ids, params: SamplingParams) -> list[list[int]]:
+    def _max_context(self, params: SamplingParams) -> int:
+        """Multi-turn: most tokens a conversation may reach (max_sequence_tokens, within the model's context)."""
+        return min(params.max_sequence_tokens or self.max_positions, self.max_positions)
+
+    def _first_limit(self, params: SamplingParams, prompt_len: int, multi_turn: bool) -> int:
+        if not multi_turn:
+            return params.response_limit(prompt_len)
+        return min(params.max_new_tokens, self._max_context(params) - prompt_len)
+
+    def _check_prompts(self, prompt_token_ids, params: SamplingParams, multi_turn: bool = False) -> list[list[int]]:
         if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, Sequence):
             raise ValueError("prompt_token_ids must be a list of lists of token ids")
         prompts = []
@@ -265,11 +301,12 @@ class GenerationEngine(_ModelPieces):
                 raise ValueError(
                     f"prompt_token_ids[{i}] has ids in [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})"
                 )
-            limit = params.response_limit(len(p))
+            limit = self._first_limit(params, len(p), multi_turn)
             if limit < 1:
                 raise ValueError(
                     f"prompt_token_ids[{i}] has {len(p)} tokens: no room for a response within "
                     f"params.max_sequence_tokens={params.max_sequence_tokens}"
+                    + (f" and the model's context of {self.max_positions}" if multi_turn else "")
                 )
             if len(p) + limit > self.max_positions:
                 raise ValueError(
@@ -344,10 +381,11 @@ def _use_fused_attention(t: torch.Tensor) -> bool:
     return t.is_cuda and use_triton(t)
 
 
-class _Run(_DecodeLoop, _RowCacheSteps, _GraphSteps):
+class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
     """One ``generate`` call: the device step driven by a :class:`~fastgrpo.scheduler.Scheduler` (one wave)."""
 
-    def __init__(self, engine: GenerationEngine, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget):
+    def __init__(self, engine: GenerationEngine, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget,
+                 turns=None, max_context=None):
         self.e = engine
         self.prompts = prompts
         self.params = params
@@ -363,14 +401,19 @@ class _Run(_DecodeLoop, _RowCacheSteps, _GraphSteps):
         self.stop_set = set(engine.eos_token_ids) | set(params.stop_token_ids)
         self.stop_ids = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=device)
         self.ps = engine.page_size or DEFAULT_PAGE_SIZE[device.type == "cuda"]
+        self.turns = turns
+        self.max_context = max_context  # multi-turn: a conversation's token budget; None: single-turn
         self.lengths = [len(p) for p in prompts]
-        self.limits = [params.response_limit(n) for n in self.lengths]
+        self.limits = [engine._first_limit(params, n, turns is not None) for n in self.lengths]
         # the pool never needs more than every sample's full length at once (+ prompt pages, the scratch page)
         ps = self.ps
-        worst = sum(params.n * -(-(a + b) // ps) - (-a // ps) for a, b in zip(self.lengths, self.limits)) + 1
+        ends = [max_context or a + b for a, b in zip(self.lengths, self.limits)]  # a sequence's last position + 1
+        worst = sum(params.n * -(-end // ps) - (-a // ps) for a, end in zip(self.lengths, ends)) + 1
+        self.max_end = max(ends)
         try:
             self.sched = Scheduler(
-                self.lengths, params.n, self.limits, self.ps, min(budget // self.ps, worst), engine.max_batch_size
+                self.lengths, params.n, self.limits, self.ps, min(budget // self.ps, worst), engine.max_batch_size,
+                max_context,
             )
         except ValueError as err:
             raise ValueError(f"max_total_tokens={budget} ({budget // self.ps} pages of {self.ps}): {err}") from None
@@ -380,7 +423,7 @@ class _Run(_DecodeLoop, _RowCacheSteps, _GraphSteps):
         L, Hkv, D = len(e.layers), e.num_kv_heads, e.head_dim
         R = min(e.max_batch_size, P * n)  # rows
         dev = self.device
-        max_pages = max(self.sched.pages_for(a + b) for a, b in zip(self.lengths, self.limits))
+        max_pages = self.sched.pages_for(self.max_end)
         max_new = max(self.limits)
         # zeroed: masked-out keys still enter the CPU attention's P @ V, where 0 * NaN would be NaN
         cache = _KVCache(
@@ -397,6 +440,7 @@ class _Run(_DecodeLoop, _RowCacheSteps, _GraphSteps):
             done=torch.ones(R, dtype=torch.bool, device=dev),  # finished or padding
             limit=torch.ones(R, dtype=torch.long, device=dev),  # the sample's response limit
             stream=torch.zeros(R, dtype=torch.long, device=dev),  # h(seed, its sample id): its random stream
+            t0=torch.zeros(R, dtype=torch.long, device=dev),  # tokens sampled in its earlier turns
             out_tok=torch.zeros(R, max_new, dtype=torch.long, device=dev),
             out_lp=torch.zeros(R, max_new, dtype=torch.float32, device=dev),
             table=torch.zeros(R, max_pages, dtype=torch.int32, device=dev),  # block tables (0 = scratch page)
@@ -404,7 +448,7 @@ class _Run(_DecodeLoop, _RowCacheSteps, _GraphSteps):
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.logits_RV = torch.empty(R, e.vocab_size, device=dev) if self.use_graphs else None
-        self.stats = dict(decode_steps=0, prefill_tokens=0)
+        self.stats = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0)
         try:
             return self._loop(cache, R, on_group_done)
         finally:
@@ -415,6 +459,9 @@ class _Run(_DecodeLoop, _RowCacheSteps, _GraphSteps):
                 preemptions=sched.preemptions,
                 decode_steps=self.stats["decode_steps"],
                 prefill_tokens=self.stats["prefill_tokens"],
+                resume_prefill_tokens=self.stats["resume_prefill_tokens"],
+                evictions=sched.evictions,
+                peak_paused=sched.peak_paused,
                 peak_kv_tokens=sched.peak_pages * ps,
                 kv_capacity_tokens=(sched.num_pages - 1) * ps,
                 page_size=ps,

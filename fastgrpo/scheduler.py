@@ -18,13 +18,26 @@ of a batch bucket write there). A sequence's K/V live in the pages of its block 
   page per running sample in reserve so that admission does not immediately force a preemption.
 - **Rows.** Running samples occupy rows ``[0, running)``; when one leaves, the last row moves into its place
   (:meth:`Scheduler.compact` returns the moves for the device state).
+- **Turns (multi-turn).** A sample that ends a turn at a boundary *pauses* (:meth:`Scheduler.pause`): it leaves its
+  row and keeps the pages of its cached tokens (those of tokens sampled past a stop string are freed), while the
+  others go on decoding. When its turn handler answers, :meth:`Scheduler.resume` queues it with the appended tokens
+  counted in its context; admission (resumed samples first) gives it the pages of the appended tokens and its next
+  ``steps`` tokens, and the engine prefills the appended tokens (and the last sampled one, whose K/V were not
+  cached) into its own pages against the K/V already there. When the pool is short, paused samples are evicted
+  before any running sample is preempted, the latest paused first (a paused sample is idle, maybe for seconds of
+  environment time; a running one is not): its pages are freed and, when it resumes, its whole conversation is
+  prefilled again into private pages. A sample preempted mid-turn is recomputed from all its tokens (prompt,
+  earlier turns, observations, this turn's tokens).
 
 Invariants (:meth:`Scheduler.check`): a page's reference count equals the number of block tables and prompt
 holders that list it; free pages have count 0 and are not listed; no private (written) page is listed twice;
 after the call every page is free.
 
 Memory: the pool is the only large allocation, ``num_pages · page_size`` tokens × (2 · layers · Hkv · D · bytes)
-(28 KiB per token for DeepSeek-R1-Distill-Qwen-1.5B in bf16). Host state is O(pages + samples).
+(28 KiB per token for DeepSeek-R1-Distill-Qwen-1.5B in bf16). Host state is O(pages + samples). Paused samples hold
+their pages: 28 KiB × the conversation's length each, e.g. 224 MiB for a 8K-token conversation, 672 MiB at 24K; a
+40 GiB pool holds ~180 paused 8K conversations or ~60 at 24K, so with many slow environment steps in flight the pool
+fills with paused samples and eviction (a full re-prefill at resume) takes over from KV reuse.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ class Seq:
     """Its id in the call (prompt · n + j): the key of its random stream."""
     prompt_len: int
     limit: int
-    """Most tokens it may generate."""
+    """Most tokens it may generate (in its current turn)."""
     tokens: list[int] = field(default_factory=list)
     """Generated tokens known to the host (filled at harvest or preemption)."""
     logprobs: list[float] = field(default_factory=list)
@@ -58,11 +71,21 @@ class Seq:
     admitted: int = -1
     """Admission counter (the latest admitted is preempted first); -1 while queued."""
     row: int = -1
+    context: int = -1
+    """Tokens before its current turn: the prompt, earlier turns and appended observations (-1: the prompt's)."""
+    kv: int = 0
+    """Resuming: tokens whose K/V are still in its pages (0: evicted, the whole conversation is prefilled again)."""
+    paused: int = -1
+    """Pause counter (the latest paused is evicted first); -1 while not paused."""
+
+    def __post_init__(self):
+        if self.context < 0:
+            self.context = self.prompt_len
 
     @property
     def cached(self) -> int:
-        """Tokens whose K/V are in the cache."""
-        return self.prompt_len + self.generated - 1
+        """Tokens whose K/V are in the cache (the last sampled token's are written when it is fed)."""
+        return self.context + self.generated - 1
 
 
 @dataclass
@@ -75,6 +98,9 @@ class Admission:
     """New samples of prefilled prompts: copy the partial last prompt page, sample the first token."""
     recompute: list[Seq]
     """Preempted samples: prefill prompt + generated[:-1] into their pages, then continue."""
+    resume: list[Seq] = field(default_factory=list)
+    """Resumed samples (multi-turn): prefill their tokens ``[kv, context)`` into their pages against the K/V of
+    ``[0, kv)`` already there (kv = 0: all of them, into private pages), then sample the first token of the turn."""
 
 
 class Scheduler:
@@ -87,10 +113,11 @@ class Scheduler:
         page_size: tokens per page.
         num_pages: pages in the pool (page 0 included, never allocated).
         max_running: most samples decoded at once (rows).
+        max_context: multi-turn: most tokens a conversation may reach (the pool must hold one); None: prompt + limit.
     """
 
     def __init__(self, prompt_lens: list[int], n: int, limits: list[int], page_size: int, num_pages: int,
-                 max_running: int):
+                 max_running: int, max_context: int | None = None):
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_running = max_running
@@ -102,11 +129,21 @@ class Scheduler:
         )
         self.rows: list[Seq | None] = []
         self.prompt_pages: dict[int, list[int]] = {}
+        self.paused: dict[int, Seq] = {}  # sample id -> a sample between turns (awaiting its handler or resuming)
+        self.resuming: deque[Seq] = deque()  # paused samples with their appended tokens, to be admitted first
         self.unadmitted = [n] * len(prompt_lens)  # samples of each prompt never admitted yet
         self._counter = 0
         self.preemptions = 0
         self.peak_running = 0
         self.peak_pages = 0
+        self.evictions = 0
+        self.peak_paused = 0
+        self._paused_counter = 0
+        if max_context is not None:
+            need = self.pages_for(max_context) + 1
+            if need > num_pages - 1:
+                raise ValueError(f"cannot hold a {max_context}-token conversation: that needs {need + 1} pages")
+            return
         longest = max(range(len(prompt_lens)), key=lambda p: prompt_lens[p] + limits[p])
         need = self.pages_for(prompt_lens[longest] + limits[longest]) + 1
         if need > num_pages - 1:  # the sequence's pages, one more for its prompt's partial page, the scratch page
@@ -139,15 +176,52 @@ class Scheduler:
 
     def _need(self, seq: Seq, steps: int) -> int:
         """Pages ``seq`` must hold to run ``steps`` more decode steps (capped at its last position)."""
-        return self.pages_for(min(seq.cached + steps, seq.prompt_len + seq.limit))
+        return self.pages_for(min(seq.cached + steps, seq.context + seq.limit))
 
     # ------------------------------------------------------------------ one round
 
     def finish(self, seq: Seq) -> None:
-        """A harvested sample leaves its row; its pages go back to the pool."""
+        """A harvested sample leaves its row (or, paused, the paused set); its pages go back to the pool."""
         self._release(seq.pages)
         seq.pages, seq.shared = [], 0
+        if seq.row >= 0:
+            self._leave(seq)
+        self.paused.pop(seq.sample, None)
+        seq.paused = -1
+
+    def pause(self, seq: Seq) -> None:
+        """A running sample ended a turn at a boundary (its ``generated`` tokens, trimmed at a stop string): it leaves
+        its row and keeps the pages of its cached tokens, the turn becomes part of its context."""
+        seq.context += seq.generated
+        seq.generated = 0
+        keep = self.pages_for(seq.cached)  # the last sampled token's K/V are not cached: written at resume
+        self._release(seq.pages[keep:])
+        seq.pages = seq.pages[:keep]
         self._leave(seq)
+        seq.admitted = -1
+        seq.paused = self._paused_counter
+        self._paused_counter += 1
+        self.paused[seq.sample] = seq
+        self.peak_paused = max(self.peak_paused, len(self.paused))
+
+    def resume(self, seq: Seq, appended: int, limit: int) -> None:
+        """A paused sample's handler answered with ``appended`` tokens: queue it (before the waiting queue) with
+        those tokens in its context and a turn of at most ``limit`` tokens."""
+        seq.kv = seq.cached if seq.pages else 0
+        seq.context += appended
+        seq.limit = limit
+        self.resuming.append(seq)
+
+    def _evict_paused(self, keep: Seq | None = None) -> bool:
+        """Free the pages of the latest-paused sample that holds any (not ``keep``); False when there is none."""
+        holders = [s for s in self.paused.values() if s.pages and s is not keep]
+        if not holders:
+            return False
+        victim = max(holders, key=lambda s: s.paused)
+        self._release(victim.pages)
+        victim.pages, victim.shared, victim.kv = [], 0, 0
+        self.evictions += 1
+        return True
 
     def _leave(self, seq: Seq) -> None:
         self.rows[seq.row] = None
@@ -174,6 +248,8 @@ class Scheduler:
             short = sum(max(0, self._need(s, steps) - len(s.pages)) for s in running)
             if short <= len(self.free):
                 break
+            if self._evict_paused():
+                continue
             if len(running) == 1:  # the rest of the pool is held for queued samples' prompts: let those go
                 if not self.prompt_pages:
                     raise RuntimeError("the KV pool cannot hold one sequence (checked at construction)")
@@ -198,13 +274,16 @@ class Scheduler:
         """Admit queued samples (front first) while rows and pages allow; allocates their pages and rows."""
         out = Admission([], [], [])
         ps = self.page_size
-        while self.waiting:
+        while self.resuming or self.waiting:
             running = sum(s is not None for s in self.rows)
             if running >= self.max_running:
                 break
-            seq = self.waiting[0]
+            resume = bool(self.resuming)
+            seq = self.resuming[0] if resume else self.waiting[0]
             full = seq.prompt_len // ps
-            if seq.generated:  # recompute: everything private
+            if resume:  # the appended tokens and the turn's first steps (its first token is sampled at admission)
+                need, prefill = self.pages_for(seq.context + min(steps, seq.limit)) - len(seq.pages), 0
+            elif seq.generated:  # recompute: everything private
                 need, prefill = self._need(seq, steps), 0
             else:  # its first token is sampled at admission, then fed at position prompt_len
                 need = self.pages_for(seq.prompt_len + min(steps, seq.limit)) - full
@@ -212,11 +291,20 @@ class Scheduler:
             if need + prefill + running > len(self.free):  # keep a page per running sample in reserve
                 if running:
                     break
-                if need + prefill > len(self.free):  # only prompt holders left: let them go (re-prefilled later)
-                    self._drop_prompts()
+                if need + prefill > len(self.free):  # paused samples and prompt holders left: let them go
+                    if not self._evict_paused(keep=seq):
+                        if not self.prompt_pages:
+                            raise RuntimeError("the KV pool cannot hold one sequence (checked at construction)")
+                        self._drop_prompts()
                     continue
-            self.waiting.popleft()
-            if seq.generated:
+            (self.resuming if resume else self.waiting).popleft()
+            if resume:
+                del self.paused[seq.sample]
+                seq.paused = -1
+                seq.pages += self._alloc(need)
+                seq.generated = 1
+                out.resume.append(seq)
+            elif seq.generated:
                 seq.pages = self._alloc(need)
                 out.recompute.append(seq)
             else:
@@ -251,12 +339,13 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        return not self.waiting and all(s is None for s in self.rows)
+        return not self.waiting and not self.paused and all(s is None for s in self.rows)
 
     def check(self) -> None:
         """Assert the invariants of the module docstring."""
         refs = [0] * self.num_pages
         holders = [s.pages for s in self.rows if s is not None] + list(self.prompt_pages.values())
+        holders += [s.pages for s in self.paused.values()]
         for pages in holders:
             for pg in pages:
                 refs[pg] += 1
@@ -265,5 +354,11 @@ class Scheduler:
             if s is not None:
                 assert all(refs[pg] == 1 for pg in s.pages[s.shared :]), "a written page is listed twice"
                 assert len(s.pages) * self.page_size >= s.cached, "a sequence's tokens outgrew its pages"
+        resuming = set(map(id, self.resuming))
+        assert resuming <= set(map(id, self.paused.values())), "a resuming sample is not paused"
+        for s in self.paused.values():
+            assert s.row < 0 and all(refs[pg] == 1 for pg in s.pages[s.shared :]), "a paused page is listed twice"
+            kept = s.kv if id(s) in resuming else s.cached  # tokens whose K/V its pages hold
+            assert not s.pages or len(s.pages) == self.pages_for(kept), "a paused sample holds other pages"
         assert SCRATCH_PAGE not in self.free and refs[SCRATCH_PAGE] == 0
         assert sorted(self.free) == [pg for pg in range(1, self.num_pages) if refs[pg] == 0], "free list"

@@ -151,3 +151,84 @@ def test_preempts_the_latest_admitted_by_hand():
     assert [(s.sample, row) for s, row in preempted] == [(2, 2)]
     assert [s.sample for s in sched.waiting] == [2] and sched.used_pages == 5
     assert [len(s.pages) for s in sched.rows if s is not None] == [3, 3]
+
+
+@st.composite
+def conversations(draw):
+    """Multi-turn rollouts: per sample, its turns' lengths and the observation after each turn but the last, and how
+    many rounds its handler takes to answer each turn."""
+    P = draw(st.integers(1, 4))
+    n = draw(st.integers(1, 5))
+    prompts = draw(st.lists(st.integers(1, 30), min_size=P, max_size=P))
+    plans = {}
+    for p in range(P):
+        for j in range(n):
+            k = draw(st.integers(1, 4))
+            turns = draw(st.lists(st.integers(1, 20), min_size=k, max_size=k))
+            obs = draw(st.lists(st.integers(0, 12), min_size=k - 1, max_size=k - 1))
+            delays = draw(st.lists(st.integers(0, 3), min_size=k - 1, max_size=k - 1))
+            plans[p * n + j] = (turns, obs, delays)
+    page = draw(st.sampled_from([1, 4, 16]))
+    steps = draw(st.sampled_from([1, 3, 8]))
+    rows = draw(st.integers(1, P * n))
+    context = max(prompts[s // n] + sum(t) + sum(o) for s, (t, o, _) in plans.items())
+    spare = draw(st.sampled_from([0, 1, 5, 1000]))
+    return prompts, n, plans, page, steps, rows, context, -(-context // page) + 2 + spare
+
+
+@settings(max_examples=80)
+@given(conversations())
+def test_pause_resume_and_eviction_keep_the_invariants(case):
+    """Driven as the engine drives it with a turn handler: a sample that ends a turn pauses (its row left, the pages
+    of its cached tokens kept, exactly), its answer comes after a random number of rounds, it resumes with the
+    observation in its context. After every round the invariants hold (paused samples included); every sample
+    finishes once with its whole conversation; every page is free at the end; no round leaves nothing running while
+    samples wait for admission (no deadlock); with room for everything nothing is evicted or preempted and every
+    resumed sample kept its K/V (kv = its cached tokens before the observation)."""
+    prompts, n, plans, page, steps, rows, context, pages = case
+    limits = [max(plans[p * n + j][0][0] for j in range(n)) for p in range(len(prompts))]
+    sched = Scheduler(prompts, n, limits, page, pages, rows, max_context=context)
+    turn = dict.fromkeys(plans, 0)
+    target = {s: plans[s][0][0] for s in plans}  # tokens of the current turn
+    answers: dict[int, list] = {}  # paused sample -> [rounds left, seq]
+    finished, kept = [], []
+    for _ in range(10_000):
+        for seq in [s for s in sched.rows if s is not None and s.generated >= target[s.sample]]:
+            turns, obs, delays = plans[seq.sample]
+            if turn[seq.sample] == len(turns) - 1:
+                finished.append((seq.sample, seq.context + seq.generated))
+                sched.finish(seq)
+            else:
+                cached = seq.context + seq.generated - 1
+                sched.pause(seq)
+                assert seq.row < 0 and len(seq.pages) == sched.pages_for(cached) and seq.cached == cached
+                answers[seq.sample] = [delays[turn[seq.sample]], seq]
+        sched.grow(steps)
+        sched.check()
+        sched.compact()
+        for sample in list(answers):
+            left, seq = answers[sample]
+            if left > 0:
+                answers[sample][0] -= 1
+                continue
+            del answers[sample]
+            turns, obs, _ = plans[sample]
+            before = seq.cached
+            sched.resume(seq, obs[turn[sample]], turns[turn[sample] + 1])
+            kept.append(seq.kv == before)
+            turn[sample] += 1
+            target[sample] = turns[turn[sample]]
+        sched.admit(steps)
+        sched.release_prompts()
+        sched.check()
+        assert len(sched.rows) <= rows
+        if sched.done:
+            break
+        assert sched.rows or answers, "nothing runs while samples wait: a deadlock"
+        for s in sched.rows:
+            s.generated = min(s.generated + steps, target[s.sample])
+    assert sorted(finished) == sorted((s, prompts[s // n] + sum(t) + sum(o)) for s, (t, o, _) in plans.items())
+    assert sched.used_pages == 0 and not any(sched.refs) and not sched.paused
+    room = sum(n * -(-context // page) + -(-a // page) for a in prompts)
+    if pages - 1 >= room:
+        assert sched.preemptions == sched.evictions == 0 and all(kept)
