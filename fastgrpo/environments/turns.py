@@ -43,19 +43,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fastgrpo.engine_sampling import TurnResult
 from fastgrpo.tools import ToolCall, ToolResult, error_content, parse_tool_calls
-
-try:
-    from fastgrpo.engine_sampling import TurnResult
-except ImportError:  # until the engine side (branch mt-engine) lands: the same fields, from the contract
-
-    @dataclass(frozen=True)
-    class TurnResult:
-        """A turn handler's answer for a sample that paused at a turn boundary."""
-
-        append_ids: list[int]
-        stop_strings: tuple[str, ...] | None = None
-        finish: str | None = None
 
 _owners = itertools.count()
 READY_POLL_S = 0.5  # ready(block=True) wakes this often (Ctrl-C is seen while it waits)
