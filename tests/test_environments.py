@@ -11,8 +11,10 @@ appended suffix is the real one and a whole trajectory's ids are checked against
 """
 
 import re
+import string
 import textwrap
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from fastgrpo.reward_pool import RewardPool
 TIMEOUT_S = 0.3
 MAX_CHARS = 1000
 USER_MODULE = '''
-    import asyncio, os, signal, time
+    import asyncio, os, signal, time, zlib
 
     from fastgrpo.environments.core import TextStepEnvironment
 
@@ -123,6 +125,28 @@ USER_MODULE = '''
             return 1.0
 
 
+    class Chaos(TextStepEnvironment):
+        """Misbehaves as a hash of the turn's text says (the engine's tiny random model picks the text)."""
+
+        def reset(self, **row):
+            return None, {"steps": 0}
+
+        def step(self, turn_text, state):
+            kind = zlib.crc32(turn_text.encode()) % 6
+            if kind == 0:
+                raise RuntimeError("chaos")
+            if kind == 1:
+                time.sleep(60)
+            if kind == 2:
+                os._exit(2)
+            state["steps"] += 1
+            if kind == 3:
+                return "y" * 100_000, 0.5, False, None  # 100K tokens of the character tokenizer
+            if kind == 4:
+                return "bye", 1.0, True, None
+            return f"ok {state['steps']}", 0.25, False, None
+
+
     class Moody:
         def reset(self, **row):
             return f" I am {os.getpid()}"
@@ -203,7 +227,7 @@ def pool(envs_module):
 
 
 def environments(pool, factory, tools=(), **kw):
-    return EnvironmentPool(pool, factory, tools, max_observation_chars=MAX_CHARS, **kw)
+    return EnvironmentPool(pool, factory, tools, **{"max_observation_chars": MAX_CHARS, **kw})
 
 
 class Driver:
@@ -589,3 +613,80 @@ def test_the_python_tool_runs_in_a_worker(tmp_path, monkeypatch):
         worker = p._workers[0].pid
     assert d.tok.decode(r.append_ids).startswith(f"<|tool|><tool_response>\nexit status 0\n42 fastgrpo-code-{worker}-")
     assert list(tmp_path.iterdir()) == []
+
+
+def runs(completion) -> list[tuple[int, list[int]]]:
+    """A completion's tokens cut where the loss mask changes: (1, a sampled turn) / (0, an appended suffix)."""
+    out = []
+    for t, m in zip(completion.token_ids, completion.loss_mask):
+        if out and out[-1][0] == m:
+            out[-1][1].append(t)
+        else:
+            out.append((m, [t]))
+    return out
+
+
+def test_a_hostile_environment_in_engine_rollouts_is_counted_and_the_run_finishes(pool, envs_module):
+    """The real engine (tiny random model, turns cut by stop strings) against Chaos, whose step raises, hangs,
+    kills its worker, returns 100K tokens, ends or answers, as the hash of the turn's text says. Per trajectory,
+    from the engine's own completion: the handler saw exactly the sampled turns; the failures, the reward and the
+    state (a step counter that must survive the dead workers) are those the turns' texts imply; each appended run
+    is the template's suffix for the expected observation; the 100K-token observation ends the trajectory with
+    "length" in the engine (it does not fit max_sequence_tokens); env_done and max_turns end where they should."""
+    from fastgrpo.config import ModelConfig
+    from fastgrpo.generation import GenerationEngine, SamplingParams
+    from fastgrpo.models import build_tiny_model
+
+    model = build_tiny_model(ModelConfig(), TOKENIZER, seed=0)
+    engine = GenerationEngine(model, eos_token_ids=EOS, tokenizer=TOKENIZER, max_batch_size=8)
+    envs = environments(pool, envs_module.Chaos, max_observation_chars=200_000)
+    turns = EnvTurns(envs, templates(envs), [{"prompt": "go"}, {"prompt": "again"}, {"prompt": "more"}], 4)
+    params = SamplingParams(n=4, max_new_tokens=5, max_turns=4, seed=3, max_sequence_tokens=600,
+                            stop_strings=tuple(string.ascii_lowercase + string.digits))
+    completions = engine.generate(turns.prompt_ids(), params, turns=turns)
+    res = turns.results()
+    seen = Counter()
+    for (i, j), t in res.items():
+        c = completions[i][j]
+        parts = runs(c)
+        sampled, appended = [ids for m, ids in parts if m], [ids for m, ids in parts if not m]
+        contents = [m["content"] for m in t.messages if m["role"] == "assistant"]
+        assert len(contents) == t.turns and len(sampled) in (t.turns, t.turns + 1) and len(appended) <= t.turns
+        expect, reward, steps, finish = Counter(), 0.0, 0, None
+        for k, content in enumerate(contents):
+            text = TOKENIZER.decode(sampled[k])
+            eos = sampled[k][-1] == EOS
+            assert content == (text.removesuffix("<|endoftext|>") if eos else text)
+            kind = zlib.crc32(content.encode()) % 6
+            seen[kind] += 1
+            if kind < 3:
+                expect[f"step/{['raised', 'timeout', 'worker_died'][kind]}"] += 1
+                want = None  # an error observation
+            else:
+                steps += 1
+                reward += {3: 0.5, 4: 1.0, 5: 0.25}[kind]
+                want = user_reply("y" * 100_000 if kind == 3 else f"ok {steps}", eos)
+            if kind in (3, 4):
+                assert k == len(contents) - 1  # nothing comes after a done or an observation that does not fit
+                # the engine's rule: an answer with ids on the last allowed turn is "max_turns" before any fit check
+                finish = "env_done" if kind == 4 else "max_turns" if k + 1 == params.max_turns else "length"
+                continue
+            if k < len(appended):
+                got = TOKENIZER.decode(appended[k])
+                if want is None:
+                    head = user_reply("{'error': ", eos).removesuffix("<|assistant|>")
+                    assert got.startswith(head) and "environment step failed" in got, got
+                    assert got.endswith("}<|assistant|>")
+                else:
+                    assert got == want, (got, want)
+        if finish is None:  # a turn that hit max_new_tokens (not seen by the handler), the last allowed turn, or
+            # an observation that did not fit
+            finish = ("length" if len(sampled) > t.turns else "max_turns" if t.turns == params.max_turns
+                      else "length")
+            assert len(appended) == t.turns - (finish == "max_turns" or len(sampled) == t.turns)
+        assert c.finish_reason == finish and c.num_turns == len(sampled)
+        assert t.finish == ("env_done" if finish == "env_done" else None)
+        assert t.failures == expect and t.reward == pytest.approx(reward) and t.truncated == 0
+        if finish == "max_turns":
+            assert t.turns == params.max_turns
+    assert all(seen[k] for k in range(6)), seen  # the schedule met every behaviour
