@@ -690,3 +690,35 @@ def test_a_hostile_environment_in_engine_rollouts_is_counted_and_the_run_finishe
         if finish == "max_turns":
             assert t.turns == params.max_turns
     assert all(seen[k] for k in range(6)), seen  # the schedule met every behaviour
+
+
+@pytest.mark.parametrize("environment", ["tools", "factory"])
+def test_a_rollout_replaying_the_tool_tiny_demonstration_gives_its_tokens_and_mask(pool, environment):
+    """The warm-up trains the very sequences GRPO then samples: a rollout through EnvTurns (the adder as a plain
+    tool, or as AdderEnvironment) whose policy writes the demonstration's assistant texts gives the demonstration's
+    token ids, with its loss mask on the sampled tokens; AdderEnvironment's reward says the tool gave the answer."""
+    from fastgrpo.config import DataConfig
+    from fastgrpo.data import _assistant_text, conversation_example, prompt_messages, tool_tiny_conversation
+
+    cfg = DataConfig()
+    row = {"prompt": "37+85+9=", "answer": "131"}
+    envs = environments(pool, None, [add]) if environment == "tools" else environments(pool, AdderEnvironment)
+    template = templates(envs)
+    conversation = tool_tiny_conversation(row, cfg)
+    example = conversation_example(template, conversation)
+    d = Driver(EnvTurns(envs, template, [{**row, "prompt": prompt_messages(row["prompt"], cfg)}], 1))
+    mask = [False] * len(d.seq[(0, 0)])
+    seen = prompt_messages(row["prompt"], cfg)  # the conversation as the policy sees it: its turns as texts
+    for k, m in enumerate(conversation[len(seen):], start=len(seen)):
+        if m["role"] != "assistant":
+            seen.append(m)  # the tool result the environment answered with
+            continue
+        text = _assistant_text(template, seen, m)  # what the policy writes for this demonstration turn
+        seen.append({"role": "assistant", "content": text})
+        before = len(d.seq[(0, 0)])
+        r = d.turn((0, 0), text)
+        mask += [True] * (len(d.seq[(0, 0)]) - before - len(r.append_ids)) + [False] * len(r.append_ids)
+        assert (r.finish == "stop") == (k == len(conversation) - 1)
+    assert d.seq[(0, 0)] == example.input_ids and mask == example.loss_mask
+    t = d.turns.results()[(0, 0)]
+    assert (t.tool_calls, t.failures, t.reward) == (2, {}, 1.0 if environment == "factory" else 0.0)
