@@ -57,7 +57,9 @@ class Trajectory:
     env: str | None
     """The environment's name (the row's ``environment`` column with a dict of factories; None otherwise)."""
     messages: list[dict]
-    """The conversation: the prompt (with reset's text), then the assistant turns and observations."""
+    """The conversation: the prompt (with reset's text), then the assistant turns and observations. When the engine
+    ended the trajectory after the handler answered ("max_turns", or "length" for a suffix that did not fit), the
+    last observation is here but was not appended: the Completion's token_ids are what the policy saw."""
     reward: float = 0.0
     """The environment's reward: ``get_reward()`` (factory), the sum of step rewards (text step); 0 on an error."""
     turns: int = 0
