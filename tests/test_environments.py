@@ -722,3 +722,18 @@ def test_a_rollout_replaying_the_tool_tiny_demonstration_gives_its_tokens_and_ma
     assert d.seq[(0, 0)] == example.input_ids and mask == example.loss_mask
     t = d.turns.results()[(0, 0)]
     assert (t.tool_calls, t.failures, t.reward) == (2, {}, 1.0 if environment == "factory" else 0.0)
+
+
+def test_reward_chunks_and_environment_calls_share_the_workers(pool, envs_module):
+    """Reward groups submitted while trajectories call their tools: gather() waits for the reward chunks only and
+    scores them as without environments; the tool answers are unaffected."""
+    envs = environments(pool, envs_module.Counter)
+    d = Driver(EnvTurns(envs, templates(envs), [{"prompt": "p", "start": 1}], 3))
+    completions = ["\\boxed{1}", "no box", "\\boxed{", "\\boxed{22}"] * 3
+    for g in range(3):
+        pool.submit(g, ["p"] * 4, completions[4 * g:4 * g + 4], {})
+        r = d.turn((0, g), call("incr", by=g))
+        assert d.tok.decode(r.append_ids) == tool_reply(str(1 + g))
+    result, _ = pool.gather()
+    assert result.per_function["format"] == [1.0, 0.0, 0.0, 1.0] * 3
+    assert [t.reward for t in d.turns.results().values()] == [1.0, 2.0, 3.0]
