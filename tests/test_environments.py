@@ -147,6 +147,18 @@ USER_MODULE = '''
             return f"ok {state['steps']}", 0.25, False, None
 
 
+    def wedge() -> str:
+        """Hang where the soft limit cannot reach."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(60)
+        return "unreachable"
+
+
+    def crash() -> str:
+        """Exit the worker."""
+        os._exit(5)
+
+
     class Moody:
         def reset(self, **row):
             return f" I am {os.getpid()}"
@@ -737,3 +749,18 @@ def test_reward_chunks_and_environment_calls_share_the_workers(pool, envs_module
     result, _ = pool.gather()
     assert result.per_function["format"] == [1.0, 0.0, 0.0, 1.0] * 3
     assert [t.reward for t in d.turns.results().values()] == [1.0, 2.0, 3.0]
+
+
+def test_plain_tools_that_kill_their_worker_get_error_observations_and_the_trajectory_goes_on(pool, envs_module):
+    """Without an instance there is nothing to lose: a plain tool past the hard limit, or one that exits its worker,
+    is answered with an error observation (counted), and the trajectory's next call works on the new worker."""
+    envs = environments(pool, None, [add, envs_module.wedge, envs_module.crash])
+    d = Driver(EnvTurns(envs, templates(envs), [{"prompt": "p"}], 1))
+    r = d.turn((0, 0), call("wedge") + call("add", a=1, b=1))
+    assert d.tok.decode(r.append_ids) == tool_reply("{'error': 'Tool wedge ran past the time limit'}",
+                                                    "{'error': 'Tool add ran past the time limit'}")
+    r = d.turn((0, 0), call("crash"))
+    assert d.tok.decode(r.append_ids) == tool_reply("{'error': 'Tool crash crashed its worker'}")
+    assert d.tok.decode(d.turn((0, 0), call("add", a=2, b=2)).append_ids) == tool_reply("4")
+    t = d.turns.results()[(0, 0)]
+    assert (t.finish, t.tool_calls, t.failures) == (None, 4, {"tool/timeout": 2, "tool/worker_died": 1})

@@ -20,6 +20,8 @@ Bounds: a tool result or observation is cut to ``max_observation_chars`` in the 
 observation costs at most that through the pipe and the tokenizer; counted in ``env/truncated``), with a note saying
 how much was cut; a suffix that still does not fit ``max_sequence_tokens`` ends the trajectory in the engine with
 "length". Every fault is an error observation or an "error" finish, counted in ``env/failures/<where>/<kind>``.
+A turn's calls run as one worker task: when its worker dies or is killed in it, a plain tools list answers every
+call of the turn with the error (the next turn runs on the replacement), and a factory trajectory ends ("error").
 
 Memory and host time, for the real run (128 prompts × 8 on 8 GPUs: 128 trajectories per rank, up to 24K tokens):
 the handler keeps each trajectory's messages as text (~4 characters per token, 1 byte per ASCII character: at
