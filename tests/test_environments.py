@@ -304,8 +304,8 @@ def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
     m = turns.metrics({(0, 1): "length"})
     assert m["env/finish/stop"] == 1 and m["env/finish/length"] == 1 and m["env/finish/engine"] == 2
     assert m["env/turns_max"] == 3 and m["env/tool_calls"] == 6 and m["env/reward_mean"] == 118 / 4
-    assert m["env/observation_tokens"] == sum(t.observation_tokens for t in res.values()) > 0
-    assert m["env/reprefill_tokens"] > m["env/observation_tokens"] and m["time/env"] > 0
+    assert not any(k.startswith("env/failures/") for k in m)  # nothing failed here
+    assert m["time/env"] > 0 and m["time/env_wait"] > 0
 
 
 def test_a_dict_of_factories_routes_rows_and_exposes_each_environments_tools(pool, envs_module):

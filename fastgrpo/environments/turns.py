@@ -31,9 +31,10 @@ template's renders of the conversation so far (``ChatTemplate.suffix_ids``: mill
 tokenisation of the suffix alone, on the trainer's thread inside :meth:`ready`; tool-call parsing is a regular
 expression over the turn.
 
-Counting (item 7 of issue 19): per trajectory, its turns, tool calls, failures by kind, environment seconds (the
-summed latency of its worker tasks), the observation tokens appended, and the tokens a re-prefill of the whole
-conversation before each turn (what TRL's loop costs) would have taken.
+Counting (item 7 of issue 19, this side): per trajectory, its turns, tool calls, failures by kind, environment
+seconds (the summed latency of its worker tasks) and finish reason. The token counts (observation tokens prefilled,
+and what re-prefilling every turn's conversation would cost) are the engine's (``engine.last_stats``), which sees
+what was actually appended.
 """
 
 from __future__ import annotations
@@ -77,10 +78,6 @@ class Trajectory:
     """Summed latency of its environment tasks (submission to answer)."""
     finish: str | None = None
     """"stop", "env_done" or "error" when this handler ended it; None: the engine did (its Completion says why)."""
-    observation_tokens: int = 0
-    """Tokens appended for observations (template suffixes), as handed to the engine."""
-    reprefill_tokens: int = 0
-    """Tokens a re-prefill of the whole conversation before each resumed turn would have cost (TRL's loop)."""
 
 
 @dataclass
@@ -90,7 +87,6 @@ class _Live:
     worker: int
     alive: bool = True  # its instance (factory environments) or its reset is good
     state: dict | None = None  # a text-step environment's state (travels with the sample)
-    length: int = 0  # tokens in the conversation so far
     last_ids: list[int] = field(default_factory=list)  # the tokens just before the current turn (parse prefix)
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) of calls not run
@@ -192,7 +188,7 @@ class EnvTurns:
             for j in range(self.n):
                 tr, lv = self._trajs[(i, j)], self._live[(i, j)]
                 tr.messages = [dict(m) for m in messages]
-                lv.length, lv.last_ids = len(ids), ids
+                lv.last_ids = ids
             prompts.append(ids)
         self._prompts = prompts
         return prompts
@@ -217,7 +213,6 @@ class EnvTurns:
             lv.end_token = turn_ids[-1]
             text = text.removesuffix(tokenizer.decode([turn_ids[-1]]))
         tr.turns += 1
-        lv.length += len(turn_ids)
         tr.messages.append({"role": "assistant", "content": text})
         self._awaiting.add(key)
         if not lv.alive:
@@ -385,10 +380,7 @@ class EnvTurns:
             tr.failures["template"] += 1
             return self._end(key, "error")
         tr.messages.extend(new)
-        lv.length += len(ids)
         lv.last_ids = ids
-        tr.observation_tokens += len(ids)
-        tr.reprefill_tokens += lv.length
         return TurnResult(append_ids=ids, stop_strings=stops)
 
     # ------------------------------------------------------------------ metrics
@@ -397,7 +389,7 @@ class EnvTurns:
         """Issue 19 item 7, this handler's side: ``env/turns_mean``, ``env/turns_max``, ``env/tool_calls``,
         ``env/failures/<where>/<kind>`` (summed), ``env/truncated``, ``env/finish/<reason>`` (the engine's reasons
         for the trajectories it ended, from ``finish_reasons``, else "engine"), ``env/reward_mean``,
-        ``env/observation_tokens`` next to ``env/reprefill_tokens``, ``time/env`` (first task sent → last answer)
+        ``time/env`` (first task sent → last answer)
         and ``time/env_wait`` (time :meth:`ready` blocked)."""
         trajs = list(self._trajs.items())
         out = {"env/turns_mean": sum(t.turns for _, t in trajs) / max(len(trajs), 1),
@@ -405,8 +397,6 @@ class EnvTurns:
                "env/tool_calls": float(sum(t.tool_calls for _, t in trajs)),
                "env/truncated": float(sum(t.truncated for _, t in trajs)),
                "env/reward_mean": sum(t.reward for _, t in trajs) / max(len(trajs), 1),
-               "env/observation_tokens": float(sum(t.observation_tokens for _, t in trajs)),
-               "env/reprefill_tokens": float(sum(t.reprefill_tokens for _, t in trajs)),
                "time/env": (self._last_answer - self._first_submit) if self._first_submit and self._last_answer
                else 0.0,
                "time/env_wait": self._wait_s}
