@@ -125,10 +125,15 @@ class Completion:
     """"stop" (an eos/stop token or stop string ended it, or the turn handler said "stop"), "length" (a turn's
     max_new_tokens, the max_sequence_tokens budget, or an observation that did not fit it), "max_turns" (the handler
     answered the max_turns-th turn with an observation), "env_done" or "error" (the turn handler's reasons)."""
-    loss_mask: list[int] = field(default_factory=list, repr=False)
-    """Aligned with token_ids: 1 where the policy sampled the token, 0 where it was appended."""
+    loss_mask: list[int] | None = field(default=None, repr=False)
+    """Aligned with token_ids: 1 where the policy sampled the token, 0 where it was appended (None when constructed:
+    every token, a single sampled turn)."""
     num_turns: int = 1
     """Sampled turns (1 for single-turn)."""
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.token_ids)
 
 
 @dataclass(frozen=True)

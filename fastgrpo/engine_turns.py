@@ -88,6 +88,9 @@ class _TurnSteps:
             new = seq.generated - len(traj.seen)  # at most sync_every tokens since the last read
             if new <= 0:
                 continue
+            if new > len(window[row]):
+                raise RuntimeError(f"sample {seq.sample}: {new} tokens since the last stop-string check, at most "
+                                   f"{len(window[row])} expected")
             checked = len(traj.seen)
             traj.seen += window[row][len(window[row]) - new :]
             i = _first_stop(decode, traj.seen, checked, traj.stop_strings)
@@ -170,4 +173,5 @@ class _TurnSteps:
         traj.ids += ids
         traj.logprobs += [0.0] * len(ids)
         traj.mask += [0] * len(ids)
+        self.stats["re_prefill_tokens"] += total  # what prefilling the whole conversation again would cost
         self.sched.resume(seq, len(ids), min(self.params.max_new_tokens, self.max_context - total))

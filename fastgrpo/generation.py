@@ -35,10 +35,31 @@ modules listed below are the device step):
    ``generate`` returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets), and the
    step writes its largest activations (logits, MLP) into reused buffers instead of fresh tensors.
 
+5. **Turns (multi-turn, ``generate(..., turns=)``; host side in ``engine_turns.py``).** A sample whose turn ends at
+   a boundary (eos/stop token, or a stop string matched on the decoded tail; a match seen late with
+   ``sync_every`` > 1 is trimmed and the pages of the trimmed tokens freed) pauses: it leaves its row, keeps its pages,
+   and the turn handler's ``start`` is called while the others go on decoding. The handler's answer (polled every
+   ``sync_every`` steps; a blocking wait only when nothing decodes) ends the trajectory or appends tokens: at
+   admission the last sampled token and the appended ones are prefilled into the sample's own pages against its
+   cached K/V (``_prefill_onto``: a few new tokens, nothing before recomputed), and its next turn's first token is
+   sampled from that prefill. The device step stays one batched decode of whatever rows run; pausing, evicting and
+   resuming are the scheduler's. A sample evicted while paused, or preempted mid-turn, is recomputed from all its
+   tokens (prompt, turns, observations). Single-turn (no handler) is the case of one turn: its outputs are bit for
+   bit those of the engine before turns existed.
+
 Memory (DeepSeek-R1-Distill-Qwen-1.5B, bf16): 28 KiB of K/V per token (28 layers × 2 × 2 kv heads × 128 × 2 B), so
 a 64-token page is 1.75 MiB; 40 GiB of pool hold ~1.5M tokens, e.g. 128 sequences at 12K tokens on average. Host
-state is O(pages + samples). ``engine.last_stats`` reports each call: peak_running, preemptions, decode_steps,
-prefill_tokens, peak_kv_tokens, kv_capacity_tokens, page_size.
+state is O(pages + samples). Multi-turn: a paused sample holds the pages of its whole conversation while its
+environment runs: 224 MiB at 8K tokens, 448 MiB at 16K, 672 MiB at 24K; 128 samples per rank paused at 12K on
+average hold 42 GiB, more than the 40 GiB pool, so the pool, not the rows, bounds how many conversations can wait on
+environments at once; beyond that the latest-paused are evicted (pages freed, the conversation prefilled again in
+full when it resumes: the cost the KV reuse saves, paid only under memory pressure). The conversation budget
+(``max_sequence_tokens``, default the model's context) sizes the block tables and, on CPU, the row cache: set it to
+the real bound. ``engine.last_stats`` reports each call: peak_running, preemptions, decode_steps, prefill_tokens
+(prompts, recomputes and resumed turns' appended tokens), resume_prefill_tokens (the appended ones: observations +
+the one sampled token per resume whose K/V were not cached), re_prefill_tokens (what re-prefilling the whole
+conversation at every resumed turn would have cost, TRL's way), evictions (paused samples whose pages were freed),
+peak_paused, peak_kv_tokens, kv_capacity_tokens, page_size.
 
 Where it lives (``fastgrpo.generation`` is the entry module; it re-exports the public names):
 
@@ -46,10 +67,13 @@ Where it lives (``fastgrpo.generation`` is the entry module; it re-exports the p
   (one call: its scheduler, pool and row state).
 - ``engine_loop.py``: the host loop of a call (harvest, grow/preempt/compact/admit through the scheduler, packed
   prefill, first tokens, block tables, the ``sync_every`` decode steps) and the rows' device state.
-- ``engine_forward.py``: the model pieces (projections, packed prefill, MLP, fp32 LM head) and the fused ops.
+- ``engine_forward.py``: the model pieces (projections, packed prefill, the prefill onto cached K/V, MLP, fp32 LM
+  head) and the fused ops.
 - ``engine_cache.py``: the KV page pool and the CPU row cache / reused step buffers.
 - ``engine_cuda.py``: the CUDA graph capture and replay of the decode step.
-- ``engine_sampling.py``: ``SamplingParams``, ``Completion``, the per-sample random streams and the token draw.
+- ``engine_sampling.py``: ``SamplingParams``, ``Completion``, ``TurnHandler``/``TurnResult``, the per-sample random
+  streams and the token draw.
+- ``engine_turns.py``: turn ends, stop strings, the turn handler's answers (the host side of multi-turn).
 - ``fastgrpo.scheduler``: the host bookkeeping, the one place that knows which sample is where.
 
 Sampling (``engine_sampling.py`` states the math): greedy, or temperature / top-k / top-p from one random stream per
@@ -448,7 +472,7 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.logits_RV = torch.empty(R, e.vocab_size, device=dev) if self.use_graphs else None
-        self.stats = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0)
+        self.stats = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0, re_prefill_tokens=0)
         try:
             return self._loop(cache, R, on_group_done)
         finally:
@@ -460,6 +484,7 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
                 decode_steps=self.stats["decode_steps"],
                 prefill_tokens=self.stats["prefill_tokens"],
                 resume_prefill_tokens=self.stats["resume_prefill_tokens"],
+                re_prefill_tokens=self.stats["re_prefill_tokens"],
                 evictions=sched.evictions,
                 peak_paused=sched.peak_paused,
                 peak_kv_tokens=sched.peak_pages * ps,

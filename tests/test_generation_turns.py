@@ -17,7 +17,7 @@ from test_generation import (
     teacher_forced_logp,
     tiny_model,
 )
-from test_generation_fidelity import first_boundary
+from test_generation_fidelity import check_trajectory, first_boundary
 from turn_script import CharTokenizer, ScriptedTurns
 
 import fastgrpo.generation as generation
@@ -75,7 +75,8 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
     """Greedy, every turn answered with a few tokens: each sampled turn is HF greedy ``generate`` on prompt +
     everything before it (same stop ids), each observation the handler's tokens, and with a pool that holds
     everything nothing is prefilled twice: prefill tokens = the prompts + per resume the appended tokens and the one
-    sampled token whose K/V were not cached (the KV stays across turns)."""
+    sampled token whose K/V were not cached (the KV stays across turns); re_prefill_tokens counts what prefilling
+    each resumed turn's whole conversation would have cost."""
     model = tiny_model("qwen3", seed=1)
     prompts = random_prompts([4, 9, 6], seed=2)
     free = [hf_greedy(model, p, 10, None) for p in prompts]
@@ -89,7 +90,7 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
                               tokenizer=CharTokenizer(VOCAB))
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10, max_turns=3)
     out = engine.generate(prompts, params, turns=turns)
-    appended = 0
+    appended = conversations = 0
     for p, (prompt, comps) in enumerate(zip(prompts, out)):
         for j, c in enumerate(comps):
             pos, turn = 0, 0
@@ -105,6 +106,7 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
                     )
                     pos += len(app)
                     appended += len(app) + 1
+                    conversations += len(prompt) + pos
             assert c.num_turns == turn and turns.log[(p, j)] == [
                 c.token_ids[i : i + k] for i, k in _runs(c.loss_mask)
             ][: len(turns.log[(p, j)])]
@@ -114,6 +116,7 @@ def test_greedy_turns_continue_the_conversation_with_its_kv_kept():
     assert stats["preemptions"] == stats["evictions"] == 0
     assert stats["resume_prefill_tokens"] == appended
     assert stats["prefill_tokens"] == sum(map(len, prompts)) + appended
+    assert stats["re_prefill_tokens"] == conversations  # the whole conversation at every resumed turn
 
 
 def _runs(mask):
@@ -296,3 +299,25 @@ def test_bad_turn_params_raise(kwargs, match):
         SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="tokenizer must have a decode"):
         GenerationEngine(tiny_model("qwen2"), eos_token_ids=[0], tokenizer=object())
+
+
+@pytest.mark.gpu
+def test_multi_turn_on_the_cuda_path():
+    """The CUDA path (CUDA-graph decode, the paged kernel, compiled elementwise ops, flags and tokens read every 8
+    steps: stop strings seen late and trimmed) with a scripted handler: each trajectory's pieces are what the handler
+    saw and returned, and the sampled log-probs equal a teacher-forced forward's (fp32)."""
+    model = tiny_model("qwen3").cuda()
+    prompts = random_prompts([5, 11, 3], seed=4)
+    tok = CharTokenizer(VOCAB, seed=2)
+    params = SamplingParams(n=4, max_new_tokens=12, max_turns=3, max_sequence_tokens=48, seed=3,
+                            stop_token_ids=tuple(range(0, VOCAB, 9)), stop_strings=("abc", "dd"))
+    turns = ScriptedTurns(seed=1, vocab=VOCAB, max_obs=6, max_delay=2)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=8, tokenizer=tok)
+    out = engine.generate(prompts, params, turns=turns)
+    assert engine.last_stats["resume_prefill_tokens"] > 0
+    for p, (prompt, comps) in enumerate(zip(prompts, out)):
+        for j, c in enumerate(comps):
+            check_trajectory(c, prompt, (p, j), params, turns, tok)
+            ref = teacher_forced_logp(model, prompt, c.token_ids).cpu()
+            sampled = torch.tensor(c.loss_mask, dtype=torch.bool)
+            torch.testing.assert_close(torch.tensor(c.logprobs)[sampled], ref[sampled], atol=LOGPROB_ATOL, rtol=0)
