@@ -54,6 +54,19 @@ def test_qwen_calls_parse_like_transformers_with_trl_qwen3_template(calls, texts
     assert errors == [] and theirs == ours
 
 
+@settings(max_examples=40)
+@given(st.lists(st.tuples(names, arguments), min_size=1, max_size=3), st.sampled_from(["; ", " ", "\n"]),
+       st.booleans())
+def test_llama3_calls_parse_like_transformers_with_trl_llama3_template(calls, sep, tag):
+    text = ("<|python_tag|>" if tag else "") + sep.join(
+        json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    ours, errors = parse_tool_calls(text, "llama3")
+    assert errors == [] and [(c.name, c.arguments) for c in ours] == calls
+    if len(calls) == 1 and not tag:  # Llama 3.1's template writes one call per turn, without the tag
+        theirs, errors = parse_tool_calls(text + "<|eot_id|>", "parse_response", TemplateTokenizer(llama3_template))
+        assert errors == [] and theirs == ours
+
+
 def test_qwen_malformed_calls_are_errors_and_good_ones_still_parse():
     text = (qwen_call("add", {"a": 1, "b": 2}) + '<tool_call>{"name": "add", "arguments": {"a": 1,</tool_call>'
             + '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "f", "arguments": [1]}</tool_call>'
