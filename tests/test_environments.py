@@ -764,3 +764,34 @@ def test_plain_tools_that_kill_their_worker_get_error_observations_and_the_traje
     assert d.tok.decode(d.turn((0, 0), call("add", a=2, b=2)).append_ids) == tool_reply("4")
     t = d.turns.results()[(0, 0)]
     assert (t.finish, t.tool_calls, t.failures) == (None, 4, {"tool/timeout": 2, "tool/worker_died": 1})
+
+
+TINY_RESPONSE_TEMPLATE = {  # transformers' response template for the tiny chat template (TRL's Qwen3 one, re-anchored)
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|endoftext\|>\s*", "content": "text"},
+    },
+}
+
+
+def test_tool_calls_parsed_by_the_tokenizers_response_template(pool):
+    """A tokenizer with a response template: EnvTurns parses each turn with ``tokenizer.parse_response`` (prefix:
+    the text before the turn), and a call it cannot read is an error observation."""
+    import copy
+
+    tok = copy.deepcopy(TOKENIZER)
+    tok.response_template = TINY_RESPONSE_TEMPLATE
+    envs = environments(pool, None, [add])
+    template = ChatTemplate(tok, tools=envs.schemas())
+    assert template.tool_call_format() == "parse_response"
+    d = Driver(EnvTurns(envs, template, [{"prompt": "1+2="}], 1))
+    r = d.turn((0, 0), "sure " + call("add", a=1, b=2) + call("add", a=3, b=4))
+    assert d.tok.decode(r.append_ids) == tool_reply("3", "7")
+    r = d.turn((0, 0), '<tool_call>{"name": "add", </tool_call>')
+    assert "malformed tool call" in d.tok.decode(r.append_ids)
+    assert d.turn((0, 0), "\\boxed{3}").finish == "stop"
+    t = d.turns.results()[(0, 0)]
+    assert (t.tool_calls, dict(t.failures)) == (3, {"tool/malformed": 1})
