@@ -241,17 +241,23 @@ def _run_async(pending: list, timeout_s: float, loop: asyncio.AbstractEventLoop)
         except RewardTimeout:
             out = None
     if status["fired"] or out is None:
-        tasks = asyncio.all_tasks(loop)  # left half-run by the interruption: cancel them, so no later turn runs them
-        for t in tasks:
-            t.cancel()
-        with time_limit(timeout_s):
-            try:
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            except RewardTimeout:
-                pass
+        cancel_pending(loop, timeout_s)
         return [RewardTimeout()] * len(pending)
     return out
 
 
-__all__ = ["TOOL_FAULTS", "TOOL_FORMATS", "ToolCall", "ToolResult", "parse_tool_calls", "run_tool_calls",
-           "tool_schemas", "truncate"]
+def cancel_pending(loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    """Cancel the tasks an interrupted ``run_until_complete`` left on ``loop`` (so no later call runs them), giving
+    them ``timeout_s`` to unwind."""
+    tasks = asyncio.all_tasks(loop)
+    for t in tasks:
+        t.cancel()
+    with time_limit(timeout_s):
+        try:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        except RewardTimeout:
+            pass
+
+
+__all__ = ["TOOL_FAULTS", "TOOL_FORMATS", "ToolCall", "ToolResult", "cancel_pending", "parse_tool_calls",
+           "run_tool_calls", "tool_schemas", "truncate"]

@@ -159,6 +159,19 @@ USER_MODULE = '''
         os._exit(5)
 
 
+    class Lazy:
+        """An async get_reward that may never finish."""
+
+        def reset(self, slow=False, **row):
+            self.slow = slow
+
+        async def get_reward(self) -> float:
+            if self.slow:
+                await asyncio.sleep(60)
+            await asyncio.sleep(0)
+            return 2.0
+
+
     class Moody:
         def reset(self, **row):
             return f" I am {os.getpid()}"
@@ -795,3 +808,14 @@ def test_tool_calls_parsed_by_the_tokenizers_response_template(pool):
     assert d.turn((0, 0), "\\boxed{3}").finish == "stop"
     t = d.turns.results()[(0, 0)]
     assert (t.tool_calls, dict(t.failures)) == (3, {"tool/malformed": 1})
+
+
+def test_an_async_get_reward_that_hangs_times_out_and_leaves_the_worker_usable(pool, envs_module):
+    envs = environments(pool, envs_module.Lazy)
+    rows = [{"prompt": "p", "slow": True}, {"prompt": "p"}, {"prompt": "p"}]  # trajectories 0 and 2: worker 0
+    d = Driver(EnvTurns(envs, templates(envs), rows, 1))
+    for i in range(3):
+        assert d.turn((i, 0), "done").finish == "stop"
+    res = d.turns.results()
+    assert [(t.reward, dict(t.failures)) for t in res.values()] == [(0.0, {"get_reward/timeout": 1}), (2.0, {}),
+                                                                    (2.0, {})]

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastgrpo.rewards import RewardTimeout, time_limit
-from fastgrpo.tools import ToolCall, ToolResult, run_tool_calls, tool_schemas, truncate
+from fastgrpo.tools import ToolCall, ToolResult, cancel_pending, run_tool_calls, tool_schemas, truncate
 
 GRACE_S = 1.0  # the hard limit of a task = its soft limits + this; then the worker is killed
 MAX_OBSERVATION_CHARS = 16_384  # default cut of one tool result / step observation (~4K tokens of English)
@@ -81,10 +81,16 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _resolved(value, timeout_s: float):
-    """``value``, awaited on the worker's loop when it is awaitable (an async reset or get_reward)."""
-    if inspect.isawaitable(value):
-        return _event_loop().run_until_complete(asyncio.wait_for(value, timeout_s))
-    return value
+    """``value``, awaited on the worker's loop when it is awaitable (an async reset or get_reward); interrupted by
+    the soft limit, the tasks it left are cancelled."""
+    if not inspect.isawaitable(value):
+        return value
+    loop = _event_loop()
+    try:
+        return loop.run_until_complete(asyncio.wait_for(value, timeout_s))
+    except BaseException:
+        cancel_pending(loop, timeout_s)
+        raise
 
 
 def _factory_key(factory) -> object:
