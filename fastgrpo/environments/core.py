@@ -281,8 +281,9 @@ class EnvironmentPool:
     ``environment_factory``: TRL 1.16's contract (a no-argument callable returning an instance with
     ``reset(**row) -> str | None``, tools as public methods, an optional ``get_reward() -> float``; any of them may
     be async), a :class:`TextStepEnvironment` subclass, or a dict of these chosen per row by its ``environment``
-    column. ``tools``: functions (sync or async) every environment also exposes; alone, they are TRL's
-    ``tools=[...]``. Factories and tools must be importable by the workers (module-level).
+    column. ``tools``: functions (sync or async) every tool-calling environment also exposes (a text-step one
+    reads the turn's text instead); alone, they are TRL's ``tools=[...]``. Factories and tools must be importable
+    by the workers (module-level).
     ``timeout_s``: the soft limit of one call (default ``reward.timeout_s``); ``max_observation_chars``: one tool
     result or observation is cut there (counted); ``max_tool_calls_per_turn``: calls beyond it are not run.
     """
