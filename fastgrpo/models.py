@@ -5,9 +5,17 @@ final hidden states ``[N, H]`` of a packed batch and :func:`lm_head_params` hand
 to the embedding or not) and bias to the fused loss kernels.
 
 The built-in tiny model is a Qwen2 architecture built from a config (random weights), with a character-level
-tokenizer built locally with ``tokenizers`` for the synthetic tasks' alphabet (digits, lower-case letters,
-arithmetic signs) plus ``\\boxed{`` as one token, wrapped as a ``PreTrainedTokenizerFast`` with eos/pad tokens and
-a small chat template, so it saves and loads with ``save_pretrained`` / ``from_pretrained`` like any HF model.
+tokenizer built locally with ``tokenizers`` (printable ASCII, one token per character) plus ``\\boxed{`` and
+Qwen's tool tags as single tokens, wrapped as a ``PreTrainedTokenizerFast`` with eos/pad tokens and a small chat
+template, so it saves and loads with ``save_pretrained`` / ``from_pretrained`` like any HF model.
+
+The tiny chat template is Qwen-shaped, so that a tool-calling conversation on the tiny model goes through the
+same parser, template suffix and loss mask as on a Qwen model: role markers ``<|system|>``, ``<|user|>``,
+``<|assistant|>``, ``<|tool|>``; an assistant turn ends with ``<|endoftext|>`` (the EOS, as Qwen's ``<|im_end|>``
+ends its turns); ``tools`` are listed as JSON schemas inside ``<tools></tools>`` in the system turn; assistant
+``tool_calls`` render as Qwen's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; a tool
+message as ``<|tool|><tool_response>\\n...\\n</tool_response>``. Without tools and tool messages, a prompt renders
+as before (``<|user|>1+2=<|assistant|>``).
 """
 
 from __future__ import annotations
@@ -26,28 +34,53 @@ UNK_TOKEN = "<|unk|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 BOXED_TOKEN = "\\boxed{"
 TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=?:,.()[]{}\\\n"
-TINY_MAX_POSITIONS = 256
-# The tiny model's chat template: role markers, no extra text (every character is a token).
+# Appended after the ids above, so that those do not move: the tool role,
+# Qwen's tool tags as single tokens (Qwen2.5/Qwen3 have them as added tokens too), and the rest of printable ASCII
+# (JSON, tool schemas and their descriptions).
+TOOL_ROLE_TOKEN = "<|tool|>"
+TOOL_TAG_TOKENS = ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TINY_ALPHABET_MORE = "".join(c for c in string.printable if c not in TINY_ALPHABET and c not in "\r\x0b\x0c")
+# Multi-turn conversations with a tool block in the system turn run past 256 positions. RoPE has no learned
+# table, so the limit costs neither parameters nor time: it only bounds prompt + completion in the engine.
+TINY_MAX_POSITIONS = 1024
+# The tiny model's chat template (module docstring): every character is a token, so it adds no extra text.
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+    "{% if tools %}{{ '<|system|>' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '<tools>' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}{{ '\\n</tools>' }}"
+    "{% elif messages[0]['role'] == 'system' %}{{ '<|system|>' + messages[0]['content'] }}{% endif %}"
+    "{% for m in messages %}"
+    "{% set content = m['content'] if m['content'] is string else '' %}"
+    "{% if m['role'] == 'assistant' %}{{ '<|assistant|>' + content }}"
+    "{% for call in m['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|endoftext|>' }}"
+    "{% elif m['role'] == 'tool' %}{{ '<|tool|><tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{% elif not (m['role'] == 'system' and loop.first) %}{{ '<|' + m['role'] + '|>' + content }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_tiny_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast``: one token per character of ``TINY_ALPHABET``, plus
-    ``<|endoftext|>`` (eos and pad), ``<|unk|>``, the chat role markers and ``\\boxed{``."""
+    """A character-level ``PreTrainedTokenizerFast``: one token per character of ``TINY_ALPHABET`` and
+    ``TINY_ALPHABET_MORE``, plus ``<|endoftext|>`` (eos and pad), ``<|unk|>``, the chat role markers, ``\\boxed{``
+    and the tool tags (module docstring)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = [EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS]
-    vocab = {tok: i for i, tok in enumerate([*specials, BOXED_TOKEN, *TINY_ALPHABET])}
+    order = [*specials, BOXED_TOKEN, *TINY_ALPHABET, TOOL_ROLE_TOKEN, *TOOL_TAG_TOKENS, *TINY_ALPHABET_MORE]
+    vocab = {tok: i for i, tok in enumerate(order)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     tok.decoder = decoders.Fuse()  # characters join without spaces
-    tok.add_special_tokens(specials)
-    tok.add_tokens([BOXED_TOKEN])
+    tok.add_special_tokens([*specials, TOOL_ROLE_TOKEN])
+    tok.add_tokens([BOXED_TOKEN, *TOOL_TAG_TOKENS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
                                    unk_token=UNK_TOKEN, chat_template=TINY_CHAT_TEMPLATE)
 

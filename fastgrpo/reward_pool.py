@@ -12,9 +12,11 @@ Work is cut into tasks: one reward function on one chunk of at most ``CHUNK_SIZE
 (the same fixed chunks :class:`fastgrpo.rewards.RewardSet` scores in process, so scores do not depend on
 ``num_workers`` nor on the order groups finish). A task is a call ``fn(*args)`` of a module-level function (sent by
 name) with a budget in seconds: a reward task calls one of the functions the worker loaded when it started; other
-work with a hard time limit can run in the same workers the same way. A parent-side supervisor
-thread per worker keeps ``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never
-idles waiting for the thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
+work with a hard time limit runs in the same workers the same way through :meth:`RewardPool.run` (environment steps
+and tool calls, :mod:`fastgrpo.environments`), which may pin a task to one worker (where its state lives): each
+worker takes its own pinned tasks before the shared queue's. A parent-side supervisor thread per worker keeps
+``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never idles waiting for the
+thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
 task's budget, ``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it
 answered). Past it, the worker is killed: the k completions score 0 and count in ``reward/<name>/timeouts``, the task
 waiting behind it goes back to the queue, and a new worker is started at once. A worker that dies during a task
@@ -60,9 +62,10 @@ stopped by the pool.
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib
 import json
 import os
-import queue
 import select
 import signal
 import socket
@@ -124,12 +127,19 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _server_main(control_fd: int, parent: int, functions: list[str], worker_init: str, timeout_s: float) -> None:
-    """The server: import the reward modules once, then fork a worker for each pipe the trainer sends."""
+def _server_main(control_fd: int, parent: int, functions: list[str], worker_init: str, timeout_s: float,
+                 preload: list[str]) -> None:
+    """The server: import the reward modules (and ``preload``) once, then fork a worker for each pipe the trainer
+    sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
     _die_with_parent(parent)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers: no zombies (reset in each worker)
     load_functions(functions, "")  # imports the modules and math-verify; their errors are the workers' to report
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - a task that needs it fails in its worker, where it is counted
+            pass
     if worker_init:
         try:
             resolve(worker_init)  # its module only: the initializer itself runs in each worker
@@ -354,11 +364,51 @@ class _Worker:
 
 @dataclass
 class _Task:
-    key: tuple[int, int, int]  # (submission index, function, chunk start)
     fn: Callable  # a module-level function: the worker runs fn(*args) and sends back what it returns
     args: tuple
-    size: int  # completions: a lost task scores this many zeros
     budget_s: float  # the hard time limit of one run, from when the worker starts it
+    done: Callable[[object, str | None], None]  # called (on a supervisor thread) with the worker's answer and None,
+    # or None and the fault ("timeouts": past its budget, "failures": the worker died or could not start)
+    worker: int | None = None  # the worker it must run on (its state lives there); None: any
+
+
+class _TaskQueue:
+    """The tasks not yet sent: one queue any worker takes from, and one per worker for tasks pinned to it (taken
+    first: an environment step holds a paused sample, a reward chunk waits only for gather)."""
+
+    def __init__(self, num_workers: int):
+        self.shared: deque[_Task] = deque()
+        self.pinned: list[deque[_Task]] = [deque() for _ in range(num_workers)]
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def put(self, task: _Task, *, front: bool = False) -> None:
+        with self.cond:
+            q = self.shared if task.worker is None else self.pinned[task.worker]
+            q.appendleft(task) if front else q.append(task)
+            self.cond.notify_all()
+
+    def get(self, worker: int, block: bool) -> _Task | None:
+        """The next task for ``worker``: its own first, then a shared one; None when closed, or empty and not
+        ``block``."""
+        with self.cond:
+            while not self.closed:
+                for q in (self.pinned[worker], self.shared):
+                    if q:
+                        return q.popleft()
+                if not block:
+                    return None
+                self.cond.wait()
+            return None
+
+    def empty(self) -> bool:
+        with self.cond:
+            return not self.shared and not any(self.pinned)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
 
 class RewardPool:
@@ -368,7 +418,7 @@ class RewardPool:
     submitted group until :meth:`gather`, which scores them here with :class:`fastgrpo.rewards.RewardSet`.
     """
 
-    def __init__(self, cfg: RewardConfig, num_workers: int):
+    def __init__(self, cfg: RewardConfig, num_workers: int, *, preload: Sequence[str] = ()):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.cfg, self.num_workers = cfg, num_workers
@@ -386,15 +436,15 @@ class RewardPool:
         self._lock = threading.Condition()
         self._close_lock = threading.Lock()
         self._closed = False
-        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._queue = _TaskQueue(num_workers)
         self._server = _Server({"functions": list(cfg.functions), "worker_init": cfg.worker_init,
-                                "timeout_s": cfg.timeout_s}) if num_workers else None
+                                "timeout_s": cfg.timeout_s, "preload": list(preload)}) if num_workers else None
         self._workers = [_Worker(self._server) for _ in range(num_workers)]
         self._threads = []
         if self._server is not None:
             self._server.start()  # it imports the reward modules while the trainer builds its model
         for i, w in enumerate(self._workers):  # each supervisor starts its worker at once
-            t = threading.Thread(target=self._supervise, args=(w,), daemon=True, name=f"reward-supervisor-{i}")
+            t = threading.Thread(target=self._supervise, args=(w, i), daemon=True, name=f"reward-supervisor-{i}")
             t.start()
             self._threads.append(t)
 
@@ -425,9 +475,26 @@ class RewardPool:
             for f in range(len(self.names)):
                 for a, b in chunk_bounds(len(completions)):
                     self._expected += 1
-                    self._queue.put(_Task((index, f, a), _score, (f, prompts[a:b], completions[a:b],
-                                                                  {k: v[a:b] for k, v in columns.items()}),
-                                          b - a, (b - a) * self.cfg.timeout_s))
+                    args = (f, prompts[a:b], completions[a:b], {k: v[a:b] for k, v in columns.items()})
+                    self._queue.put(_Task(_score, args, (b - a) * self.cfg.timeout_s,
+                                          functools.partial(self._store, (index, f, a), b - a)))
+
+    def run(self, fn: Callable, args: tuple, budget_s: float, done: Callable[[object, str | None], None], *,
+            worker: int | None = None) -> None:
+        """Run ``fn(*args)`` (a module-level function) in a worker, on ``worker`` when given (where its state lives),
+        under the same hard limit, kill and respawn as a reward chunk; returns at once.
+
+        ``done(answer, None)`` gets what ``fn`` returned, or ``done(None, fault)`` the fault: "timeouts" when it ran
+        past ``budget_s`` (the worker was killed and replaced), "failures" when the worker died in it or could not
+        start. ``done`` runs on a supervisor thread and must not block. Such tasks are not part of :meth:`gather`.
+        """
+        if self._closed:
+            raise RuntimeError("RewardPool.run after close()")
+        if self._server is None:
+            raise ValueError("RewardPool.run needs worker processes (num_workers >= 1)")
+        if worker is not None and not 0 <= worker < self.num_workers:
+            raise ValueError(f"worker must be in [0, {self.num_workers}), got {worker}")
+        self._queue.put(_Task(fn, args, budget_s, done, worker))
 
     def gather(self) -> tuple[RewardResult, dict[str, float]]:
         """Wait for every submitted batch's scores; returns them concatenated in index order, and the times.
@@ -483,14 +550,18 @@ class RewardPool:
                 add_faults(faults[name], p.faults[name])
         return combine(self.names, self.weights, per_function, faults)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (tasks still queued or running then get no answer)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop every worker (asked first, killed after WORKER_STOP_TIMEOUT_S). Idempotent; safe in ``finally``."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+        self._queue.close()
         for w in self._workers:
             w.stop()
         if self._server is not None:
@@ -506,7 +577,7 @@ class RewardPool:
 
     # ------------------------------------------------------------------ supervisor threads
 
-    def _supervise(self, worker: _Worker) -> None:
+    def _supervise(self, worker: _Worker, index: int) -> None:
         """Feed one worker; every task taken gets a result or goes back to the queue, whatever the worker does."""
         inflight: deque[_Task] = deque()  # sent to the worker, in order: it runs the head, the rest wait in its pipe
         deadline = 0.0  # when the head's budget runs out
@@ -519,35 +590,36 @@ class RewardPool:
                 # PIPELINE_DEPTH tasks at the worker: it never waits for this thread (and the GIL it shares with the
                 # generation loop) between two tasks
                 while len(inflight) < PIPELINE_DEPTH:
-                    try:
-                        task = self._queue.get_nowait() if inflight else self._queue.get()
-                    except queue.Empty:
+                    task = self._queue.get(index, block=not inflight)
+                    if task is None:
+                        if self._closed:
+                            return
                         break
-                    if task is None or self._closed:
+                    if self._closed:
                         return
                     if not inflight and not self._ready(worker):
-                        self._store(task, no_scores(task.size, "failures"))
+                        task.done(None, "failures")
                         continue
                     try:
                         worker.conn.send((task.fn, task.args))
                     except OSError:  # it died since its last answer: the poll below, or the next _ready, sees it
-                        self._queue.put(task)
+                        self._queue.put(task, front=True)
                         break
                     if not inflight:
                         deadline = time.perf_counter() + task.budget_s
                     inflight.append(task)
                 if not inflight:
                     continue
-                head = inflight[0]
+                head, fault, result = inflight[0], None, None
                 if not worker.conn.poll(max(deadline - time.perf_counter(), 0.0)):
-                    result = self._lose(worker, inflight, "timeouts")  # killing it is the only way to stop any code
+                    fault = self._lose(worker, inflight, "timeouts")  # killing it is the only way to stop any code
                 else:
                     try:
                         result = worker.conn.recv()
                         inflight.popleft()
                     except (EOFError, OSError):  # died mid-task (segfault, SIGKILL, os._exit): EOF or a reset pipe
-                        result = self._lose(worker, inflight, "failures")
-                self._store(head, result)
+                        fault = self._lose(worker, inflight, "failures")
+                head.done(result, fault)
                 if inflight:  # the worker started the next task when it sent this answer
                     deadline = time.perf_counter() + inflight[0].budget_s
             except Exception as e:  # noqa: BLE001 - e.g. close() pulled the pipe away: the tasks still get an answer
@@ -556,8 +628,7 @@ class RewardPool:
                 self._errors.add(f"reward worker error: {type(e).__name__}: {e}")
                 worker.kill()
                 while inflight:
-                    task = inflight.popleft()
-                    self._store(task, no_scores(task.size, "failures"))
+                    inflight.popleft().done(None, "failures")
 
     def _ready(self, worker: _Worker) -> bool:
         """Start the worker if it is not running (counted when it died) and wait until it has loaded the functions;
@@ -588,18 +659,20 @@ class RewardPool:
         worker.ready = True
         return True
 
-    def _lose(self, worker: _Worker, inflight: deque[_Task], fault: str) -> tuple[list[float], dict[str, int]]:
-        """The worker hung or died in the head task: respawn it; the head scores 0 as ``fault``, the tasks waiting
-        behind it (never started) go back to the queue."""
-        head = inflight.popleft()
+    def _lose(self, worker: _Worker, inflight: deque[_Task], fault: str) -> str:
+        """The worker hung or died in the head task: respawn it; the head fails as ``fault`` (returned), the tasks
+        waiting behind it (never started) go back to the front of the queue, in order."""
+        inflight.popleft()
         while inflight:
-            self._queue.put(inflight.popleft())
+            self._queue.put(inflight.pop(), front=True)
         self._respawn(worker)
-        return no_scores(head.size, fault)
+        return fault
 
-    def _store(self, task: _Task, result: tuple[list[float], dict[str, int]]) -> None:
+    def _store(self, key: tuple[int, int, int], size: int, result: tuple[list[float], dict[str, int]] | None,
+               fault: str | None) -> None:
+        """A reward chunk's answer (``size`` completions; a lost chunk scores 0 as ``fault``), kept for gather()."""
         with self._lock:
-            self._results[task.key] = result
+            self._results[key] = no_scores(size, fault) if fault else result
             self._last_result = time.perf_counter()
             self._lock.notify_all()
 

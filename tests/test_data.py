@@ -1,13 +1,27 @@
-"""Data: JSONL / Parquet sources, field and file errors, long prompts, the synthetic task, the sampler position."""
+"""Data: JSONL / Parquet sources, field and file errors, long prompts, the synthetic task, the sampler position,
+the tool-tiny demonstrations."""
 
 import importlib.util
 import json
 
 import pytest
+from chat_tokenizers import TOOLS, ids, tokenizer
 
+from fastgrpo.chat import ChatTemplate
 from fastgrpo.config import DataConfig
-from fastgrpo.data import PromptSampler, build_dataset, format_prompt, load_datasets, read_rows, synthetic_rows
-from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.data import (
+    PromptSampler,
+    build_dataset,
+    conversation_example,
+    format_prompt,
+    load_datasets,
+    prompt_messages,
+    read_rows,
+    synthetic_rows,
+    tool_tiny_conversation,
+    tool_tiny_warmup,
+)
+from fastgrpo.models import TINY_MAX_POSITIONS, build_tiny_tokenizer
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 
@@ -140,3 +154,94 @@ def test_json_array_file(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps([{"prompt": "1", "answer": "1"}, 3]))
     with pytest.raises(ValueError, match="b.json: array item 1 must be a JSON object, got int"):
         read_rows(str(tmp_path / "b.json"), "train", DataConfig())
+
+
+# ---------------------------------------------------------------------------------------------- tool-tiny
+
+
+def tool_tiny_rows():
+    return synthetic_rows(DataConfig(synthetic_num_terms=2, synthetic_max_value=99, synthetic_eval_size=200))
+
+
+@pytest.mark.parametrize("num_terms", [2, 3])
+def test_tool_tiny_demonstration_calls_the_adder_once_per_plus(num_terms):
+    train, held_out = synthetic_rows(DataConfig(synthetic_num_terms=num_terms, synthetic_max_value=99))
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    cfg = DataConfig(system_prompt="Use the add tool.")
+    for row in train[:20]:
+        messages = tool_tiny_conversation(row, cfg)
+        terms = [int(t) for t in row["prompt"][:-1].split("+")]
+        assert messages[:2] == [{"role": "system", "content": "Use the add tool."},
+                                {"role": "user", "content": row["prompt"]}]
+        calls = [m["tool_calls"][0]["function"] for m in messages if m.get("tool_calls")]
+        results = [int(m["content"]) for m in messages if m["role"] == "tool"]
+        assert len(calls) == len(results) == num_terms - 1
+        running = terms[0]
+        for call, term, result in zip(calls, terms[1:], results):
+            assert call == {"name": "add", "arguments": {"a": running, "b": term}} and result == running + term
+            running = result
+        assert messages[-1] == {"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"}
+        assert int(row["answer"]) == sum(terms)
+    with pytest.raises(ValueError, match="not to its answer"):
+        tool_tiny_conversation({"prompt": "1+2=", "answer": "4"}, cfg)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen2.5", "llama3.1"])
+def test_demonstration_is_the_rollout_sequence_with_the_assistant_mask(name):
+    """conversation_example: the ids are the tokenisation of the whole conversation (rendered with the assistant
+    turns as the texts the policy writes), the trained tokens are exactly each assistant turn's text and its EOS
+    (the tool call in the model's own format, the boxed answer), the untrained ones exactly the prompt, the template
+    suffixes and the tool results; and the mask is what the rollout path gives: prompt_ids, the sampled turn,
+    suffix_ids."""
+    tok = tokenizer(name)
+    template = ChatTemplate(tok, TOOLS)
+    cfg = DataConfig()
+    eos = tok.eos_token
+    for row in tool_tiny_rows()[0][:5]:
+        messages = tool_tiny_conversation(row, cfg)
+        ex = conversation_example(template, messages)
+        assert len(ex.input_ids) == len(ex.loss_mask)
+        a, b = (int(t) for t in row["prompt"][:-1].split("+"))
+        call = f'{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}'
+        call = f"<tool_call>\n{call}\n</tool_call>" if name != "llama3.1" else call.replace("arguments", "parameters")
+        answer = f"\\boxed{{{row['answer']}}}"
+        texts = [call, answer]
+        sampled = [*messages[:1], {"role": "assistant", "content": call}, messages[2],
+                   {"role": "assistant", "content": answer}]
+        whole = template.render(sampled, False)  # the sequence ends at the last turn's EOS (Qwen renders "\n" after)
+        assert ex.input_ids == ids(tok, whole[: len(whole) - len(template.end_of_turn)] + eos)
+        trained = [i for i, m in zip(ex.input_ids, ex.loss_mask) if m]
+        assert trained == ids(tok, texts[0] + eos) + ids(tok, texts[1] + eos)
+        prompt = template.prompt_ids(messages[:1])
+        turn = ids(tok, call) + [tok.eos_token_id]
+        suffix = template.suffix_ids(sampled[:2], [messages[2]], end_token=tok.eos_token_id)
+        assert ex.input_ids[: len(prompt) + len(turn) + len(suffix)] == prompt + turn + suffix
+        assert ex.loss_mask == [False] * len(prompt) + [True] * len(turn) + [False] * len(suffix) + \
+            [True] * (len(ids(tok, answer)) + 1)
+        assert row["answer"] in tok.decode(suffix)  # the tool result is in the untrained suffix
+
+
+def test_tool_tiny_warmup_feeds_sft_warmups_answer_swap():
+    """The warm-up's examples and swap responses: sft_warmup swaps a response in after the first trained token
+    (ex.loss_mask.index(True)), which is where the demonstration's assistant part starts; a response is the boxed
+    answer and EOS."""
+    tok = build_tiny_tokenizer()
+    template = ChatTemplate(tok, TOOLS)
+    rows = tool_tiny_rows()[0][:8]
+    examples, responses = tool_tiny_warmup(rows, template, DataConfig())
+    assert len(examples) == len(responses) == len(rows)
+    for row, ex, response in zip(rows, examples, responses):
+        n_prompt = ex.loss_mask.index(True)
+        assert ex.input_ids[:n_prompt] == template.prompt_ids(prompt_messages(row["prompt"], DataConfig()))
+        assert tok.decode(ex.input_ids[n_prompt:]).startswith("<tool_call>")
+        assert response == ids(tok, f"\\boxed{{{row['answer']}}}") + [tok.eos_token_id]
+    assert max(len(ex.input_ids) for ex in examples) < TINY_MAX_POSITIONS
+
+
+def test_a_demonstration_must_end_with_an_assistant_turn():
+    template = ChatTemplate(build_tiny_tokenizer(), TOOLS)
+    with pytest.raises(ValueError, match="must end with one"):
+        conversation_example(template, [{"role": "user", "content": "1+2="}])
+    with pytest.raises(ValueError, match="must end with one"):
+        conversation_example(template, [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "x"},
+                                        {"role": "user", "content": "more"}])

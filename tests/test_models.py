@@ -7,7 +7,18 @@ from fastgrpo.kernels.reference import linear_logprobs_ref
 
 from fastgrpo.config import ModelConfig
 from fastgrpo.grpo import Sample, make_microbatch, packed_forward
-from fastgrpo.models import build_tiny_tokenizer, eos_token_ids, lm_head_params, load_model
+from fastgrpo.models import (
+    BOXED_TOKEN,
+    EOS_TOKEN,
+    ROLE_TOKENS,
+    TINY_ALPHABET,
+    TINY_MAX_POSITIONS,
+    UNK_TOKEN,
+    build_tiny_tokenizer,
+    eos_token_ids,
+    lm_head_params,
+    load_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -26,11 +37,50 @@ def test_tiny_tokenizer_is_character_level_with_boxed_token(tmp_path):
     assert again("7+8=")["input_ids"] == tok("7+8=")["input_ids"] and again.chat_template == tok.chat_template
 
 
+def test_tiny_tokenizer_keeps_the_old_ids_and_covers_printable_ascii():
+    """The tokens added for tool calls come after the original ones, which keep their ids; every printable ASCII
+    character (JSON, schemas, descriptions) is one known token."""
+    tok = build_tiny_tokenizer()
+    old = [EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS, BOXED_TOKEN, *TINY_ALPHABET]
+    assert tok.convert_tokens_to_ids(old) == list(range(len(old)))
+    printable = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+    ids = tok(printable, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(printable) and tok.unk_token_id not in ids and tok.decode(ids) == printable
+
+
+def test_tiny_template_renders_tools_and_tool_turns_in_qwens_shape():
+    """A whole tool-calling conversation: the tool schemas in the system turn, the assistant's tool call in Qwen's
+    format (tags as single tokens), the tool result as a tool turn, EOS after each assistant turn; every character
+    of it is a known token and the text round-trips."""
+    tok = build_tiny_tokenizer()
+    schema = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    messages = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "1+2="},
+                {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                {"role": "tool", "name": "add", "content": "3"}, {"role": "tool", "name": "add", "content": "3"},
+                {"role": "assistant", "content": "\\boxed{3}"}]
+    text = tok.apply_chat_template(messages, tools=[schema], tokenize=False)
+    one_call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert text == ('<|system|>Use the tool.\n\n<tools>\n{"type": "function", "function": {"name": "add", '
+                    '"parameters": {"type": "object"}}}\n</tools><|user|>1+2=<|assistant|>' + one_call + "\n"
+                    + one_call + "<|endoftext|>" + "<|tool|><tool_response>\n3\n</tool_response>" * 2
+                    + "<|assistant|>\\boxed{3}<|endoftext|>")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids and tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(ids[-5:]) == ["<|assistant|>", BOXED_TOKEN, "3", "}", EOS_TOKEN]
+    for tag in ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                "<|tool|>"):
+        assert len(tok(tag, add_special_tokens=False)["input_ids"]) == 1
+    assert tok.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=True) == \
+        "<|user|>1+2=<|assistant|>"  # without tools, prompts render as before
+
+
 def test_tiny_model_saves_and_loads_as_a_hf_model(tmp_path):
     model, tok = load_model(ModelConfig(), CPU, seed=3)
     weight, bias = lm_head_params(model)
     assert weight is model.get_input_embeddings().weight and bias is None  # tied head
     assert eos_token_ids(model, tok) == [tok.eos_token_id]
+    assert model.config.max_position_embeddings == TINY_MAX_POSITIONS == 1024  # multi-turn conversations
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     again, _ = load_model(ModelConfig(path=str(tmp_path)), CPU)

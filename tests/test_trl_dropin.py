@@ -47,7 +47,10 @@ KL = dict(beta=0.05)  # TRL loads a reference model (the initial weights): KL > 
     ("dapo", 2, 4, 1, dict(KL, use_bias_correction_kl=True)), ("bnpo", 1, 1, 2, dict(KL, use_bias_correction_kl=False)),
     ("cispo", 2, 4, 1, dict(KL, epsilon_high=5.0)), ("sapo", 1, 1, 2, dict(KL)),
     ("luspo", 1, 1, 2, dict(KL, importance_sampling_level="sequence")),
-    ("grpo", 1, 1, 2, dict(off_policy_mask_threshold=0.0)),
+    # δ above fp32 rounding: the first iteration's KLs are rounding (~1e-8, either sign, computed by two code paths)
+    # and δ = 0 would keep or drop them by chance; the second iteration's (the policy moved) are far above it, and
+    # the mask drops sequences there (the loss is -0.51 masked against -0.17 unmasked on this case)
+    ("grpo", 1, 1, 2, dict(off_policy_mask_threshold=1e-5)),
 ])
 def test_fused_loss_in_trl_grpo_trainer(tmp_path, loss_type, accumulation, per_generation, iterations, extra):
     """dapo: TRL's normaliser over an accumulation window of 2 micro-batches of a generation batch that spans 4
