@@ -13,7 +13,7 @@ import torch
 from fastgrpo.kernels.reference import distill_loss_ref, grpo_loss_ref
 
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.distill import DistillUpdate, check_tokenizers, load_teacher
+from fastgrpo.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.grpo import Sample, packed_forward
 from fastgrpo.metrics import read_jsonl
@@ -313,3 +313,66 @@ def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
         assert r["distill/divergence"] > 0 and r["distill/teacher_logp"] < 0
     again = run(tmp_path / "run2")
     assert "training the teacher" not in again
+
+
+def test_fsdp2_teacher_matches_ddp(teacher_path, tmp_path):
+    """2 processes, full mode, micro-batch counts that differ between ranks: the teacher sharded by FSDP2 (each rank
+    holds half of every parameter) gives the replicated teacher's (DDP's) losses, divergence and weight change;
+    the two reduce the same fp32 gradients in another order (all-reduce vs reduce-scatter), ~1e-7 relative."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "fsdp.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).resolve()), str(out), str(teacher_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = torch.load(out)
+    assert res["counts"][0] != res["counts"][1]
+    assert res["fsdp2"]["sharded"] and not res["ddp"]["sharded"]
+    ddp, fsdp = res["ddp"]["metrics"], res["fsdp2"]["metrics"]
+    for key in ("loss", "grad_norm", *DISTILL_METRICS):
+        assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5, abs=1e-7), key
+    for k, d in res["ddp"]["delta"].items():
+        torch.testing.assert_close(res["fsdp2"]["delta"][k], d, rtol=1e-4, atol=1e-6)
+
+
+def _fsdp_worker(out: str, teacher: str) -> None:
+    """torchrun entry of test_fsdp2_teacher_matches_ddp: each rank's share under DDP and under FSDP2."""
+    from fastgrpo.distributed import all_reduce, barrier, destroy, fsdp_root
+    from fastgrpo.grpo import plan
+
+    state = init_distributed("cpu")
+    torch.set_num_threads(1)
+    samples = make_samples(16)
+    for s in samples:
+        s.advantage = 0.0
+    mine = samples[state.rank * 8 : (state.rank + 1) * 8]
+    counts = torch.zeros(2, dtype=torch.long)
+    counts[state.rank] = len(plan(mine, 20, state.device))
+    result = {"counts": all_reduce(counts).tolist()}
+    for strategy in ("ddp", "fsdp2"):
+        cfg = distill_config(teacher, f"train.strategy={strategy}", "train.max_tokens_per_microbatch=20",
+                             "distill.beta=1", "grpo.num_prompts_per_step=8", "grpo.num_generations=2")
+        model, tok = load_model(cfg.model, state.device, seed=0)
+        teacher_model, V = load_teacher(cfg, state, tok)
+        wrapped = wrap_model(model, state, strategy, forward=packed_forward)
+        before = {k: full(v) for k, v in model.named_parameters()}
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        metrics = DistillUpdate(cfg, wrapped, opt, sched, teacher_model, V, state.device, state.world_size).run(
+            mine, beta=0.0, epsilon_high=None, max_new_tokens=8)
+        result[strategy] = {"metrics": metrics, "sharded": fsdp_root(teacher_model) is not None,
+                            "delta": {k: before[k] - full(v) for k, v in model.named_parameters()}}
+        del wrapped, teacher_model, opt
+    if state.rank == 0:
+        torch.save(result, out)
+    barrier()
+    destroy()
+
+
+def full(t):
+    """A parameter's full value (FSDP2 shards parameters as DTensors)."""
+    return t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+if __name__ == "__main__":
+    _fsdp_worker(sys.argv[1], sys.argv[2])
