@@ -315,6 +315,7 @@ def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
     assert "training the teacher" not in again
 
 
+@pytest.mark.slow  # two torchrun processes, ~40 s on 2 busy cores
 def test_fsdp2_teacher_matches_ddp(teacher_path, tmp_path):
     """2 processes, full mode, micro-batch counts that differ between ranks: the teacher sharded by FSDP2 (each rank
     holds half of every parameter) gives the replicated teacher's (DDP's) losses, divergence and weight change;
