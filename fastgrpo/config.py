@@ -201,7 +201,7 @@ class GRPOConfig:
     num_prompts_per_step: int = 32
     """Prompts per rollout (all ranks together; each rank takes its share)."""
     num_generations: int = 8
-    """Completions per prompt (the group size G)."""
+    """Completions per prompt (the group size G; >= 2, or 1 for pure distillation)."""
     loss_type: str = "dapo"
     """Loss: grpo, bnpo, dr_grpo, dapo, luspo (clipped surrogate, by normalisation), sapo, cispo (TRL) or
     cispo_clamp (NeMo-RL's use_cispo) (see fastgrpo.kernels.grpo_loss)."""

@@ -154,6 +154,40 @@ def teacher_logprobs(teacher, mb, temperature: float, vocab_size: int) -> torch.
                                   bias=None if bias_V is None else bias_V[:vocab_size], temperature=temperature)
 
 
+@torch.no_grad()
+def sampled_token_advantages(teacher, samples: list[Sample], *, max_tokens: int, temperature: float,
+                             vocab_size: int, device: torch.device, coll_device: torch.device) -> dict[str, float]:
+    """Set ``token_advantages`` of every sample, ``logp_teacher − logp_student`` per completion token (0 at tokens
+    without a loss), from the teacher's packed no-grad forwards over micro-batches of at most ``max_tokens`` tokens
+    (packed as the update packs them); returns the ``distill/*`` token means of these samples.
+
+    Every rank runs the same number of teacher forwards (an FSDP2 teacher gathers its weights in each): the global
+    maximum of the micro-batch counts, a rank with fewer repeating its last one.
+    """
+    groups = plan_microbatches([len(s.tokens) for s in samples], max_tokens)
+    mbs = [make_microbatch([samples[j] for j in g], device) for g in groups]  # as grpo.plan packs
+    n_mb = int(all_reduce(torch.tensor([len(mbs)], device=coll_device), "max").item())  # sync: the loop count
+    sums = torch.zeros(4, dtype=torch.float64)  # Σ teacher logp, Σ student logp, Σ (student − teacher), count
+    for i in range(n_mb):
+        mb = mbs[min(i, len(mbs) - 1)]
+        t_logp_N = teacher_logprobs(teacher, mb, temperature, vocab_size)
+        if i >= len(mbs):
+            continue
+        keep_N = mb.mask != 0
+        adv_N = torch.where(keep_N, t_logp_N - mb.sample_logprobs, 0.0)
+        sums += torch.stack([t_logp_N[keep_N].sum(), mb.sample_logprobs[keep_N].sum(), -adv_N.sum(),
+                             keep_N.sum()]).double().cpu()
+        adv = adv_N.tolist()  # sync: the per-token advantages go back into the samples (host lists)
+        offsets = mb.batch.cu_seqlens.tolist()
+        for b, j in enumerate(groups[i]):
+            s = samples[j]
+            first = offsets[b] + len(s.prompt_ids) - 1  # the target at this position is completion token 0
+            s.token_advantages = adv[first : first + len(s.completion_ids)]
+    n = max(float(sums[3]), 1.0)
+    return {"distill/teacher_logp": float(sums[0]) / n, "distill/student_logp": float(sums[1]) / n,
+            "distill/divergence": float(sums[2]) / n}
+
+
 def _masked_mean(x_N: torch.Tensor, mask_N: torch.Tensor) -> torch.Tensor:
     return (x_N * mask_N).sum() / mask_N.sum().clamp(min=1.0)
 
@@ -220,35 +254,10 @@ class Distill(GRPO):
         for s in samples:
             s.advantage *= self.cfg.distill.reward_weight
         if self.cfg.distill.mode == "sampled_token":
-            with self.trainer.timer("teacher"):
-                m.update(self.token_advantages(samples))
+            t = self.trainer
+            with t.timer("teacher"):
+                m.update(sampled_token_advantages(
+                    self.teacher, samples, max_tokens=self.cfg.train.max_tokens_per_microbatch,
+                    temperature=self.cfg.rollout.temperature, vocab_size=self.vocab_size, device=t.state.device,
+                    coll_device=t.coll_device()))
         return samples, m
-
-    def token_advantages(self, samples: list[Sample]) -> dict[str, float]:
-        """Set ``token_advantages`` of every sample (0 at tokens without a loss) from the teacher's packed no-grad
-        forwards over the rollout's micro-batches; returns this rank's ``distill/*`` token means."""
-        t = self.trainer
-        T = self.cfg.rollout.temperature
-        groups = plan_microbatches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_microbatch)
-        mbs = [make_microbatch([samples[j] for j in g], t.state.device) for g in groups]  # as grpo.plan packs
-        # sync: every rank runs as many teacher forwards (an FSDP2 teacher gathers its weights in each)
-        n_mb = int(all_reduce(torch.tensor([len(mbs)], device=t.coll_device()), "max").item())
-        sums = torch.zeros(4, dtype=torch.float64)  # Σ teacher logp, Σ student logp, Σ (student - teacher), count
-        for i in range(n_mb):
-            mb = mbs[min(i, len(mbs) - 1)]
-            t_logp_N = teacher_logprobs(self.teacher, mb, T, self.vocab_size)
-            if i >= len(mbs):
-                continue
-            keep_N = mb.mask != 0
-            adv_N = torch.where(keep_N, t_logp_N - mb.sample_logprobs, 0.0)
-            sums += torch.stack([t_logp_N[keep_N].sum(), mb.sample_logprobs[keep_N].sum(), -adv_N.sum(),
-                                 keep_N.sum()]).double().cpu()
-            adv = adv_N.tolist()  # sync: the per-token advantages go back into the samples (host lists)
-            offsets = mb.batch.cu_seqlens.tolist()
-            for b, j in enumerate(groups[i]):
-                s = samples[j]
-                first = offsets[b] + len(s.prompt_ids) - 1  # the target at this position is completion token 0
-                s.token_advantages = adv[first : first + len(s.completion_ids)]
-        n = max(float(sums[3]), 1.0)
-        return {"distill/teacher_logp": float(sums[0]) / n, "distill/student_logp": float(sums[1]) / n,
-                "distill/divergence": float(sums[2]) / n}

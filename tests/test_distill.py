@@ -3,6 +3,7 @@ advantages against the teacher's and the student's HF forwards in fp32, the full
 fp32 reference of the divergence (``distill_loss_ref``) on HF hidden states, the memory plan's teacher, and a short
 end-to-end run that trains its own teacher first."""
 
+import math
 import os
 import subprocess
 import sys
@@ -265,6 +266,9 @@ def test_plan_counts_the_teacher():
     cfg = load_config("distill-qwen3-1.7b", overrides=paths)
     s, t = model_shape(cfg), teacher_shape(cfg)
     assert (s.params, s.layers, s.hidden, t.layers, t.hidden, t.vocab) == (1_720_574_976, 28, 2048, 36, 2560, 151936)
+    # by hand: embedding V·h + L·(attention h·(n_q + 2·n_kv)·d + n_q·d·h, MLP 3·h·I, norms 2·h + 2·d) + final norm h
+    # 1.7B: 151936·2048 + 28·(2048·(16 + 16)·128 + 2048·2048 + 3·2048·6144 + 4096 + 256) + 2048 = 1,720,574,976
+    # 4B:   151936·2560 + 36·(2560·(32 + 16)·128 + 4096·2560 + 3·2560·9728 + 5120 + 256) + 2560 = 4,022,468,096
     assert t.params == 4_022_468_096  # Qwen3-4B, tied embeddings
     plan = memory_plan(cfg, 8, 80, shape=s, teacher=t)
     assert plan.fits, plan.verdict()
@@ -286,19 +290,19 @@ def test_plan_counts_the_teacher():
 
 def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
     """``torchrun fastgrpo/train.py --recipe distill-tiny`` (made small): the teacher recipe runs first into
-    distill.teacher_path, then the distillation steps log the distill/ metrics and save a loadable checkpoint; a
-    second run finds the teacher and does not train it again."""
+    distill.teacher_path, then the distillation steps log the distill/ metrics; a second run (sampled-token mode,
+    one completion per prompt) finds the teacher and does not train it again."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     teacher = tmp_path / "teacher"
     spec = ("tiny train.max_steps=1 sft.warmup_steps=2 sft.batch_size=8 grpo.num_prompts_per_step=2 "
             "grpo.num_generations=2 rollout.max_new_tokens=4 eval.at_start=false eval.at_end=false "
             "logging.progress_bar=false train.num_threads=1 reward.num_workers=0")
 
-    def run(out):
+    def run(out, *overrides):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                str(REPO / "fastgrpo" / "train.py"), "--recipe", "distill-tiny", *SMALL, "train.max_steps=2",
                f"distill.teacher_path={teacher}", f"distill.teacher_recipe={spec}", "eval.at_end=true",
-               "eval.num_prompts=4", f"logging.output_dir={out}"]
+               "eval.num_prompts=4", f"logging.output_dir={out}", *overrides]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         return proc.stdout
@@ -311,8 +315,11 @@ def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
     for r in rows:
         assert {"distill/divergence", "distill/teacher_logp", "distill/student_logp", "accuracy", "loss"} <= set(r)
         assert r["distill/divergence"] > 0 and r["distill/teacher_logp"] < 0
-    again = run(tmp_path / "run2")
+    again = run(tmp_path / "run2", "distill.mode=sampled_token", "grpo.num_generations=1")
     assert "training the teacher" not in again
+    rows = [r for r in read_jsonl(tmp_path / "run2" / "metrics.jsonl") if "eval/accuracy" not in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["optimizer_steps/max"] == 1 for r in rows)
+    assert all(math.isfinite(r["distill/divergence"]) and r["distill/teacher_logp"] < 0 for r in rows)
 
 
 @pytest.mark.slow  # two torchrun processes, ~40 s on 2 busy cores
@@ -334,10 +341,18 @@ def test_fsdp2_teacher_matches_ddp(teacher_path, tmp_path):
         assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5, abs=1e-7), key
     for k, d in res["ddp"]["delta"].items():
         torch.testing.assert_close(res["fsdp2"]["delta"][k], d, rtol=1e-4, atol=1e-6)
+    # sampled-token mode: the sharded teacher's per-token advantages are the replicated one's (same fp32 forwards,
+    # the gathered weights equal bit for bit)
+    for a, b in zip(res["ddp"]["token_advantages"], res["fsdp2"]["token_advantages"]):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=0, atol=1e-6)
+    assert res["fsdp2"]["sampled"] == pytest.approx(res["ddp"]["sampled"], abs=1e-6)
 
 
 def _fsdp_worker(out: str, teacher: str) -> None:
     """torchrun entry of test_fsdp2_teacher_matches_ddp: each rank's share under DDP and under FSDP2."""
+    import copy
+
+    from fastgrpo.distill import sampled_token_advantages
     from fastgrpo.distributed import all_reduce, barrier, destroy, fsdp_root
     from fastgrpo.grpo import plan
 
@@ -363,6 +378,10 @@ def _fsdp_worker(out: str, teacher: str) -> None:
             mine, beta=0.0, epsilon_high=None, max_new_tokens=8)
         result[strategy] = {"metrics": metrics, "sharded": fsdp_root(teacher_model) is not None,
                             "delta": {k: before[k] - full(v) for k, v in model.named_parameters()}}
+        copies = copy.deepcopy(mine)
+        sampled = sampled_token_advantages(teacher_model, copies, max_tokens=12, temperature=0.8, vocab_size=V,
+                                           device=state.device, coll_device=state.device)  # 6 vs 7 micro-batches
+        result[strategy].update(sampled=sampled, token_advantages=[c.token_advantages for c in copies])
         del wrapped, teacher_model, opt
     if state.rank == 0:
         torch.save(result, out)
