@@ -92,16 +92,23 @@ def check_tokenizers(student, teacher, student_name: str, teacher_name: str) -> 
                      "two models' probabilities of the same token ids, so they must share one tokenizer")
 
 
+def teacher_recipe_config(spec: str, *overrides: str) -> Config:
+    """The config of ``distill.teacher_recipe`` ``spec``: a shipped recipe name, then ``group.field=value``
+    overrides (shell-quoted when a value has spaces), then ``overrides``."""
+    from fastgrpo.config import load_config
+
+    recipe, *own = shlex.split(spec)
+    return load_config(recipe, overrides=[*own, *overrides])
+
+
 def train_teacher(spec: str, output_dir: str) -> None:
     """``distill.teacher_recipe``: run ``spec`` (a shipped recipe name, then optional ``group.field=value``
     overrides) to its end with ``output_dir`` as its run directory, in this process (every rank together). The
     caller's RNG states and CPU thread count are restored afterwards, so the student's run does not depend on
     whether its teacher was trained now or earlier."""
-    from fastgrpo.config import load_config
     from fastgrpo.train import Trainer
 
-    recipe, *overrides = shlex.split(spec)
-    cfg = load_config(recipe, overrides=[*overrides, f"logging.output_dir={output_dir}"])
+    cfg = teacher_recipe_config(spec, f"logging.output_dir={output_dir}")
     print0(f"distill.teacher_recipe: training the teacher (--recipe {spec}) into {output_dir}")
     py, threads = random.getstate(), torch.get_num_threads()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

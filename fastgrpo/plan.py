@@ -66,13 +66,14 @@ A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.config import Config, load_config, stage_settings
+from fastgrpo.config import Config, ModelConfig, load_config, stage_settings
 from fastgrpo.generation import PREFILL_CHUNK_TOKENS
 
 GIB = 1 << 30
@@ -117,19 +118,14 @@ def model_shape(cfg: Config) -> ModelShape:
 def teacher_shape(cfg: Config) -> ModelShape:
     """The distillation teacher's :class:`ModelShape`: ``distill.teacher_path``'s model when it exists, else the
     model of ``distill.teacher_recipe`` (which would train it there)."""
-    import dataclasses
-    import shlex
-
-    from fastgrpo.config import ModelConfig
-    from fastgrpo.distill import teacher_dir
+    from fastgrpo.distill import teacher_dir, teacher_recipe_config
 
     d = cfg.distill
     path = teacher_dir(d.teacher_path)
     if path is not None:
         model = ModelConfig(path=str(path), dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     elif d.teacher_recipe:
-        recipe, *overrides = shlex.split(d.teacher_recipe)
-        model = load_config(recipe, overrides=overrides).model
+        model = teacher_recipe_config(d.teacher_recipe).model
     else:
         raise ValueError(f"distill.teacher_path {d.teacher_path!r} holds no model (config.json) to plan for")
     return model_shape(dataclasses.replace(cfg, model=model))
