@@ -517,8 +517,9 @@ class DistillConfig:
     """Local directory of the teacher: a Hugging Face causal LM (a fastgrpo checkpoint is one), or a fastgrpo run
     directory (its latest complete checkpoint)."""
     teacher_recipe: str = ""
-    """Shipped recipe that trains the teacher first, with teacher_path as its logging.output_dir, when teacher_path
-    holds no model yet (empty: the teacher must exist)."""
+    """Shipped recipe (then optional group.field=value overrides) that trains the teacher first, with teacher_path as
+    its logging.output_dir, unless teacher_path holds a model or that run's last step (an interrupted run resumes;
+    empty: the teacher must exist)."""
     mode: str = "full"
     """"full": the exact full-vocabulary divergence per token (fused_linear_distill_loss, GKD); "sampled_token": the
     per-token advantage logp_teacher(y_t) - logp_student(y_t) in the clipped policy-gradient loss (on-policy

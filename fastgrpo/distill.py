@@ -18,8 +18,10 @@ was drawn from, as Thinking Machines' sampler log-probs) and ``logp_teacher`` th
 (``masked_linear_logprobs`` on its hidden state, over its first V head rows); ``A_t`` is a constant, so on the first
 optimizer step (ratio 1) the gradient is ``−∇ Σ_t A_t logp_student(y_t)``: descending it lowers the sampled-token
 estimate of KL(student ‖ teacher). Both modes reach the teacher's distribution; full mode uses every token's whole
-distribution (no estimator variance) at about twice the loss's vocabulary work, sampled-token mode one log-prob per
-token from the teacher.
+distribution (no estimator variance) at about twice the GRPO loss's vocabulary work for a teacher as wide as the
+student (per kept token 14·V·H multiply-adds in the KL modes, 18·V·H for the JSD with its second pass, the teacher's
+log-prob metric included, against 8·V·H; more for a wider teacher), sampled-token mode one log-prob per token from
+the teacher (2·V·Ht) and the GRPO loss.
 
 The teacher (``distill.teacher_path``: a Hugging Face directory, e.g. a fastgrpo checkpoint, or a fastgrpo run
 directory) is loaded in the compute dtype ``model.dtype``, frozen, and runs the packed no-grad forward to its last
@@ -38,8 +40,9 @@ Memory (per GPU, ``c`` bytes per element of the compute dtype, ``P_t`` the teach
 ``fastgrpo.plan``): the teacher's weights ``c·P_t`` (fsdp2: ``c·P_t / W`` plus its root, gathered from its first
 forward on, and two layers while it runs); a micro-batch of T tokens keeps the teacher's hidden state ``c·T·Ht``
 through the student's backward (full mode: the kernel recomputes the teacher's logits from it); its forward's
-working set is one layer's, freed before the student's forward starts. Sampled-token mode keeps 4 bytes per token of
-the rollout on the host instead. Nothing of size tokens × vocabulary is allocated in either mode.
+working set is one layer's, freed before the student's forward starts. Sampled-token mode keeps instead one Python
+float per completion token of the rollout on the host (``Sample.token_advantages``, ~32 bytes a token: 4 MB for 16
+completions of 8K tokens). Nothing of size tokens × vocabulary is allocated in either mode.
 
 Metrics (token means over the loss tokens): ``distill/divergence`` (full: the kernel's D, the configured
 divergence; sampled-token: ``logp_student − logp_teacher``, the sampled-token estimate of KL(student ‖ teacher)),
@@ -101,6 +104,16 @@ def teacher_recipe_config(spec: str, *overrides: str) -> Config:
     return load_config(recipe, overrides=[*own, *overrides])
 
 
+def teacher_trained(spec: str, path: str) -> bool:
+    """``path`` holds a model, or the run of ``distill.teacher_recipe`` ``spec`` there reached its last step (a run
+    interrupted earlier is resumed by :func:`train_teacher`, never taken as the teacher)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return True
+    ckpt = latest_checkpoint(p) if p.is_dir() else None
+    return ckpt is not None and int(ckpt.name.split("_")[-1]) >= teacher_recipe_config(spec).train.max_steps
+
+
 def train_teacher(spec: str, output_dir: str) -> None:
     """``distill.teacher_recipe``: run ``spec`` (a shipped recipe name, then optional ``group.field=value``
     overrides) to its end with ``output_dir`` as its run directory, in this process (every rank together). The
@@ -126,10 +139,9 @@ def load_teacher(cfg: Config, state, tokenizer):
     from fastgrpo.models import load_model
 
     d = cfg.distill
-    path = teacher_dir(d.teacher_path)
-    if path is None and d.teacher_recipe:
+    if d.teacher_recipe and not teacher_trained(d.teacher_recipe, d.teacher_path):
         train_teacher(d.teacher_recipe, d.teacher_path)
-        path = teacher_dir(d.teacher_path)
+    path = teacher_dir(d.teacher_path)
     if path is None:
         raise ValueError(f"distill.teacher_path {d.teacher_path!r} holds no model (no config.json) and no complete "
                          "fastgrpo checkpoint" + ("" if d.teacher_recipe else

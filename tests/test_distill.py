@@ -14,7 +14,7 @@ import torch
 from fastgrpo.kernels.reference import distill_loss_ref, grpo_loss_ref
 
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher
+from fastgrpo.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher, teacher_trained
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.grpo import Sample, packed_forward
 from fastgrpo.metrics import read_jsonl
@@ -317,6 +317,7 @@ def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
         assert r["distill/divergence"] > 0 and r["distill/teacher_logp"] < 0
     again = run(tmp_path / "run2", "distill.mode=sampled_token", "grpo.num_generations=1")
     assert "training the teacher" not in again
+    assert not teacher_trained(spec.replace("train.max_steps=1", "train.max_steps=2"), str(teacher))  # would resume
     rows = [r for r in read_jsonl(tmp_path / "run2" / "metrics.jsonl") if "eval/accuracy" not in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["optimizer_steps/max"] == 1 for r in rows)
     assert all(math.isfinite(r["distill/divergence"]) and r["distill/teacher_logp"] < 0 for r in rows)
