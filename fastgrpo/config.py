@@ -6,9 +6,9 @@ any file given with ``--config FILE``) and then by ``group.field=value`` overrid
 type; an unknown group or field is an error that names it. Every group validates itself at construction, so a bad
 value fails at start-up with the field's dotted name in the message (``grpo.epsilon_low must be >= 0, got -1``).
 
-``algorithm`` (grpo, dpo or sft) picks what one training step does. Groups: ``model``, ``data``, ``reward``,
-``grpo``, ``reward_scaling``, ``reward_shaping``, ``dpo``, ``sft``, ``rollout``, ``train``, ``stages`` (a list),
-``checkpoint``, ``logging``, ``eval``.
+``algorithm`` (grpo, dpo, sft or distill) picks what one training step does. Groups: ``model``, ``data``,
+``reward``, ``grpo``, ``reward_scaling``, ``reward_shaping``, ``dpo``, ``sft``, ``distill``, ``rollout``, ``train``,
+``stages`` (a list), ``checkpoint``, ``logging``, ``eval``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate",
                     "tis", "icepop")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add",)
-ALGORITHMS = ("grpo", "dpo", "sft")
+ALGORITHMS = ("grpo", "dpo", "sft", "distill")
+DISTILL_MODES = ("full", "sampled_token")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 TRUNCATION = ("drop", "truncate")
 # fields that moved to another group: the old dotted name → the new one
@@ -200,7 +201,7 @@ class GRPOConfig:
     num_prompts_per_step: int = 32
     """Prompts per rollout (all ranks together; each rank takes its share)."""
     num_generations: int = 8
-    """Completions per prompt (the group size G)."""
+    """Completions per prompt (the group size G; >= 2, or 1 for pure distillation)."""
     loss_type: str = "dapo"
     """Loss: grpo, bnpo, dr_grpo, dapo, luspo (clipped surrogate, by normalisation), sapo, cispo (TRL) or
     cispo_clamp (NeMo-RL's use_cispo) (see fastgrpo.kernels.grpo_loss)."""
@@ -263,7 +264,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         _check_min("grpo.num_prompts_per_step", self.num_prompts_per_step, 1)
-        _check_min("grpo.num_generations", self.num_generations, 2)
+        _check_min("grpo.num_generations", self.num_generations, 1)  # >= 2 unless pure distillation (Config)
         _check_choice("grpo.loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("grpo.baseline", self.baseline, BASELINES)
         _check_choice("grpo.scale", self.scale, SCALINGS)
@@ -508,6 +509,45 @@ class SFTConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (``algorithm: distill``, fastgrpo.distill): the student samples as in GRPO, a frozen
+    teacher with the student's tokenizer scores the sampled tokens, and the loss pulls the student towards it."""
+
+    teacher_path: str = ""
+    """Local directory of the teacher: a Hugging Face causal LM (a fastgrpo checkpoint is one), or a fastgrpo run
+    directory (its latest complete checkpoint)."""
+    teacher_recipe: str = ""
+    """Shipped recipe (then optional group.field=value overrides) that trains the teacher first, with teacher_path as
+    its logging.output_dir, unless teacher_path holds a model or that run's last step (an interrupted run resumes;
+    empty: the teacher must exist)."""
+    mode: str = "full"
+    """"full": the exact full-vocabulary divergence per token (fused_linear_distill_loss, GKD); "sampled_token": the
+    per-token advantage logp_teacher(y_t) - logp_student(y_t) in the clipped policy-gradient loss (on-policy
+    distillation as Thinking Machines', NeMo-RL's MOPD with one teacher)."""
+    beta: float | None = 0.5
+    """Full mode: TRL's generalized JSD coefficient in [0, 1] (0: KL(teacher || student), 1: KL(student || teacher);
+    TRL GKD's default 0.5). None when mixed_kl_weight is set."""
+    mixed_kl_weight: float | None = None
+    """Full mode, instead of beta: NeMo-RL's kl_type mixed, w KL(teacher || student) + (1 - w) KL(student || teacher)
+    (w = 1: its kl_type forward, w = 0: reverse)."""
+    reward_weight: float = 0.0
+    """Weight of the reward advantages (GRPO's, from the reward functions) added to the distillation signal
+    (0: pure distillation; the rewards are still scored, for the accuracy metrics)."""
+
+    def __post_init__(self):
+        _check_choice("distill.mode", self.mode, DISTILL_MODES)
+        if (self.beta is None) == (self.mixed_kl_weight is None):
+            _fail("distill.beta", "must be set exactly when distill.mixed_kl_weight is not (one divergence: TRL's "
+                  f"generalized JSD or NeMo-RL's mixed KL; distill.mixed_kl_weight is {self.mixed_kl_weight!r}, "
+                  "and distill.beta=null selects it)", self.beta)
+        for name in ("beta", "mixed_kl_weight"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                _fail(f"distill.{name}", "must be in [0, 1]", value)
+        _check_min("distill.reward_weight", self.reward_weight, 0)
+
+
+@dataclass
 class StageConfig:
     """From GRPO step ``at_step`` on: a new maximum response length, and optionally lr / beta / epsilon_high /
     prompt + response budget, a warm-up that starts again, a fresh optimizer state and a new KL reference."""
@@ -620,7 +660,8 @@ class Config:
     name: str = "tiny"
     """Run name (the recipe's name by default); used in the run directory's name."""
     algorithm: str = "grpo"
-    """What a training step does: grpo (rollout and policy update), dpo (preference pairs) or sft."""
+    """What a training step does: grpo (rollout and policy update), dpo (preference pairs), sft, or distill (GRPO's
+    rollout, a teacher's loss)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -629,6 +670,7 @@ class Config:
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stages: list[StageConfig] = field(default_factory=list)
@@ -663,9 +705,31 @@ class Config:
                 _fail("reward_shaping.overlong_buffer_length", f"must be <= the shortest max_new_tokens {min(limits)} "
                       "(reward_shaping.max_response_length is 0: the stage's rollout.max_new_tokens)",
                       shaping.overlong_buffer_length)
+        if self.algorithm == "distill":
+            self._check_distill()
+        elif self.grpo.num_generations < 2:
+            _fail("grpo.num_generations", "must be >= 2 (the group baseline; 1 only for algorithm distill with "
+                  "distill.reward_weight=0)", self.grpo.num_generations)
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)
+
+    def _check_distill(self) -> None:
+        """What ``algorithm: distill`` needs of the other groups (fastgrpo.distill)."""
+        d, g = self.distill, self.grpo
+        if not d.teacher_path:
+            _fail("distill.teacher_path", "must name the teacher's directory with algorithm distill", d.teacher_path)
+        if d.reward_weight == 0:
+            for name in ("mask_zero_std_groups", "use_dynamic_sampling"):
+                if getattr(g, name):
+                    _fail(f"grpo.{name}", "must be false with distill.reward_weight=0 (a group whose rewards tie "
+                          "still carries the teacher's signal)", getattr(g, name))
+        elif g.num_generations < 2:
+            _fail("grpo.num_generations", f"must be >= 2 with distill.reward_weight={d.reward_weight} (the reward "
+                  "advantages' group baseline)", g.num_generations)
+        betas = [g.beta] + [s.beta for s in self.stages if s.beta is not None]
+        if max(betas) > 0:  # the teacher is the anchor; a KL reference would be a third model
+            _fail("grpo.beta", "must be 0 with algorithm distill (as must every stage's beta)", max(betas))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

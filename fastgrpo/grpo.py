@@ -328,6 +328,8 @@ class PolicyUpdate:
         self.ref_forward = ForwardWrapper(ref_model, packed_forward) if ref_model is not None else None
         self.device = device
         self.world_size = world_size
+        self.uses_old_logprobs = True
+        """The loss has an importance ratio: several optimizer steps per rollout need the old log-probs."""
 
     def _normaliser(self, mbs: list[MicroBatch]) -> tuple[float, float]:
         """Global (all ranks) loss-token and sequence counts of one optimizer step."""
@@ -369,7 +371,7 @@ class PolicyUpdate:
 
         # Old and reference log-probs: no-grad packed forwards before any update of this rollout. The policy's go
         # through its wrapped forward (under FSDP2 that gathers the sharded weights, a collective: padded counts).
-        if len(steps) > 1:
+        if len(steps) > 1 and self.uses_old_logprobs:
             policy = _no_grad_forward(self.model)
             for mbs, n_mb in zip(plans, n_mbs):
                 for i in range(n_mb):
@@ -431,10 +433,16 @@ class PolicyUpdate:
         it by importance sampling (``sampling/importance_sampling_ratio/{min,mean,max}``,
         ``sampling/is_clipped_fraction``).
         """
-        g = self.cfg.grpo
-        reduction = LOSS_REDUCTION[g.loss_type]
         hidden_NH, weight_VH, bias_V = _call(self.model, mb)
-        loss, metrics = fused_linear_grpo_loss(
+        loss, metrics = self._policy_loss(mb, hidden_NH, weight_VH, bias_V, tokens, beta, epsilon_high,
+                                          max_new_tokens)
+        return self._reweight(loss, mb, tokens, seqs), metrics
+
+    def _policy_loss(self, mb: MicroBatch, hidden_NH, weight_VH, bias_V, tokens: float, beta: float,
+                     epsilon_high: float | None, max_new_tokens: int):
+        """``fused_linear_grpo_loss`` of one micro-batch from the policy's hidden states (not re-weighted)."""
+        reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
+        return fused_linear_grpo_loss(
             hidden_NH, weight_VH, mb.targets, mb.old_logprobs, mb.advantages, mb.mask, bias=bias_V,
             temperature=self.cfg.rollout.temperature, return_entropy=True,
             ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_high=epsilon_high, max_completion_length=max_new_tokens,
@@ -442,11 +450,16 @@ class PolicyUpdate:
             per_token_advantages=mb.per_token_advantages, sampling_logprobs=mb.sample_logprobs,
             **loss_options(self.cfg),
         )
+
+    def _reweight(self, loss: torch.Tensor, mb: MicroBatch, tokens: float, seqs: float) -> torch.Tensor:
+        """A micro-batch's loss, aggregated over its own tokens or sequences, as its share of the optimizer step's
+        (module docstring); dapo's is already normalised by the global token count."""
+        reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
         if reduction == "bnpo":
-            loss = loss * mb.num_loss_tokens / tokens
-        elif reduction in ("grpo", "dr_grpo"):
-            loss = loss * mb.num_seqs / seqs
-        return loss, metrics
+            return loss * mb.num_loss_tokens / tokens
+        if reduction in ("grpo", "dr_grpo"):
+            return loss * mb.num_seqs / seqs
+        return loss
 
 
 def loss_options(cfg: Config) -> dict:
@@ -722,7 +735,10 @@ class GRPO:
             s = all_reduce(torch.tensor([r_PG.sum(), (r_PG**2).sum(), r_PG.numel()], dtype=torch.float64,
                                         device=t.coll_device())).cpu().tolist()
             batch_std = math.sqrt(max(s[1] - s[0] ** 2 / s[2], 0.0) / max(s[2] - 1, 1))
-        adv = compute_advantages(r_PG, g.baseline, g.scale, batch_std)[0].view(-1).tolist()  # CPU: a list once
+        if G > 1:
+            adv = compute_advantages(r_PG, g.baseline, g.scale, batch_std)[0].view(-1).tolist()  # CPU: a list once
+        else:  # one completion per prompt (pure distillation, config.py): no group baseline, no reward advantage
+            adv = [0.0] * r_PG.numel()
         samples = []
         for p, grp in enumerate(groups):
             for j, c in enumerate(grp.completions):

@@ -20,6 +20,16 @@ the masters)::
     gradients           4·P fp32; + c·P (c < 4)     4·P / W; + 4·P unsharded fp32 while micro-batches accumulate
                         during a backward
     reference model     c·P when GRPO has a β > 0 at any stage, and for DPO (a frozen full copy)
+    teacher (distill)   c·P_t                       c·(P_t / W + root_t + 2 layers_t): its shards, its root (gathered
+                                                    from its first forward on) and two layers while it runs
+
+The distillation teacher (``algorithm: distill``, P_t parameters, the shape of ``distill.teacher_path``'s config.json
+or of ``distill.teacher_recipe``'s model) is frozen in the compute dtype: no masters, optimizer state or gradients.
+In full mode a micro-batch also keeps the teacher's last hidden state ``c·T·Ht`` through the student's backward (the
+divergence kernel recomputes the teacher's logits from it; its workspace is the fused loss's below); the teacher's
+forward itself runs before the student's, so its one-layer working set never meets the student's activations. In
+sampled-token mode the teacher's forwards run between generation and the update (nothing of it at the peaks but its
+weights).
 
 Activations of one micro-batch of T tokens (``train.max_tokens_per_microbatch``, at least the longest sequence:
 one sequence is never split). What the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward,
@@ -43,12 +53,12 @@ The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators `
 ``grad_h`` ``[T, H]``, their casts to the compute dtype (c < 4), the scatter of ``grad_h`` back into ``[T, H]``;
 forward partials ``4 × [S, T]`` fp32 (S vocabulary splits). The plain-torch path (CPU) adds its chunk buffers.
 
-Generation (GRPO only; DPO and SFT do not generate) keeps the weights, the reference, masters, optimizer state
-and the last step's gradients (zeroed at the next step), a prefill working set (one layer's activations over one
-prefill chunk: the rank's prompt tokens of a generation batch, at most ``PREFILL_CHUNK_TOKENS`` or the longest
-sequence) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
-per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size,
-sequences per rank)``, at full length (:func:`longest_sequence`).
+Generation (GRPO and distillation; DPO and SFT do not generate) keeps the weights, the reference, the teacher,
+masters, optimizer state and the last step's gradients (zeroed at the next step), a prefill working set (one layer's
+activations over one prefill chunk: the rank's prompt tokens of a generation batch, at most ``PREFILL_CHUNK_TOKENS``
+or the longest sequence) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
+per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size, sequences
+per rank)``, at full length (:func:`longest_sequence`).
 Training peaks at its static part + activations + the loss workspace.
 A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation and kernels' scratch.
 """
@@ -56,13 +66,14 @@ A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.config import Config, load_config, stage_settings
+from fastgrpo.config import Config, ModelConfig, load_config, stage_settings
 from fastgrpo.generation import PREFILL_CHUNK_TOKENS
 
 GIB = 1 << 30
@@ -102,6 +113,22 @@ def model_shape(cfg: Config) -> ModelShape:
             return shape_of(build_tiny_model(cfg.model, build_tiny_tokenizer()))
         hf = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         return shape_of(AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.model.trust_remote_code))
+
+
+def teacher_shape(cfg: Config) -> ModelShape:
+    """The distillation teacher's :class:`ModelShape`: ``distill.teacher_path``'s model when it exists, else the
+    model of ``distill.teacher_recipe`` (which would train it there)."""
+    from fastgrpo.distill import teacher_dir, teacher_recipe_config
+
+    d = cfg.distill
+    path = teacher_dir(d.teacher_path)
+    if path is not None:
+        model = ModelConfig(path=str(path), dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    elif d.teacher_recipe:
+        model = teacher_recipe_config(d.teacher_recipe).model
+    else:
+        raise ValueError(f"distill.teacher_path {d.teacher_path!r} holds no model (config.json) to plan for")
+    return model_shape(dataclasses.replace(cfg, model=model))
 
 
 def shape_of(model) -> ModelShape:
@@ -160,6 +187,8 @@ class MemoryPlan:
     optimizer: int
     gradients: int
     reference: int
+    teacher: int
+    teacher_hidden: int
     train_extra: int
     activations: int
     activations_other: int
@@ -175,7 +204,7 @@ class MemoryPlan:
 
     @property
     def static(self) -> int:
-        return self.masters + self.optimizer + self.gradients + self.reference
+        return self.masters + self.optimizer + self.gradients + self.reference + self.teacher
 
     @property
     def generation_base(self) -> int:
@@ -199,7 +228,7 @@ class MemoryPlan:
 
     @property
     def training_peak(self) -> int:
-        return self.static + self.train_extra + self.activations + self.loss_workspace
+        return self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
 
     @property
     def fits(self) -> bool:
@@ -256,6 +285,10 @@ class MemoryPlan:
             row("optimizer state (AdamW, fp32)", self.optimizer),
             row("gradients", self.gradients),
             row("reference model (compute dtype)", self.reference),
+            *([row("teacher (distill, compute dtype)", self.teacher,
+                   "shards + gathered root + 2 layers" if t.strategy == "fsdp2" else "a full frozen copy"),
+               row("teacher hidden state (full mode)", self.teacher_hidden, f"one micro-batch of {self.tokens} tokens")]
+              if self.cfg.algorithm == "distill" else []),
             row("training: gathered weights, grads", self.train_extra,
                 "gathered root + 2 layers, unsharded fp32 grads" if t.strategy == "fsdp2" else "weights, compute-dtype "
                 "grads of a backward"),
@@ -278,11 +311,13 @@ class MemoryPlan:
 
 
 def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_checkpointing: bool | None = None,
-                kernel_loss: bool = True, shape: ModelShape | None = None) -> MemoryPlan:
+                kernel_loss: bool = True, shape: ModelShape | None = None,
+                teacher: ModelShape | None = None) -> MemoryPlan:
     """The plan of ``cfg`` on ``nproc`` GPUs of ``gpu_memory_gib`` GiB each (see the module docstring).
 
     ``activation_checkpointing``: None reads ``train.activation_checkpointing``. ``kernel_loss``: the Triton loss
-    (GPU); False models the plain-torch path (CPU).
+    (GPU); False models the plain-torch path (CPU). ``shape`` / ``teacher``: the student's / distillation teacher's
+    shape (None: read from the config).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be a positive integer, got {nproc!r}")
@@ -294,7 +329,7 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     c = ELEMENT_BYTES[cfg.model.dtype]
     P = s.params
     fsdp = t.strategy == "fsdp2" and nproc > 1
-    generates = cfg.algorithm == "grpo"
+    generates = cfg.algorithm in ("grpo", "distill")
     seq_len = longest_sequence(cfg) if generates else 1
     tokens = max(t.max_tokens_per_microbatch, seq_len)
     if fsdp:
@@ -315,9 +350,16 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     prefill = prompt_tokens * c * (3 * s.hidden + qk + 3 * s.intermediate)  # one layer's working set
     gen_ws = prefill + 3 * 4 * batch * s.vocab  # fp32 logits, log-softmax and noise of the decoding batch
     needs_ref = cfg.algorithm == "dpo" or (generates and max([g.beta] + [st.beta or 0 for st in cfg.stages]) > 0)
+    teacher_bytes = teacher_hidden = 0
+    if cfg.algorithm == "distill":
+        ts = teacher or teacher_shape(cfg)
+        root_t = ts.params - ts.layers * ts.layer_params
+        teacher_bytes = c * (ts.params // nproc + root_t + 2 * ts.layer_params if fsdp else ts.params)
+        teacher_hidden = c * tokens * ts.hidden if cfg.distill.mode == "full" else 0
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
         weights=c * P, masters=masters, optimizer=optimizer, gradients=gradients, reference=c * P if needs_ref else 0,
+        teacher=teacher_bytes, teacher_hidden=teacher_hidden,
         train_extra=train_extra,
         activations=activation_bytes(s, c, tokens, ckpt), activations_other=activation_bytes(s, c, tokens, not ckpt),
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss), generation_workspace=gen_ws,

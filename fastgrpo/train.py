@@ -9,6 +9,7 @@ Launch (torchrun only; one process needs no flags)::
     torchrun fastgrpo/train.py --recipe dapo-tiny                   # DAPO: dynamic sampling, overlong shaping, CPU
     torchrun fastgrpo/train.py --recipe dpo-tiny                    # DPO after a supervised warm-up, CPU
     torchrun fastgrpo/train.py --recipe sft-tiny                    # SFT from scratch, CPU
+    torchrun fastgrpo/train.py --recipe distill-tiny                # on-policy distillation (trains its teacher first)
     torchrun --nproc_per_node 8 fastgrpo/train.py --recipe deepscaler-1.5b \\
         model.path=/models/DeepSeek-R1-Distill-Qwen-1.5B data.path=/data/deepscaler.jsonl \\
         data.eval_path=/data/aime24.jsonl
@@ -26,7 +27,8 @@ prompts) runs at the start, every ``eval.every_steps`` and at the end, logged as
 warm-up, AdamW and the KL reference afresh) at a step. The lr of step s is the stage's lr times the linear warm-up
 factor, counted in GRPO steps (``config.stage_settings``).
 A DPO or SFT step is one optimizer step on ``dpo.batch_size`` pairs / ``sft.batch_size`` rows (fastgrpo/dpo.py,
-fastgrpo/sft.py). Ctrl-C saves a checkpoint when the model is between steps, then stops.
+fastgrpo/sft.py). A distillation step is GRPO's rollout with a frozen teacher's loss (fastgrpo/distill.py).
+Ctrl-C saves a checkpoint when the model is between steps, then stops.
 
 The loop here (data order, steps, validation, metrics, progress, checkpoints, resume) knows no algorithm: GRPO's
 rollout and update live in ``fastgrpo/grpo.py`` (:class:`fastgrpo.grpo.GRPO`), the supervised warm-up in
@@ -54,6 +56,7 @@ import torch  # noqa: E402
 from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from fastgrpo.config import Config, load_config, stage_settings  # noqa: E402
 from fastgrpo.data import PromptDataset, PromptSampler  # noqa: E402
+from fastgrpo.distill import Distill  # noqa: E402
 from fastgrpo.distributed import (  # noqa: E402
     broadcast_object,
     destroy,
@@ -79,7 +82,7 @@ from fastgrpo.plan import check_fits  # noqa: E402
 from fastgrpo.precision import make_optimizer  # noqa: E402
 from fastgrpo.sft import SFT, sft_warmup  # noqa: E402
 
-ALGORITHMS = {"grpo": GRPO, "dpo": DPO, "sft": SFT}
+ALGORITHMS = {"grpo": GRPO, "dpo": DPO, "sft": SFT, "distill": Distill}
 
 
 class TrainingAborted(RuntimeError):
