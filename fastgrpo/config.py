@@ -38,6 +38,9 @@ STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add",)
 ALGORITHMS = ("grpo", "dpo", "sft", "distill")
 DISTILL_MODES = ("full", "sampled_token")
+BUILTIN_ENVIRONMENTS = {"adder": "fastgrpo.environments.adder:AdderEnvironment",
+                        "sliding_puzzle": "fastgrpo.environments.sliding_puzzle:SlidingPuzzle"}
+BUILTIN_TOOLS = {"add": "fastgrpo.environments.adder:add", "run_python": "fastgrpo.environments.python_code:run_python"}
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 TRUNCATION = ("drop", "truncate")
 # fields that moved to another group: the old dotted name → the new one
@@ -381,10 +384,18 @@ class RolloutConfig:
     """KV-cache budget in tokens (0: the engine's default)."""
     max_sequence_tokens: int = 0
     """Longest prompt + completion (0: no such bound): a completion ends at min(max_new_tokens,
-    max_sequence_tokens - prompt length) tokens, as NeMo-RL's max_total_sequence_length (vLLM's max_model_len)."""
+    max_sequence_tokens - prompt length) tokens, as NeMo-RL's max_total_sequence_length (vLLM's max_model_len).
+    Multi-turn: the whole conversation (prompt, every turn and every observation)."""
+    max_turns: int = 1
+    """Policy turns per trajectory (> 1 needs an ``env``); max_new_tokens is then the limit of one turn."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Texts that end a turn (matched on the decoded tail), besides EOS; a text-step environment adds its own."""
 
     def __post_init__(self):
         _check_min("rollout.temperature", self.temperature, 0, strict=True)
+        _check_min("rollout.max_turns", self.max_turns, 1)
+        if any(not s for s in self.stop_strings):
+            _fail("rollout.stop_strings", "must not hold an empty string", self.stop_strings)
         if not 0 < self.top_p <= 1:
             _fail("rollout.top_p", "must be in (0, 1]", self.top_p)
         _check_min("rollout.top_k", self.top_k, 0)
@@ -499,8 +510,12 @@ class SFTConfig:
     answer_noise: float = 0.0
     """Warm-up: probability that an example's response is replaced by a random row's (teaches the format, not
     the task)."""
+    warmup_format: str = "answer"
+    """GRPO warm-up demonstrations: "answer" (the answer in \\boxed{}) or "tool_calls" (the built-in addition task
+    solved by calling the ``add`` tool, whole conversations through the chat template: the tool-tiny recipe)."""
 
     def __post_init__(self):
+        _check_choice("sft.warmup_format", self.warmup_format, ("answer", "tool_calls"))
         _check_min("sft.batch_size", self.batch_size, 1)
         _check_min("sft.warmup_steps", self.warmup_steps, 0)
         _check_min("sft.lr", self.lr, 0, strict=True)
@@ -545,6 +560,50 @@ class DistillConfig:
             if value is not None and not 0 <= value <= 1:
                 _fail(f"distill.{name}", "must be in [0, 1]", value)
         _check_min("distill.reward_weight", self.reward_weight, 0)
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn rollouts (``rollout.max_turns`` > 1): the environment or tools the policy acts with, run in the
+    reward worker processes (``fastgrpo.environments``)."""
+
+    environment_factory: str = ""
+    """TRL's ``environment_factory`` or a ``TextStepEnvironment`` class: a built-in ("adder", "sliding_puzzle") or
+    "module:Class"; empty: none."""
+    environments: dict[str, str] = field(default_factory=dict)
+    """A factory per name, chosen per row by its ``environment`` column (TRL's dict of factories); instead of
+    environment_factory."""
+    tools: list[str] = field(default_factory=list)
+    """Tool functions (TRL's ``tools=[...]``): built-ins ("add", "run_python") or "module:function"."""
+    reward_weight: float = 1.0
+    """Weight of the environment's reward (``get_reward()`` or the sum of step rewards) in the trajectory's reward,
+    added to the weighted reward functions scored on the final transcript."""
+    timeout_s: float = 0.0
+    """Seconds one tool call or environment step may take (0: reward.timeout_s)."""
+    max_observation_chars: int = 8192
+    """A tool result or observation is cut to this many characters (counted in env/truncated)."""
+    max_tool_calls_per_turn: int = 8
+    """Tool calls of one turn beyond this are not run (each answered with an error)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.environment_factory or self.environments or self.tools)
+
+    def __post_init__(self):
+        if self.environment_factory and self.environments:
+            _fail("env.environments", "must be empty when env.environment_factory is set", self.environments)
+        for name, spec in [("env.environment_factory", self.environment_factory),
+                           *[(f"env.environments.{k}", v) for k, v in self.environments.items()]]:
+            if spec and spec not in BUILTIN_ENVIRONMENTS and ":" not in spec:
+                _fail(name, f"must be a built-in ({sorted(BUILTIN_ENVIRONMENTS)}) or 'module:Class'", spec)
+        for i, spec in enumerate(self.tools):
+            if spec not in BUILTIN_TOOLS and ":" not in spec:
+                _fail(f"env.tools[{i}]", f"must be a built-in ({sorted(BUILTIN_TOOLS)}) or 'module:function'", spec)
+        if not math.isfinite(self.reward_weight):
+            _fail("env.reward_weight", "must be finite", self.reward_weight)
+        _check_min("env.timeout_s", self.timeout_s, 0)
+        _check_min("env.max_observation_chars", self.max_observation_chars, 1)
+        _check_min("env.max_tool_calls_per_turn", self.max_tool_calls_per_turn, 1)
 
 
 @dataclass
@@ -672,6 +731,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stages: list[StageConfig] = field(default_factory=list)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -710,6 +770,18 @@ class Config:
         elif self.grpo.num_generations < 2:
             _fail("grpo.num_generations", "must be >= 2 (the group baseline; 1 only for algorithm distill with "
                   "distill.reward_weight=0)", self.grpo.num_generations)
+        if self.rollout.max_turns > 1 and not self.env.enabled:
+            _fail("rollout.max_turns", "must be 1 without an environment (env.environment_factory, "
+                  "env.environments or env.tools)", self.rollout.max_turns)
+        if self.env.enabled and self.algorithm != "grpo":
+            field_set = next(f for f in ("environment_factory", "environments", "tools") if getattr(self.env, f))
+            _fail(f"env.{field_set}", f"is for algorithm grpo (multi-turn rollouts), not {self.algorithm}",
+                  getattr(self.env, field_set))
+        if self.env.enabled and self.reward.num_workers == 0:
+            _fail("reward.num_workers", "must not be 0 with an env: environments run in the reward workers", 0)
+        if self.sft.warmup_format == "tool_calls" and "add" not in self.env.tools:
+            _fail("sft.warmup_format", "tool_calls demonstrates the 'add' tool: env.tools must include 'add'",
+                  self.sft.warmup_format)
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)
@@ -761,6 +833,11 @@ def _coerce(value, tp, name: str):
             except ValueError as e:  # an item's __post_init__ says "stages[].beta": name the item
                 raise ValueError(str(e).replace(f"{name}[].", f"{name}[{i}].")) from None
         return out
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            _fail(name, "must be a mapping", value)
+        return {_coerce(k, key_tp, f"{name} key"): _coerce(v, value_tp, f"{name}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

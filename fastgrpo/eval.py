@@ -29,11 +29,15 @@ from fastgrpo.rewards import math_reward
 def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 256, max_sequence_tokens: int = 0, seed: int = 0, num_prompts: int = 0,
              engine: GenerationEngine | None = None, timeout_s: float = 5.0,
-             model_device: str | None = None) -> dict[str, float]:
+             model_device: str | None = None, sample=None) -> dict[str, float]:
     """``{"avg@k", "pass@k", "response_length/mean", "num_prompts"}`` over the first ``num_prompts`` prompts of
     ``dataset`` (0: all), this rank's share sampled here and the counts summed over ranks. ``engine``: a
     :class:`GenerationEngine` already built on ``model`` (one is built when None); ``model_device``: where the
-    counts are reduced (default: the model's device); ``max_sequence_tokens``: prompt + response budget (0: none)."""
+    counts are reduced (default: the model's device); ``max_sequence_tokens``: prompt + response budget (0: none).
+
+    ``sample(indices, params) -> (completions [prompt][sample], trajectories that called a tool)``: multi-turn
+    sampling of the dataset rows ``indices`` (``fastgrpo.grpo.GRPO.eval_sampler``) instead of the engine on
+    ``dataset.prompt_ids``; the result then has ``tool_call_rate`` (trajectories with a tool call / P·k)."""
     from fastgrpo.models import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
@@ -42,11 +46,14 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     if engine is None:
         engine = GenerationEngine(model, eos_token_ids=eos_token_ids(model, tokenizer))
     device = torch.device(model_device) if model_device else next(model.parameters()).device
-    correct = first_correct = length = 0.0
+    correct = first_correct = length = tool_trajectories = 0.0
     if mine:
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                 max_sequence_tokens=max_sequence_tokens or None, seed=seed * 1000 + rank)
-        outs = engine.generate([dataset.prompt_ids[i] for i in mine], params)
+        if sample is None:
+            outs = engine.generate([dataset.prompt_ids[i] for i in mine], params)
+        else:
+            outs, tool_trajectories = sample(mine, params)
         texts, answers = [], []
         for i, group in zip(mine, outs):
             for c in group:
@@ -57,10 +64,13 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
                               dtype=torch.float64).view(len(mine), k)
         correct = float(scores.sum())
         first_correct = float(scores.max(1).values.sum())
-    totals = all_reduce(torch.tensor([correct, first_correct, length], dtype=torch.float64,
+    totals = all_reduce(torch.tensor([correct, first_correct, length, tool_trajectories], dtype=torch.float64,
                                      device=device if device.type == "cuda" and world > 1 else "cpu")).tolist()
-    return {f"avg@{k}": totals[0] / (n * k), f"pass@{k}": totals[1] / n,
-            "response_length/mean": totals[2] / (n * k), "num_prompts": float(n)}
+    out = {f"avg@{k}": totals[0] / (n * k), f"pass@{k}": totals[1] / n,
+           "response_length/mean": totals[2] / (n * k), "num_prompts": float(n)}
+    if sample is not None:
+        out["tool_call_rate"] = totals[3] / (n * k)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

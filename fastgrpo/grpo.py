@@ -529,7 +529,20 @@ class GRPO:
         if workers is None:  # a rank keeps its torch threads busy on CPU, one core (its Python thread) on GPU
             busy = torch.get_num_threads() if st.device.type == "cpu" else 1
             workers = default_num_workers(busy, int(os.environ.get("LOCAL_WORLD_SIZE", st.world_size)))
-        self.rewards = RewardPool(cfg.reward, workers)
+        self.envs = self.templates = None
+        preload: list[str] = []
+        if cfg.env.enabled:  # multi-turn: the environments run in the reward workers (fastgrpo.multiturn)
+            from fastgrpo.environments import environment_modules
+            from fastgrpo.multiturn import env_objects
+
+            factory, tools = env_objects(cfg)
+            preload = environment_modules(factory, tools)
+        self.rewards = RewardPool(cfg.reward, workers, preload=preload)
+        if cfg.env.enabled:
+            from fastgrpo.multiturn import build_environments, build_templates
+
+            self.envs = build_environments(cfg, self.rewards, factory, tools)
+            self.templates = build_templates(self.envs, trainer.tokenizer)
         self.ref_model = None
         if cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages):
             self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
@@ -559,6 +572,10 @@ class GRPO:
         from fastgrpo.data import SFTExample, sft_completion
 
         tok = self.trainer.tokenizer
+        if self.cfg.sft.warmup_format == "tool_calls":  # whole tool-calling conversations, as a rollout builds them
+            from fastgrpo.data import tool_tiny_warmup
+
+            return tool_tiny_warmup(self.train_data.rows, self.templates, self.cfg.data)
         responses = [tok(sft_completion(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                      for r in self.train_data.rows]
         examples = [SFTExample(p + c, [False] * len(p) + [True] * len(c))
@@ -604,6 +621,21 @@ class GRPO:
         """avg@k / pass@k on the held-out prompts (none: nothing to validate)."""
         return self.trainer.accuracy_eval(self.held_out) if self.held_out is not None else {}
 
+    def eval_sampler(self):
+        """Validation's sampler for ``fastgrpo.eval.evaluate``: multi-turn with the environments (None: the engine
+        on the held-out prompts)."""
+        if self.envs is None:
+            return None
+        from fastgrpo.multiturn import env_rows, generate_trajectories, multi_turn_params
+
+        def sample(indices: list[int], params: SamplingParams):
+            rows = env_rows([self.held_out.rows[i] for i in indices], self.cfg)
+            _, outs, trajs, _ = generate_trajectories(self.trainer.engine.generate, self.envs, self.templates, rows,
+                                                      multi_turn_params(params, self.cfg, self.envs))
+            return outs, float(sum(t.tool_calls > 0 for t in trajs.values()))
+
+        return sample
+
     def close(self) -> None:
         """Stop the reward workers."""
         self.rewards.close()
@@ -625,19 +657,40 @@ class GRPO:
                                 top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
                                 max_sequence_tokens=settings["max_sequence_tokens"] or None,
                                 seed=(cfg.train.seed * SEED_STRIDE + t.step + batch * DS_SEED_STRIDE) * 1024 + st.rank)
-        prompt_texts = [t.tokenizer.decode(p) for p in prompts]
         columns = self.train_data.columns(idx)  # column -> one value per prompt
+        if self.envs is not None:
+            from fastgrpo.multiturn import env_rows, multi_turn_params
+
+            params = multi_turn_params(params, cfg, self.envs)
+            rows = env_rows([self.train_data.rows[i] for i in idx], cfg)
+        prompt_texts = None
 
         def score(p: int, group: list) -> None:
             texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
             self.rewards.submit(p, [prompt_texts[p]] * len(group), texts,
                                 {k: [vals[p]] * len(group) for k, vals in columns.items()})
 
+        env_sums = {}
         with t.timer("generation"):
-            outs = t.generate(prompts, params, on_group_done=score)
+            if self.envs is None:
+                prompt_texts = [t.tokenizer.decode(p) for p in prompts]
+                outs = t.generate(prompts, params, on_group_done=score)
+            else:  # the prompts come from the environments' resets; rewards score the final transcripts
+                from fastgrpo.multiturn import generate_trajectories, trajectory_sums
+
+                prompts, outs, trajs, handler_metrics = generate_trajectories(t.generate, self.envs, self.templates,
+                                                                              rows, params)
+                prompt_texts = [t.tokenizer.decode(p) for p in prompts]
+                for p, group in enumerate(outs):
+                    score(p, group)
+                env_sums = trajectory_sums(outs, trajs, handler_metrics)
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
         result, reward_times = self.rewards.gather()
-        raw = scale_rewards(result.total, cfg.reward_scaling)
+        total = result.total
+        if self.envs is not None:  # the environment's reward next to the reward functions'
+            w = cfg.env.reward_weight
+            total = [r + w * trajs[(i // G, i % G)].reward for i, r in enumerate(total)]
+        raw = scale_rewards(total, cfg.reward_scaling)
         penalties = [0.0] * len(completions)
         shaping = cfg.reward_shaping
         if shaping.enabled:
@@ -648,20 +701,23 @@ class GRPO:
         groups = [Group(prompts[p], outs[p], rewards[p * G : (p + 1) * G], max(raw[p * G : (p + 1) * G]) >
                         min(raw[p * G : (p + 1) * G])) for p in range(len(prompts))]
         lengths = [len(c.token_ids) for c in completions]
-        correct = result.per_function.get("math", [float(x > 0) for x in result.total])
+        correct = result.per_function.get("math", [float(x > 0) for x in total])
         sums = {"reward/sum": sum(rewards), "reward_sq/sum": sum(r * r for r in rewards),
                 "completions/sum": len(lengths), "correct": sum(c == 1.0 for c in correct),
                 "length": sum(lengths), "length_max": max(lengths),
                 "truncated": sum(c.finish_reason == "length" for c in completions),
                 "zero_std": sum(not grp.signal for grp in groups), "groups": len(groups),
                 "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)), "penalty": sum(penalties),
-                "result": result, **reward_times}
+                "result": result, **reward_times, **env_sums}
         stats = getattr(t.engine, "last_stats", None) or {}  # the engine's scheduling of this batch
         if stats:
             sums.update({"generation/peak_running/max": float(stats["peak_running"]),
                          "generation/preemptions/sum": float(stats["preemptions"]),
                          "generation/decode_steps/max": float(stats["decode_steps"]),
                          "generation/kv_usage/max": stats["peak_kv_tokens"] / stats["kv_capacity_tokens"]})
+            if self.envs is not None:
+                sums.update({"generation/resume_prefill_tokens/sum": float(stats["resume_prefill_tokens"]),
+                             "generation/re_prefill_tokens/sum": float(stats["re_prefill_tokens"])})
         return groups, sums
 
     def _balance(self, kept: list[list[Group]], target: int) -> list[Group]:
@@ -744,7 +800,8 @@ class GRPO:
             for j, c in enumerate(grp.completions):
                 keep = not (g.mask_truncated_completions and c.finish_reason == "length")
                 keep = keep and not (g.mask_zero_std_groups and not grp.signal)
-                samples.append(Sample(grp.prompt_ids, list(c.token_ids), list(c.logprobs), adv[p * G + j], keep))
+                samples.append(Sample(grp.prompt_ids, list(c.token_ids), list(c.logprobs), adv[p * G + j], keep,
+                                      loss_mask=list(c.loss_mask) if self.envs is not None else None))
         n = totals["completions/sum"]
         m = {key: totals[key] for key in ("reward/sum", "reward_sq/sum", "completions/sum", "tokens/sum")}
         m.update({
@@ -755,6 +812,10 @@ class GRPO:
         })
         if cfg.reward_shaping.enabled:
             m["reward_shaping/penalty_mean"] = totals["penalty"] / n
+        if self.envs is not None:
+            from fastgrpo.multiturn import step_metrics
+
+            m.update(step_metrics(totals, n))
         if g.use_dynamic_sampling:  # the same on every rank (counted over all of them)
             m.update({"dynamic_sampling/num_gen_batches": float(len(kept)),
                       "dynamic_sampling/dropped_groups": float(dropped),

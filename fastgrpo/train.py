@@ -157,7 +157,7 @@ class Trainer:
         self.wrapped = wrap_model(self.model, st, cfg.train.strategy, forward=packed_forward)
         self.engine = GenerationEngine(unwrap_model(self.wrapped), eos_token_ids=eos_token_ids(self.model,
                                                                                                self.tokenizer),
-                                       max_batch_size=cfg.rollout.max_batch_size,
+                                       max_batch_size=cfg.rollout.max_batch_size, tokenizer=self.tokenizer,
                                        max_total_tokens=cfg.rollout.max_total_tokens or None)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
@@ -238,11 +238,12 @@ class Trainer:
         finally:
             self.in_update = False
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, on_group_done=None):
+    def generate(self, prompts: list[list[int]], params: SamplingParams, on_group_done=None, turns=None):
         """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights;
-        ``on_group_done(prompt_index, completions)`` as each prompt's samples finish."""
+        ``on_group_done(prompt_index, completions)`` as each prompt's samples finish; ``turns``: the multi-turn
+        handler (``fastgrpo.environments.EnvTurns``)."""
         with full_weights(self.wrapped):
-            return self.engine.generate(prompts, params, on_group_done=on_group_done)
+            return self.engine.generate(prompts, params, on_group_done=on_group_done, turns=turns)
 
     @torch.no_grad()
     def copy_policy_into(self, module: torch.nn.Module) -> None:
@@ -260,13 +261,18 @@ class Trainer:
             res = evaluate(unwrap_model(self.wrapped), self.tokenizer, prompts, e.k, temperature=e.temperature,
                            top_p=e.top_p, max_new_tokens=e.max_new_tokens or settings["max_new_tokens"],
                            max_sequence_tokens=settings["max_sequence_tokens"], seed=self.cfg.train.seed + 7,
-                           num_prompts=e.num_prompts, engine=self.engine, timeout_s=self.cfg.reward.timeout_s)
+                           num_prompts=e.num_prompts, engine=self.engine, timeout_s=self.cfg.reward.timeout_s,
+                           sample=getattr(self.algorithm, "eval_sampler", lambda: None)())
         acc = res[f"avg@{e.k}"]
         print0(f"step {self.step}: eval/accuracy (avg@{e.k} on {int(res['num_prompts'])} held-out prompts) "
                f"{acc:.3f}, pass@{e.k} {res[f'pass@{e.k}']:.3f}")
-        return {"eval/accuracy": acc, f"eval/pass@{e.k}": res[f"pass@{e.k}"],
-                "eval/response_length": res["response_length/mean"], "eval/num_prompts": int(res["num_prompts"]),
-                "time/eval": time.perf_counter() - start}
+        out = {"eval/accuracy": acc, f"eval/pass@{e.k}": res[f"pass@{e.k}"],
+               "eval/response_length": res["response_length/mean"], "eval/num_prompts": int(res["num_prompts"]),
+               "time/eval": time.perf_counter() - start}
+        if "tool_call_rate" in res:
+            print0(f"step {self.step}: eval/tool_call_rate {res['tool_call_rate']:.3f}")
+            out["eval/tool_call_rate"] = res["tool_call_rate"]
+        return out
 
     # ------------------------------------------------------------------ phases
 

@@ -62,22 +62,55 @@ def total_variation(samples: torch.Tensor, want_V: torch.Tensor) -> tuple[torch.
 class ScriptedEngine:
     """Stands in for the generation engine where the sampler is not under test: prompt ``p`` gets the first
     ``params.n`` entries of ``script[p]``, each a text (finished by EOS) or a ``(text, finish_reason)`` pair (a
-    ``"length"`` completion gets no EOS), with the constant sampling log-prob ``logprob`` per token."""
+    ``"length"`` completion gets no EOS), with the constant sampling log-prob ``logprob`` per token.
+
+    Multi-turn (``turns``, the engine's TurnHandler): an entry may be a list of turn texts, each finished by EOS and
+    handed to ``turns.start``; the handler's answer is appended (loss mask 0) before the next turn, or ends the
+    trajectory (its finish reason), as the engine does. A trajectory whose script runs out of turns while the
+    handler wants more ends with "length"; one that reaches ``params.max_turns`` with "max_turns"."""
 
     def __init__(self, tok, script, logprob=0.0):
         self.tok, self.script, self.logprob = tok, script, logprob
+        self.last_stats = None
 
-    def generate(self, prompts, params, *, on_group_done=None):
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _trajectory(self, key, entry, params, turns):
+        from fastgrpo.generation import Completion
+
+        eos = self.tok.eos_token_id
+        ids, mask = [], []
+        for t, text in enumerate(entry):
+            turn = self._ids(text) + [eos]
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            turns.start(key, turn, self.tok.decode(turn))
+            answers = []
+            while not answers:
+                answers = turns.ready(block=True)
+            ((got, result),) = answers  # one trajectory at a time: the answer is this one's
+            assert got == key
+            if result.finish is not None:
+                return Completion(ids, [self.logprob if m else 0.0 for m in mask], result.finish, mask, t + 1)
+            if t + 1 == params.max_turns:
+                return Completion(ids, [self.logprob if m else 0.0 for m in mask], "max_turns", mask, t + 1)
+            ids, mask = ids + list(result.append_ids), mask + [0] * len(result.append_ids)
+        return Completion(ids, [self.logprob if m else 0.0 for m in mask], "length", mask, len(entry))
+
+    def generate(self, prompts, params, *, on_group_done=None, turns=None):
         from fastgrpo.generation import Completion
 
         out = []
         for p in range(len(prompts)):
             group = []
-            for entry in self.script[p][: params.n]:
+            for j, entry in enumerate(self.script[p][: params.n]):
+                if isinstance(entry, list):
+                    group.append(self._trajectory((p, j), entry, params, turns))
+                    continue
                 text, reason = (entry, "stop") if isinstance(entry, str) else entry
-                ids = self.tok(text, add_special_tokens=False)["input_ids"]
+                ids = self._ids(text)
                 ids = ids + [self.tok.eos_token_id] if reason == "stop" else ids
-                group.append(Completion(ids, [self.logprob] * len(ids), reason))
+                group.append(Completion(ids, [self.logprob] * len(ids), reason, [1] * len(ids)))
             out.append(group)
         if on_group_done is not None:
             for p in reversed(range(len(out))):  # groups finish in any order, not the prompts'

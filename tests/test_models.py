@@ -53,7 +53,8 @@ def test_tiny_template_renders_tools_and_tool_turns_in_qwens_shape():
     format (tags as single tokens), the tool result as a tool turn, EOS after each assistant turn; every character
     of it is a known token and the text round-trips."""
     tok = build_tiny_tokenizer()
-    schema = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    schema = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
     messages = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "1+2="},
                 {"role": "assistant", "content": "", "tool_calls": [call, call]},
@@ -61,8 +62,8 @@ def test_tiny_template_renders_tools_and_tool_turns_in_qwens_shape():
                 {"role": "assistant", "content": "\\boxed{3}"}]
     text = tok.apply_chat_template(messages, tools=[schema], tokenize=False)
     one_call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    assert text == ('<|system|>Use the tool.\n\n<tools>\n{"type": "function", "function": {"name": "add", '
-                    '"parameters": {"type": "object"}}}\n</tools><|user|>1+2=<|assistant|>' + one_call + "\n"
+    assert text == ('<|system|>Use the tool.\n\n<tools>\nadd(a: integer, b: integer)\n</tools><|user|>1+2='
+                    '<|assistant|>' + one_call + "\n"
                     + one_call + "<|endoftext|>" + "<|tool|><tool_response>\n3\n</tool_response>" * 2
                     + "<|assistant|>\\boxed{3}<|endoftext|>")
     ids = tok(text, add_special_tokens=False)["input_ids"]
