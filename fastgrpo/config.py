@@ -63,6 +63,46 @@ def _check_min(name: str, value, low, *, strict: bool = False) -> None:
         _fail(name, f"must be {'>' if strict else '>='} {low}", value)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# module names the unmerged engine cannot adapt: the fused losses read the head's weight directly, and the embedding
+# is a lookup (fastgrpo.lora)
+LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (PEFT's modules and files) on a frozen base: see fastgrpo/lora.py."""
+
+    r: int = 16
+    """Rank of every adapter."""
+    alpha: float = 32.0
+    """Scale numerator: the update is (alpha / r) · B A, or (alpha / sqrt(r)) · B A with use_rslora."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in training forwards only (never in generation or no-grad forwards): with
+    dropout > 0 the training forward is not the sampler's distribution and the on-policy ratio is not 1."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names of the linear modules to adapt (default: the attention and MLP projections)."""
+    use_rslora: bool = False
+    """rsLoRA's scaling alpha / sqrt(r) instead of alpha / r."""
+    path: str = ""
+    """An existing PEFT adapter directory to continue from (its adapter_config.json sets r, alpha, targets, rsLoRA,
+    dropout; the fields above are then unused); empty: fresh adapters (B = 0: the policy starts as the base)."""
+
+    def __post_init__(self):
+        _check_min("model.lora.r", self.r, 1)
+        _check_min("model.lora.alpha", self.alpha, 0, strict=True)
+        if not 0 <= self.dropout < 1:
+            _fail("model.lora.dropout", "must be in [0, 1)", self.dropout)
+        if not self.target_modules:
+            _fail("model.lora.target_modules", "must name at least one module", self.target_modules)
+        refused = [t for t in self.target_modules if t.split(".")[-1] in LORA_REFUSED_TARGETS]
+        if refused:
+            _fail("model.lora.target_modules", "must not hold the LM head or the embeddings (the fused losses read "
+                  "the head's weight directly; the engine does not merge adapters)", refused)
+        if self.path and not Path(self.path).is_dir():
+            _fail("model.lora.path", "must be a PEFT adapter directory", self.path)
+
+
 @dataclass
 class ModelConfig:
     """The policy: a local Hugging Face causal LM, or the built-in tiny model."""
@@ -83,6 +123,8 @@ class ModelConfig:
     """Built-in tiny model: key/value heads (GQA)."""
     tiny_intermediate_size: int = 256
     """Built-in tiny model: MLP width."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters on the frozen base (null: full fine-tuning); a model.lora.<field>=... override turns it on."""
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -663,6 +705,11 @@ class Config:
                 _fail("reward_shaping.overlong_buffer_length", f"must be <= the shortest max_new_tokens {min(limits)} "
                       "(reward_shaping.max_response_length is 0: the stage's rollout.max_new_tokens)",
                       shaping.overlong_buffer_length)
+        if self.model.lora is not None:
+            for i, s in enumerate(self.stages):
+                if s.reset_reference:
+                    _fail(f"stages[{i}].reset_reference", "must be false with model.lora (the reference is the "
+                          "base with the adapters disabled, not a copy)", s.reset_reference)
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.engine_cache import _Workspace
+from fastgrpo.lora import lora_terms
 
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
@@ -48,9 +49,9 @@ class _ModelPieces:
         """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
         attn = layer.self_attn
         M = h.shape[0]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(M, self.num_heads, self.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(M, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(M, self.num_kv_heads, self.head_dim)
+        q = _proj(h, attn.q_proj).view(M, self.num_heads, self.head_dim)
+        k = _proj(h, attn.k_proj).view(M, self.num_kv_heads, self.head_dim)
+        v = _proj(h, attn.v_proj).view(M, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -61,17 +62,17 @@ class _ModelPieces:
         """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
         workspace the gate and up projections and the activation go to its buffers (in place, the same values)."""
         attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-        o = F.linear(o_MQ, attn.o_proj.weight, attn.o_proj.bias)
+        o = _proj(o_MQ, attn.o_proj)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
         if work is None or work.gate is None:
-            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+            gate = _proj(h, mlp.gate_proj)
+            up = _proj(h, mlp.up_proj)
             act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
-            return x, F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
-        gate = _linear_t(h, mlp.gate_proj.weight, mlp.gate_proj.bias, work.gate)  # [M, I] feature-major views
-        up = _linear_t(h, mlp.up_proj.weight, mlp.up_proj.bias, work.up)
+            return x, _proj(act, mlp.down_proj)
+        gate = _proj(h, mlp.gate_proj, work.gate)  # [M, I] feature-major views
+        up = _proj(h, mlp.up_proj, work.up)
         act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
-        return x, _linear_t(act, mlp.down_proj.weight, mlp.down_proj.bias, work.down)
+        return x, _proj(act, mlp.down_proj, work.down)
 
     def _norm_in(self, ops: _Ops, layer, x, delta):
         """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
@@ -136,6 +137,26 @@ class _ModelPieces:
             if bias_V is not None:
                 logits_VM += bias_V.float()[:, None]
             return logits_VM.t()
+
+
+def _proj(x_MK: torch.Tensor, module: torch.nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection of the model on rows ``x [M, K]``: ``x Wᵀ + b`` from the module's own tensors, plus, for a PEFT
+    LoRA layer, each live adapter's ``s · (x Aᵀ) Bᵀ`` (never merged: ``W`` stays the loaded base;
+    :func:`fastgrpo.lora.lora_terms`). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched over the rows.
+
+    Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to the compute dtype), the path
+    of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``), then
+    ``+= s · B (A xᵀ)`` in place (one ``addmm``); the two differ by rounding only."""
+    terms = lora_terms(module)
+    if out is None:
+        y = F.linear(x_MK, module.weight, module.bias)
+        for A_RK, B_NR, s in terms:
+            y = y + F.linear(F.linear(x_MK, A_RK), B_NR) * s
+        return y
+    y_MN = _linear_t(x_MK, module.weight, module.bias, out)
+    for A_RK, B_NR, s in terms:
+        y_MN.t().addmm_(B_NR, torch.mm(A_RK, x_MK.t()), alpha=s)  # [N, M] += s · B (A xᵀ)
+    return y_MN
 
 
 def _linear_t(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, out: torch.Tensor):

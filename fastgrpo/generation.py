@@ -73,6 +73,7 @@ from fastgrpo.engine_loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
 from fastgrpo.engine_sampling import Completion, SamplingParams
 from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
+from fastgrpo.lora import check_modules, unwrap_peft
 from fastgrpo.scheduler import Scheduler
 
 __all__ = [
@@ -94,7 +95,8 @@ class GenerationEngine(_ModelPieces):
     """Batched sampling with ``model``'s own parameters and a KV cache that lives only during :meth:`generate`.
 
     Args:
-        model: a Hugging Face causal LM of a supported architecture (Llama, Qwen2/2.5, Qwen3). Its parameters are
+        model: a Hugging Face causal LM of a supported architecture (Llama, Qwen2/2.5, Qwen3), or a PEFT
+            ``PeftModel`` of one with LoRA adapters (read unmerged: base + adapter per projection). Its parameters are
             read in place at every call, so an optimizer step is seen by the next call.
         eos_token_ids: token id(s) that end a completion (with each call's ``stop_token_ids``).
         max_batch_size: most sequences decoded at once (rows).
@@ -128,6 +130,8 @@ class GenerationEngine(_ModelPieces):
         page_size: int | None = None,
         row_cache: bool | None = None,
     ):
+        model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.lora)
+        check_modules(model)
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:

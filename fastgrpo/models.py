@@ -12,6 +12,7 @@ a small chat template, so it saves and loads with ``save_pretrained`` / ``from_p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import string
 from pathlib import Path
@@ -19,7 +20,8 @@ from pathlib import Path
 import torch
 
 from fastgrpo.attention import enable_packed_attention
-from fastgrpo.config import ModelConfig
+from fastgrpo.config import LoRAConfig, ModelConfig
+from fastgrpo.distributed import barrier, is_main_process
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -76,16 +78,33 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
     return model
 
 
-def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0):
+def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_dir: str | os.PathLike | None = None):
     """``(model, tokenizer)`` on ``device`` in ``cfg.dtype``, with the packed attention enabled.
 
     ``cfg.path == "tiny"`` builds the built-in model; otherwise ``cfg.path`` must be a local directory holding a
-    Hugging Face causal LM and its tokenizer (Qwen2/2.5/3, Llama, ...).
+    Hugging Face causal LM and its tokenizer (Qwen2/2.5/3, Llama, ...), or a PEFT adapter (a LoRA checkpoint of
+    fastgrpo's): its ``base_model_name_or_path`` is loaded and the adapter applied, as ``model.lora.path``.
+    ``cfg.lora``: PEFT LoRA adapters on the frozen base (:func:`fastgrpo.lora.apply_lora`); their
+    ``base_model_name_or_path`` is ``cfg.path``, or for the tiny model ``base_dir``, where the main process saves
+    the base once (HF format, with the tokenizer) when it is not there yet.
     """
+    from fastgrpo import lora as lora_mod
+
     dtype = DTYPES[cfg.dtype]
+    lora_cfg = cfg.lora
+    if cfg.path != "tiny" and lora_mod.is_adapter_dir(cfg.path):
+        lora_cfg = dataclasses.replace(lora_cfg or LoRAConfig(), path=cfg.path)
+        cfg = dataclasses.replace(cfg, path=lora_mod.adapter_base(cfg.path), lora=lora_cfg)
     if cfg.path == "tiny":
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg, tokenizer, seed=seed).to(dtype)
+        base_path = "tiny"
+        if lora_cfg is not None and base_dir is not None:
+            base_path = str(Path(base_dir).resolve())
+            if is_main_process() and not (Path(base_dir) / "config.json").is_file():
+                model.save_pretrained(base_dir)
+                tokenizer.save_pretrained(base_dir)
+            barrier()
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,6 +117,9 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        base_path = str(path.resolve())
+    if lora_cfg is not None:
+        model = lora_mod.apply_lora(model, lora_cfg, base_path)
     enable_packed_attention(model)
     return model.to(device), tokenizer
 
