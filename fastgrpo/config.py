@@ -706,6 +706,9 @@ class Config:
                       "(reward_shaping.max_response_length is 0: the stage's rollout.max_new_tokens)",
                       shaping.overlong_buffer_length)
         if self.model.lora is not None:
+            if self.algorithm == "dpo" and self.sft.warmup_steps:
+                _fail("sft.warmup_steps", "must be 0 with model.lora and algorithm dpo (the reference is the base "
+                      "with the adapters disabled, not the warmed-up policy)", self.sft.warmup_steps)
             for i, s in enumerate(self.stages):
                 if s.reset_reference:
                     _fail(f"stages[{i}].reset_reference", "must be false with model.lora (the reference is the "

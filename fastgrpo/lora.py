@@ -34,6 +34,7 @@ loads them; ``base_model_name_or_path`` is a directory with the base: ``model.pa
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -52,13 +53,12 @@ PEFT_PREFIX = "base_model.model."  # PeftModel's name of the wrapped model in it
 BASE_DIR = "base"  # <run dir>/base: the built-in tiny model's base, saved once for base_model_name_or_path
 
 
-def peft_lora_config(cfg: LoRAConfig, base_path: str):
+def peft_lora_config(cfg: LoRAConfig):
     """The ``peft.LoraConfig`` of ``model.lora`` (task CAUSAL_LM, bias none, vanilla LoRA)."""
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
-                      use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base_path)
+                      use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM")
 
 
 def check_peft_config(pc, where: str) -> None:
@@ -95,11 +95,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, base_path: str) -> nn.Module:
         check_peft_config(PeftConfig.from_pretrained(cfg.path), f"model.lora.path {cfg.path}: {ADAPTER_CONFIG}")
         peft = PeftModel.from_pretrained(model, cfg.path, adapter_name=ADAPTER, is_trainable=True,
                                          autocast_adapter_dtype=False)
-        peft.peft_config[ADAPTER].base_model_name_or_path = base_path
     else:
-        pc = peft_lora_config(cfg, base_path)
+        pc = peft_lora_config(cfg)
         check_peft_config(pc, "model.lora")
         peft = get_peft_model(model, pc, adapter_name=ADAPTER, autocast_adapter_dtype=False)
+    peft.peft_config[ADAPTER].base_model_name_or_path = base_path  # what the saved adapter_config.json names
     inner = peft.get_base_model()  # the model itself, its projections replaced; it keeps .peft_config
     for name, p in inner.named_parameters():
         p.requires_grad_(f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name)
@@ -191,9 +191,9 @@ def save_adapter(model: nn.Module, out: Path, sd: dict[str, torch.Tensor] | None
         t = sd[n].detach()
         tensors[to_file_key(n)] = t.to("cpu", dtype=dtype or t.dtype, copy=True).contiguous()
     safetensors.torch.save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = model.peft_config[ADAPTER].to_dict()
-    config["inference_mode"] = True
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=list))
+    config = copy.copy(model.peft_config[ADAPTER])
+    config.inference_mode = True  # as PeftModel.save_pretrained writes it
+    config.save_pretrained(str(out))
 
 
 def read_adapter(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -102,7 +102,9 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
         if lora_cfg is not None and base_dir is not None:
             base_path = str(Path(base_dir).resolve())
             if is_main_process() and not (Path(base_dir) / "config.json").is_file():
-                model.save_pretrained(base_dir)
+                from fastgrpo.checkpoint import _save_model
+
+                _save_model(model, Path(base_dir), None)
                 tokenizer.save_pretrained(base_dir)
             barrier()
     else:

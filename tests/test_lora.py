@@ -6,6 +6,8 @@ The references are PEFT's own modules run by Hugging Face: a teacher-forced forw
 1e-4), and a base model loaded separately for the reference.
 """
 
+import json
+
 import pytest
 import torch
 from checks import one_thread  # noqa: F401  (an autouse fixture)
@@ -59,3 +61,139 @@ def test_adapter_changes_the_engine_output():
     assert base.token_ids == plain.token_ids
     torch.testing.assert_close(torch.tensor(base.logprobs), torch.tensor(plain.logprobs), atol=1e-5, rtol=0)
     assert max(abs(a - b) for a, b in zip(with_lora.logprobs, base.logprobs)) > 1e-2
+
+
+# ---------------------------------------------------------------- the trainer's model: config, files, reference
+
+
+def lora_model(tmp_path, dtype="float32", **lora):
+    """The trainer's tiny model with ``model.lora`` (its base saved in ``tmp_path/base``) and a MasterAdamW."""
+    from fastgrpo.config import LoRAConfig, ModelConfig
+    from fastgrpo.models import load_model
+
+    cfg = ModelConfig(path="tiny", dtype=dtype, lora=LoRAConfig(**{"r": 4, **lora}))
+    torch.manual_seed(0)
+    model, tok = load_model(cfg, torch.device("cpu"), base_dir=tmp_path / "base")
+    return model, tok, cfg
+
+
+def train_steps(model, optimizer, steps=3, seed=0):
+    """A few AdamW steps of a mean log-sum-exp loss through the mixed-precision path: B moves off 0."""
+    from fastgrpo.precision import accumulate
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, 40, (2, 12), generator=g)
+        optimizer.zero_grad()
+        with accumulate(model, optimizer, last=True):
+            model(ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+
+
+def test_base_is_frozen_in_the_compute_dtype_and_only_adapters_get_masters(tmp_path):
+    from fastgrpo.precision import MasterAdamW, make_optimizer
+
+    model, _, _ = lora_model(tmp_path, dtype="bfloat16")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # base and adapters: the compute dtype
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = make_optimizer(model, lr=1e-2)
+    assert isinstance(opt, MasterAdamW)
+    assert sum(m.numel() for m in opt.masters) == sum(p.numel() for n, p in model.named_parameters() if n in trainable)
+    assert all(m.dtype == torch.float32 for m in opt.masters)
+    train_steps(model, opt)
+    for n, p in model.named_parameters():
+        if n in base_before:
+            assert torch.equal(p, base_before[n]) and p.grad is None  # bit for bit what was built
+    assert any(p.abs().max() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
+
+
+def test_saved_adapter_loads_in_peft_with_equal_logits_and_resumes_exactly(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.checkpoint import save_checkpoint
+    from fastgrpo.precision import make_optimizer
+
+    model, tok, _ = lora_model(tmp_path)
+    opt = make_optimizer(model, lr=1e-2)
+    train_steps(model, opt)
+    path = save_checkpoint(tmp_path / "run", 3, model=model, tokenizer=tok, optimizer=opt, dtype=torch.float32)
+    assert (path / "adapter_model.safetensors").is_file() and (path / "adapter_config.json").is_file()
+    assert not (path / "model.safetensors").exists()
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(path)).eval()
+    ids = torch.randint(0, 40, (3, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours, theirs = model.eval()(ids).logits, peft_model(ids).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)  # fp32, same modules, attention kernels differ
+    assert (theirs - plain).abs().max() > 1e-3  # the adapter is in the logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapter_checkpoint_resumes_bit_for_bit(tmp_path, dtype):
+    """A fresh model (other adapters) and optimizer loaded from a checkpoint take the same next steps as the run that
+    kept going: the adapters' fp32 masters (bf16) and AdamW state are in trainer_state.pt."""
+    from fastgrpo.checkpoint import load_checkpoint, save_checkpoint
+    from fastgrpo.models import DTYPES
+    from fastgrpo.precision import make_optimizer
+
+    model, tok, _ = lora_model(tmp_path, dtype=dtype)
+    opt = make_optimizer(model, lr=1e-2)
+    train_steps(model, opt)
+    path = save_checkpoint(tmp_path / "run", 3, model=model, tokenizer=tok, optimizer=opt, dtype=DTYPES[dtype])
+    again, _, _ = lora_model(tmp_path, dtype=dtype)
+    with torch.no_grad():
+        for p in again.parameters():
+            if p.requires_grad:
+                p.normal_()
+    opt2 = make_optimizer(again, lr=1e-2)
+    load_checkpoint(path, model=again, optimizer=opt2)
+    train_steps(model, opt, steps=2, seed=9)
+    train_steps(again, opt2, steps=2, seed=9)
+    for (n, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), n
+
+
+SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6", "sft.warmup_steps=0",
+         "eval.num_prompts=8", "logging.progress_bar=false", "train.num_threads=1", "model.lora.r=4"]
+
+
+def test_grpo_reference_is_the_base_with_adapters_disabled(tmp_path, monkeypatch):
+    """β > 0 with LoRA: no second model; the reference log-probs the loss receives equal those of the base loaded
+    separately (from <run dir>/base), while the adapters (non-zero) change the policy's."""
+    import fastgrpo.grpo as G
+    from fastgrpo.config import ModelConfig, load_config
+    from fastgrpo.distributed import ForwardWrapper
+    from fastgrpo.models import load_model
+    from fastgrpo.train import Trainer
+
+    t = Trainer(load_config(overrides=[*SMALL, "grpo.beta=0.1", f"logging.output_dir={tmp_path}"]))
+    t.close()  # the reward workers: not needed here
+    assert t.algorithm.ref_model is None and t.algorithm.update.ref_forward is None
+    with torch.no_grad():
+        for p in t.model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    g = torch.Generator().manual_seed(0)
+    samples = [G.Sample(torch.randint(3, 40, (5 + i,), generator=g).tolist(),
+                        torch.randint(3, 40, (4 + i % 3,), generator=g).tolist(), [-1.0] * (4 + i % 3), 0.5 - i % 2)
+               for i in range(6)]
+    seen = []
+    real = G.fused_linear_grpo_loss
+    monkeypatch.setattr(G, "fused_linear_grpo_loss", lambda *a, **k: seen.append(k["ref_logprobs"]) or real(*a, **k))
+    mbs = G.plan(samples, 4096, torch.device("cpu"))
+    t.algorithm.update.run(samples, beta=0.1, epsilon_high=None, max_new_tokens=6)
+    base, _ = load_model(ModelConfig(path=str(tmp_path / "base")), torch.device("cpu"))
+    want = [G.packed_logprobs(ForwardWrapper(base, G.packed_forward), mb, 1.0) for mb in mbs]
+    policy = [G.packed_logprobs(ForwardWrapper(t.model, G.packed_forward), mb, 1.0) for mb in G.plan(
+        samples, 4096, torch.device("cpu"))]
+    assert len(seen) == len(want) == 1
+    torch.testing.assert_close(seen[0], want[0], rtol=0, atol=1e-6)
+    assert (policy[0] - want[0]).abs().max() > 1e-2
