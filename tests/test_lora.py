@@ -197,3 +197,38 @@ def test_grpo_reference_is_the_base_with_adapters_disabled(tmp_path, monkeypatch
     assert len(seen) == len(want) == 1
     torch.testing.assert_close(seen[0], want[0], rtol=0, atol=1e-6)
     assert (policy[0] - want[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_merged_rounds_once_and_eval_takes_the_adapter(tmp_path, dtype):
+    """export_merged: W + s·BA in fp32, rounded once, equals PEFT's fp32 merge rounded to the dtype (bit for bit);
+    the merged model's logits equal the adapter's. ``python -m fastgrpo.eval`` on the adapter checkpoint gives the
+    merged model's accuracy (greedy)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo import eval as fg_eval
+    from fastgrpo.checkpoint import save_checkpoint
+    from fastgrpo.export_merged import main as export_main
+    from fastgrpo.models import DTYPES
+    from fastgrpo.precision import make_optimizer
+
+    model, tok, _ = lora_model(tmp_path, dtype=dtype)
+    opt = make_optimizer(model, lr=3e-2)
+    train_steps(model, opt)
+    ckpt = save_checkpoint(tmp_path / "run", 3, model=model, tokenizer=tok, optimizer=opt, dtype=DTYPES[dtype])
+    assert export_main([str(ckpt), str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.dtype == DTYPES[dtype]
+    base32 = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    want = PeftModel.from_pretrained(base32, str(ckpt)).merge_and_unload()
+    for (n, a), b in zip(merged.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0, msg=n)
+    if dtype == "float32":
+        ids = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            torch.testing.assert_close(merged(ids).logits, model.eval()(ids).logits, rtol=0, atol=1e-5)
+        common = ["--k", "1", "eval.temperature=0", "eval.num_prompts=16", "train.num_threads=1"]
+        adapter = fg_eval.main([str(ckpt), *common])
+        full = fg_eval.main([str(tmp_path / "merged"), *common])
+        assert adapter == full
