@@ -123,6 +123,8 @@ class ModelConfig:
     """Built-in tiny model: key/value heads (GQA)."""
     tiny_intermediate_size: int = 256
     """Built-in tiny model: MLP width."""
+    tiny_initializer_range: float = 0.02
+    """Built-in tiny model: std of its random weights (HF's initializer_range; the tied head's too)."""
     lora: LoRAConfig | None = None
     """LoRA adapters on the frozen base (null: full fine-tuning); a model.lora.<field>=... override turns it on."""
 
@@ -133,6 +135,7 @@ class ModelConfig:
         for name in ("tiny_hidden_size", "tiny_num_layers", "tiny_num_heads", "tiny_num_kv_heads",
                      "tiny_intermediate_size"):
             _check_min(f"model.{name}", getattr(self, name), 1)
+        _check_min("model.tiny_initializer_range", self.tiny_initializer_range, 0, strict=True)
         if self.tiny_num_heads % self.tiny_num_kv_heads:
             _fail("model.tiny_num_heads", f"must be a multiple of model.tiny_num_kv_heads={self.tiny_num_kv_heads}",
                   self.tiny_num_heads)

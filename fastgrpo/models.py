@@ -65,6 +65,7 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
         num_hidden_layers=cfg.tiny_num_layers,
         num_attention_heads=cfg.tiny_num_heads,
         num_key_value_heads=cfg.tiny_num_kv_heads,
+        initializer_range=cfg.tiny_initializer_range,
         max_position_embeddings=TINY_MAX_POSITIONS,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
