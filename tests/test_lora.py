@@ -7,6 +7,7 @@ The references are PEFT's own modules run by Hugging Face: a teacher-forced forw
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -232,3 +233,108 @@ def test_export_merged_rounds_once_and_eval_takes_the_adapter(tmp_path, dtype):
         adapter = fg_eval.main([str(ckpt), *common])
         full = fg_eval.main([str(tmp_path / "merged"), *common])
         assert adapter == full
+
+
+# ---------------------------------------------------------------- refused at start-up, naming the field
+
+
+@pytest.mark.parametrize("override,field", [
+    ("model.lora.target_modules=[q_proj,lm_head]", "model.lora.target_modules"),
+    ("model.lora.target_modules=[embed_tokens]", "model.lora.target_modules"),
+    ("model.lora.target_modules=[]", "model.lora.target_modules"),
+    ("model.lora.r=0", "model.lora.r"),
+    ("model.lora.alpha=0", "model.lora.alpha"),
+    ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.path=/no/such/adapter", "model.lora.path"),
+    ("stages=[{at_step: 0, max_new_tokens: 6, reset_reference: true}]", "stages[0].reset_reference"),
+])
+def test_bad_lora_config_fails_naming_the_field(override, field):
+    from fastgrpo.config import load_config
+
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_config(overrides=["model.lora.r=4", override])
+
+
+def test_dpo_warmup_with_lora_is_refused():
+    from fastgrpo.config import load_config
+
+    with pytest.raises(ValueError, match="sft.warmup_steps"):
+        load_config("dpo-tiny", overrides=["model.lora.r=4", "sft.warmup_steps=2"])
+
+
+@pytest.mark.parametrize("field,value", [("use_dora", True), ("bias", "all"), ("bias", "lora_only"),
+                                         ("modules_to_save", ["lm_head"]), ("lora_bias", True),
+                                         ("target_modules", ["q_proj", "lm_head"])])
+def test_unsupported_adapter_files_are_refused_naming_the_field(tmp_path, field, value):
+    """An existing adapter (model.lora.path) of a variant the unmerged engine does not compute fails at start-up,
+    naming its adapter_config.json field; the engine also refuses such modules when handed a PeftModel directly."""
+    from fastgrpo.config import LoRAConfig, ModelConfig
+    from fastgrpo.generation import GenerationEngine
+    from fastgrpo.models import load_model
+
+    base = tiny_model("qwen2")
+    kwargs = {"r": 4, "target_modules": ["q_proj", "v_proj"], field: value}
+    peft.get_peft_model(base, peft.LoraConfig(**kwargs)).save_pretrained(tmp_path / "adapter")
+    cfg = ModelConfig(path="tiny", lora=LoRAConfig(path=str(tmp_path / "adapter")))
+    with pytest.raises(ValueError, match=f"adapter_config.json.{field}"):
+        load_model(cfg, torch.device("cpu"))
+    if field in ("use_dora", "lora_bias"):
+        with pytest.raises(ValueError, match="not supported"):
+            GenerationEngine(peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(**kwargs)), eos_token_ids=[])
+
+
+# ---------------------------------------------------------------- the trainer: GRPO, DPO, SFT; one process, FSDP2
+
+def run_train(tmp_path, *overrides, recipe="lora-tiny", nproc=1):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    train = Path(__file__).resolve().parents[1] / "fastgrpo" / "train.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(train),
+           "--recipe", recipe, "logging.progress_bar=false", "train.num_threads=1", "eval.at_start=false",
+           "eval.every_steps=0", f"logging.output_dir={tmp_path / 'run'}", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from fastgrpo.metrics import read_jsonl
+
+    return [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r], tmp_path / "run"
+
+
+# a random policy scores 0 everywhere: keep the zero-variance groups so every step trains (its KL term alone)
+GRPO_SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6",
+              "sft.warmup_steps=0", "eval.num_prompts=8", "train.max_steps=2", "grpo.mask_zero_std_groups=false"]
+
+
+@pytest.mark.parametrize("recipe", ["dpo-tiny", "sft-tiny"])
+def test_dpo_and_sft_train_adapters_only(tmp_path, recipe):
+    """DPO (its reference: the policy with adapters disabled) and SFT on LoRA: finite losses, an adapter checkpoint,
+    the base untouched (the checkpoint holds no base weight)."""
+    rows, run = run_train(tmp_path, "model.lora.r=4", "sft.warmup_steps=0", "train.max_steps=2",
+                          "eval.num_prompts=8", recipe=recipe)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+
+
+def test_fsdp2_bf16_grpo_with_kl_to_the_base_and_resume(tmp_path):
+    """2 processes, FSDP2, bf16, continuing a random non-zero adapter (model.lora.path): the frozen base stays bf16
+    shards, β > 0 takes the reference from the adapters disabled (padded no-grad forwards on every rank), so the KL
+    is > 0 from the first step; the adapter checkpoint loads back for a resume that continues the log."""
+    from fastgrpo.lora import save_adapter
+
+    model, _, _ = lora_model(tmp_path, dtype="bfloat16")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+    (tmp_path / "adapter").mkdir()
+    save_adapter(model, tmp_path / "adapter", None, torch.bfloat16)
+    over = [*GRPO_SMALL, "train.strategy=fsdp2", "model.dtype=bfloat16", "grpo.beta=0.05", "checkpoint.every_steps=1",
+            f"model.lora.path={tmp_path / 'adapter'}"]
+    rows, run = run_train(tmp_path, *over, nproc=2)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["kl"] > 1e-4 for r in rows)
+    rows2, _ = run_train(tmp_path, *over, "train.max_steps=3", nproc=2)
+    assert len(rows2) == 3 and [r["loss"] for r in rows2[:2]] == [r["loss"] for r in rows[:2]]
