@@ -361,3 +361,34 @@ def test_cuda_graph_decode_with_lora_matches_peft(arch):
         for c in comps:
             ref = teacher_forced_logp(model, p, c.token_ids).cpu()
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_lora_tiny(tmp_path):
+    """2 processes under DDP (bf16: the adapters' fp32 master gradients all-reduced by MasterAdamW): the run trains
+    and saves an adapter checkpoint that PEFT's config reader accepts."""
+    rows, run = run_train(tmp_path, *GRPO_SMALL, "train.strategy=ddp", "model.dtype=bfloat16", "model.lora.r=4",
+                          nproc=2)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    assert peft.PeftConfig.from_pretrained(str(ckpt)).r == 4
+
+
+def test_dpo_reference_table_is_the_base_model(tmp_path):
+    """DPO with LoRA (non-zero adapters): the precomputed reference table equals the one a run without LoRA (the
+    same base, built from the same seed, a separate model) computes, bit for bit; the adapters do change the
+    policy's sequence log-probs."""
+    from fastgrpo.config import load_config
+    from fastgrpo.train import Trainer
+
+    common = ["sft.warmup_steps=0", "train.num_threads=1", "logging.progress_bar=false"]
+    lora = Trainer(load_config("dpo-tiny", overrides=[*common, "model.lora.r=4", f"logging.output_dir={tmp_path}/a"]))
+    base = Trainer(load_config("dpo-tiny", overrides=[*common, f"logging.output_dir={tmp_path}/b"]))
+    with torch.no_grad():
+        for p in lora.model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    ref = lora.algorithm._table("eval")
+    assert torch.equal(ref, base.algorithm._table("eval"))
+    lora.algorithm.base_reference = False  # the same table from the policy itself: the adapters move it
+    assert (lora.algorithm._table("eval") - ref).abs().max() > 1e-2
