@@ -24,6 +24,14 @@ class _ModelPieces:
     """The forward pieces of :class:`~fastgrpo.generation.GenerationEngine` (its attributes: model, layers, head
     counts, scale, qk_norm, silu, _compile, _compiled_ops)."""
 
+    _lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per generate call
+
+    def _read_adapters(self) -> None:
+        """Read every projection's live LoRA adapters (:func:`fastgrpo.lora.lora_terms`) for one ``generate`` call,
+        in which they do not change: the step then looks them up instead of walking PEFT's properties (~20 µs a
+        projection) at every layer and step; empty for a model without adapters."""
+        self._lora = {m: t for layer in self.layers for m in layer.modules() if (t := lora_terms(m))}
+
     def _autocast(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
         if dtype == param_dtype:
             return contextlib.nullcontext()
@@ -49,9 +57,10 @@ class _ModelPieces:
         """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
         attn = layer.self_attn
         M = h.shape[0]
-        q = _proj(h, attn.q_proj).view(M, self.num_heads, self.head_dim)
-        k = _proj(h, attn.k_proj).view(M, self.num_kv_heads, self.head_dim)
-        v = _proj(h, attn.v_proj).view(M, self.num_kv_heads, self.head_dim)
+        lora = self._lora
+        q = _proj(h, attn.q_proj, lora).view(M, self.num_heads, self.head_dim)
+        k = _proj(h, attn.k_proj, lora).view(M, self.num_kv_heads, self.head_dim)
+        v = _proj(h, attn.v_proj, lora).view(M, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -62,17 +71,18 @@ class _ModelPieces:
         """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
         workspace the gate and up projections and the activation go to its buffers (in place, the same values)."""
         attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-        o = _proj(o_MQ, attn.o_proj)
+        lora = self._lora
+        o = _proj(o_MQ, attn.o_proj, lora)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
         if work is None or work.gate is None:
-            gate = _proj(h, mlp.gate_proj)
-            up = _proj(h, mlp.up_proj)
+            gate = _proj(h, mlp.gate_proj, lora)
+            up = _proj(h, mlp.up_proj, lora)
             act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
-            return x, _proj(act, mlp.down_proj)
-        gate = _proj(h, mlp.gate_proj, work.gate)  # [M, I] feature-major views
-        up = _proj(h, mlp.up_proj, work.up)
+            return x, _proj(act, mlp.down_proj, lora)
+        gate = _proj(h, mlp.gate_proj, lora, work.gate)  # [M, I] feature-major views
+        up = _proj(h, mlp.up_proj, lora, work.up)
         act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
-        return x, _proj(act, mlp.down_proj, work.down)
+        return x, _proj(act, mlp.down_proj, lora, work.down)
 
     def _norm_in(self, ops: _Ops, layer, x, delta):
         """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
@@ -139,15 +149,16 @@ class _ModelPieces:
             return logits_VM.t()
 
 
-def _proj(x_MK: torch.Tensor, module: torch.nn.Module, out: torch.Tensor | None = None) -> torch.Tensor:
+def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Tensor | None = None) -> torch.Tensor:
     """A projection of the model on rows ``x [M, K]``: ``x Wᵀ + b`` from the module's own tensors, plus, for a PEFT
-    LoRA layer, each live adapter's ``s · (x Aᵀ) Bᵀ`` (never merged: ``W`` stays the loaded base;
-    :func:`fastgrpo.lora.lora_terms`). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched over the rows.
+    LoRA layer, each live adapter's ``s · (x Aᵀ) Bᵀ`` (never merged: ``W`` stays the loaded base; ``lora``: the
+    call's adapters, ``_ModelPieces._read_adapters``). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched
+    over the rows.
 
     Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to the compute dtype), the path
     of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``), then
     ``+= s · B (A xᵀ)`` in place (one ``addmm``); the two differ by rounding only."""
-    terms = lora_terms(module)
+    terms = lora.get(module, ())
     if out is None:
         y = F.linear(x_MK, module.weight, module.bias)
         for A_RK, B_NR, s in terms:

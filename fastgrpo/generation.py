@@ -241,6 +241,7 @@ class GenerationEngine(_ModelPieces):
 
         was_training = model.training
         model.eval()
+        self._read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.lora)
         try:
             with torch.no_grad(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
@@ -248,6 +249,7 @@ class GenerationEngine(_ModelPieces):
                 return run.run(on_group_done)
         finally:
             model.train(was_training)
+            self._lora = {}  # the adapters are read afresh by the next call
 
     # ------------------------------------------------------------------ validation and planning
 

@@ -10,10 +10,10 @@ dtype too (PEFT's ``autocast_adapter_dtype`` off), so they go through the same m
 fine-tune's weights (:class:`fastgrpo.precision.MasterAdamW`: fp32 masters and AdamW state, of the adapters only).
 
 - **Generation** (``fastgrpo.engine_forward``) computes ``x Wᵀ + b`` and then ``x Aᵀ`` then ``· Bᵀ`` per targeted
-  projection over the running rows (:func:`lora_terms` reads the module's live adapters at every call; inside one
-  ``generate``, and so inside its CUDA graphs, they do not change). Extra cost per token and projection:
-  ``2 · r · (in + out)`` flops, e.g. r = 64 on a 7B Qwen2.5 (7 projections, 28 layers): ~0.16 GFLOP against
-  ~14 GFLOP for the base.
+  projection over the running rows (:func:`lora_terms`: the modules' live adapters, read at the start of every
+  ``generate`` call; inside one, and so inside its CUDA graphs, they do not change). Extra cost per token:
+  ``2 · r · (in + out)`` flops per projection, ``2 · p`` in all: r = 64 on the seven projections of Qwen2.5-7B is
+  0.32 GFLOP against the base's 15 (2%), and the adapters' weights are read once per step (323 MB in bf16).
 - **The reference** (β > 0, DPO) is the same model with its adapters disabled (:func:`adapters_disabled`): no
   second model in memory.
 - **Dropout** (``model.lora.dropout``, default 0) acts in training forwards only: generation and the no-grad
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -241,6 +240,3 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.T
     return sd
 
 
-def scaling(cfg: LoRAConfig) -> float:
-    """``s`` of ``model.lora``: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-    return cfg.alpha / (math.sqrt(cfg.r) if cfg.use_rslora else cfg.r)
