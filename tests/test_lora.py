@@ -308,7 +308,7 @@ GRPO_SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.
               "sft.warmup_steps=0", "eval.num_prompts=8", "train.max_steps=2", "grpo.mask_zero_std_groups=false"]
 
 
-@pytest.mark.parametrize("recipe", ["dpo-tiny", "sft-tiny"])
+@pytest.mark.parametrize("recipe", ["dpo-tiny", pytest.param("sft-tiny", marks=pytest.mark.slow)])
 def test_dpo_and_sft_train_adapters_only(tmp_path, recipe):
     """DPO (its reference: the policy with adapters disabled) and SFT on LoRA: finite losses, an adapter checkpoint,
     the base untouched (the checkpoint holds no base weight)."""
