@@ -173,23 +173,47 @@ class Group:
 
 @dataclass
 class Sample:
-    """One prompt + completion to train on."""
+    """One prompt + completion to train on.
+
+    A multi-turn completion holds the policy's turns and the observations appended between them; ``loss_mask``
+    says which tokens the policy sampled. ``token_advantages`` (on-policy distillation's
+    ``logp_teacher - logp_student``) adds a per-token term to the trajectory's advantage.
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
     sample_logprobs: list[float]
-    """The generation engine's log-probs of the completion tokens."""
+    """The generation engine's log-probs of the completion tokens (0 at tokens the policy did not sample)."""
     advantage: float
     train: bool = True
     """False: the completion gets no loss (masked truncated completion, filtered group)."""
+    loss_mask: list[int] | None = None
+    """Per completion token: 1 where the policy sampled it, 0 where it was appended (observation, template
+    suffix). None: every completion token is sampled (single-turn)."""
+    token_advantages: list[float] | None = None
+    """Per completion token, added to ``advantage`` (None: none)."""
+
+    def __post_init__(self):
+        c = len(self.completion_ids)
+        for name in ("sample_logprobs", "loss_mask", "token_advantages"):
+            v = getattr(self, name)
+            if v is not None and len(v) != c:
+                raise ValueError(f"Sample.{name} has {len(v)} values for {c} completion tokens")
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
     @property
+    def completion_loss_mask(self) -> list[int]:
+        """Per completion token: 1 where it gets a loss (sampled, and the sample trains)."""
+        if not self.train:
+            return [0] * len(self.completion_ids)
+        return [1] * len(self.completion_ids) if self.loss_mask is None else [int(m != 0) for m in self.loss_mask]
+
+    @property
     def num_loss_tokens(self) -> int:
-        return len(self.completion_ids) if self.train else 0
+        return sum(self.completion_loss_mask)
 
 
 @dataclass
@@ -198,14 +222,16 @@ class MicroBatch:
 
     batch: PackedBatch
     targets: torch.Tensor  # [N] int64, next token (0 where there is none)
-    mask: torch.Tensor  # [N] float, 1 where the target is a trained completion token
-    advantages: torch.Tensor  # [B] float
+    mask: torch.Tensor  # [N] float, 1 where the target is a trained, policy-sampled completion token
+    advantages: torch.Tensor  # [B] float, or [N] when per_token_advantages
     sample_logprobs: torch.Tensor  # [N] float, the engine's log-probs at masked positions (0 elsewhere)
-    completion_mask: torch.Tensor  # [N] bool, target is a completion token (trained or not)
+    completion_mask: torch.Tensor  # [N] bool, target is a completion token (trained or not, sampled or appended)
     old_logprobs: torch.Tensor | None = None  # [N]
     ref_logprobs: torch.Tensor | None = None  # [N]
     num_loss_tokens: int = 0
     """Σ mask, counted on the host while packing (no device sync to read it)."""
+    per_token_advantages: bool = False
+    """``advantages`` is per token ([N], the sequence's advantage plus its token terms; 0 off the mask)."""
 
     @property
     def num_seqs(self) -> int:
@@ -213,24 +239,34 @@ class MicroBatch:
 
 
 def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
-    """Pack ``samples`` into one row with targets, loss mask and advantages."""
+    """Pack ``samples`` into one row with targets, loss mask and advantages.
+
+    Advantages are per sequence (``[B]``) unless a sample has ``token_advantages``; then every token gets
+    ``advantage + token_advantages[t]`` (``[N]``, 0 where there is no completion target).
+    """
     batch = pack([s.tokens for s in samples])
-    targets, mask, comp, slp = [], [], [], []
+    per_token = any(s.token_advantages is not None for s in samples)
+    targets, mask, comp, slp, adv = [], [], [], [], []
     for s in samples:
         toks, p, c = s.tokens, len(s.prompt_ids), len(s.completion_ids)
         targets += toks[1:] + [0]
-        is_comp = [False] * (p - 1) + [True] * c + [False]
-        comp += is_comp
-        mask += [float(s.train and x) for x in is_comp]
+        comp += [False] * (p - 1) + [True] * c + [False]
+        mask += [0.0] * (p - 1) + [float(m) for m in s.completion_loss_mask] + [0.0]
         slp += [0.0] * (p - 1) + list(s.sample_logprobs) + [0.0]
+        if per_token:
+            extra = s.token_advantages if s.token_advantages is not None else [0.0] * c
+            adv += [0.0] * (p - 1) + [s.advantage + float(x) for x in extra] + [0.0]
+        else:
+            adv.append(s.advantage)
     return MicroBatch(
         batch=batch.to(device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         mask=torch.tensor(mask, dtype=torch.float32, device=device),
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
+        advantages=torch.tensor(adv, dtype=torch.float32, device=device),
         sample_logprobs=torch.tensor(slp, dtype=torch.float32, device=device),
         completion_mask=torch.tensor(comp, dtype=torch.bool, device=device),
         num_loss_tokens=int(sum(mask)),
+        per_token_advantages=per_token,
     )
 
 
@@ -412,7 +448,8 @@ class PolicyUpdate:
             temperature=self.cfg.rollout.temperature, return_entropy=True,
             ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_high=epsilon_high, max_completion_length=max_new_tokens,
             num_items_in_batch=tokens if reduction == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
-            per_token_advantages=False, sampling_logprobs=mb.sample_logprobs, **loss_options(self.cfg),
+            per_token_advantages=mb.per_token_advantages, sampling_logprobs=mb.sample_logprobs,
+            **loss_options(self.cfg),
         )
         if reduction == "bnpo":
             loss = loss * mb.num_loss_tokens / tokens

@@ -176,6 +176,46 @@ def test_microbatch_targets_and_mask():
     assert mb.advantages.tolist() == [1.5, -1.0]
 
 
+def test_microbatch_loss_mask_and_token_advantages():
+    """Observation tokens (loss_mask 0) get no loss; token advantages ride on the sequence's advantage."""
+    mb = make_microbatch([Sample([5, 6], [8, 9, 10], [-0.5, 0.0, -0.25], 1.5, loss_mask=[1, 0, 1],
+                                 token_advantages=[0.25, 0.5, -2.0]),
+                          Sample([5], [4], [-1.0], -1.0)], torch.device("cpu"))
+    assert mb.mask.tolist() == [0, 1, 0, 1, 0, 1, 0]
+    assert mb.num_loss_tokens == 3
+    assert mb.per_token_advantages
+    assert mb.advantages.tolist() == [0, 1.75, 2.0, -0.5, 0, -1.0, 0]
+    with pytest.raises(ValueError, match="Sample.loss_mask has 2 values for 3 completion tokens"):
+        Sample([5], [1, 2, 3], [0.0] * 3, 0.0, loss_mask=[1, 0])
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_update_with_loss_mask_and_token_advantages_matches_reference(loss_type):
+    """A multi-turn-like batch: random observation spans (loss_mask 0) and per-token advantages. Expected: the
+    unpacked fp32 reference given the per-token advantages ``[B, T]`` and the mask with the observations zeroed."""
+    state = init_distributed("cpu")
+    g = torch.Generator().manual_seed(3)
+    samples = make_samples()
+    for s in samples:
+        c = len(s.completion_ids)
+        s.loss_mask = (torch.rand(c, generator=g) < 0.6).int().tolist()
+        s.token_advantages = torch.randn(c, generator=g).tolist()
+    cfg = load_config(overrides=[*TINY, f"grpo.loss_type={loss_type}", "train.max_tokens_per_microbatch=24"])
+    metrics, delta, model, before = run_update(cfg, samples, state)
+    logp, mask = teacher_forced_at(model, before, samples)
+    adv = torch.zeros_like(logp)
+    for b, s in enumerate(samples):
+        c = len(s.completion_ids)
+        mask[b, :c] *= torch.tensor(s.loss_mask, dtype=torch.float32)
+        adv[b, :c] = s.advantage + torch.tensor(s.token_advantages)
+    assert 0 < mask.sum() < sum(len(s.completion_ids) for s in samples)  # some observations, some sampled tokens
+    ref_loss, _ = grpo_loss_ref(logp, logp.detach(), adv, mask, loss_type=loss_type, max_completion_length=8)
+    ref_loss.backward()
+    assert metrics["loss"] == pytest.approx(float(ref_loss.detach()), rel=1e-5, abs=1e-7)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(delta[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def make_samples(n=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
