@@ -86,7 +86,10 @@ def check_peft_config(pc, where: str) -> None:
 def apply_lora(model: nn.Module, cfg: LoRAConfig, base_path: str) -> nn.Module:
     """Inject ``model.lora``'s adapters (fresh, or ``cfg.path``'s) into ``model`` in place and freeze the base;
     returns ``model`` itself (a Hugging Face causal LM whose targeted projections are PEFT ``lora.Linear``s)."""
-    from peft import PeftModel, get_peft_model
+    try:
+        from peft import PeftModel, get_peft_model
+    except ImportError:
+        raise ValueError("model.lora needs peft >= 0.17: pip install -e '.[lora]'") from None
 
     if cfg.path:
         from peft import PeftConfig

@@ -22,6 +22,7 @@ import torch
 from fastgrpo.attention import enable_packed_attention
 from fastgrpo.config import LoRAConfig, ModelConfig
 from fastgrpo.distributed import barrier, is_main_process
+from fastgrpo.lora import adapter_base, apply_lora, is_adapter_dir
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -89,13 +90,11 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
     ``base_model_name_or_path`` is ``cfg.path``, or for the tiny model ``base_dir``, where the main process saves
     the base once (HF format, with the tokenizer) when it is not there yet.
     """
-    from fastgrpo import lora as lora_mod
-
     dtype = DTYPES[cfg.dtype]
     lora_cfg = cfg.lora
-    if cfg.path != "tiny" and lora_mod.is_adapter_dir(cfg.path):
+    if cfg.path != "tiny" and is_adapter_dir(cfg.path):
         lora_cfg = dataclasses.replace(lora_cfg or LoRAConfig(), path=cfg.path)
-        cfg = dataclasses.replace(cfg, path=lora_mod.adapter_base(cfg.path), lora=lora_cfg)
+        cfg = dataclasses.replace(cfg, path=adapter_base(cfg.path), lora=lora_cfg)
     if cfg.path == "tiny":
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg, tokenizer, seed=seed).to(dtype)
@@ -122,7 +121,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
             tokenizer.pad_token = tokenizer.eos_token
         base_path = str(path.resolve())
     if lora_cfg is not None:
-        model = lora_mod.apply_lora(model, lora_cfg, base_path)
+        model = apply_lora(model, lora_cfg, base_path)
     enable_packed_attention(model)
     return model.to(device), tokenizer
 
