@@ -3,6 +3,7 @@
     python bench/bench_vs_trl.py            # tiny recipe sizes: 32 prompts x 8 generations, 8 new tokens
     python bench/bench_vs_trl.py --quick    # fewer steps, one seed
     python bench/bench_vs_trl.py --prompts 16 --generations 8 --max-new-tokens 32 --steps 6
+    python bench/bench_vs_trl.py --lora     # both sides train LoRA adapters (the same peft_config) on the frozen start
 
 Both sides start from the same checkpoint: the ``tiny`` recipe's Qwen2-shaped model (fp32) after ``--sft-steps``
 supervised warm-up steps of fastgrpo (untimed), so that answers are partly right, rewards vary within groups and
@@ -35,6 +36,13 @@ average is recorded with the rows: on a machine busier than its cores, multi-thr
 barriers (seconds per step instead of fractions) and only ``--threads 1`` gives comparable figures. TRL is not a
 dependency of fastgrpo: without it only fastgrpo runs, with a message (``pip install trl``; ``--trl-path DIR``
 adds a directory holding trl and its dependencies to the TRL process's ``PYTHONPATH``).
+
+``--lora``: both sides train LoRA adapters on the frozen shared start with the same PEFT configuration (r =
+``--lora-r``, alpha = 2r, dropout 0, the seven attention and MLP projections; ``lora-tiny``'s shape): fastgrpo with
+``model.lora.*`` (the engine reads base + adapters unmerged), TRL with ``GRPOTrainer(peft_config=LoraConfig(...))``
+(transformers ``generate`` of the PeftModel). ``peak_rss_gib`` is each side's process resident high-water mark
+(``VmHWM``, imports included: TRL's process also imports datasets and accelerate), read once at the end, so the
+timed steps run in the default allocator state (bench/common.py's rule): a process figure, not a per-call one.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 1e-3  # the tiny recipe's GRPO learning rate
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # fastgrpo's own breakdown of a step: column <- time/<phase> in its metrics
 PHASES = {"generation_s": "generation", "reward_s": "reward_wait", "reward_busy_s": "reward", "update_s": "update"}
 
@@ -98,10 +107,12 @@ def run_fastgrpo(args, out_dir: Path, model_path: Path, seed: int) -> dict:
         "grpo.mask_truncated_completions=false",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         "rollout.top_k=0", "checkpoint.save_final=false", f"train.seed={seed}",
+        *([f"model.lora.r={args.lora_r}", f"model.lora.alpha={2.0 * args.lora_r}", "model.lora.dropout=0.0",
+           f"model.lora.target_modules={json.dumps(LORA_TARGETS)}"] if args.lora else []),
     ])
     rows = [r for r in read_jsonl(out_dir / "metrics.jsonl") if "time/step" in r]
     out = {"step_s": [r["time/step"] for r in rows], "length": [r["response_length/mean"] for r in rows],
-           "reward": [r["reward/mean"] for r in rows]}
+           "reward": [r["reward/mean"] for r in rows], "peak_rss_gib": [max(r["peak_memory_gib"] for r in rows)]}
     for column, phase in PHASES.items():
         out[column] = [r.get(f"time/{phase}", float("nan")) for r in rows]
     return out
@@ -136,7 +147,8 @@ def run_trl(args, out_dir: Path, model_path: Path, seed: int) -> dict | None:
            "--prompts", str(args.prompts),
            "--generations", str(args.generations), "--max-new-tokens", str(args.max_new_tokens),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--device", args.device, "--seed", str(seed)]
+           "--device", args.device, "--seed", str(seed),
+           *(["--lora", "--lora-r", str(args.lora_r)] if args.lora else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -203,11 +215,20 @@ def trl_worker(args) -> None:
         use_cpu=use_cpu, bf16=False, fp16=False, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
     )
     timer = StepTimes()
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2.0 * args.lora_r, lora_dropout=0.0,
+                                 target_modules=LORA_TARGETS, bias="none", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=timed_reward, args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[timer])
+                          processing_class=tok, callbacks=[timer], peft_config=peft_config)
     trainer.train()
+    from fastgrpo.metrics import peak_memory_gib
+
     (out / "trl_result.json").write_text(json.dumps({"step_s": timer.step_s, "reward_s": timer.reward_s,
-                                                     "length": timer.length, "reward": timer.reward}))
+                                                     "length": timer.length, "reward": timer.reward,
+                                                     "peak_rss_gib": [peak_memory_gib("cpu")]}))
 
 
 def main() -> None:
@@ -223,6 +244,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="runs of each side, with seeds 0 .. SEEDS-1")
     parser.add_argument("--quick", action="store_true", help="3 timed steps, one seed")
     parser.add_argument("--trl-path", default="", help="directory with trl (and deps) to put on PYTHONPATH")
+    parser.add_argument("--lora", action="store_true", help="both sides train LoRA adapters (the same peft_config)")
+    parser.add_argument("--lora-r", type=int, default=32, help="LoRA rank with --lora (alpha = 2r)")
     parser.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -263,6 +286,7 @@ def main() -> None:
             sides.setdefault(f"trl {trl.pop('version')}", []).append(trl)
     rows = []
     for name, runs in sides.items():
+        peak = max(v for run in runs for v in run.pop("peak_rss_gib"))
         res = {k: [v for run in runs for v in run[k][args.warmup:]] for k in runs[0]}  # timed steps of every seed
         timed = res["step_s"]
         if len(timed) < 1:
@@ -273,7 +297,8 @@ def main() -> None:
                      "seeds": len(runs), "timed_steps": len(timed), "loadavg_1min": round(load, 2),
                      "s_per_step": statistics.median(timed), "s_per_step_min": min(timed),
                      "no_reward_s": statistics.median(rest), "response_length": statistics.mean(res["length"]),
-                     "reward_mean": statistics.mean(res["reward"]), "sft_steps": args.sft_steps})
+                     "reward_mean": statistics.mean(res["reward"]), "sft_steps": args.sft_steps,
+                     "lora_r": args.lora_r if args.lora else 0, "peak_rss_gib": peak})
         for key in PHASES:
             if key in res:
                 rows[-1][key] = statistics.median(res[key])
@@ -284,7 +309,10 @@ def main() -> None:
     if len(rows) == 2:
         print(f"fastgrpo takes {1 / rows[1]['vs_fastgrpo']:.3f} of TRL's time per step (target <= 0.333); "
               f"{1 / rows[1]['no_reward_vs_fastgrpo']:.3f} without the (shared) reward function")
-    path = append_rows("vs_trl", rows, device)
+    if args.lora and len(rows) == 2:
+        print(f"peak resident memory: fastgrpo {rows[0]['peak_rss_gib']:.2f} GiB, "
+              f"TRL {rows[1]['peak_rss_gib']:.2f} GiB")
+    path = append_rows("vs_trl_lora" if args.lora else "vs_trl", rows, device)
     print(f"rows appended to {path}")
 
 

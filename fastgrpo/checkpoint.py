@@ -31,6 +31,11 @@ fp32 parameters gathered): a resume loads the masters, and the compute weights a
 continues bit for bit. Without masters (fp32 training, or an HF bf16 model) ``"masters"`` is None and the weights
 come from the safetensors.
 
+LoRA (``model.lora``, :mod:`fastgrpo.lora`): instead of the full weights, PEFT's ``adapter_model.safetensors`` +
+``adapter_config.json`` (the adapters in the compute dtype; ``PeftModel.from_pretrained(base, dir)`` loads them, and
+``base_model_name_or_path`` names the base's directory); ``"masters"`` and the optimizer state hold the adapters'
+alone. The frozen base is never written here (it is ``model.path``, or ``<run dir>/base`` for the tiny model).
+
 Loading copies values into the existing parameters (``load_state_dict`` copies in place): the co-located
 generation engine holds those very tensors, so no ``Parameter`` is ever replaced.
 """
@@ -61,6 +66,7 @@ from fastgrpo.distributed import (
     get_world_size,
     unwrap_model,
 )
+from fastgrpo.lora import adapter_names, is_lora, read_adapter, save_adapter
 from fastgrpo.precision import MasterAdamW
 
 CHECKPOINT_DIR = "checkpoints"
@@ -198,6 +204,9 @@ def _save_model(model: nn.Module, out: Path, sd: dict | None, dtype: torch.dtype
     """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone. ``dtype``: the
     weights' dtype for ``config.json`` (HF reads the dtype of the parameters, fp32 shards under FSDP2)."""
     inner = unwrap_model(model)
+    if is_lora(inner):
+        save_adapter(inner, out, sd, dtype)
+        return
     if hasattr(inner, "save_pretrained"):
         from transformers.utils import logging as hf_logging
 
@@ -279,7 +288,9 @@ def save_checkpoint(
     if rank == 0 and isinstance(optimizer, MasterAdamW):
         names = {id(p): n for n, p in inner.named_parameters()}
         masters = {names[id(p)]: m.detach().cpu() for p, m in zip(optimizer.model_params, optimizer.masters)}
-    elif rank == 0 and model_sd is not None and dtype is not None:
+    if rank == 0 and model_sd is not None and is_lora(inner):  # the adapters alone (the base is frozen, not saved)
+        model_sd = {n: model_sd[n] for n in adapter_names(inner)}
+    if masters is None and rank == 0 and model_sd is not None and dtype is not None:
         if any(v.is_floating_point() and v.dtype != dtype for v in model_sd.values()):
             masters = model_sd
             model_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
@@ -374,6 +385,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _read_weights(path: Path, inner: nn.Module) -> dict[str, torch.Tensor]:
+    """The saved weights by ``inner``'s parameter names: the adapters' for a LoRA model, else the full model's."""
+    return read_adapter(path, inner) if is_lora(inner) else _read_safetensors(path)
+
+
 def _complete_tied(sd: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
     """Add entries for tied parameters (one tensor, several names) that the file stores once."""
     by_param: dict[int, list[str]] = {}
@@ -426,22 +442,26 @@ def load_checkpoint(
 
         prefix = fqn_prefix(fsdp, inner)
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        weights = masters if masters is not None else (_read_safetensors(path) if rank == 0 else None)
+        weights = masters if masters is not None else (_read_weights(path, inner) if rank == 0 else None)
         sd = {prefix + k: v for k, v in _complete_tied(dict(weights), inner).items()} if rank == 0 else {}
-        set_model_state_dict(fsdp, sd, options=opts)
+        set_model_state_dict(fsdp, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                strict=not is_lora(inner)))
         if optimizer is not None and saved_optim["state"]:
             osd = _prefixed(saved_optim, prefix) if rank == 0 else {}
             set_optimizer_state_dict(fsdp, optimizer, optim_state_dict=osd, options=opts)
         elif optimizer is not None:  # saved before any step: hyper-parameters only, no tensors to scatter
             optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))
     else:
-        sd = _complete_tied(dict(masters) if masters is not None else _read_safetensors(path), inner)
+        sd = _complete_tied(dict(masters) if masters is not None else _read_weights(path, inner), inner)
         try:
             result = inner.load_state_dict(sd, strict=False)  # copies (rounded to the parameters' dtype) in place
         except RuntimeError as e:  # shape mismatches
             raise ValueError(f"path {path} does not match the model: {e}") from None
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(f"path {path} does not match the model: missing {result.missing_keys[:5]}, "
+        missing = result.missing_keys
+        if is_lora(inner):  # the frozen base is not in a LoRA checkpoint
+            missing = sorted(set(missing) & set(adapter_names(inner)))
+        if missing or result.unexpected_keys:
+            raise ValueError(f"path {path} does not match the model: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}")
         if optimizer is not None:
             optimizer.load_state_dict(_named_to_optimizer(saved_optim, optimizer, inner, path))

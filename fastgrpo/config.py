@@ -67,6 +67,46 @@ def _check_min(name: str, value, low, *, strict: bool = False) -> None:
         _fail(name, f"must be {'>' if strict else '>='} {low}", value)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# module names the unmerged engine cannot adapt: the fused losses read the head's weight directly, and the embedding
+# is a lookup (fastgrpo.lora)
+LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (PEFT's modules and files) on a frozen base: see fastgrpo/lora.py."""
+
+    r: int = 16
+    """Rank of every adapter."""
+    alpha: float = 32.0
+    """Scale numerator: the update is (alpha / r) · B A, or (alpha / sqrt(r)) · B A with use_rslora."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in training forwards only (never in generation or no-grad forwards): with
+    dropout > 0 the training forward is not the sampler's distribution and the on-policy ratio is not 1."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names of the linear modules to adapt (default: the attention and MLP projections)."""
+    use_rslora: bool = False
+    """rsLoRA's scaling alpha / sqrt(r) instead of alpha / r."""
+    path: str = ""
+    """An existing PEFT adapter directory to continue from (its adapter_config.json sets r, alpha, targets, rsLoRA,
+    dropout; the fields above are then unused); empty: fresh adapters (B = 0: the policy starts as the base)."""
+
+    def __post_init__(self):
+        _check_min("model.lora.r", self.r, 1)
+        _check_min("model.lora.alpha", self.alpha, 0, strict=True)
+        if not 0 <= self.dropout < 1:
+            _fail("model.lora.dropout", "must be in [0, 1)", self.dropout)
+        if not self.target_modules:
+            _fail("model.lora.target_modules", "must name at least one module", self.target_modules)
+        refused = [t for t in self.target_modules if t.split(".")[-1] in LORA_REFUSED_TARGETS]
+        if refused:
+            _fail("model.lora.target_modules", "must not hold the LM head or the embeddings (the fused losses read "
+                  "the head's weight directly; the engine does not merge adapters)", refused)
+        if self.path and not Path(self.path).is_dir():
+            _fail("model.lora.path", "must be a PEFT adapter directory", self.path)
+
+
 @dataclass
 class ModelConfig:
     """The policy: a local Hugging Face causal LM, or the built-in tiny model."""
@@ -87,6 +127,10 @@ class ModelConfig:
     """Built-in tiny model: key/value heads (GQA)."""
     tiny_intermediate_size: int = 256
     """Built-in tiny model: MLP width."""
+    tiny_initializer_range: float = 0.02
+    """Built-in tiny model: std of its random weights (HF's initializer_range; the tied head's too)."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters on the frozen base (null: full fine-tuning); a model.lora.<field>=... override turns it on."""
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -95,6 +139,7 @@ class ModelConfig:
         for name in ("tiny_hidden_size", "tiny_num_layers", "tiny_num_heads", "tiny_num_kv_heads",
                      "tiny_intermediate_size"):
             _check_min(f"model.{name}", getattr(self, name), 1)
+        _check_min("model.tiny_initializer_range", self.tiny_initializer_range, 0, strict=True)
         if self.tiny_num_heads % self.tiny_num_kv_heads:
             _fail("model.tiny_num_heads", f"must be a multiple of model.tiny_num_kv_heads={self.tiny_num_kv_heads}",
                   self.tiny_num_heads)
@@ -782,6 +827,14 @@ class Config:
         if self.sft.warmup_format == "tool_calls" and "add" not in self.env.tools:
             _fail("sft.warmup_format", "tool_calls demonstrates the 'add' tool: env.tools must include 'add'",
                   self.sft.warmup_format)
+        if self.model.lora is not None:
+            if self.algorithm == "dpo" and self.sft.warmup_steps:
+                _fail("sft.warmup_steps", "must be 0 with model.lora and algorithm dpo (the reference is the base "
+                      "with the adapters disabled, not the warmed-up policy)", self.sft.warmup_steps)
+            for i, s in enumerate(self.stages):
+                if s.reset_reference:
+                    _fail(f"stages[{i}].reset_reference", "must be false with model.lora (the reference is the "
+                          "base with the adapters disabled, not a copy)", s.reset_reference)
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)

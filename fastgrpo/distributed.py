@@ -339,6 +339,7 @@ def wrap_model(
       ``torch.distributed.fsdp.MixedPrecisionPolicy``. By default a model in a low precision (bf16) is upcast in
       place to fp32 sharded parameters (the fp32 master weights) with ``param_dtype`` = its dtype (bf16 all-gather,
       forward and backward) and ``reduce_dtype=float32`` (see :mod:`fastgrpo.precision`); an fp32 model stays fp32.
+      Frozen parameters (a LoRA base, ``fastgrpo.lora``) are not upcast: they stay sharded in the compute dtype.
       ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
       Every forward all-gathers, so all ranks must run the same number of forwards per step.
     - ``"none"``: the model unchanged.
@@ -379,7 +380,12 @@ def wrap_model(
         if len(low) > 1:
             raise ValueError(f"model parameters mix dtypes {sorted(map(str, low))}; give mp_policy explicitly")
         if low:  # fp32 sharded parameters (the optimizer's masters), gathered in the compute dtype
-            model.float()
+            if all(p.requires_grad for p in model.parameters()):
+                model.float()
+            else:  # a frozen base (LoRA) stays in the compute dtype: only the trainable parameters get masters
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.data = p.data.float()
             mp_policy = MixedPrecisionPolicy(param_dtype=low.pop(), reduce_dtype=torch.float32)
         else:
             mp_policy = MixedPrecisionPolicy()

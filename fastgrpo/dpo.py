@@ -32,6 +32,8 @@ reward is exactly 0 there, on every path. From the second step on the policy has
 asked for. Otherwise a frozen copy of the starting policy (a second set of
 weights on every rank: 3 GB for a 1.5B model in bf16) computes them in every step; when the warm-up changed the
 weights, that copy is also written to ``<run dir>/dpo_reference.safetensors`` for a resume.
+With ``model.lora`` the reference is the base, the policy with its adapters disabled (``fastgrpo.lora``; TRL's
+convention with PEFT), in both modes, with no copy (with ``model.lora.path``: the base, not that adapter).
 
 Metrics (TRL's names): ``loss``, ``rewards/chosen`` = mean β(π_c − ref_c), ``rewards/rejected``,
 ``rewards/accuracies`` (share of pairs with the chosen reward above the rejected one), ``rewards/margins``,
@@ -43,6 +45,7 @@ synthetic task's held-out prompts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -62,6 +65,7 @@ from fastgrpo.distributed import (
 )
 from fastgrpo.grpo import _call, _no_grad_forward, packed_forward
 from fastgrpo.kernels.dpo_loss import fused_linear_dpo_loss
+from fastgrpo.lora import adapters_disabled, is_lora
 from fastgrpo.packing import plan_microbatches
 from fastgrpo.precision import accumulate, train_mode
 from fastgrpo.sft import LMBatch, clip_and_step, lm_batch, same_count
@@ -117,6 +121,7 @@ class DPO:
         self.ref_tables: dict[str, torch.Tensor | None] = {}  # split → [n, 2] (chosen, rejected) fp32 sums
         self.ref_forward = None  # the frozen reference model (on the fly), as a packed-forward module
         self.reference_saved = False
+        self.base_reference = is_lora(trainer.model)  # LoRA: the reference is the policy, adapters disabled
 
     @property
     def rows_per_step(self) -> int:
@@ -183,6 +188,16 @@ class DPO:
         st = self.trainer.state
         table = torch.zeros(len(self._splits()[split]), 2, device=st.device)
         policy = _no_grad_forward(self.trainer.wrapped)
+        with self._as_reference():
+            self._fill_table(table, policy, split)
+        return all_reduce(table).cpu()
+
+    def _as_reference(self):
+        """The policy's forwards compute the reference's log-probs in the block: with LoRA, adapters disabled."""
+        return adapters_disabled(self.trainer.model) if self.base_reference else contextlib.nullcontext()
+
+    def _fill_table(self, table: torch.Tensor, policy, split: str) -> None:
+        st = self.trainer.state
         for owner, padded in self._layouts(split):
             for (idx, mb), weight in padded:
                 logps = sequence_logps(policy, mb)  # [2B]; stand-ins (no pair of this rank) too, for FSDP2
@@ -190,7 +205,6 @@ class DPO:
                 for j in new:
                     if owner.pop(idx[j], None) is not None:  # a repeat in the same share is not written twice
                         table[idx[j]] = torch.stack(logps.chunk(2), 1)[j]
-        return all_reduce(table).cpu()
 
     def _reference_model(self, path: Path | None):
         """A frozen copy of the starting policy: model.path loaded again, then the weights at ``path`` or, with
@@ -200,6 +214,8 @@ class DPO:
         from fastgrpo.models import load_model
 
         st = self.trainer.state
+        if self.base_reference:  # no copy: _reference runs the policy with its adapters disabled
+            return
         ref, _ = load_model(self.cfg.model, st.device, seed=self.cfg.train.seed)
         if path is not None:
             load_weights(ref, str(path), device=str(st.device))
@@ -221,7 +237,7 @@ class DPO:
                    f"{time.perf_counter() - start:.1f} s")
             return
         self._reference_model(None)
-        if self.cfg.sft.warmup_steps:  # the reference is not model.path: keep it for a resume
+        if self.cfg.sft.warmup_steps and not self.base_reference:  # not model.path: keep it for a resume
             if t.state.is_main:
                 from safetensors.torch import save_model
 
@@ -258,6 +274,9 @@ class DPO:
         """``([B], [B])`` reference sums of the micro-batch's pairs ``idx`` of ``split``."""
         if self.ref_forward is not None:
             return sequence_logps(self.ref_forward, mb).chunk(2)
+        if self.base_reference and not self.cfg.dpo.precompute_ref_logprobs:
+            with torch.no_grad(), self._as_reference():
+                return sequence_logps(_no_grad_forward(self.trainer.wrapped), mb).chunk(2)
         table = self.ref_tables[split][idx].to(mb.targets.device)  # [B, 2]
         return table[:, 0], table[:, 1]
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.engine_cache import _Workspace
+from fastgrpo.lora import lora_terms
 
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
@@ -22,6 +23,14 @@ LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA
 class _ModelPieces:
     """The forward pieces of :class:`~fastgrpo.generation.GenerationEngine` (its attributes: model, layers, head
     counts, scale, qk_norm, silu, _compile, _compiled_ops)."""
+
+    _lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per generate call
+
+    def _read_adapters(self) -> None:
+        """Read every projection's live LoRA adapters (:func:`fastgrpo.lora.lora_terms`) for one ``generate`` call,
+        in which they do not change: the step then looks them up instead of walking PEFT's properties (~20 µs a
+        projection) at every layer and step; empty for a model without adapters."""
+        self._lora = {m: t for layer in self.layers for m in layer.modules() if (t := lora_terms(m))}
 
     def _autocast(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
         if dtype == param_dtype:
@@ -48,9 +57,10 @@ class _ModelPieces:
         """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
         attn = layer.self_attn
         M = h.shape[0]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(M, self.num_heads, self.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(M, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(M, self.num_kv_heads, self.head_dim)
+        lora = self._lora
+        q = _proj(h, attn.q_proj, lora).view(M, self.num_heads, self.head_dim)
+        k = _proj(h, attn.k_proj, lora).view(M, self.num_kv_heads, self.head_dim)
+        v = _proj(h, attn.v_proj, lora).view(M, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = ops.rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = ops.rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -61,17 +71,18 @@ class _ModelPieces:
         """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
         workspace the gate and up projections and the activation go to its buffers (in place, the same values)."""
         attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-        o = F.linear(o_MQ, attn.o_proj.weight, attn.o_proj.bias)
+        lora = self._lora
+        o = _proj(o_MQ, attn.o_proj, lora)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
         if work is None or work.gate is None:
-            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+            gate = _proj(h, mlp.gate_proj, lora)
+            up = _proj(h, mlp.up_proj, lora)
             act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
-            return x, F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias)
-        gate = _linear_t(h, mlp.gate_proj.weight, mlp.gate_proj.bias, work.gate)  # [M, I] feature-major views
-        up = _linear_t(h, mlp.up_proj.weight, mlp.up_proj.bias, work.up)
+            return x, _proj(act, mlp.down_proj, lora)
+        gate = _proj(h, mlp.gate_proj, lora, work.gate)  # [M, I] feature-major views
+        up = _proj(h, mlp.up_proj, lora, work.up)
         act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
-        return x, _linear_t(act, mlp.down_proj.weight, mlp.down_proj.bias, work.down)
+        return x, _proj(act, mlp.down_proj, lora, work.down)
 
     def _norm_in(self, ops: _Ops, layer, x, delta):
         """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
@@ -176,6 +187,27 @@ class _ModelPieces:
             if bias_V is not None:
                 logits_VM += bias_V.float()[:, None]
             return logits_VM.t()
+
+
+def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection of the model on rows ``x [M, K]``: ``x Wᵀ + b`` from the module's own tensors, plus, for a PEFT
+    LoRA layer, each live adapter's ``s · (x Aᵀ) Bᵀ`` (never merged: ``W`` stays the loaded base; ``lora``: the
+    call's adapters, ``_ModelPieces._read_adapters``). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched
+    over the rows.
+
+    Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to the compute dtype), the path
+    of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``), then
+    ``+= s · B (A xᵀ)`` in place (one ``addmm``); the two differ by rounding only."""
+    terms = lora.get(module, ())
+    if out is None:
+        y = F.linear(x_MK, module.weight, module.bias)
+        for A_RK, B_NR, s in terms:
+            y = y + F.linear(F.linear(x_MK, A_RK), B_NR) * s
+        return y
+    y_MN = _linear_t(x_MK, module.weight, module.bias, out)
+    for A_RK, B_NR, s in terms:
+        y_MN.t().addmm_(B_NR, torch.mm(A_RK, x_MK.t()), alpha=s)  # [N, M] += s · B (A xᵀ)
+    return y_MN
 
 
 def _linear_t(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, out: torch.Tensor):

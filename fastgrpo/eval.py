@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from fastgrpo.models import load_model, set_cpu_threads
 
     parser = argparse.ArgumentParser(description="avg@k / pass@k of a model on the validation prompts")
-    parser.add_argument("model", help="checkpoint directory or local Hugging Face model")
+    parser.add_argument("model", help="checkpoint directory (full, or a LoRA adapter: its base is loaded too) or "
+                        "local Hugging Face model")
     parser.add_argument("--recipe", default=None, help="recipe whose data settings to use (default: tiny)")
     parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
     parser.add_argument("--k", type=int, default=None, help="samples per prompt (default: eval.k)")

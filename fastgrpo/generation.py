@@ -98,6 +98,7 @@ from fastgrpo.engine_sampling import Completion, SamplingParams, TurnHandler, Tu
 from fastgrpo.engine_turns import _TurnSteps
 from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
+from fastgrpo.lora import check_modules, unwrap_peft
 from fastgrpo.scheduler import Scheduler
 
 __all__ = [
@@ -120,7 +121,8 @@ class GenerationEngine(_ModelPieces):
     """Batched sampling with ``model``'s own parameters and a KV cache that lives only during :meth:`generate`.
 
     Args:
-        model: a Hugging Face causal LM of a supported architecture (Llama, Qwen2/2.5, Qwen3). Its parameters are
+        model: a Hugging Face causal LM of a supported architecture (Llama, Qwen2/2.5, Qwen3), or a PEFT
+            ``PeftModel`` of one with LoRA adapters (read unmerged: base + adapter per projection). Its parameters are
             read in place at every call, so an optimizer step is seen by the next call.
         eos_token_ids: token id(s) that end a completion (with each call's ``stop_token_ids``).
         max_batch_size: most sequences decoded at once (rows).
@@ -158,6 +160,8 @@ class GenerationEngine(_ModelPieces):
         row_cache: bool | None = None,
         tokenizer=None,
     ):
+        model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.lora)
+        check_modules(model)
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -288,6 +292,7 @@ class GenerationEngine(_ModelPieces):
 
         was_training = model.training
         model.eval()
+        self._read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.lora)
         try:
             with torch.no_grad(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
@@ -295,6 +300,7 @@ class GenerationEngine(_ModelPieces):
                 return run.run(on_group_done)
         finally:
             model.train(was_training)
+            self._lora = {}  # the adapters are read afresh by the next call
 
     # ------------------------------------------------------------------ validation and planning
 

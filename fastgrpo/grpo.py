@@ -60,12 +60,13 @@ import torch
 
 from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config, RewardScalingConfig
-from fastgrpo.distributed import ForwardWrapper, all_reduce, broadcast_object, print0, reduce_metrics
+from fastgrpo.distributed import ForwardWrapper, all_reduce, broadcast_object, print0, reduce_metrics, unwrap_model
 from fastgrpo.generation import Completion, SamplingParams
 from fastgrpo.kernels.grpo_options import LOSS_POLICY, LOSS_REDUCTION, POLICY_METRICS
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
+from fastgrpo.lora import adapters_disabled, is_lora
 from fastgrpo.models import lm_head_params
 from fastgrpo.packing import PackedBatch, pack, plan_microbatches
 from fastgrpo.precision import accumulate, optimizer_params, train_mode
@@ -372,13 +373,11 @@ class PolicyUpdate:
         # Old and reference log-probs: no-grad packed forwards before any update of this rollout. The policy's go
         # through its wrapped forward (under FSDP2 that gathers the sharded weights, a collective: padded counts).
         if len(steps) > 1 and self.uses_old_logprobs:
-            policy = _no_grad_forward(self.model)
-            for mbs, n_mb in zip(plans, n_mbs):
-                for i in range(n_mb):
-                    logp_N = packed_logprobs(policy, mbs[min(i, len(mbs) - 1)], temperature)
-                    if i < len(mbs):
-                        mbs[i].old_logprobs = logp_N
-        if beta > 0:  # the reference model is a plain module on every rank: no collective
+            self._policy_logprobs(plans, n_mbs, "old_logprobs", temperature)
+        if beta > 0 and self.ref_forward is None:  # LoRA: the policy with its adapters disabled is the reference
+            with adapters_disabled(unwrap_model(self.model)):
+                self._policy_logprobs(plans, n_mbs, "ref_logprobs", temperature)
+        elif beta > 0:  # the reference model is a plain module on every rank: no collective
             for mbs in plans:
                 for mb in mbs:
                     mb.ref_logprobs = packed_logprobs(self.ref_forward, mb, temperature)
@@ -421,6 +420,16 @@ class PolicyUpdate:
         out["optimizer_steps"] = float(len(plans) - num_bad - num_skipped)
         out["bad_steps"] = float(num_bad)
         return out
+
+    def _policy_logprobs(self, plans: list[list[MicroBatch]], n_mbs: list[int], attr: str, temperature: float):
+        """``mb.<attr>`` = the policy's no-grad log-probs of every micro-batch, through its wrapped forward (under
+        FSDP2 that gathers the sharded weights, a collective: every rank runs the padded counts ``n_mbs``)."""
+        policy = _no_grad_forward(self.model)
+        for mbs, n_mb in zip(plans, n_mbs):
+            for i in range(n_mb):
+                logp_N = packed_logprobs(policy, mbs[min(i, len(mbs) - 1)], temperature)
+                if i < len(mbs):
+                    setattr(mbs[i], attr, logp_N)
 
     def _loss(self, mb: MicroBatch, tokens: float, seqs: float, beta: float, epsilon_high: float | None,
               max_new_tokens: int):
@@ -505,7 +514,8 @@ class GRPO:
 
     ``trainer`` gives the wrapped model, optimizer, scheduler, tokenizer, generation (``trainer.generate``) and the
     shared avg@k validation (``trainer.accuracy_eval``). The frozen reference model (β > 0 in the config or a
-    stage) is ``model.path`` loaded again: the initial weights; from a stage with ``reset_reference`` on, the
+    stage) is ``model.path`` loaded again: the initial weights (with ``model.lora``: no second model, the policy
+    with its adapters disabled, ``fastgrpo.lora.adapters_disabled``); from a stage with ``reset_reference`` on, the
     policy's weights at that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in
     :meth:`state_dict`, so a resumed run loads them back). Rewards are scored by a
     :class:`fastgrpo.reward_pool.RewardPool` (its workers start here, during the model set-up and warm-up; the
@@ -544,7 +554,7 @@ class GRPO:
             self.envs = build_environments(cfg, self.rewards, factory, tools)
             self.templates = build_templates(self.envs, trainer.tokenizer)
         self.ref_model = None
-        if cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages):
+        if not is_lora(trainer.model) and (cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages)):
             self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
             self.ref_model.requires_grad_(False).eval()
         self.reference_step: int | None = None

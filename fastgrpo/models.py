@@ -22,6 +22,7 @@ as before (``<|user|>1+2=<|assistant|>``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import string
 from pathlib import Path
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 
 from fastgrpo.attention import enable_packed_attention
-from fastgrpo.config import ModelConfig
+from fastgrpo.config import LoRAConfig, ModelConfig
+from fastgrpo.distributed import barrier, is_main_process
+from fastgrpo.lora import adapter_base, apply_lora, is_adapter_dir
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -103,6 +106,7 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
         num_hidden_layers=cfg.tiny_num_layers,
         num_attention_heads=cfg.tiny_num_heads,
         num_key_value_heads=cfg.tiny_num_kv_heads,
+        initializer_range=cfg.tiny_initializer_range,
         max_position_embeddings=TINY_MAX_POSITIONS,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
@@ -116,16 +120,33 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
     return model
 
 
-def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0):
+def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_dir: str | os.PathLike | None = None):
     """``(model, tokenizer)`` on ``device`` in ``cfg.dtype``, with the packed attention enabled.
 
     ``cfg.path == "tiny"`` builds the built-in model; otherwise ``cfg.path`` must be a local directory holding a
-    Hugging Face causal LM and its tokenizer (Qwen2/2.5/3, Llama, ...).
+    Hugging Face causal LM and its tokenizer (Qwen2/2.5/3, Llama, ...), or a PEFT adapter (a LoRA checkpoint of
+    fastgrpo's): its ``base_model_name_or_path`` is loaded and the adapter applied, as ``model.lora.path``.
+    ``cfg.lora``: PEFT LoRA adapters on the frozen base (:func:`fastgrpo.lora.apply_lora`); their
+    ``base_model_name_or_path`` is ``cfg.path``, or for the tiny model ``base_dir``, where the main process saves
+    the base once (HF format, with the tokenizer) when it is not there yet.
     """
     dtype = DTYPES[cfg.dtype]
+    lora_cfg = cfg.lora
+    if cfg.path != "tiny" and is_adapter_dir(cfg.path):
+        lora_cfg = dataclasses.replace(lora_cfg or LoRAConfig(), path=cfg.path)
+        cfg = dataclasses.replace(cfg, path=adapter_base(cfg.path), lora=lora_cfg)
     if cfg.path == "tiny":
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg, tokenizer, seed=seed).to(dtype)
+        base_path = "tiny"
+        if lora_cfg is not None and base_dir is not None:
+            base_path = str(Path(base_dir).resolve())
+            if is_main_process() and not (Path(base_dir) / "config.json").is_file():
+                from fastgrpo.checkpoint import _save_model
+
+                _save_model(model, Path(base_dir), None)
+                tokenizer.save_pretrained(base_dir)
+            barrier()
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,6 +159,9 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        base_path = str(path.resolve())
+    if lora_cfg is not None:
+        model = apply_lora(model, lora_cfg, base_path)
     enable_packed_attention(model)
     return model.to(device), tokenizer
 

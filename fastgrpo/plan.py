@@ -31,6 +31,14 @@ forward itself runs before the student's, so its one-layer working set never mee
 sampled-token mode the teacher's forwards run between generation and the update (nothing of it at the peaks but its
 weights).
 
+With ``model.lora`` (:mod:`fastgrpo.lora`; p adapter parameters, ``r · (in + out)`` per targeted projection and
+layer) the base is frozen in the compute dtype and only the adapters train: weights ``c·(P + p)``; masters,
+optimizer and gradients as above with p for P (``4·p``, ``8·p``, ``4·p`` + ``c·p``; ``/ W`` under fsdp2, where the
+base's shard ``c·P / W`` stays resident too); no reference model (the base with the adapters disabled). Per token
+and layer, each adapted projection saves its ``x·A`` (``c·r``) for backward and the two frozen RMSNorms no longer save
+their normalised rows (``− 2·c·h``; the projections' inputs stay saved, by ``lora_A``), and the fused loss skips
+the frozen head's ``[V, H]`` gradient accumulator.
+
 Activations of one micro-batch of T tokens (``train.max_tokens_per_microbatch``, at least the longest sequence:
 one sequence is never split). What the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward,
 per token (h hidden, n_q / n_kv heads of d, I MLP width)::
@@ -144,6 +152,26 @@ def shape_of(model) -> ModelShape:
         layer_params=sum(p.numel() for p in layer.parameters()))
 
 
+def lora_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
+    """``(in, out)`` features of each projection LoRA may target (``model.lora.target_modules``)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden),
+            "gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
+            "down_proj": (s.intermediate, s.hidden)}
+
+
+def lora_params(s: ModelShape, cfg: Config) -> int:
+    """Adapter parameters of ``model.lora`` (0 without it): ``r · (in + out)`` per targeted projection and layer."""
+    lora = cfg.model.lora
+    if lora is None:
+        return 0
+    dims = lora_dims(s)
+    unknown = [t for t in lora.target_modules if t not in dims]
+    if unknown:
+        raise ValueError(f"model.lora.target_modules: the plan knows {sorted(dims)}, not {unknown}")
+    return s.layers * sum(lora.r * sum(dims[t]) for t in lora.target_modules)
+
+
 def layer_saved_bytes_per_token(s: ModelShape, c: int) -> int:
     """``A``: bytes one decoder layer's packed forward saves for backward, per token (module docstring)."""
     qk = (s.heads + s.kv_heads) * s.head_dim
@@ -151,19 +179,22 @@ def layer_saved_bytes_per_token(s: ModelShape, c: int) -> int:
     return 2 * (4 * s.hidden + 4 + 2 * c * s.hidden) + qk_norm + c * 2 * qk + 4 * s.heads + 4 * c * s.intermediate
 
 
-def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool) -> int:
-    """Activations of one micro-batch of ``tokens`` tokens, at the start of its backward (module docstring)."""
-    per_layer = layer_saved_bytes_per_token(s, c)
+def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool, lora_per_layer: int = 0) -> int:
+    """Activations of one micro-batch of ``tokens`` tokens, at the start of its backward (module docstring);
+    ``lora_per_layer``: LoRA's change of a layer's bytes per token (module docstring)."""
+    per_layer = layer_saved_bytes_per_token(s, c) + lora_per_layer
     once = 4 * s.hidden + 4 + 2 * c * s.hidden + 2 * c * s.head_dim + PER_TOKEN_LOSS_BYTES
     transient = c * (2 * s.intermediate + 2 * s.hidden)
     kept = s.layers * c * s.hidden + per_layer if checkpointing else s.layers * per_layer
     return tokens * (kept + once + transient)
 
 
-def loss_workspace_bytes(s: ModelShape, c: int, tokens: int, kernel: bool) -> int:
-    """The fused loss's backward workspace (``kernel``: the Triton path; else the chunked torch path)."""
+def loss_workspace_bytes(s: ModelShape, c: int, tokens: int, kernel: bool, frozen_head: bool = False) -> int:
+    """The fused loss's backward workspace (``kernel``: the Triton path; else the chunked torch path);
+    ``frozen_head`` (LoRA): no ``[V, H]`` gradient accumulator nor its cast."""
     V, H = s.vocab, s.hidden
-    out = 4 * V * H + 4 * tokens * H + c * tokens * H + (c * (V + tokens) * H if c < 4 else 0)
+    head = 0 if frozen_head else V
+    out = 4 * head * H + 4 * tokens * H + c * tokens * H + (c * (head + tokens) * H if c < 4 else 0)
     if kernel:
         n_tiles = math.ceil(tokens / TRITON_LOSS_BLOCK_N)
         splits = min(math.ceil(V / 128), max(1, math.ceil(SPLIT_PROGRAMS / n_tiles)))
@@ -183,6 +214,9 @@ class MemoryPlan:
     checkpointing: bool
     tokens: int
     weights: int
+    base_shard: int
+    """LoRA under fsdp2: the frozen base's resident shard (0 otherwise)."""
+    adapter_params: int
     masters: int
     optimizer: int
     gradients: int
@@ -204,7 +238,7 @@ class MemoryPlan:
 
     @property
     def static(self) -> int:
-        return self.masters + self.optimizer + self.gradients + self.reference + self.teacher
+        return self.base_shard + self.masters + self.optimizer + self.gradients + self.reference + self.teacher
 
     @property
     def generation_base(self) -> int:
@@ -278,9 +312,13 @@ class MemoryPlan:
             f"memory plan: {self.cfg.name}, model {self.cfg.model.path} ({s.params / 1e6:.1f}M parameters, "
             f"{s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads}x{s.head_dim}, vocab {s.vocab}), "
             f"{self.cfg.model.dtype}, {t.strategy} on {self.nproc} GPU(s) of {self.gpu_bytes / GIB:g} GiB "
-            f"({self.usable / GIB:.1f} usable)",
+            f"({self.usable / GIB:.1f} usable)" + (f", LoRA r={self.cfg.model.lora.r} on "
+                                                  f"{len(self.cfg.model.lora.target_modules)} projections "
+                                                  f"({self.adapter_params / 1e6:.1f}M adapter parameters)"
+                                                  if self.adapter_params else ""),
             "per GPU:",
             row("weights (compute dtype)", self.weights, "gathered in generation" if t.strategy == "fsdp2" else ""),
+            *([row("frozen base shard (LoRA)", self.base_shard)] if self.base_shard else []),
             row("master weights (fp32)", self.masters),
             row("optimizer state (AdamW, fp32)", self.optimizer),
             row("gradients", self.gradients),
@@ -327,19 +365,24 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     t, r, g = cfg.train, cfg.rollout, cfg.grpo
     ckpt = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     c = ELEMENT_BYTES[cfg.model.dtype]
-    P = s.params
+    p = lora_params(s, cfg)  # the adapters (LoRA): what trains; without LoRA every parameter trains
+    P = s.params + p  # every weight the forward reads
+    trained = p if p else P
     fsdp = t.strategy == "fsdp2" and nproc > 1
     generates = cfg.algorithm in ("grpo", "distill")
     seq_len = longest_sequence(cfg) if generates else 1
     tokens = max(t.max_tokens_per_microbatch, seq_len)
+    base_shard = 0
     if fsdp:
-        masters, optimizer, gradients = 4 * P // nproc, 8 * P // nproc, 4 * P // nproc
-        root = P - s.layers * s.layer_params
-        train_extra = c * (root + 2 * s.layer_params) + 4 * P  # gathered root + 2 layers; unsharded fp32 grads
+        masters, optimizer, gradients = 4 * trained // nproc, 8 * trained // nproc, 4 * trained // nproc
+        base_shard = c * s.params // nproc if p else 0  # a frozen base is sharded in the compute dtype
+        layer = s.layer_params + p // s.layers
+        root = P - s.layers * layer
+        train_extra = c * (root + 2 * layer) + 4 * trained  # gathered root + 2 layers; unsharded fp32 grads
     else:
-        masters = 0 if c == 4 else 4 * P
-        optimizer, gradients = 8 * P, 4 * P
-        train_extra = c * P + (c * P if c < 4 else 0)  # the weights; the compute-dtype gradients of a backward
+        masters = 0 if c == 4 else 4 * trained
+        optimizer, gradients = 8 * trained, 4 * trained
+        train_extra = c * P + (c * trained if c < 4 else 0)  # the weights; the compute-dtype grads of a backward
     per_rank_seqs = max(1, g.prompts_per_gen_batch * g.num_generations // nproc)  # one generation batch
     batch = min(r.max_batch_size, per_rank_seqs) if generates else 0
     # the engine prefills in packed chunks of PREFILL_CHUNK_TOKENS (a longer prompt, or a preempted sample's
@@ -356,13 +399,18 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         root_t = ts.params - ts.layers * ts.layer_params
         teacher_bytes = c * (ts.params // nproc + root_t + 2 * ts.layer_params if fsdp else ts.params)
         teacher_hidden = c * tokens * ts.hidden if cfg.distill.mode == "full" else 0
+    needs_ref = needs_ref and not p  # LoRA: the reference is the base, the adapters disabled
+    # per token and layer: the adapters' x·A, minus the frozen norms' normalised rows (module docstring)
+    lora_act = c * cfg.model.lora.r * len(cfg.model.lora.target_modules) - 2 * c * s.hidden if p else 0
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
-        weights=c * P, masters=masters, optimizer=optimizer, gradients=gradients, reference=c * P if needs_ref else 0,
-        teacher=teacher_bytes, teacher_hidden=teacher_hidden,
+        weights=c * P, base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
+        gradients=gradients, reference=c * P if needs_ref else 0, teacher=teacher_bytes, teacher_hidden=teacher_hidden,
         train_extra=train_extra,
-        activations=activation_bytes(s, c, tokens, ckpt), activations_other=activation_bytes(s, c, tokens, not ckpt),
-        loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss), generation_workspace=gen_ws,
+        activations=activation_bytes(s, c, tokens, ckpt, lora_act),
+        activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act),
+        loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss, frozen_head=bool(p)),
+        generation_workspace=gen_ws,
         kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch)
 
 

@@ -70,6 +70,7 @@ from fastgrpo.dpo import DPO  # noqa: E402
 from fastgrpo.eval import evaluate  # noqa: E402
 from fastgrpo.generation import GenerationEngine, SamplingParams  # noqa: E402
 from fastgrpo.grpo import GRPO, packed_forward  # noqa: E402
+from fastgrpo.lora import BASE_DIR  # noqa: E402
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics  # noqa: E402
 from fastgrpo.models import (  # noqa: E402
     DTYPES,
@@ -150,7 +151,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + st.rank)
 
         self.run_dir = self._run_dir()
-        self.model, self.tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed)
+        # with model.lora on the tiny model its base is saved once in <run dir>/base (the adapters' base_model_name)
+        self.model, self.tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed,
+                                                base_dir=self.run_dir / BASE_DIR)
         self.model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
         if cfg.train.activation_checkpointing:
             enable_activation_checkpointing(self.model)

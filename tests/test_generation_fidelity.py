@@ -103,8 +103,10 @@ def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, sp
     )
 
 
-def check_case(arch, seed, lengths, params, schedules):
+def check_case(arch, seed, lengths, params, schedules, adapt=None):
+    """``adapt(model, seed)``: the model the engine and Hugging Face run instead of the plain tiny one (LoRA)."""
     model = tiny_model(arch, seed=seed % 5)
+    model = model if adapt is None else adapt(model, seed)
     prompts = random_prompts(lengths, seed=seed)
     stops = set(params.stop_token_ids)
     runs = [engine_for(model, params, prompts, **s).generate(prompts, params) for s in schedules]

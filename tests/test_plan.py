@@ -235,3 +235,69 @@ def test_trainer_check_stops_on_cuda_when_it_does_not_fit(monkeypatch):
         check_fits(cfg, 1, torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
     check_fits(cfg, 1, torch.device("cuda", 0))
+
+
+# ---------------------------------------------------------------- LoRA (fastgrpo.lora)
+
+QWEN_7B = {name: str(Path(__file__).resolve().parent / "data" / name)
+           for name in ("deepseek-r1-distill-qwen-7b", "qwen2.5-7b")}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_params_and_saved_bytes_match_peft_and_autograd(monkeypatch, dtype):
+    """With LoRA on the seven projections: the plan's adapter count is PEFT's, and a decoder layer saves exactly the
+    full fine-tune's bytes plus each adapter's ``x·A`` (``c·r`` per token and projection), minus the normalised rows
+    the two frozen RMSNorms no longer keep for their weights' gradient (``2·c·h``); the frozen base's products no
+    longer save their input, but ``lora_A`` saves that same tensor."""
+    import peft
+
+    from fastgrpo.config import LORA_TARGETS
+    from fastgrpo.plan import lora_params
+
+    monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
+    r = 8
+    model = peft.get_peft_model(_hf_model("qwen2", dtype), peft.LoraConfig(r=r, target_modules=list(LORA_TARGETS)),
+                                autocast_adapter_dtype=False).get_base_model().train()
+    cfg = load_config("tiny", overrides=[f"model.lora.r={r}"])
+    base_shape = shape_of(_hf_model("qwen2", dtype))
+    assert lora_params(base_shape, cfg) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    batch = pack([list(range(1, 20)), list(range(5, 34)), list(range(40, 52))])
+    T = batch.input_ids.numel()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    owner, nbytes, current = {}, {}, [-1]
+
+    def pack_hook(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in owner:
+            owner[ptr], nbytes[ptr] = current[0], t.untyped_storage().nbytes()
+        return t
+
+    layers = model.get_decoder().layers
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1))
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        attention.packed_hidden_states(model, batch)
+    per_layer = [sum(n for p, n in nbytes.items() if owner[p] == i) for i in range(len(layers))]
+    c = dtype.itemsize
+    expected = (layer_saved_bytes_per_token(base_shape, c) + c * r * len(LORA_TARGETS) - 2 * c * base_shape.hidden) * T
+    assert per_layer[1:] == [expected] * (len(layers) - 1)
+
+
+@pytest.mark.parametrize("name", QWEN_7B)
+def test_lora_7b_verdicts(name):
+    """LoRA r = 64 under the DeepScaleR 8K stage (lora-deepscaler-7b): fits 1 x 80 and 8 x 80 GiB, with no reference
+    copy and the adapters' masters / AdamW / gradients alone (16 bytes a parameter, 161.5M); the full fine-tune of
+    the same model does not fit one GPU."""
+    cfg = load_config("lora-deepscaler-7b", overrides=[f"model.path={QWEN_7B[name]}"])
+    s = model_shape(cfg)
+    assert (s.params, s.layers, s.hidden, s.heads, s.kv_heads, s.intermediate, s.vocab) == (
+        7_615_616_512, 28, 3584, 28, 4, 18944, 152064)  # the published 7.6B
+    one, eight = memory_plan(cfg, 1, 80, shape=s), memory_plan(cfg, 8, 80, shape=s)
+    p = 28 * 64 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))  # q, o; k, v; gate, up, down
+    assert one.adapter_params == eight.adapter_params == p == 161_480_704
+    assert (one.masters, one.optimizer, one.gradients, one.reference) == (4 * p, 8 * p, 4 * p, 0)
+    assert one.fits and eight.fits, (one.verdict(), eight.verdict())
+    full = memory_plan(load_config("lora-deepscaler-7b", overrides=[f"model.path={QWEN_7B[name]}", "model.lora=null"]),
+                       1, 80, shape=s)
+    assert not full.fits
