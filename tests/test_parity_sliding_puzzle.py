@@ -113,9 +113,10 @@ DEPARTURES = [
      "right, slide r c) in its own words with a plain grid, after PUZZLE_PROMPT; the rules, rewards and stop string "
      "are NeMo-RL's (test_game_rules_are_nemo_rls)"),
     ("view and malformed turns", f"'view' shows the board without a move; a turn without <action> gets an error and "
-     f"its game state is dropped ({GAME} process_turn)", lambda c: c.data.puzzle_max_moves == 50,
-     "fastgrpo has no 'view' (the board follows every move) and a turn without an action costs a move; the game "
-     "ends unsolved after puzzle_max_moves moves"),
+     f"the board, and counts no move ({GAME} process_turn, which returns no new metadata for it)",
+     lambda c: c.data.puzzle_max_moves == c.rollout.max_turns == 50,
+     "fastgrpo has no 'view' (the board follows every move) and a turn without an action costs a move; with 50 "
+     "turns at most, both end a game by its 50th turn unless NeMo-RL's model spends turns on view"),
     ("board supply", f"a fresh board per prompt from the process's random module, an endless dataset ({RUN} "
      "IterablePuzzleDataset)", lambda c: c.data.synthetic_train_size == 32000,
      "fastgrpo draws 32000 boards (1000 steps' worth) with fixed seeds, so that a run and its resume see the same "

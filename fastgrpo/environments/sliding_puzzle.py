@@ -5,8 +5,9 @@ with the empty cell last. Each turn the model writes one action inside ``<action
 turn counts; the turn stops at ``</action>``): ``up`` / ``down`` / ``left`` / ``right`` slide the tile below / above
 / right of / left of the empty cell into it, and ``slide r c`` slides the tile at row ``r``, column ``c`` (1-based),
 which must touch the empty cell. As in NeMo-RL the reward is 1.0 on the move that solves the board (which ends the
-trajectory, "env_done") and 0 otherwise, with no penalty for an invalid move; unlike NeMo-RL, a turn without a
-readable action costs a move instead of ending the game, and the game ends (reward 0) after ``max_moves`` moves.
+trajectory, "env_done") and 0 otherwise, with no penalty for an invalid move (which, as in NeMo-RL, counts as a
+move); unlike NeMo-RL, a turn without a readable action costs a move too (NeMo-RL answers it with the board and counts
+none) and there is no ``view`` action; the game ends (reward 0) after ``max_moves`` moves.
 
 Boards are made by a random walk from the solved board (``shuffle_moves`` steps, seeded by the row's ``seed``; a step
 never undoes the one before unless ``backtrack``, as NeMo-RL's walk may) and kept only when no solution of fewer than
