@@ -1,5 +1,6 @@
 """The sliding-puzzle-qwen2.5-1.5b recipe against NeMo-RL's published sliding-puzzle recipe, knob by knob; its boards
-and game rules against NeMo-RL's; its memory plan; and the recipe on the tiny model through the engine.
+and game rules against NeMo-RL's; a game in Qwen2.5's chat template; its memory plan; and the recipe on the tiny
+model through the engine.
 
 Source: NVIDIA-NeMo/RL at commit 7ea279abfbeb698b092856d0dab61e7cf39bc909 (Aug 2026), the DAPO and DeepScaleR
 parities' commit: examples/configs/grpo_sliding_puzzle.yaml (last changed there by b93e399) over
@@ -276,3 +277,36 @@ def test_recipe_runs_through_the_engine_on_the_tiny_model(tmp_path):
     assert any(r["env/finish/env_done"] > 0 for r in steps)
     assert all(r["generation/resume_prefill_tokens/sum"] > 0 for r in steps)
     assert all(r["env/failures/reset/sum"] == 0 and r["env/failures/step/sum"] == 0 for r in steps)
+
+
+def test_a_game_in_qwen25s_template_is_its_rendering():
+    """A recipe row played to the end in Qwen2.5's published chat template (a local BPE tokenizer carrying it): the
+    template passes the prefix check, and prompt + each turn (stopped at '</action>') + each observation's suffix
+    decode to exactly the template's rendering of the whole conversation; the BFS-optimal play scores 1.0."""
+    from chat_tokenizers import qwen25
+    from test_environments import optimal_actions
+
+    from fastgrpo.chat import ChatTemplate
+    from fastgrpo.data import prompt_messages
+
+    cfg = load_config("sliding-puzzle-qwen2.5-1.5b")
+    row = next(r for r in synthetic_rows(cfg.data)[0] if r["size"] == 3 and r["shuffle_moves"] >= 5)
+    template, env = ChatTemplate(qwen25()), SlidingPuzzle()
+    assert "replaced" not in template.name  # Qwen2.5's own template is prefix-preserving
+    text, state = env.reset(**row)
+    messages = prompt_messages(row["prompt"], cfg.data)
+    messages[-1]["content"] += text
+    ids = template.prompt_ids(messages)
+    actions = optimal_actions(tuple(state["grid"]), 3)
+    assert len(actions) == 3  # this row's board (15 shuffle moves, seed 263): three turns, two observations
+    for k, a in enumerate(actions):
+        turn = f"The empty cell must move. <action>{a}</action>"
+        ids += template.ids(turn)
+        messages.append({"role": "assistant", "content": turn})
+        obs, reward, done, _ = env.step(turn, state)
+        assert (reward, done) == ((1.0, True) if k == len(actions) - 1 else (0.0, False))
+        if not done:
+            ids += template.suffix_ids(messages, [{"role": "user", "content": obs}])
+            messages.append({"role": "user", "content": obs})
+    tok = template.tok
+    assert tok.decode(ids) == template.render(messages, False).removesuffix(template.end_of_turn)
