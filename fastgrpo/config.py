@@ -593,7 +593,7 @@ class EnvConfig:
     added to the weighted reward functions scored on the final transcript."""
     timeout_s: float = 0.0
     """Seconds one tool call or environment step may take (0: reward.timeout_s)."""
-    max_observation_chars: int = 8192
+    max_observation_chars: int = 16384
     """A tool result or observation is cut to this many characters (counted in env/truncated)."""
     max_tool_calls_per_turn: int = 8
     """Tool calls of one turn beyond this are not run (each answered with an error)."""
