@@ -35,7 +35,7 @@ IS_LEVELS = ("token", "sequence")
 ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "seq-mask-tis",
                     "tis", "icepop")
 STRATEGIES = ("ddp", "fsdp2", "none")
-SYNTHETIC_TASKS = ("add",)
+SYNTHETIC_TASKS = ("add", "sliding_puzzle")
 ALGORITHMS = ("grpo", "dpo", "sft", "distill")
 DISTILL_MODES = ("full", "sampled_token")
 BUILTIN_ENVIRONMENTS = {"adder": "fastgrpo.environments.adder:AdderEnvironment",
@@ -177,13 +177,22 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (deterministic given train.seed)."""
     synthetic_task: str = "add"
-    """Built-in task: "add" (sum of small numbers, answer in \\boxed{})."""
+    """Built-in task: "add" (sum of small numbers, answer in \\boxed{}) or "sliding_puzzle" (boards for
+    env.environment_factory sliding_puzzle, GRPO only)."""
     synthetic_num_terms: int = 2
     """Built-in task: numbers per question."""
     synthetic_max_value: int = 9
     """Built-in task: largest number in a question."""
     synthetic_eval_size: int = 200
-    """Built-in task: held-out questions (never seen in training)."""
+    """Built-in task: held-out questions (never seen in training; sliding_puzzle: boards of other seeds)."""
+    synthetic_train_size: int = 32000
+    """sliding_puzzle task: training rows (one board each)."""
+    puzzle_size: int = 5
+    """sliding_puzzle task: largest board side; each row's is drawn from 2..puzzle_size (NeMo-RL's game_config.size)."""
+    puzzle_shuffle_moves: int = 15
+    """sliding_puzzle task: each row's shuffle moves are drawn from 1..this, an even draw plus one (NeMo-RL's)."""
+    puzzle_max_moves: int = 50
+    """sliding_puzzle task: moves per game, valid or not, before it ends unsolved (NeMo-RL's max_moves)."""
     max_length: int = 2048
     """DPO / SFT: longest sequence (prompt + response) in tokens; longer rows follow data.truncation."""
     truncation: str = "drop"
@@ -202,6 +211,10 @@ class DataConfig:
         _check_min("data.synthetic_num_terms", self.synthetic_num_terms, 2)
         _check_min("data.synthetic_max_value", self.synthetic_max_value, 1)
         _check_min("data.synthetic_eval_size", self.synthetic_eval_size, 1)
+        _check_min("data.synthetic_train_size", self.synthetic_train_size, 1)
+        _check_min("data.puzzle_size", self.puzzle_size, 2)
+        _check_min("data.puzzle_shuffle_moves", self.puzzle_shuffle_moves, 1)
+        _check_min("data.puzzle_max_moves", self.puzzle_max_moves, 1)
         _check_min("data.max_length", self.max_length, 2)
         _check_choice("data.truncation", self.truncation, TRUNCATION)
 
@@ -822,6 +835,13 @@ class Config:
             field_set = next(f for f in ("environment_factory", "environments", "tools") if getattr(self.env, f))
             _fail(f"env.{field_set}", f"is for algorithm grpo (multi-turn rollouts), not {self.algorithm}",
                   getattr(self.env, field_set))
+        if self.data.path == "synthetic" and self.data.synthetic_task == "sliding_puzzle":
+            if self.env.environment_factory != "sliding_puzzle":
+                _fail("data.synthetic_task", "sliding_puzzle rows are boards: env.environment_factory must be "
+                      "sliding_puzzle", self.data.synthetic_task)
+            if self.sft.warmup_steps:
+                _fail("sft.warmup_steps", "must be 0 with data.synthetic_task sliding_puzzle (no demonstrations)",
+                      self.sft.warmup_steps)
         if self.env.enabled and self.reward.num_workers == 0:
             _fail("reward.num_workers", "must not be 0 with an env: environments run in the reward workers", 0)
         if self.sft.warmup_format == "tool_calls" and "add" not in self.env.tools:

@@ -378,6 +378,16 @@ def test_sliding_puzzle_boards_need_at_least_three_moves(seed, size):
         assert optimal_moves(g, size, 20) >= d - 1
 
 
+def test_sliding_puzzle_backtracking_walk_is_nemo_rls():
+    """The 2×2 board graph is one cycle of 12 boards: a walk that never undoes its last move ends exactly 3 moves
+    away after 3 moves, while NeMo-RL's walk (backtrack, any neighbour) also ends 1 move away; with min_moves=1 and
+    an odd walk the board is never the solved one (the graph is bipartite)."""
+    plain = {optimal_moves(generate(2, 3, 1, seed), 2, 12) for seed in range(40)}
+    walks = {optimal_moves(generate(2, 3, 1, seed, backtrack=True), 2, 12) for seed in range(40)}
+    assert plain == {3} and walks == {1, 3}
+    assert all(generate(3, 5, 1, seed, backtrack=True) != solved(3) for seed in range(40))
+
+
 def optimal_actions(grid, size) -> list[str]:
     """A shortest solution, one action per move, found by walking down the BFS distance."""
     actions = []

@@ -5,12 +5,16 @@ with the empty cell last. Each turn the model writes one action inside ``<action
 turn counts; the turn stops at ``</action>``): ``up`` / ``down`` / ``left`` / ``right`` slide the tile below / above
 / right of / left of the empty cell into it, and ``slide r c`` slides the tile at row ``r``, column ``c`` (1-based),
 which must touch the empty cell. As in NeMo-RL the reward is 1.0 on the move that solves the board (which ends the
-trajectory, "env_done") and 0 otherwise, with no penalty for an invalid move; unlike NeMo-RL, a turn without a
-readable action costs a move instead of ending the game, and the game ends (reward 0) after ``max_moves`` moves.
+trajectory, "env_done") and 0 otherwise, with no penalty for an invalid move (which, as in NeMo-RL, counts as a
+move); unlike NeMo-RL, a turn without a readable action costs a move too (NeMo-RL answers it with the board and counts
+none) and there is no ``view`` action; the game ends (reward 0) after ``max_moves`` moves.
 
-Boards are made by a random walk from the solved board (``shuffle_moves`` steps, seeded by the row's ``seed``) and
-kept only when their optimum, found by breadth-first search, is at least ``min_moves`` moves: with one action per
-turn, the optimum needs at least ``min_moves`` (default 3) turns.
+Boards are made by a random walk from the solved board (``shuffle_moves`` steps, seeded by the row's ``seed``; a step
+never undoes the one before unless ``backtrack``, as NeMo-RL's walk may) and kept only when no solution of fewer than
+``min_moves`` moves exists (a breadth-first search to depth ``min_moves - 1``): with one action per turn, the optimum
+needs at least ``min_moves`` (default 3) turns. NeMo-RL's boards (``examples/run_grpo_sliding_puzzle.py``: an odd
+number of shuffle moves, any board but the solved one) are ``min_moves=1, backtrack=True``; the
+``data.synthetic_task: sliding_puzzle`` rows draw their size and shuffle moves as it does (``fastgrpo.data``).
 """
 
 from __future__ import annotations
@@ -68,18 +72,18 @@ def optimal_moves(grid: tuple[int, ...], size: int, cap: int) -> int | None:
     return None
 
 
-def generate(size: int, shuffle_moves: int, min_moves: int, seed: int) -> tuple[int, ...]:
-    """A board whose optimum is in [min_moves, shuffle_moves], from random walks seeded by ``seed``."""
+def generate(size: int, shuffle_moves: int, min_moves: int, seed: int, backtrack: bool = False) -> tuple[int, ...]:
+    """A board whose optimum is in [min_moves, shuffle_moves], from random walks seeded by ``seed`` (the walk is a
+    solution of shuffle_moves moves, so only the lower bound is searched: depth min_moves - 1, cheap even on 5×5)."""
     if min_moves > shuffle_moves:
         raise ValueError(f"min_moves ({min_moves}) must be <= shuffle_moves ({shuffle_moves})")
     rng = random.Random(seed)
     for _ in range(MAX_TRIES):
         grid, last = solved(size), None
         for _ in range(shuffle_moves):
-            options = [g for _, g in neighbours(grid, size) if g != last]
+            options = [g for _, g in neighbours(grid, size) if backtrack or g != last]
             last, grid = grid, rng.choice(options)
-        d = optimal_moves(grid, size, shuffle_moves)
-        if d is not None and d >= min_moves:
+        if optimal_moves(grid, size, min_moves - 1) is None:
             return grid
     raise ValueError(f"no {size}x{size} board needing >= {min_moves} moves after {MAX_TRIES} walks of "
                      f"{shuffle_moves} moves")
@@ -99,13 +103,13 @@ def parse_action(text: str) -> str | None:
 
 class SlidingPuzzle(TextStepEnvironment):
     """The game on the text-step contract. Row columns (all optional): ``seed`` (0), ``size`` (2),
-    ``shuffle_moves`` (8), ``min_moves`` (3), ``max_moves`` (4 × min_moves)."""
+    ``shuffle_moves`` (8), ``min_moves`` (3), ``max_moves`` (4 × min_moves), ``backtrack`` (false)."""
 
     stop_strings = ("</action>",)
 
     def reset(self, seed: int = 0, size: int = 2, shuffle_moves: int = 8, min_moves: int = 3,
-              max_moves: int | None = None, **_) -> tuple[str, dict]:
-        grid = generate(size, shuffle_moves, min_moves, seed)
+              max_moves: int | None = None, backtrack: bool = False, **_) -> tuple[str, dict]:
+        grid = generate(size, shuffle_moves, min_moves, seed, backtrack)
         state = {"size": size, "grid": list(grid), "moves": 0, "max_moves": max_moves or 4 * min_moves}
         text = (f"Solve the {size}x{size} sliding puzzle: order the tiles 1 to {size * size - 1} row by row, with "
                 f"the empty cell (_) last. Each turn, give one move as <action>up</action>, down, left or right "
