@@ -294,7 +294,7 @@ def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
     turns = EnvTurns(envs, templates(envs), rows, n=2)
     d = Driver(turns)
     prompt = TOKENIZER.decode(d.seq[(0, 0)])
-    assert prompt.startswith("<|system|>sys\n\n<tools>\n") and '"name": "incr"' in prompt
+    assert prompt.startswith("<|system|>sys\n\n<tools>\n") and "\nincr(by: integer)" in prompt
     assert prompt.endswith("</tools><|user|>count Start at 5; columns ['prompt'].<|assistant|>")
     r = d.turn((0, 0), "let me " + call("incr", by=2) + call("double", x=21))
     assert r.finish is None and r.stop_strings is None
