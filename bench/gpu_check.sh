@@ -24,6 +24,14 @@ unset TRITON_INTERPRET
 
 site=$(mktemp -d)
 mkdir -p "$site/fastgrpo" "$site/micro"
+# Pure-Python packages the GPU machine lacks (peft, for the LoRA tests: tests/test_lora.py's gpu tier) travel as
+# wheels in .whl/ (git-ignored; carry it): `python3 -m pip download --no-deps --only-binary=:all: --python-version
+# 3.12 -d .whl peft==0.21.2 accelerate psutil` here, then they are installed into the temporary site, never the
+# machine's own.
+if ls "$root"/.whl/*.whl >/dev/null 2>&1 && [ "$dry_run" = 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$root"/.whl/*.whl \
+    || echo "gpu_check: installing .whl/ failed; the LoRA GPU tests will be skipped"
+fi
 for f in "$root"/fastgrpo/*; do ln -s "$f" "$site/fastgrpo/$(basename "$f")"; done
 ln -s "$root/kernels" "$site/fastgrpo/kernels"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
