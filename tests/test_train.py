@@ -321,10 +321,10 @@ class CallScriptedEngine(ScriptedEngine):
         super().__init__(tok, None)
         self.scripts, self.calls = scripts, []
 
-    def generate(self, prompts, params, *, on_group_done=None):
+    def generate(self, prompts, params, *, on_group_done=None, turns=None):
         self.script = self.scripts[len(self.calls)]
         self.calls.append(list(prompts))
-        return super().generate(prompts, params, on_group_done=on_group_done)
+        return super().generate(prompts, params, on_group_done=on_group_done, turns=turns)
 
 
 def ds_script(signal: list[bool], tag: str) -> list[list[str]]:
