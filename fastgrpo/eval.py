@@ -35,9 +35,11 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     :class:`GenerationEngine` already built on ``model`` (one is built when None); ``model_device``: where the
     counts are reduced (default: the model's device); ``max_sequence_tokens``: prompt + response budget (0: none).
 
-    ``sample(indices, params) -> (completions [prompt][sample], trajectories that called a tool)``: multi-turn
-    sampling of the dataset rows ``indices`` (``fastgrpo.grpo.GRPO.eval_sampler``) instead of the engine on
-    ``dataset.prompt_ids``; the result then has ``tool_call_rate`` (trajectories with a tool call / P·k)."""
+    ``sample(indices, params) -> (completions [prompt][sample], trajectories that called a tool, scores)``:
+    multi-turn sampling of the dataset rows ``indices`` (``fastgrpo.grpo.GRPO.eval_sampler``) instead of the engine
+    on ``dataset.prompt_ids``; the result then has ``tool_call_rate`` (trajectories with a tool call / P·k).
+    ``scores`` (``[prompt][sample]``, or None for the math verifier): the environment's reward of each trajectory,
+    which then stands for ``c_pj`` (a game's solve rate: avg@k its mean, pass@k the mean of each prompt's best)."""
     from fastgrpo.models import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
@@ -50,18 +52,23 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     if mine:
         params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                 max_sequence_tokens=max_sequence_tokens or None, seed=seed * 1000 + rank)
+        env_scores = None
         if sample is None:
             outs = engine.generate([dataset.prompt_ids[i] for i in mine], params)
         else:
-            outs, tool_trajectories = sample(mine, params)
+            outs, tool_trajectories, env_scores = sample(mine, params)
         texts, answers = [], []
         for i, group in zip(mine, outs):
             for c in group:
                 texts.append(tokenizer.decode(c.token_ids, skip_special_tokens=True))
                 answers.append(dataset.rows[i]["answer"])
                 length += len(c.token_ids)
-        scores = torch.tensor([s == 1.0 for s in math_reward([""] * len(texts), texts, answers, timeout_s=timeout_s)],
-                              dtype=torch.float64).view(len(mine), k)
+        if env_scores is None:
+            scores = torch.tensor([s == 1.0 for s in math_reward([""] * len(texts), texts, answers,
+                                                                 timeout_s=timeout_s)], dtype=torch.float64)
+        else:
+            scores = torch.tensor(env_scores, dtype=torch.float64)
+        scores = scores.view(len(mine), k)
         correct = float(scores.sum())
         first_correct = float(scores.max(1).values.sum())
     totals = all_reduce(torch.tensor([correct, first_correct, length, tool_trajectories], dtype=torch.float64,

@@ -633,7 +633,8 @@ class GRPO:
 
     def eval_sampler(self):
         """Validation's sampler for ``fastgrpo.eval.evaluate``: multi-turn with the environments (None: the engine
-        on the held-out prompts)."""
+        on the held-out prompts). Its accuracy is the math verifier's when ``reward.functions`` has ``math``, else
+        the environment's reward (a game's solve rate)."""
         if self.envs is None:
             return None
         from fastgrpo.multiturn import env_rows, generate_trajectories, multi_turn_params
@@ -642,7 +643,9 @@ class GRPO:
             rows = env_rows([self.held_out.rows[i] for i in indices], self.cfg)
             _, outs, trajs, _ = generate_trajectories(self.trainer.engine.generate, self.envs, self.templates, rows,
                                                       multi_turn_params(params, self.cfg, self.envs))
-            return outs, float(sum(t.tool_calls > 0 for t in trajs.values()))
+            scores = None if "math" in self.cfg.reward.functions else [
+                [trajs[(i, j)].reward for j in range(len(group))] for i, group in enumerate(outs)]
+            return outs, float(sum(t.tool_calls > 0 for t in trajs.values())), scores
 
         return sample
 

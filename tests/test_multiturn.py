@@ -131,6 +131,21 @@ def test_environment_reward_adds_to_the_reward_functions(tmp_path):
     trainer.algorithm.close()
 
 
+def test_validation_is_multi_turn_and_scored_by_the_environment_without_math(tmp_path):
+    """Held-out validation through the environments: with reward.functions [format] (no math verifier) a
+    trajectory's correctness is the environment's reward (the adder's: an add call returned the answer). Per
+    prompt, sample 0 calls add right, sample 1 answers without the tool: avg@2 0.5, pass@2 1, tool-call rate 0.5."""
+    trainer = scripted_trainer(tmp_path, [], "env.environment_factory=adder", "reward.functions=[format]",
+                               "data.synthetic_num_terms=2", "data.synthetic_max_value=99", "eval.k=2",
+                               "eval.num_prompts=2")
+    rows = trainer.algorithm.held_out.rows[:2]
+    terms = [[int(x) for x in r["prompt"].removesuffix("=").split("+")] for r in rows]
+    trainer.engine.script = [[[call("add", a=a, b=b), "\\boxed{1}"], ["\\boxed{1}"]] for a, b in terms]
+    m = trainer.accuracy_eval(trainer.algorithm.held_out)
+    assert m["eval/accuracy"] == 0.5 and m["eval/pass@2"] == 1.0 and m["eval/tool_call_rate"] == 0.5
+    trainer.algorithm.close()
+
+
 def test_hostile_tools_are_counted_and_the_rollout_finishes(tmp_path):
     """Tools that raise, hang past the limit, kill their worker and return a 400K-character observation: each turn
     gets an error observation (or a cut one) and goes on; the counts are exact; the flood is cut to

@@ -123,9 +123,10 @@ DEPARTURES = [
      "fastgrpo draws 32000 boards (1000 steps' worth) with fixed seeds, so that a run and its resume see the same "
      "ones; after 1000 steps they come round again"),
     ("validation", "val_period 10 on 256 boards, checkpoints ranked by val_reward (keep_top_k 3)",
-     lambda c: c.eval.every_steps == 0 and c.checkpoint.keep_last == 3,
-     "fastgrpo's eval scores the math reward, not the game's: no validation; env/reward_mean, the training "
-     "trajectories' solve rate, is the curve, and the last 3 checkpoints are kept"),
+     lambda c: (c.eval.every_steps, c.eval.num_prompts, c.data.synthetic_eval_size, c.checkpoint.keep_last)
+     == (10, 256, 256, 3),
+     "fastgrpo validates every 10 steps on the 256 held-out boards (eval/accuracy: the game's solve rate, one "
+     "trajectory per board) but keeps the last 3 checkpoints, not the 3 best by validation reward"),
     ("reward function", "none but the environment", lambda c: c.reward.functions == ["format"],
      "fastgrpo requires one reward function: format, weighted 0"),
     ("parallelism and memory", "1 GPU (cluster.gpus_per_node 1), DTensor cpu_offload, activation checkpointing, "
