@@ -59,6 +59,19 @@ def total_variation(samples: torch.Tensor, want_V: torch.Tensor) -> tuple[torch.
     return 0.5 * (got - want_V).abs().sum(), expected_tv
 
 
+def assert_published(got, knob: str, key: str, value, where: str) -> None:
+    """A recipe's setting ``got`` equals its anchor's published ``value`` (``key`` in ``where``); floats to
+    pytest.approx's default (1e-6 relative: the values are written decimals, not computed)."""
+    ok = got == pytest.approx(value) if isinstance(got, float) else got == value
+    assert ok, f"{knob}: fastgrpo {got!r}, NeMo-RL {key} = {value!r} ({where})"
+
+
+def assert_departure(cfg, row) -> None:
+    """A parity table's departure row ``(knob, the anchor's setting, holds(cfg), why)`` holds for ``cfg``."""
+    knob, nemo_rl, holds, why = row
+    assert holds(cfg), f"{knob}: the table says fastgrpo departs from NeMo-RL ({nemo_rl}) because {why}"
+
+
 class ScriptedEngine:
     """Stands in for the generation engine where the sampler is not under test: prompt ``p`` gets the first
     ``params.n`` entries of ``script[p]``, each a text (finished by EOS) or a ``(text, finish_reason)`` pair (a

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checks import ScriptedEngine
+from checks import ScriptedEngine, assert_departure, assert_published
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,14 +152,12 @@ def test_recipe_matches_nemo_rl(cfg, row, step_index):
     knob, key, values, source, get = row
     step = STEPS[step_index]
     got = get(cfg, stage_settings(cfg, step) | {"step": step})  # the step too, for the stage-boundary row
-    assert got == pytest.approx(values[step_index]) if isinstance(got, float) else got == values[step_index], (
-        f"{knob} at step {step}: fastgrpo {got!r}, NeMo-RL {key} = {values[step_index]!r} ({REPO} {source})")
+    assert_published(got, f"{knob} at step {step}", key, values[step_index], f"{REPO} {source}")
 
 
 @pytest.mark.parametrize("row", DEPARTURES, ids=[r[0] for r in DEPARTURES])
 def test_departures_are_what_the_table_says(cfg, row):
-    knob, nemo_rl, holds, why = row
-    assert holds(cfg), f"{knob}: the table says fastgrpo departs from NeMo-RL ({nemo_rl}) because {why}"
+    assert_departure(cfg, row)
 
 
 def test_lr_at_every_step_matches_nemo_rl_scheduler(cfg):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import assert_departure, assert_published
 from test_train import train  # SMALL sizes, one torchrun
 
 from fastgrpo.config import load_config, stage_settings
@@ -147,15 +148,12 @@ def cfg():
 @pytest.mark.parametrize("row", PUBLISHED, ids=[r[0] for r in PUBLISHED])
 def test_recipe_matches_nemo_rl(cfg, row):
     knob, key, value, source, get = row
-    got = get(cfg)
-    assert got == pytest.approx(value) if isinstance(got, float) else got == value, (
-        f"{knob}: fastgrpo {got!r}, NeMo-RL {key} = {value!r} ({REPO} {source})")
+    assert_published(get(cfg), knob, key, value, f"{REPO} {source}")
 
 
 @pytest.mark.parametrize("row", DEPARTURES, ids=[r[0] for r in DEPARTURES])
 def test_departures_are_what_the_table_says(cfg, row):
-    knob, nemo_rl, holds, why = row
-    assert holds(cfg), f"{knob}: the table says fastgrpo departs from NeMo-RL ({nemo_rl}) because {why}"
+    assert_departure(cfg, row)
 
 
 def test_lr_at_every_step_matches_nemo_rl_scheduler(cfg):
