@@ -104,7 +104,7 @@ def multi_turn_params(params: SamplingParams, cfg: Config, envs) -> SamplingPara
 def generate_trajectories(generate, envs, templates, rows: list[dict], params: SamplingParams):
     """Sample ``params.n`` trajectories per row with ``generate(prompts, params, turns=handler)`` (the trainer's or
     an engine's): ``(prompt ids per row, completions [row][sample], trajectories by (row, sample), the handler's
-    metrics)``. The handler's instances are freed whatever happens."""
+    metrics)``. The handler's instances are freed whatever happens (``results`` frees them; an error, here)."""
     from fastgrpo.environments import EnvTurns
 
     turns = EnvTurns(envs, templates, rows, params.n)
@@ -112,8 +112,9 @@ def generate_trajectories(generate, envs, templates, rows: list[dict], params: S
         prompts = turns.prompt_ids()
         outs = generate(prompts, params, turns=turns)
         trajectories = turns.results()
-    finally:
+    except BaseException:
         turns.close()
+        raise
     reasons = {(i, j): c.finish_reason for i, group in enumerate(outs) for j, c in enumerate(group)}
     return prompts, outs, trajectories, turns.metrics(reasons)
 
