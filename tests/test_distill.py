@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from fastgrpo.kernels.reference import distill_loss_ref, grpo_loss_ref
+from test_grpo import make_samples
 
 from fastgrpo.config import load_config, stage_settings
 from fastgrpo.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher, teacher_trained
 from fastgrpo.distributed import init_distributed, wrap_model
-from fastgrpo.grpo import Sample, packed_forward
+from fastgrpo.grpo import packed_forward
 from fastgrpo.metrics import read_jsonl
 from fastgrpo.models import build_tiny_tokenizer, load_model
 from fastgrpo.plan import memory_plan, model_shape, teacher_shape
@@ -177,17 +178,6 @@ def test_sampled_token_advantages_match_hf_forwards(teacher_path, tmp_path):
     keep = mb.mask != 0
     expected = torch.cat([s.advantage + torch.tensor(s.token_advantages) for s in samples])
     torch.testing.assert_close(mb.advantages[keep], expected, rtol=0, atol=1e-6)
-
-
-def make_samples(n=8, seed=0):
-    """Random prompt / completion ids of the tiny vocabulary, random advantages, one sample not trained on."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(5, 40, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-        c = torch.randint(5, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
-        out.append(Sample(p, c, [-1.0] * len(c), float(torch.randn((), generator=g)), train=i != 3))
-    return out
 
 
 def hf_hidden(model, samples):

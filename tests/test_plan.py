@@ -45,14 +45,11 @@ def _hf_model(family: str, dtype: torch.dtype):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
-    # the GPU's attention: the varlen kernel's autograd function (the interpreter runs it on CPU)
-    monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
-    model = _hf_model(family, dtype).train()
-    batch = pack([list(range(1, 20)), list(range(5, 34)), list(range(40, 52))])  # 60 tokens, 3 sequences
-    T = batch.input_ids.numel()
+def saved_bytes_per_layer(model) -> tuple[list[int], int]:
+    """What the packed training forward of 3 sequences (60 tokens) saves for backward, in bytes per decoder layer
+    (each tensor counted once, for the first layer whose forward saved it; parameters not counted), and the token
+    count."""
+    batch = pack([list(range(1, 20)), list(range(5, 34)), list(range(40, 52))])
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     owner: dict[int, int] = {}  # storage -> the first layer whose forward saved it
     nbytes: dict[int, int] = {}
@@ -70,7 +67,17 @@ def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
         layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1))
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
         attention.packed_hidden_states(model, batch)
-    per_layer = [sum(n for p, n in nbytes.items() if owner[p] == i) for i in range(len(layers))]
+    return [sum(n for p, n in nbytes.items() if owner[p] == i) for i in range(len(layers))], batch.input_ids.numel()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
+    # the GPU's attention: the varlen kernel's autograd function (the interpreter runs it on CPU)
+    monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
+    model = _hf_model(family, dtype).train()
+    per_layer, T = saved_bytes_per_layer(model)
+    layers = model.get_decoder().layers
     expected = layer_saved_bytes_per_token(shape_of(model), dtype.itemsize) * T
     # layer 0 also saves what every layer shares (rotary cos / sin, the offsets): the later layers are exact
     assert per_layer[1:] == [expected] * (len(layers) - 1)
@@ -261,24 +268,8 @@ def test_lora_params_and_saved_bytes_match_peft_and_autograd(monkeypatch, dtype)
     cfg = load_config("tiny", overrides=[f"model.lora.r={r}"])
     base_shape = shape_of(_hf_model("qwen2", dtype))
     assert lora_params(base_shape, cfg) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    batch = pack([list(range(1, 20)), list(range(5, 34)), list(range(40, 52))])
-    T = batch.input_ids.numel()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    owner, nbytes, current = {}, {}, [-1]
-
-    def pack_hook(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in owner:
-            owner[ptr], nbytes[ptr] = current[0], t.untyped_storage().nbytes()
-        return t
-
+    per_layer, T = saved_bytes_per_layer(model)
     layers = model.get_decoder().layers
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i))
-        layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1))
-    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-        attention.packed_hidden_states(model, batch)
-    per_layer = [sum(n for p, n in nbytes.items() if owner[p] == i) for i in range(len(layers))]
     c = dtype.itemsize
     expected = (layer_saved_bytes_per_token(base_shape, c) + c * r * len(LORA_TARGETS) - 2 * c * base_shape.hidden) * T
     assert per_layer[1:] == [expected] * (len(layers) - 1)
