@@ -177,5 +177,5 @@ def test_tool_tiny_runs_through_the_engine(tmp_path):
     steps = [r for r in rows if "env/turns_mean" in r]
     assert len(steps) == 2
     assert max(r["env/turns/max"] for r in steps) >= 2
-    assert all(0 <= r["env/tool_calls"] for r in steps)
+    assert any(r["env/tool_calls"] > 0 for r in steps)
     assert any("eval/tool_call_rate" in r for r in rows)
