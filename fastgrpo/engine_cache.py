@@ -16,46 +16,51 @@ import torch
 class _KVCache:
     """The per-``generate`` memory (freed when generate returns): the KV page pool, head-major (a page's keys of
     one kv head are contiguous: a row refresh copies whole blocks, and the CUDA kernel reads 64 × D contiguous
-    values per page and head), and, on the eager (CPU) path, the row cache and the step's reused buffers."""
+    values per page and head), keys and values of a layer side by side in one tensor (one write per layer and step
+    stores both), and, on the eager (CPU) path, the row cache and the step's reused buffers."""
 
-    k: torch.Tensor  # [L, Hkv, pages, page_size, D]
-    v: torch.Tensor  # [L, Hkv, pages, page_size, D]
+    kv: torch.Tensor  # [L, 2, Hkv, pages, page_size, D]: [:, 0] keys, [:, 1] values
     work: _Workspace | None = None
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]  # [L, Hkv, pages, page_size, D]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's pools as ``[pages, page_size, Hkv, D]`` views (the decode-attention API's layout)."""
-        return self.k[layer].permute(1, 2, 0, 3), self.v[layer].permute(1, 2, 0, 3)
+        return self.kv[layer, 0].permute(1, 2, 0, 3), self.kv[layer, 1].permute(1, 2, 0, 3)
 
-    def write(self, layer: int, slot_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
-        """K/V of N tokens into flat slots ``page · page_size + offset`` of the layer's pool."""
-        Hkv, D = self.k.shape[1], self.k.shape[-1]
-        self.k[layer].view(Hkv, -1, D)[:, slot_N] = k_NHD.transpose(0, 1)
-        self.v[layer].view(Hkv, -1, D)[:, slot_N] = v_NHD.transpose(0, 1)
+    def write(self, layer: int, slot_N: torch.Tensor, kv_N2HD: torch.Tensor) -> None:
+        """K/V of N tokens (``kv [N, 2, Hkv, D]``: keys, values; any strides) into flat slots
+        ``page · page_size + offset`` of the layer's pool, in one indexed copy."""
+        Hkv, D = self.kv.shape[2], self.kv.shape[-1]
+        self.kv[layer].view(2 * Hkv, -1, D)[:, slot_N] = kv_N2HD.flatten(1, 2).transpose(0, 1)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V of pages ``src`` into pages ``dst``."""
-        self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        self.kv[:, :, :, dst] = self.kv[:, :, :, src]
 
 
 class _Workspace(NamedTuple):
     """The eager (CPU) decode step's memory besides the pages.
 
-    **Row cache.** Its attention reads each row's keys laid out contiguously, ``k_rows[layer, row, :, :len]``, not
+    **Row cache.** Its attention reads each row's keys laid out contiguously, ``kv_rows[layer, row, 0, :, :len]``, not
     a fresh gather of the row's pages at every layer and step (which copies the whole live K/V once more per step and
     was the largest cost of a CPU step). Every decode step writes its token's K/V to the pages and to the row cache;
     a row whose sequence changed (admitted, moved by compaction, recomputed after a preemption) is refreshed from
     its pages through the block table, so the pages stay the one source of truth. Memory: a static cache for the
-    rows (``L · R · Hkv · max_pages · page_size · D`` keys and values), kept only when it holds no more tokens than
-    the KV budget; otherwise every layer gathers its rows' pages at every step (``paged_decode_attention_torch``,
+    rows (``L · R · Hkv · max_pages · page_size · D`` keys and as many values), kept only when it holds no more tokens
+    than the KV budget; otherwise every layer gathers its rows' pages at every step (``paged_decode_attention_torch``,
     slower).
 
     **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors,
     as the feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast)."""
 
-    k_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]; None: attention through the pages
-    v_rows: torch.Tensor | None  # [L, R, Hkv, max_pages · page_size, D]
-    scores: torch.Tensor  # [R · Hq · max_pages · page_size] fp32: the attention's scores
+    kv_rows: torch.Tensor | None  # [L, R, 2, Hkv, max_pages · page_size, D]; None: attention through the pages
     gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation
     up: torch.Tensor | None  # [R · intermediate]
     down: torch.Tensor | None  # [R · H]: the MLP's output
@@ -71,15 +76,13 @@ class _RowCacheSteps:
         (``R · max_keys ≤ max_total_tokens``: the eager path's K/V stays within twice the budget); no activation
         buffers under autocast."""
         e, dev, dt = self.e, self.device, self.dtype
-        shape = (len(e.layers), R, e.num_kv_heads, max_keys, e.head_dim)
+        shape = (len(e.layers), R, 2, e.num_kv_heads, max_keys, e.head_dim)
         rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
         plain = dt == next(e.model.parameters()).dtype
         inter = e.layers[0].mlp.gate_proj.out_features
         return _Workspace(
             # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
-            k_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
-            v_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
-            scores=torch.empty(R * e.num_heads * max_keys, device=dev),
+            kv_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
             gate=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
             up=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
             down=torch.empty(R * e.model.config.hidden_size, device=dev, dtype=dt) if plain else None,
@@ -96,8 +99,7 @@ class _RowCacheSteps:
             self.row_owner[row] = self.sched.rows[row]
         idx = torch.tensor(rows, device=self.device)
         pages_NP = self.st.table[idx, :n_pages].long()
-        L, Hkv, _, ps, D = cache.k.shape
+        L, _, Hkv, _, ps, D = cache.kv.shape
         T = n_pages * ps
-        for pool, row_cache in ((cache.k, work.k_rows), (cache.v, work.v_rows)):
-            keys = pool[:, :, pages_NP]  # [L, Hkv, N, P, page_size, D]
-            row_cache[:, idx, :, :T] = keys.transpose(1, 2).reshape(L, len(rows), Hkv, T, D)
+        kv = cache.kv[:, :, :, pages_NP]  # [L, 2, Hkv, N, P, page_size, D]
+        work.kv_rows[:, idx, :, :, :T] = kv.permute(0, 3, 1, 2, 4, 5, 6).reshape(L, len(rows), 2, Hkv, T, D)

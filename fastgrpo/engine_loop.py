@@ -123,7 +123,7 @@ class _DecodeLoop:
                 st.done[running:S_b] = True  # padding rows: write to the scratch page, never recorded
                 st.pos[running:S_b] = 0
             n_pages = max(len(seq.pages) for seq in sched.rows)
-            if cache.work is not None and cache.work.k_rows is not None:
+            if cache.work is not None and cache.work.kv_rows is not None:
                 self._refresh_rows(cache.work, cache, n_pages)
 
             # ---- sync_every decode steps without reading anything back

@@ -8,9 +8,9 @@ gets the memory back as soon as the rollout is done and the next rollout sees th
 One call, step by step (the host bookkeeping is ``fastgrpo.scheduler.Scheduler``; this file and the ``engine_*``
 modules listed below are the device step):
 
-1. **Pages.** The KV cache is a pool of pages ``k, v: [layers, Hkv, pages, page_size, D]`` sized from the budget
-   (``max_total_tokens``, or 80% of the free GPU memory), allocated per call and freed on return. Every sample of
-   every prompt is queued at once (one wave) and admitted when pages and rows allow.
+1. **Pages.** The KV cache is a pool of pages ``kv: [layers, 2, Hkv, pages, page_size, D]`` (keys, values) sized
+   from the budget (``max_total_tokens``, or 80% of the free GPU memory), allocated per call and freed on return.
+   Every sample of every prompt is queued at once (one wave) and admitted when pages and rows allow.
 2. **Prefill, once per prompt, packed, straight into pages.** The prompts admitted in a round are concatenated into
    one row with per-sequence positions (no padding); attention runs per group of equal-length prompts (one causal
    SDPA per group) and each token's K/V go to its page. A prompt's ``n`` samples reference its full pages (reference
@@ -21,8 +21,8 @@ modules listed below are the device step):
    ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat). On CPU a
    row cache (``_Workspace``) holds each running row's keys contiguously: every step writes its token to the page
    and to the row, a row that gets another sequence is refreshed from its pages through the block table, and the
-   attention is a masked fp32 softmax over the row (re-gathering every page at every layer and step would copy the
-   live K/V once more per step). Every ``sync_every`` steps the host reads the flags and
+   attention is SDPA over the row with the keys past its length masked (re-gathering every page at every layer and
+   step would copy the live K/V once more per step). Every ``sync_every`` steps the host reads the flags and
    counts (the only host synchronisation in the loop): finished samples are harvested and free their pages, every
    running sample gets the pages of its next ``sync_every`` tokens (when the pool runs dry, the latest-admitted
    sample is preempted: pages freed, requeued with its tokens; it is later recomputed by prefilling prompt +
@@ -242,7 +242,8 @@ class GenerationEngine(_ModelPieces):
     ) -> list[list[Completion]]:
         """Sample ``params.n`` completions for each prompt; returns ``[prompt][sample]`` :class:`Completion`.
 
-        The model runs in eval mode under ``no_grad`` and gets its previous mode back afterwards. A completion
+        The model runs in eval mode under ``inference_mode`` (no autograd bookkeeping: 5-8% of a CPU call of
+        bench_generation.py against ``no_grad``) and gets its previous mode back afterwards. A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
         "stop"), at the token that completes the first ``params.stop_strings`` match in its decoded text ("stop";
         see ``fastgrpo.engine_turns``), or after ``params.response_limit(len(prompt))`` tokens (reason "length").
@@ -294,7 +295,7 @@ class GenerationEngine(_ModelPieces):
         model.eval()
         self._read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.lora)
         try:
-            with torch.no_grad(), self._autocast(device, dtype, param.dtype):
+            with torch.inference_mode(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
                 run = _Run(self, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget, turns, max_context)
                 return run.run(on_group_done)
@@ -366,41 +367,65 @@ class GenerationEngine(_ModelPieces):
 
         Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
         ``[0, pos]`` of each row (the query's own key included): through its block table ``table_SP`` on CUDA; on
-        CPU from the row cache, its first ``P · page_size`` columns (the engine passes only the table columns the
-        longest row uses).
+        CPU from the row cache (:meth:`_decode_rows`) when there is one, its first ``P · page_size`` columns (the
+        engine passes only the table columns the longest row uses).
         """
-        S = tok_S.shape[0]
-        G = self.num_heads // self.num_kv_heads
-        ps = cache.k.shape[3]
+        work = cache.work  # None: the paged kernel (CUDA)
+        ps = cache.kv.shape[4]
         page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
         slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
+        if work is not None and work.kv_rows is not None:
+            return self._decode_rows(ops, cache, tok_S, pos_S, slot_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype)
+        S = tok_S.shape[0]
+        G = self.num_heads // self.num_kv_heads
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
-        work = cache.work  # None: the paged kernel (CUDA)
-        rows = work is not None and work.k_rows is not None  # else attention through the pages
         # the torch path named off CUDA: paged_decode_attention would run the kernel under TRITON_INTERPRET=1
         attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
-        if rows:
-            rows_S = torch.arange(S, device=tok_S.device)
-            T = table_SP.shape[1] * ps  # the row cache's columns the longest row uses
-            dead_S11T = (torch.arange(T, device=tok_S.device) >= length_S[:, None]).view(S, 1, 1, T)
         cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
         x = self.model.model.embed_tokens(tok_S)  # [S, H]
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [S, Hq, D], [S, Hkv, D]
-            cache.write(li, slot_S, k, v)
+            cache.write(li, slot_S, torch.stack((k, v), 1))
             # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
-            if not rows:
-                k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
-                o = attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)
-            else:
-                k_rows, v_rows = work.k_rows[li], work.v_rows[li]  # [R, Hkv, T_max, D]
-                k_rows[rows_S, :, pos_S] = k
-                v_rows[rows_S, :, pos_S] = v
-                o = masked_attention(q4, k_rows[:S, :, :T], v_rows[:S, :, :T], dead_S11T, self.scale, work.scores)
+            k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
+            o = attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)
             x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
+        return self._final_logits(ops, x, delta, work)
+
+    def _decode_rows(self, ops, cache: _KVCache, tok_S, pos_S, slot_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
+        """The decode step on the CPU row cache: each layer writes the token's K/V to its page and to its row
+        (``work.kv_rows[layer, row, :, :, pos]``), then attends over the row's first ``T`` keys, those past
+        ``pos`` masked (:func:`masked_attention`). Without autocast the projections
+        and the rotary embedding run on q, k, v side by side (:meth:`_attn_in_rows`)."""
+        work = cache.work
+        S = tok_S.shape[0]
+        Hkv, G, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        rows_S = torch.arange(S, device=tok_S.device)
+        live_S11T = (torch.arange(T, device=tok_S.device) <= pos_S[:, None]).view(S, 1, 1, T)
+        cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
+        joint = dtype == self.layers[0].self_attn.q_proj.weight.dtype  # no autocast: q, k, v side by side
+        if joint:
+            sin_signed = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
+        x = self.model.model.embed_tokens(tok_S)  # [S, H]
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = self._norm_in(ops, layer, x, delta)
+            if joint:
+                q4, kv = self._attn_in_rows(ops, layer, h, cos, sin_signed)  # [S, Hkv, G, D], [S, 2, Hkv, D]
+            else:
+                q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)
+                q4, kv = q.view(S, Hkv, G, D), torch.stack((k, v), 1)
+            cache.write(li, slot_S, kv)
+            kv_rows = work.kv_rows[li]  # [R, 2, Hkv, T_max, D]
+            kv_rows[rows_S, :, :, pos_S] = kv
+            o = masked_attention(q4, kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T], live_S11T, self.scale)
+            x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
+        return self._final_logits(ops, x, delta, work)
+
+    def _final_logits(self, ops, x, delta, work) -> torch.Tensor:
         norm = self.model.model.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
         return self._lm_head(h, None if work is None else work.logits)  # [S, V] fp32
@@ -456,11 +481,8 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
         max_pages = self.sched.pages_for(self.max_end)
         max_new = max(self.limits)
         # zeroed: masked-out keys still enter the CPU attention's P @ V, where 0 * NaN would be NaN
-        cache = _KVCache(
-            k=torch.zeros(L, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype),
-            v=torch.zeros(L, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype),
-        )
-        if not _use_fused_attention(cache.k):
+        cache = _KVCache(kv=torch.zeros(L, 2, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype))
+        if not _use_fused_attention(cache.kv):
             cache.work = self._workspace(R, max_pages * ps)
         self.row_owner: list = [None] * R  # the sequence whose keys each row of the row cache holds
         self.st = _RowState(

@@ -13,9 +13,8 @@ reading them would synchronise with the host, and the engine calls this inside a
 
 Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
 sequence's live keys through its block table, nothing past ``len[s]``) then a combine kernel; otherwise the pages
-of the table are gathered into a contiguous ``[Hkv, S, P·page_size, D]`` copy and :func:`masked_attention` runs
-on it (fp32 products with a masked softmax; SDPA for bf16/fp16). The engine's CPU path uses ``masked_attention`` on
-its row cache.
+of the table are gathered into a contiguous ``[Hkv, S, P·page_size, D]`` copy and :func:`masked_attention` (SDPA
+with the keys past each length masked) runs on it. The engine's CPU path uses ``masked_attention`` on its row cache.
 
 Shape legend: S sequences, Hkv key/value heads, G query heads per kv head, P block-table width, D head dim.
 """
@@ -34,7 +33,6 @@ if HAS_TRITON:
 MAX_HEAD_DIM = 256
 BLOCK_N = 64  # keys per inner step of the split kernel
 MIN_PROGRAMS = 1024  # split the keys until about this many programs run (fills the GPU at small batch)
-EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38 is still a normal fp32 number (the smallest is 1.18e-38 = exp(-87.3))
 
 
 if HAS_TRITON:
@@ -205,48 +203,25 @@ def paged_decode_attention_torch(q, k_pages, v_pages, block_table, lengths, *, s
     pages = block_table.reshape(-1)
     k_HSTD = k_pages.permute(2, 0, 1, 3).index_select(1, pages).view(Hkv, S, T, D)
     v_HSTD = v_pages.permute(2, 0, 1, 3).index_select(1, pages).view(Hkv, S, T, D)
-    dead_1S1T = (torch.arange(T, device=q.device) >= lengths[:, None]).view(1, S, 1, T)
+    live_1S1T = (torch.arange(T, device=q.device) < lengths[:, None]).view(1, S, 1, T)
     scale = softmax_scale if softmax_scale is not None else D**-0.5
-    return masked_attention(q.transpose(0, 1), k_HSTD, v_HSTD, dead_1S1T, scale).transpose(0, 1)
+    return masked_attention(q.transpose(0, 1), k_HSTD, v_HSTD, live_1S1T, scale).transpose(0, 1)
 
 
-def masked_attention(q, k, v, dead, scale: float, scores_buffer=None) -> torch.Tensor:
-    """``softmax(scale · q kᵀ) v`` over the last two dims with the keys where ``dead`` is True left out (the
-    plain-torch decode attention of this module and of the engine's CPU row cache).
+def masked_attention(q, k, v, live, scale: float) -> torch.Tensor:
+    """``softmax(scale · q kᵀ) v`` over the last two dims with only the keys where ``live`` is True (the plain-torch
+    decode attention of this module and of the engine's CPU row cache): ``scaled_dot_product_attention`` with a
+    boolean mask, the training forward's CPU attention (``varlen_attention``'s torch path), so generation and
+    training round alike. On CPU this is the fused flash kernel (online softmax, no ``[.., G, T]`` scores stored):
+    in the engine's decode step at ``bench_generation.py``'s sizes it took 227 µs a layer against 310 µs for
+    explicit fp32 products and an in-place softmax (the previous path, 11 ops), the K/V cache-cold as in the step.
 
-    q ``[B1, B2, G, D]``, k/v ``[B1, B2, T, D]`` (unit stride on D; batch dims that merge into one without a copy
-    keep the products copy-free), ``dead`` bool broadcastable to ``[B1, B2, G, T]`` with at least one live key per
-    row; the output has q's dtype. fp32: explicit fp32 products and an in-place softmax, the scores in
-    ``scores_buffer`` when given (optional contiguous 1-D fp32 tensor of ≥ ``B1 · B2 · G · T`` elements) instead of
-    a new allocation. bf16/fp16: ``scaled_dot_product_attention``, the training forward's CPU attention
-    (``varlen_attention``'s torch path), so generation and training round alike (an fp32 softmax here tripled the
-    bf16 engine-vs-trainer log-prob gap of ``bench_generation.py --logprob-gap``).
+    q ``[B1, B2, G, D]``, k/v ``[B1, B2, T, D]`` (unit stride on D), ``live`` bool broadcastable to
+    ``[B1, B2, G, T]`` with at least one live key per row (a row with none would be NaN); the output
+    ``[B1, B2, G, D]`` has q's dtype. The dead keys weigh exactly 0, but enter ``P V`` as ``0 · v``: they must be
+    finite (the engine's caches are zero-filled).
     """
-    B1, B2, G, D = q.shape
-    T, B = k.shape[2], B1 * B2
-    if scores_buffer is not None and (
-        scores_buffer.dim() != 1 or scores_buffer.dtype != torch.float32 or scores_buffer.numel() < B * G * T
-    ):
-        raise ValueError(f"scores_buffer must be 1-D fp32 with ≥ {B * G * T} elements, got "
-                         f"{tuple(scores_buffer.shape)} {scores_buffer.dtype}")
-    if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=~dead, scale=scale)
-    # 3-D batched products (bmm: about 1.5x faster than matmul's 4-D path for P V on CPU); reshape is a view when
-    # the batch dims merge, as they do for the row cache and the gathered pages
-    q3, k3, v3 = q.reshape(B, G, D), k.reshape(B, T, D), v.reshape(B, T, D)
-    if scores_buffer is None:
-        scores = torch.bmm(q3, k3.transpose(1, 2))
-    else:
-        scores = torch.bmm(q3, k3.transpose(1, 2), out=scores_buffer[: B * G * T].view(B, G, T))
-    scores4 = scores.mul_(scale).view(B1, B2, G, T).masked_fill_(dead, float("-inf"))
-    scores.sub_(scores.amax(dim=-1, keepdim=True))  # key 0 is live: a finite row max
-    # exp(x) for x < EXP_FLOOR is a denormal, which x86 computes through microcode assists (~30x slower: 12% of the
-    # engine's scores at bench_generation's init); floored, such a key weighs < 1.2e-38 against a row sum >= 1, far
-    # below fp32 rounding, and the dead keys (-inf, floored too) are zeroed after the exp
-    scores.clamp_(min=EXP_FLOOR).exp_()
-    scores4.masked_fill_(dead, 0.0)
-    scores.div_(scores.sum(dim=-1, keepdim=True))
-    return torch.bmm(scores, v3).view(B1, B2, G, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=live, scale=scale)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, *, softmax_scale=None) -> torch.Tensor:

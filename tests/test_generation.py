@@ -433,13 +433,13 @@ def test_cache_is_freed_after_generate(monkeypatch):
     class TrackedCache(generation._KVCache):
         def __init__(self, **tensors):
             super().__init__(**tensors)
-            caches.extend(weakref.ref(t) for t in (self, self.k, self.v))
+            caches.extend(weakref.ref(t) for t in (self, self.kv))
 
     monkeypatch.setattr(generation, "_KVCache", TrackedCache)
     model = tiny_model("qwen2")
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=2, max_total_tokens=64)
     engine.generate(random_prompts([5, 8, 3]), SamplingParams(n=2, max_new_tokens=6, seed=0))
-    assert len(caches) == 3  # one pool per call
+    assert len(caches) == 2  # one pool per call
     assert all(ref() is None for ref in caches)  # no reference cycle or lingering attribute keeps the cache
 
 
@@ -461,10 +461,10 @@ def test_row_cache_stays_within_the_kv_budget(monkeypatch, max_total_tokens, wan
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=6, max_total_tokens=max_total_tokens)
     out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=10))
     [cache] = pools
-    assert (cache.work.k_rows is not None) == want_rows
+    assert (cache.work.kv_rows is not None) == want_rows
     budget = max_total_tokens or generation.DEFAULT_CPU_TOTAL_TOKENS
-    if want_rows:  # [L, R, Hkv, T, D]: R · T tokens
-        assert cache.work.k_rows.shape[1] * cache.work.k_rows.shape[3] <= budget
+    if want_rows:  # [L, R, 2, Hkv, T, D]: R · T tokens
+        assert cache.work.kv_rows.shape[1] * cache.work.kv_rows.shape[4] <= budget
     for prompt, comps in zip(prompts, out):
         assert all(c.token_ids == hf_greedy(model, prompt, 10, None) for c in comps)
 

@@ -2,7 +2,7 @@
 out contiguously by a plain loop over its block table) by flash-attn's rule.
 
 Kernel (Triton under the interpreter on CPU, compiled on GPU) in the test dtype, reference in the same dtype,
-reference in fp32; the plain-torch path (page gather + masked fp32 softmax) the same way, and ``masked_attention`` on
+reference in fp32; the plain-torch path (page gather + masked SDPA) the same way, and ``masked_attention`` on
 strided row-cache views. Pages are shuffled and shared between
 sequences (as prompt pages are), tables are wider than the longest sequence, page counts are odd, one sequence has a
 single live key (the later splits of the split-K kernel are empty), and the page pool is a strided view.
@@ -74,27 +74,22 @@ def test_torch_path_matches_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_masked_attention_on_row_cache_views(dtype):
-    """masked_attention as the engine's CPU row cache calls it: k/v are the first S rows and T keys of a wider cache
-    (strided views), the scores go to a reused buffer holding stale NaNs; the same output as without the buffer, the
-    reference's by flash-attn's rule, and a too-small buffer is refused."""
+    """masked_attention as the engine's CPU row cache calls it: q a feature-major view (the step's q/k/v buffer),
+    k/v the first S rows and T keys of a wider joint cache ``[R, 2, Hkv, T_max, D]`` (strided views), the keys past
+    each length holding other values; the reference's output by flash-attn's rule."""
     S, Hkv, G, D, T, T_max, R = 5, 2, 3, 16, 11, 17, 8
     g = torch.Generator().manual_seed(9)
-    q = torch.randn(S, Hkv, G, D, generator=g).to(dtype)
-    k_rows = torch.randn(R, Hkv, T_max, D, generator=g).to(dtype)
-    v_rows = torch.randn(R, Hkv, T_max, D, generator=g).to(dtype)
+    q = torch.randn(Hkv * G * D, S, generator=g).to(dtype).t().view(S, Hkv, G, D)
+    kv_rows = torch.randn(R, 2, Hkv, T_max, D, generator=g).to(dtype)
     length = torch.randint(1, T + 1, (S,), generator=g)
     length[0] = 1
-    dead = (torch.arange(T) >= length[:, None]).view(S, 1, 1, T)
-    buf = torch.full((S * Hkv * G * T + 7,), float("nan"))
-    k, v = k_rows[:S, :, :T], v_rows[:S, :, :T]
-    out = da.masked_attention(q, k, v, dead, 0.7 * D**-0.5, buf)
+    live = (torch.arange(T) < length[:, None]).view(S, 1, 1, T)
+    k, v = kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T]
+    out = da.masked_attention(q, k, v, live, 0.7 * D**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out, da.masked_attention(q, k, v, dead, 0.7 * D**-0.5), atol=0, rtol=0)
     ref32 = decode_attention_ref(q, k, v, length, softmax_scale=0.7 * D**-0.5)
     ref_lowp = decode_attention_ref(q, k, v, length, softmax_scale=0.7 * D**-0.5, upcast=False)
     assert_flash("out", out, ref32, ref_lowp, ATOL[dtype])
-    with pytest.raises(ValueError, match="scores_buffer"):
-        da.masked_attention(q, k, v, dead, 1.0, buf[:10])
 
 
 def test_kernel_matches_torch_path():
