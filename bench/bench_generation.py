@@ -11,7 +11,11 @@ shrinks either). Figures:
   run (``common.copy_bandwidth_gbps``). HF runs fewer new tokens on GPU to bound the time; its per-token rate is
   then an upper bound for the full length (its per-step cost grows with the cache), so the ratio is a lower bound.
 - CPU: the matmul floor = the time of the weight matmuls alone for the batch, × the steps; both implementations
-  pay it, so it bounds the achievable speedup (``x_floor`` = seconds / floor).
+  pay it, so it bounds the achievable speedup (``x_floor`` = seconds / floor). The attention floor = the time of
+  the decode attention alone: at every step and layer one SDPA of the batch's queries over its live K/V (a cache
+  padded to the longest live row, the shorter rows masked: what a batched attention reads, ~0.8 of a step's bytes
+  here next to the weights). ``x_floors`` = seconds / (matmul floor + attention floor): what is left is everything
+  else of a step (norms, rotary, cache writes, sampling, bookkeeping, per-op dispatch).
 - Peak extra memory of each call (the engine's KV cache is freed when it returns), measured after the timing on one
   more call (on CPU in a forked child, ``common.peak_extra_bytes``), so every timed call runs with the default
   allocator.
@@ -117,9 +121,36 @@ def matmul_floor_s(model, rows: int, steps: int, device) -> float:
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     gen = torch.Generator(device=device).manual_seed(0)
     x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device, dtype=w.dtype, generator=gen) for w in weights}
-    with torch.no_grad():
+    with torch.inference_mode():
         ms = median_ms(lambda: [F.linear(x[w.shape[1]], w) for w in weights], device)
     return ms * steps / 1e3
+
+
+def attention_floor_s(model, prompts, n, max_new_tokens, device) -> float:
+    """Time of the decode attention alone (see the module docstring): every step after the first, every layer's
+    SDPA of the ``[S, Hkv, G, D]`` queries over its own ``[S, Hkv, T, D]`` keys and values (one cache per layer,
+    so they are read cache-cold as in a step), T the longest live row, the rest masked; the median of 3 runs."""
+    cfg = model.config
+    Hq, Hkv, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    D = cfg.hidden_size // Hq
+    lengths = torch.tensor([len(p) for p in prompts for _ in range(n)], device=device)
+    S = lengths.numel()
+    gen = torch.Generator(device=device).manual_seed(0)
+    kv = torch.randn(L, 2, S, Hkv, int(lengths.max()) + max_new_tokens, D, device=device, generator=gen)
+    q = torch.randn(S, Hkv, Hq // Hkv, D, device=device, generator=gen)
+    masks = []
+    for step in range(1, max_new_tokens):
+        T = int(lengths.max()) + step
+        masks.append((torch.arange(T, device=device) < (lengths + step)[:, None]).view(S, 1, 1, T))
+
+    def attend():
+        for mask in masks:
+            T = mask.shape[-1]
+            for li in range(L):
+                F.scaled_dot_product_attention(q, kv[li, 0, :, :, :T], kv[li, 1, :, :, :T], attn_mask=mask)
+
+    with torch.inference_mode():
+        return median_ms(attend, device, warmup=1, rep=3) / 1e3
 
 
 def decode_roofline_s(model, prompts, n, max_new_tokens, gbps) -> float:
@@ -255,9 +286,10 @@ def main():
     ]
     if not cuda:
         floor_s = matmul_floor_s(model, num_prompts * n, new, device)
+        attn_s = attention_floor_s(model, prompts, n, new, device)
         for r in rows:
-            r["matmul_floor_s"] = floor_s
-            r["x_floor"] = r["seconds"] / floor_s
+            r.update(matmul_floor_s=floor_s, x_floor=r["seconds"] / floor_s, attention_floor_s=attn_s,
+                     x_floors=r["seconds"] / (floor_s + attn_s))
     for r in rows:
         r.update(loadavg_start=round(load_start, 2), loadavg_end=round(os.getloadavg()[0], 2))
     if cuda:

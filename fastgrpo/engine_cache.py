@@ -50,13 +50,13 @@ class _Workspace(NamedTuple):
 
     **Row cache.** Its attention reads each row's keys laid out contiguously, ``kv_rows[layer, row, 0, :, :len]``, not
     a fresh gather of the row's pages at every layer and step (which copies the whole live K/V once more per step and
-    was the largest cost of a CPU step). Every decode step writes its token's K/V to the pages and to the row cache;
-    a row whose sequence changed (admitted, moved by compaction, recomputed after a preemption) is refreshed from
-    its pages through the block table, so the pages stay the one source of truth. Memory: a static cache for the
-    rows (``L · R · Hkv · max_pages · page_size · D`` keys and as many values), kept only when it holds no more tokens
-    than the KV budget; otherwise every layer gathers its rows' pages at every step (``paged_decode_attention_torch``,
-    slower).
-
+    was the largest cost of a CPU step). A row whose sequence changed (admitted, moved by compaction, recomputed
+    after a preemption, resumed after a turn) is loaded from its pages through the block table; a decode step then
+    writes its token's K/V to the row only, and the K/V a row holds past the position it was loaded at
+    (``_Run.row_from``) go to the sequence's pages when it leaves the row keeping them (moved by compaction, paused
+    at a turn's end: :meth:`_RowCacheSteps._flush_rows`). So the pages hold a sequence's K/V whenever a row is
+    loaded from them or a prefill reads them, and a step pays no scattered page write per layer (6% of
+    bench_generation's CPU call). Memory: a static cache for the
     **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors,
     as the feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast)."""
 
@@ -90,16 +90,39 @@ class _RowCacheSteps:
         )
 
     def _refresh_rows(self, work: _Workspace, cache: _KVCache, n_pages: int) -> None:
-        """Copy into the row cache, from the pages, every running row whose sequence is not the one it holds."""
+        """Copy into the row cache, from the pages, every running row whose sequence is not the one it holds; its
+        K/V from its current position on will be the row's alone (``row_from``)."""
         rows = [row for row, seq in enumerate(self.sched.rows) if self.row_owner[row] is not seq]
         self.row_owner[len(self.sched.rows) :] = [None] * (len(self.row_owner) - len(self.sched.rows))
         if not rows:
             return
-        for row in rows:
-            self.row_owner[row] = self.sched.rows[row]
         idx = torch.tensor(rows, device=self.device)
+        for row, pos in zip(rows, self.st.pos[idx].tolist()):
+            self.row_owner[row] = self.sched.rows[row]
+            self.row_from[row] = pos
         pages_NP = self.st.table[idx, :n_pages].long()
         L, _, Hkv, _, ps, D = cache.kv.shape
         T = n_pages * ps
         kv = cache.kv[:, :, :, pages_NP]  # [L, 2, Hkv, N, P, page_size, D]
         work.kv_rows[:, idx, :, :, :T] = kv.permute(0, 3, 1, 2, 4, 5, 6).reshape(L, len(rows), 2, Hkv, T, D)
+
+    def _flush_rows(self, cache: _KVCache, held: list) -> None:
+        """Write to their pages (through the rows' block tables) the K/V that rows hold only in the row cache:
+        positions ``[row_from, pos)`` of each ``(row, sequence)`` in ``held`` whose row was loaded for that sequence
+        (one admitted since the last load has decoded nothing there: its K/V are all in its pages), every layer in
+        one indexed copy; a no-op without a row cache."""
+        work = cache.work
+        rows = [row for row, seq in held if self.row_owner[row] is seq]
+        if work is None or work.kv_rows is None or not rows:
+            return
+        row_N, pos_N = [], []
+        for row, end in zip(rows, self.st.pos[rows].tolist()):
+            row_N += [row] * (end - self.row_from[row])
+            pos_N += range(self.row_from[row], end)
+            self.row_from[row] = end
+        if not row_N:
+            return
+        L, _, Hkv, _, ps, D = cache.kv.shape
+        r, p = torch.tensor(row_N, device=self.device), torch.tensor(pos_N, device=self.device)
+        slot_N = self.st.table[r, p // ps].long() * ps + p % ps
+        cache.kv.view(L, 2, Hkv, -1, D)[:, :, :, slot_N] = work.kv_rows[:, r, :, :, p].permute(1, 2, 3, 0, 4)

@@ -73,6 +73,8 @@ class _DecodeLoop:
                 finished = [seq for row, seq in enumerate(sched.rows) if flags[row][0] or seq in cut]
                 if finished:
                     self._read_tokens(finished)
+                    if self.turns is not None:  # one that pauses keeps its pages: they get what only its row holds
+                        self._flush_rows(cache, [(seq.row, seq) for seq in finished])
                     for seq in finished:
                         keep = cut.get(seq)
                         if keep is not None:  # seen late (sync_every > 1): the tokens past the match are trimmed
@@ -85,6 +87,7 @@ class _DecodeLoop:
                         self.row_owner[row] = None
                 moves = sched.compact()
                 if moves:
+                    self._flush_rows(cache, [(m[0], sched.rows[m[1]]) for m in moves])  # dst is loaded from pages
                     src = torch.tensor([m[0] for m in moves], device=self.device)
                     dst = torch.tensor([m[1] for m in moves], device=self.device)
                     for t in st:

@@ -19,10 +19,11 @@ modules listed below are the device step):
 3. **Decode.** One token per running sample per step: ``x_S -> layers -> logits_SV (fp32)``, sample, append. The
    attention reads each sample's keys through its block table: on CUDA the split-K paged kernel of
    ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat). On CPU a
-   row cache (``_Workspace``) holds each running row's keys contiguously: every step writes its token to the page
-   and to the row, a row that gets another sequence is refreshed from its pages through the block table, and the
-   attention is SDPA over the row with the keys past its length masked (re-gathering every page at every layer and
-   step would copy the live K/V once more per step). Every ``sync_every`` steps the host reads the flags and
+   row cache (``_Workspace``) holds each running row's keys contiguously: a row that gets another sequence is
+   loaded from its pages through the block table, every step writes its token to the row (the pages get a row's
+   new K/V when its sequence leaves the row keeping them), and the attention is SDPA over the row with the keys
+   past its length masked (re-gathering every page at every layer and step would copy the live K/V once more per
+   step). Every ``sync_every`` steps the host reads the flags and
    counts (the only host synchronisation in the loop): finished samples are harvested and free their pages, every
    running sample gets the pages of its next ``sync_every`` tokens (when the pool runs dry, the latest-admitted
    sample is preempted: pages freed, requeued with its tokens; it is later recomputed by prefilling prompt +
@@ -372,10 +373,10 @@ class GenerationEngine(_ModelPieces):
         """
         work = cache.work  # None: the paged kernel (CUDA)
         ps = cache.kv.shape[4]
+        if work is not None and work.kv_rows is not None:
+            return self._decode_rows(ops, cache, tok_S, pos_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype)
         page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
         slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
-        if work is not None and work.kv_rows is not None:
-            return self._decode_rows(ops, cache, tok_S, pos_S, slot_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype)
         S = tok_S.shape[0]
         G = self.num_heads // self.num_kv_heads
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
@@ -395,9 +396,10 @@ class GenerationEngine(_ModelPieces):
             x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
         return self._final_logits(ops, x, delta, work)
 
-    def _decode_rows(self, ops, cache: _KVCache, tok_S, pos_S, slot_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
-        """The decode step on the CPU row cache: each layer writes the token's K/V to its page and to its row
-        (``work.kv_rows[layer, row, :, :, pos]``), then attends over the row's first ``T`` keys, those past
+    def _decode_rows(self, ops, cache: _KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
+        """The decode step on the CPU row cache: each layer writes the token's K/V to its row
+        (``work.kv_rows[layer, row, :, :, pos]``; the pages get it when the sequence leaves the row keeping them,
+        ``_RowCacheSteps._flush_rows``), then attends over the row's first ``T`` keys, those past
         ``pos`` masked (:func:`masked_attention`). Without autocast the projections
         and the rotary embedding run on q, k, v side by side (:meth:`_attn_in_rows`)."""
         work = cache.work
@@ -418,7 +420,6 @@ class GenerationEngine(_ModelPieces):
             else:
                 q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)
                 q4, kv = q.view(S, Hkv, G, D), torch.stack((k, v), 1)
-            cache.write(li, slot_S, kv)
             kv_rows = work.kv_rows[li]  # [R, 2, Hkv, T_max, D]
             kv_rows[rows_S, :, :, pos_S] = kv
             o = masked_attention(q4, kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T], live_S11T, self.scale)
@@ -485,6 +486,7 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
         if not _use_fused_attention(cache.kv):
             cache.work = self._workspace(R, max_pages * ps)
         self.row_owner: list = [None] * R  # the sequence whose keys each row of the row cache holds
+        self.row_from = [0] * R  # the position from which a row's K/V are in the row cache only (not in pages)
         self.st = _RowState(
             tok=torch.zeros(R, dtype=torch.long, device=dev),  # token fed at the next step
             pos=torch.zeros(R, dtype=torch.long, device=dev),  # its position (= tokens already cached)
