@@ -68,7 +68,7 @@ def test_kernel_matches_reference(dtype, S, Hkv, G, D, page, P):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torch_path_matches_reference(dtype):
-    """The plain-torch path (page gather + masked fp32 softmax), which runs on CPU without the interpreter."""
+    """The plain-torch path (page gather + masked SDPA), which runs on CPU without the interpreter."""
     _check(4, 2, 3, 16, 5, 9, dtype, "cpu", fn=da.paged_decode_attention_torch)
 
 
