@@ -398,10 +398,10 @@ class GenerationEngine(_ModelPieces):
 
     def _decode_rows(self, ops, cache: _KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
         """The decode step on the CPU row cache: each layer writes the token's K/V to its row
-        (``work.kv_rows[layer, row, :, :, pos]``; the pages get it when the sequence leaves the row keeping them,
-        ``_RowCacheSteps._flush_rows``), then attends over the row's first ``T`` keys, those past
-        ``pos`` masked (:func:`masked_attention`). Without autocast the projections
-        and the rotary embedding run on q, k, v side by side (:meth:`_attn_in_rows`)."""
+        (``work.kv_rows[layer, row, :, :, pos]``; the pages get them when the sequence leaves the row keeping them,
+        ``_RowCacheSteps._flush_rows``), then attends over the row's first ``T`` keys, those past ``pos`` masked
+        (:func:`masked_attention`). Without autocast the projections and the rotary embedding run on q, k, v side by
+        side (:meth:`_attn_in_rows`)."""
         work = cache.work
         S = tok_S.shape[0]
         Hkv, G, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
