@@ -56,7 +56,11 @@ class _Workspace(NamedTuple):
     (``_Run.row_from``) go to the sequence's pages when it leaves the row keeping them (moved by compaction, paused
     at a turn's end: :meth:`_RowCacheSteps._flush_rows`). So the pages hold a sequence's K/V whenever a row is
     loaded from them or a prefill reads them, and a step pays no scattered page write per layer (6% of
-    bench_generation's CPU call). Memory: a static cache for the
+    bench_generation's CPU call). Memory: a static cache for the rows (``L · R · Hkv · max_pages · page_size · D``
+    keys and as many values), kept only when it holds no more tokens than the KV budget; otherwise every layer
+    gathers its rows' pages at every step (``paged_decode_attention_torch``, slower) and writes each token's K/V to
+    its page.
+
     **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors,
     as the feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast)."""
 

@@ -244,7 +244,9 @@ class GenerationEngine(_ModelPieces):
         """Sample ``params.n`` completions for each prompt; returns ``[prompt][sample]`` :class:`Completion`.
 
         The model runs in eval mode under ``inference_mode`` (no autograd bookkeeping: 5-8% of a CPU call of
-        bench_generation.py against ``no_grad``) and gets its previous mode back afterwards. A completion
+        bench_generation.py against ``no_grad``) and gets its previous mode back afterwards; ``on_group_done`` and
+        the turn handler are called inside it too (a tensor they create is an inference tensor: no autograd, no
+        in-place update outside inference mode). A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
         "stop"), at the token that completes the first ``params.stop_strings`` match in its decoded text ("stop";
         see ``fastgrpo.engine_turns``), or after ``params.response_limit(len(prompt))`` tokens (reason "length").

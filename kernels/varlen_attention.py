@@ -8,8 +8,9 @@ q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens`` ``[B + 1]`` int32. Tokens 
 each other. Returns ``[T, Hq, D]`` in the input dtype; differentiable in q, k and v.
 
 Paths (DESIGN.md): the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path,
-how the CPU trainer runs a packed forward: causal, with padding to the longest sequence costing at most
-``PAD_FACTOR`` times the tokens, one ``scaled_dot_product_attention`` over the sequences padded into a batch
+how the CPU trainer runs a packed forward: causal, when the padded batch's attention arithmetic (``B · L_max²``) is
+at most ``PAD_FACTOR`` times the per-sequence one (``Σ L_b²``), one ``scaled_dot_product_attention`` over the
+sequences padded into a batch
 (``[B, H, L_max, D]``; the padding sits after each sequence's tokens, so causality alone keeps it out of every real
 query's keys); otherwise SDPA per sequence (sequences of equal length batched together).
 """
@@ -36,10 +37,12 @@ if HAS_TRITON:
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634  # the kernels work in base 2: exp(x) = exp2(x · log2 e)
-# the CPU path pads the sequences into one batch when that holds at most this many times the tokens: one SDPA
-# call instead of one per distinct length (a GRPO micro-batch of 32 sequences of 12-44 tokens, 21 lengths, tiny
-# heads: 2.4 against 3.0 ms a layer, forward and backward)
-PAD_FACTOR = 2
+# the CPU path pads the sequences into one batch when that costs at most this many times the attention arithmetic
+# of per-sequence calls (B · L_max² against Σ L²; the padded tokens, B · L_max, then stay within 3 T): one SDPA call
+# instead of one per distinct length (a GRPO micro-batch of 32 sequences of 12-44 tokens, 21 lengths, ratio 1.8, tiny
+# heads: 2.4 against 3.0 ms a layer, forward and backward); one long sequence among short ones keeps the per-length
+# calls (64 + 31 x 32 tokens: ratio 3.7)
+PAD_FACTOR = 3
 
 
 def _check_inputs(q, k, v, cu_seqlens, max_seqlen, *, check_offsets: bool) -> None:
@@ -430,8 +433,8 @@ class _VarlenAttention(torch.autograd.Function):
 
 
 def _varlen_attention_torch(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
-    """One padded SDPA (causal, padding within ``PAD_FACTOR``), else per-sequence SDPA with the sequences of the same
-    length in one batched call.
+    """One padded SDPA (causal, its arithmetic within ``PAD_FACTOR`` of the per-sequence calls'), else per-sequence
+    SDPA with the sequences of the same length in one batched call.
 
     Built from index_copy / index_select (padded) or split / stack / unbind / cat, whose backwards are one gather, one
     scatter into zeros, one concatenation or views: slicing each sequence out of the packed tensors instead would
@@ -440,7 +443,7 @@ def _varlen_attention_torch(q, k, v, cu_seqlens, causal: bool, scale: float) -> 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     gqa = q.shape[1] != k.shape[1]
     B, L_max, T = len(lengths), max(lengths, default=0), q.shape[0]
-    if causal and B > 1 and B * L_max <= PAD_FACTOR * T:
+    if causal and B > 1 and B * L_max**2 <= PAD_FACTOR * sum(L * L for L in lengths):
         # token i of sequence b at row b · L_max + (i − cu[b]) of the padded batch; the padding rows stay 0 and,
         # after each sequence's tokens, only padding queries (dropped) attend to them
         seq_T = torch.repeat_interleave(torch.arange(B, device=q.device), cu_seqlens[1:] - cu_seqlens[:-1])

@@ -80,12 +80,12 @@ def test_torch_path_matches_reference():
 @given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12).filter(any),
     heads=st.sampled_from([(2, 2), (4, 2), (6, 1)]),
-    pad_factor=st.sampled_from([0, 1, 2, 100]),
+    pad_factor=st.sampled_from([0, 1, 3, 100]),
     seed=st.integers(0, 2**16),
 )
 def test_torch_path_padded_and_grouped_match_reference(lengths, heads, pad_factor, seed):
     """The CPU path on random packs (empty, single-token and skewed sequences), causal fp32, with the padded batch
-    allowed never (0), only when no padding is needed (1), by default (2) or always (100): output and gradients
+    allowed never (0), only when no padding is needed (1), by default (3) or nearly always (100): output and gradients
     against the per-sequence reference; padding rows never reach a real token's output or gradient.
 
     fp32 only: in bf16, torch's CPU SDPA backward exceeds twice the bf16 reference's error on ~1 random pack in 8,
