@@ -20,16 +20,23 @@ def assert_flash(name: str, got: torch.Tensor, ref32: torch.Tensor, ref_lowp: to
     assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
 
 
+class IndecisiveCase(AssertionError):
+    """A case whose comparison rounding could decide (:func:`assert_decisive`): a fixed test fails on it (its case
+    must change), a hypothesis harness draws another (``hypothesis.reject``)."""
+
+
 def assert_decisive(name: str, values: torch.Tensor, thresholds, margin: float) -> None:
     """Guard for a discontinuous metric (an accuracy, a count over a threshold, an argmax) compared between two
     computations that differ by rounding: every value it thresholds must lie at least ``margin`` from every
-    threshold, so that rounding cannot move one across. Fails naming the closest value: then the case, not the
-    code, must change (another seed), and the comparison would otherwise be decided by the CPU's kernels."""
+    threshold, so that rounding cannot move one across. Raises :class:`IndecisiveCase` naming the closest value:
+    then the case, not the code, must change (another seed), and the comparison would otherwise be decided by the
+    CPU's kernels."""
     values = values.detach().double().flatten()
     gaps = torch.stack([(values - float(t)).abs() for t in thresholds])  # [thresholds, n]
     worst = gaps.min(0).values.argmin()
-    assert gaps.min() >= margin, (f"{name}: value {values[worst].item():.9g} lies {gaps.min().item():.3g} from a "
-                                  f"threshold (< {margin:g}): rounding could decide the comparison")
+    if gaps.min() < margin:
+        raise IndecisiveCase(f"{name}: value {values[worst].item():.9g} lies {gaps.min().item():.3g} from a "
+                             f"threshold (< {margin:g}): rounding could decide the comparison")
 
 
 def assert_is_decisive(old: torch.Tensor, samp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float,

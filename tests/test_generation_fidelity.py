@@ -42,8 +42,8 @@ from unittest import mock
 
 import pytest
 import torch
-from checks import one_thread  # noqa: F401  (an autouse fixture)
-from hypothesis import given, settings
+from checks import IndecisiveCase, one_thread  # noqa: F401  (an autouse fixture)
+from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from test_generation import (
     ARCHS,
@@ -124,7 +124,10 @@ def check_case(arch, seed, lengths, params, schedules, adapt=None):
             ref = teacher_forced_logp(model, prompt, c.token_ids, temperature)
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
         if params.greedy:
-            want = hf_greedy(model, prompt, params.max_new_tokens, sorted(stops))
+            try:
+                want = hf_greedy(model, prompt, params.max_new_tokens, sorted(stops))
+            except IndecisiveCase:  # a near tie: rounding would decide the comparison, the case must change
+                reject()
             assert all(c.token_ids == want for c in comps)
     for comps_a, comps_b in zip(*runs):  # batch invariance
         for a, b in zip(comps_a, comps_b):
