@@ -121,15 +121,9 @@ class _ModelPieces:
         Token i's K/V go to flat slot ``slot_N[i]`` of the page pool (page · page_size + offset). Its attention reads
         the same K/V values it writes (the fresh tensors, before the write), so it equals attention through the pages.
         """
-        N = tokens_N.shape[0]
         G = self.num_heads // self.num_kv_heads
-        cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
-        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
-        delta = None
-        for li, layer in enumerate(self.layers):
-            x, h = self._norm_in(ops, layer, x, delta)
-            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
-            cache.write(li, slot_N, torch.stack((k, v), 1))
+
+        def attend(li, q, k, v):
             out = torch.empty_like(q)  # [N, Hq, D]
             for start, count, length in groups:
                 end = start + count * length
@@ -140,7 +134,9 @@ class _ModelPieces:
                     kg, vg = kg.repeat_interleave(G, dim=1), vg.repeat_interleave(G, dim=1)
                 og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale)  # [c, Hq, len, D]
                 out[start:end] = og.transpose(1, 2).reshape(count * length, self.num_heads, self.head_dim)
-            x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
+            return out
+
+        x, delta = self._layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
         return x + delta
 
     def _prefill_onto(self, ops, tokens_N, pos_N, spans, tables, cos_TD, sin_TD, cache, slot_N, dtype):
@@ -156,21 +152,14 @@ class _ModelPieces:
         math path holds ``Hq · count · (kv + count)`` fp32 scores per layer, a few MiB for an observation of a few
         hundred tokens in a few thousand).
         """
-        N = tokens_N.shape[0]
-        G = self.num_heads // self.num_kv_heads
-        cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
+        G, Hkv, D = self.num_heads // self.num_kv_heads, self.num_kv_heads, self.head_dim
         masks = [
             torch.arange(kv + m, device=tokens_N.device) <= torch.arange(kv, kv + m, device=tokens_N.device)[:, None]
             for _, m, kv in spans
         ]  # [count, kv + count] bool: True = attend
-        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
-        delta = None
-        for li, layer in enumerate(self.layers):
-            x, h = self._norm_in(ops, layer, x, delta)
-            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
-            cache.write(li, slot_N, torch.stack((k, v), 1))
+
+        def attend(li, q, k, v):  # after the layer's write: the new K/V are in the pages too
             out = torch.empty_like(q)  # [N, Hq, D]
-            Hkv, D = self.num_kv_heads, self.head_dim
             for (start, m, kv), pages, mask in zip(spans, tables, masks):
                 L = kv + m
                 kg = cache.k[li][:, pages].reshape(Hkv, -1, D)[:, :L]  # [Hkv, L, D]
@@ -180,8 +169,26 @@ class _ModelPieces:
                 qg = q[start : start + m].transpose(0, 1)  # [Hq, m, D]
                 og = F.scaled_dot_product_attention(qg[None], kg[None], vg[None], attn_mask=mask, scale=self.scale)
                 out[start : start + m] = og[0].transpose(0, 1)  # [m, Hq, D]
-            x, delta = self._attn_out_mlp(ops, layer, x, out.view(N, -1))
+            return out
+
+        x, delta = self._layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
         return x + delta
+
+    def _layers(self, ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend, work=None):
+        """The layers on ``N`` tokens at positions ``pos_N`` through the pages: per layer the input norm, q/k/v
+        and rotary, the K/V written to flat slots ``slot_N``, ``attend(layer index, q [N, Hq, D], k, v [N, Hkv, D])
+        -> [N, Hq, D]``, o_proj and the MLP; returns ``(residual, last MLP output)`` (their sum is the last residual
+        stream, before the final norm)."""
+        N = tokens_N.shape[0]
+        cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
+        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = self._norm_in(ops, layer, x, delta)
+            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
+            cache.write(li, slot_N, torch.stack((k, v), 1))
+            x, delta = self._attn_out_mlp(ops, layer, x, attend(li, q, k, v).reshape(N, -1), work)
+        return x, delta
 
     def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
         norm = self.model.model.norm

@@ -384,18 +384,13 @@ class GenerationEngine(_ModelPieces):
         length_S = pos_S + 1  # keys [0, pos] are live, the current one included
         # the torch path named off CUDA: paged_decode_attention would run the kernel under TRITON_INTERPRET=1
         attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
-        cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
-        x = self.model.model.embed_tokens(tok_S)  # [S, H]
-        delta = None
-        for li, layer in enumerate(self.layers):
-            x, h = self._norm_in(ops, layer, x, delta)
-            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [S, Hq, D], [S, Hkv, D]
-            cache.write(li, slot_S, torch.stack((k, v), 1))
-            # the G query heads of one kv head act as G query rows against that head's keys (no K/V repeat)
-            q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
+
+        def attend(li, q, k, v):  # the G query heads of one kv head act as G query rows (no K/V repeat)
             k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
-            o = attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)
-            x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
+            q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
+            return attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)  # [S, Hkv, G, D]
+
+        x, delta = self._layers(ops, tok_S, pos_S, cos_TD, sin_TD, cache, slot_S, dtype, attend, work)
         return self._final_logits(ops, x, delta, work)
 
     def _decode_rows(self, ops, cache: _KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
