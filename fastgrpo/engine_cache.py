@@ -16,8 +16,8 @@ import torch
 class _KVCache:
     """The per-``generate`` memory (freed when generate returns): the KV page pool, head-major (a page's keys of
     one kv head are contiguous: a row refresh copies whole blocks, and the CUDA kernel reads 64 × D contiguous
-    values per page and head), keys and values of a layer side by side in one tensor (one write per layer and step
-    stores both), and, on the eager (CPU) path, the row cache and the step's reused buffers."""
+    values per page and head), keys and values of all layers in one tensor (a row refresh or flush moves both, for
+    every layer, in one indexed copy), and, on the eager (CPU) path, the row cache and the step's reused buffers."""
 
     kv: torch.Tensor  # [L, 2, Hkv, pages, page_size, D]: [:, 0] keys, [:, 1] values
     work: _Workspace | None = None
@@ -34,11 +34,11 @@ class _KVCache:
         """The layer's pools as ``[pages, page_size, Hkv, D]`` views (the decode-attention API's layout)."""
         return self.kv[layer, 0].permute(1, 2, 0, 3), self.kv[layer, 1].permute(1, 2, 0, 3)
 
-    def write(self, layer: int, slot_N: torch.Tensor, kv_N2HD: torch.Tensor) -> None:
-        """K/V of N tokens (``kv [N, 2, Hkv, D]``: keys, values; any strides) into flat slots
-        ``page · page_size + offset`` of the layer's pool, in one indexed copy."""
+    def write(self, layer: int, slot_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
+        """K/V of N tokens into flat slots ``page · page_size + offset`` of the layer's pool."""
         Hkv, D = self.kv.shape[2], self.kv.shape[-1]
-        self.kv[layer].view(2 * Hkv, -1, D)[:, slot_N] = kv_N2HD.flatten(1, 2).transpose(0, 1)
+        self.kv[layer, 0].view(Hkv, -1, D)[:, slot_N] = k_NHD.transpose(0, 1)
+        self.kv[layer, 1].view(Hkv, -1, D)[:, slot_N] = v_NHD.transpose(0, 1)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V of pages ``src`` into pages ``dst``."""

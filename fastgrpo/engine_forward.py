@@ -75,7 +75,7 @@ class _ModelPieces:
         Rotary in place, bit for bit Hugging Face's ``x·cos + rotate_half(x)·sin``: ``rotate_half(x) = [−x₂, x₁]``,
         so ``rotate_half(x)·sin = [x₂, x₁]·[−sin₁, sin₂]`` (``sin_signed``, the same products up to the sign):
         one swap of halves, two products and one sum for q and k together, instead of those for each (17 against
-        26 µs a layer at bench_generation's sizes), and k, v then go to the caches in one write each."""
+        26 µs a layer at bench_generation's sizes), and k, v then go to the row cache in one write."""
         attn = layer.self_attn
         S, lora = h.shape[0], self._lora
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -186,7 +186,7 @@ class _ModelPieces:
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
-            cache.write(li, slot_N, torch.stack((k, v), 1))
+            cache.write(li, slot_N, k, v)
             x, delta = self._attn_out_mlp(ops, layer, x, attend(li, q, k, v).reshape(N, -1), work)
         return x, delta
 
