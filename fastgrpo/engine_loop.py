@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastgrpo.engine_sampling import Completion, _row_seeds, _sample, _sample_streams
+from fastgrpo.engine_sampling import Completion, _row_seeds, _sample, _sample_streams, _stream_uniforms
 from fastgrpo.engine_turns import _Traj
 from fastgrpo.scheduler import Admission
 
@@ -30,8 +30,10 @@ class _RowState(NamedTuple):
     limit: torch.Tensor  # [R] int64
     stream: torch.Tensor  # [R] int64: the key of the sample's random stream, h(seed, sample) (``_sample_streams``)
     t0: torch.Tensor  # [R] int64: tokens it sampled in earlier turns (its draw index is t0 + n_gen)
-    out_tok: torch.Tensor  # [R, max_new] int64
-    out_lp: torch.Tensor  # [R, max_new] fp32
+    # the step writes column n_gen of every row, done or not: the last column (n_gen = max_new) is scratch
+    out_tok: torch.Tensor  # [R, max_new + 1] int64
+    out_lp: torch.Tensor  # [R, max_new + 1] fp32
+    u: torch.Tensor  # [R, max_new + 1] fp64: uniforms of its draws t0 + j (CPU, ``_stream_uniforms``); [R, 0] on CUDA
     table: torch.Tensor  # [R, max_pages] int32
 
 
@@ -132,17 +134,19 @@ class _DecodeLoop:
             # ---- sync_every decode steps without reading anything back
             for _ in range(steps):
                 logits = self._step(cache, S_b, n_pages)  # [S_b, V] fp32
-                tok, lp = _sample(logits, self.params, _row_seeds(st.stream[:S_b], st.t0[:S_b] + st.n_gen[:S_b]))
+                r, col = rows[:S_b], st.n_gen[:S_b]  # a done row's draw lands past its tokens, read by nothing
+                if st.u.shape[1]:
+                    tok, lp = _sample(logits, self.params, None, st.u[r, col])
+                else:
+                    tok, lp = _sample(logits, self.params, _row_seeds(st.stream[:S_b], st.t0[:S_b] + col))
                 live_S = ~st.done[:S_b]
-                col = st.n_gen[:S_b].clamp(max=st.out_tok.shape[1] - 1)
-                r = rows[:S_b]
-                st.out_tok[r, col] = torch.where(live_S, tok, st.out_tok[r, col])
-                st.out_lp[r, col] = torch.where(live_S, lp, st.out_lp[r, col])
+                st.out_tok[r, col] = tok
+                st.out_lp[r, col] = lp
                 st.n_gen[:S_b] += live_S
                 stop = torch.isin(tok, self.stop_ids) | (st.n_gen[:S_b] >= st.limit[:S_b])
                 st.done[:S_b] |= live_S & stop
                 st.pos[:S_b] += live_S
-                st.tok[:S_b] = torch.where(live_S, tok, st.tok[:S_b])
+                st.tok[:S_b] = tok  # a done row feeds it at its pos, where nothing of it is kept or read
             self.stats["decode_steps"] += steps
         return self.results
 
@@ -197,6 +201,8 @@ class _DecodeLoop:
             st.limit[idx] = limits
             st.stream[idx] = stream_A
             st.t0[idx] = t0_A
+            if st.u.shape[1]:
+                st.u[idx] = _stream_uniforms(stream_A, t0_A, st.u.shape[1])
             st.done[idx] = torch.isin(tok, self.stop_ids) | (limits <= 1)
         sched.release_prompts()
         for s in adm.recompute:  # continue from the last sampled token, with everything kept
@@ -209,6 +215,8 @@ class _DecodeLoop:
             st.limit[s.row] = s.limit
             st.stream[s.row] = _sample_streams(self.seed, torch.tensor([s.sample], device=dev))[0]
             st.t0[s.row] = self.trajs[s.sample].sampled
+            if st.u.shape[1]:
+                st.u[s.row] = _stream_uniforms(st.stream[s.row, None], st.t0[s.row, None], st.u.shape[1])[0]
             st.done[s.row] = False
 
     def _prefill_appended(self, cache, seqs) -> dict:

@@ -195,12 +195,25 @@ def _row_uniforms(seeds_S: torch.Tensor) -> torch.Tensor:
     return ((seeds_S << 22) | low).double() * 2.0**-53
 
 
-def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor):
+def _stream_uniforms(stream_A: torch.Tensor, t0_A: torch.Tensor, width: int) -> torch.Tensor:
+    """``[A, width]`` fp64: the uniforms of draws ``t0 .. t0 + width − 1`` of each stream (``_row_uniforms`` of
+    ``_row_seeds``, the same values). The engine's CPU rows keep this table, filled when a sample takes its row, so
+    that a decode step reads its rows' uniforms in one indexing op instead of ~30 ops of hashing (8 bytes a row and
+    token of the response limit)."""
+    index_AW = t0_A[:, None] + torch.arange(width, device=t0_A.device)
+    return _row_uniforms(_row_seeds(stream_A[:, None], index_AW))
+
+
+def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor | None, u_S=None):
     """Draw one token per row (row r from its stream ``seeds_S[r]``); returns (token [S] int64, log-prob [S] fp32
     before top-p/top-k truncation). ``logits_SV`` is consumed: the unfused path works in place on it.
 
     On CUDA (the Triton kernels) the draw is Gumbel-max over the row's uniforms ``U(seed, v)``; elsewhere it is the
-    inverse CDF with one uniform per row (``inverse_cdf_sample``): the same distribution, no ``[S, V]`` noise."""
+    inverse CDF with one uniform per row (``inverse_cdf_sample``): the same distribution, no ``[S, V]`` noise. That
+    uniform is ``_row_uniforms(seeds_S)``, or ``u_S`` when the caller has it (the engine's table,
+    ``_stream_uniforms``: the same values; ``seeds_S`` may then be None)."""
+    if u_S is None and not params.greedy and not _use_fused_sampling(logits_SV):
+        u_S = _row_uniforms(seeds_S)
     if params.greedy:
         logp = torch.log_softmax(logits_SV, dim=-1)
         tok = logits_SV.argmax(dim=-1)
@@ -212,7 +225,7 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tens
     if plain:  # w = exp(x − max x) in place, x = logits / T; log p[token] = log w[token] − log Σ w
         w_SV = logits_SV if params.temperature == 1.0 else logits_SV.div_(params.temperature)
         w_SV.sub_(w_SV.amax(dim=-1, keepdim=True)).exp_()
-        tok, total = inverse_cdf_sample(w_SV, _row_uniforms(seeds_S))
+        tok, total = inverse_cdf_sample(w_SV, u_S)
         return tok, (w_SV.gather(1, tok[:, None]).squeeze(1).double().log() - total.log()).float()
     logp = torch.log_softmax(logits_SV / params.temperature, dim=-1)  # [S, V]
     kept = logp
@@ -229,5 +242,5 @@ def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tens
         u = uniform_rows(seeds_S, kept.shape[-1])  # [S, V]
         tok = (kept - (-u.log()).log()).argmax(dim=-1)
     else:  # the truncated tokens have weight exp(−inf) = 0: never drawn
-        tok, _ = inverse_cdf_sample(kept.exp(), _row_uniforms(seeds_S))
+        tok, _ = inverse_cdf_sample(kept.exp(), u_S)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)

@@ -87,6 +87,7 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -95,7 +96,7 @@ from fastgrpo.engine_cache import _KVCache, _RowCacheSteps
 from fastgrpo.engine_cuda import _GraphSteps
 from fastgrpo.engine_forward import LM_HEAD_CHUNK, _ModelPieces, _Ops
 from fastgrpo.engine_loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
-from fastgrpo.engine_sampling import Completion, SamplingParams, TurnHandler, TurnResult
+from fastgrpo.engine_sampling import Completion, SamplingParams, TurnHandler, TurnResult, _use_fused_sampling
 from fastgrpo.engine_turns import _TurnSteps
 from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
@@ -403,7 +404,9 @@ class GenerationEngine(_ModelPieces):
         S = tok_S.shape[0]
         Hkv, G, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         rows_S = torch.arange(S, device=tok_S.device)
-        live_S11T = (torch.arange(T, device=tok_S.device) <= pos_S[:, None]).view(S, 1, 1, T)
+        # additive mask, 0 where live, -inf past pos: SDPA turns a boolean one into this at every call (6 ops)
+        dead_S11T = torch.arange(T, device=tok_S.device) > pos_S[:, None]
+        mask_S11T = torch.zeros(S, 1, 1, T, device=tok_S.device).masked_fill_(dead_S11T.view(S, 1, 1, T), -math.inf)
         cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
         joint = dtype == self.layers[0].self_attn.q_proj.weight.dtype  # no autocast: q, k, v side by side
         if joint:
@@ -419,7 +422,7 @@ class GenerationEngine(_ModelPieces):
                 q4, kv = q.view(S, Hkv, G, D), torch.stack((k, v), 1)
             kv_rows = work.kv_rows[li]  # [R, 2, Hkv, T_max, D]
             kv_rows[rows_S, :, :, pos_S] = kv
-            o = masked_attention(q4, kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T], live_S11T, self.scale)
+            o = masked_attention(q4, kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T], mask_S11T, self.scale)
             x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
         return self._final_logits(ops, x, delta, work)
 
@@ -492,8 +495,10 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
             limit=torch.ones(R, dtype=torch.long, device=dev),  # the sample's response limit
             stream=torch.zeros(R, dtype=torch.long, device=dev),  # h(seed, its sample id): its random stream
             t0=torch.zeros(R, dtype=torch.long, device=dev),  # tokens sampled in its earlier turns
-            out_tok=torch.zeros(R, max_new, dtype=torch.long, device=dev),
-            out_lp=torch.zeros(R, max_new, dtype=torch.float32, device=dev),
+            out_tok=torch.zeros(R, max_new + 1, dtype=torch.long, device=dev),  # + a scratch column
+            out_lp=torch.zeros(R, max_new + 1, dtype=torch.float32, device=dev),
+            u=torch.zeros(R, 0 if self.params.greedy or _use_fused_sampling(cache.kv) else max_new + 1, device=dev,
+                          dtype=torch.float64),  # uniforms of the CPU draws (the kernels draw their own on CUDA)
             table=torch.zeros(R, max_pages, dtype=torch.int32, device=dev),  # block tables (0 = scratch page)
         )
         self.graphs = {}

@@ -216,8 +216,9 @@ def masked_attention(q, k, v, live, scale: float) -> torch.Tensor:
     in the engine's decode step at ``bench_generation.py``'s sizes it took 227 µs a layer against 310 µs for
     explicit fp32 products and an in-place softmax (the previous path, 11 ops), the K/V cache-cold as in the step.
 
-    q ``[B1, B2, G, D]``, k/v ``[B1, B2, T, D]`` (unit stride on D), ``live`` bool broadcastable to
-    ``[B1, B2, G, T]`` with at least one live key per row (a row with none would be NaN); the output
+    q ``[B1, B2, G, D]``, k/v ``[B1, B2, T, D]`` (unit stride on D), ``live`` broadcastable to ``[B1, B2, G, T]``
+    with at least one live key per row (a row with none would be NaN): bool (True = attend), or the additive mask
+    SDPA makes of it, 0 where live and -inf elsewhere (the engine's, built once per step: the same result); the output
     ``[B1, B2, G, D]`` has q's dtype. The dead keys weigh exactly 0, but enter ``P V`` as ``0 · v``: they must be
     finite (the engine's caches are zero-filled).
     """

@@ -25,6 +25,7 @@ Shape legend: S rows (slots), V vocabulary.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, use_triton
 from .reference import gumbel_sample_ref
@@ -165,20 +166,26 @@ def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[tor
         sums.append(weights_SV.t()[: nb * B].unflatten(0, (nb, B)).sum(1).t())
     if tail:
         sums.append(weights_SV[:, nb * B :].sum(-1, keepdim=True))
-    blocks_SN = torch.cat(sums, dim=1).double().cumsum_(dim=1)  # [S, blocks]: C at each block's end
-    total_S = blocks_SN[:, -1]
+    # C at each block's start and end, [S, blocks + 1] (C[:, 0] = 0); the ops are few on purpose: on CPU each costs
+    # more than its arithmetic here (see the engine's decode step)
+    bounds_SN = F.pad(sums[0] if len(sums) == 1 else torch.cat(sums, dim=1), (1, 0)).cumsum(1, dtype=torch.float64)
+    total_S = bounds_SN[:, -1]
     t_S = u_S * total_S
-    b_S = _first_above(blocks_SN, t_S)
-    lo_S = torch.where(b_S > 0, blocks_SN.gather(1, (b_S - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    mass_S = blocks_SN.gather(1, b_S[:, None]).squeeze(1) - lo_S  # > 0: a block of positive mass is chosen
-    cols_SB = b_S[:, None] * B + torch.arange(B, device=weights_SV.device)  # the block's columns
-    w_SB = weights_SV.gather(1, cols_SB.clamp(max=V - 1)).masked_fill(cols_SB >= V, 0.0)
+    i_S = _first_above(bounds_SN, t_S)  # block i − 1 is chosen: C[i − 1] <= t < C[i] (i >= 1: C[0] = 0 <= t)
+    lo_hi_S2 = bounds_SN.gather(1, i_S[:, None] + torch.arange(-1, 1, device=i_S.device))  # its [C_lo, C_hi)
+    lo_S = lo_hi_S2[:, 0]
+    mass_S = lo_hi_S2[:, 1] - lo_S  # > 0: a block of positive mass is chosen
+    cols_SB = torch.arange(-B, 0, device=weights_SV.device).add(i_S[:, None], alpha=B)  # its columns
+    if tail:
+        w_SB = weights_SV.gather(1, cols_SB.clamp(max=V - 1)).masked_fill(cols_SB >= V, 0.0)
+    else:
+        w_SB = weights_SV.gather(1, cols_SB)
     c_SB = w_SB.cumsum(dim=1, dtype=torch.float64)
     # where t falls inside the chosen block, on the scale of the block's own CDF: its offset times (fine sum / coarse
     # mass), a ratio of exactly 1 where the two sums agree, so that a boundary hit exactly stays exact (a fraction
     # offset / mass times the fine sum rounds, e.g. (1 / 49) · 49 < 1, and would draw the token before the boundary)
     j_S = _first_above(c_SB, (t_S - lo_S) * (c_SB[:, -1] / mass_S))
-    return b_S * B + j_S, total_S
+    return j_S + cols_SB[:, 0], total_S
 
 
 def _first_above(c_SN: torch.Tensor, t_S: torch.Tensor) -> torch.Tensor:

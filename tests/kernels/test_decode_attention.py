@@ -76,7 +76,8 @@ def test_torch_path_matches_reference(dtype):
 def test_masked_attention_on_row_cache_views(dtype):
     """masked_attention as the engine's CPU row cache calls it: q a feature-major view (the step's q/k/v buffer),
     k/v the first S rows and T keys of a wider joint cache ``[R, 2, Hkv, T_max, D]`` (strided views), the keys past
-    each length holding other values; the reference's output by flash-attn's rule."""
+    each length holding other values; the reference's output by flash-attn's rule, and the engine's additive fp32
+    mask (0 / -inf) gives exactly the boolean mask's output."""
     S, Hkv, G, D, T, T_max, R = 5, 2, 3, 16, 11, 17, 8
     g = torch.Generator().manual_seed(9)
     q = torch.randn(Hkv * G * D, S, generator=g).to(dtype).t().view(S, Hkv, G, D)
@@ -90,6 +91,8 @@ def test_masked_attention_on_row_cache_views(dtype):
     ref32 = decode_attention_ref(q, k, v, length, softmax_scale=0.7 * D**-0.5)
     ref_lowp = decode_attention_ref(q, k, v, length, softmax_scale=0.7 * D**-0.5, upcast=False)
     assert_flash("out", out, ref32, ref_lowp, ATOL[dtype])
+    additive = torch.zeros(S, 1, 1, T).masked_fill_(~live, float("-inf"))
+    assert torch.equal(da.masked_attention(q, k, v, additive, 0.7 * D**-0.5), out)
 
 
 def test_kernel_matches_torch_path():
