@@ -600,3 +600,39 @@ def test_compiled_elementwise_path_matches_hf(arch):
     for prompt, [c] in zip(prompts, engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=2))):
         ref = teacher_forced_logp(model, prompt, c.token_ids)
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+@settings(max_examples=30)
+@given(H=st.sampled_from([8, 64, 100, 256, 704, 1536, 4096]), M=st.integers(1, 77), feature_major=st.booleans(),
+       threads=st.sampled_from([1, 2]), scale=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_cpu_rms_norm_is_hf_bit_for_bit(H, M, feature_major, threads, scale, seed):
+    """The engine's fp32 CPU RMSNorm (seven kernels) against Hugging Face's ``Qwen2RMSNorm`` module on the same
+    rows: bit for bit, rows row-major or feature-major (the engine's CPU activations are either), 1 or 2 threads,
+    activations small enough for eps to matter or large."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from fastgrpo.engine_forward import _rms_norm
+
+    torch.set_num_threads(threads)  # the autouse fixture restores one thread
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(H, M, generator=g).t() if feature_major else torch.randn(M, H, generator=g)
+    x = x * scale
+    norm = Qwen2RMSNorm(H, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(H, generator=g))
+        assert torch.equal(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
+def test_the_cpu_uniform_table_is_the_per_draw_hash():
+    """The rows' table of uniforms (filled at admission) holds, at column j, exactly the uniform the per-step hash
+    gives for draw t0 + j of the row's stream, so reading it changes no draw."""
+    from fastgrpo.engine_sampling import _row_seeds, _row_uniforms, _sample_streams, _stream_uniforms
+
+    g = torch.Generator().manual_seed(4)
+    stream = _sample_streams(12345, torch.randint(0, 1000, (9,), generator=g))
+    t0 = torch.randint(0, 5000, (9,), generator=g)
+    table = _stream_uniforms(stream, t0, 37)
+    assert table.shape == (9, 37) and table.dtype == torch.float64
+    for j in range(37):
+        assert torch.equal(table[:, j], _row_uniforms(_row_seeds(stream, t0 + j)))
+    assert ((table >= 0) & (table < 1)).all()
