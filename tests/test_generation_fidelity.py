@@ -51,6 +51,7 @@ from test_generation import (
     MAX_POS,
     VOCAB,
     CheckedScheduler,
+    assert_logprobs_match_hf,
     hf_greedy,
     random_prompts,
     teacher_forced_logp,
@@ -121,8 +122,7 @@ def check_case(arch, seed, lengths, params, schedules, adapt=None):
             else:
                 assert c.finish_reason == "length" and len(c.token_ids) == params.max_new_tokens
                 assert c.token_ids[-1] not in stops
-            ref = teacher_forced_logp(model, prompt, c.token_ids, temperature)
-            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
+            assert_logprobs_match_hf(model, prompt, c.token_ids, c.logprobs, temperature)
         if params.greedy:
             try:
                 want = hf_greedy(model, prompt, params.max_new_tokens, sorted(stops))
