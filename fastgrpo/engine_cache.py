@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from fastgrpo.engine_forward import mkl_packed_gemm
+
 
 @dataclass
 class _KVCache:
@@ -61,14 +63,20 @@ class _Workspace(NamedTuple):
     gathers its rows' pages at every step (``paged_decode_attention_torch``, slower) and writes each token's K/V to
     its page.
 
-    **Buffers.** The step writes its largest activations (MLP, logits) into reused buffers instead of fresh tensors,
-    as the feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast)."""
+    **Buffers.** The step writes its MLP activations into reused buffers instead of fresh tensors, as the
+    feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast).
+
+    **LM head.** fp32 with MKL: the weight packed for MKL's GEMM at the step's row count (``head_packs``, row count
+    -> packed weight, filled on first use by :func:`~fastgrpo.engine_forward._packed_linear`, at most two kept:
+    each ~the LM head's bytes, freed with the workspace, so the packs always match the weights of this call);
+    otherwise the logits go to the reused buffer ``logits``."""
 
     kv_rows: torch.Tensor | None  # [L, R, 2, Hkv, max_pages · page_size, D]; None: attention through the pages
     gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation
     up: torch.Tensor | None  # [R · intermediate]
     down: torch.Tensor | None  # [R · H]: the MLP's output
-    logits: torch.Tensor | None  # [R · V] fp32
+    logits: torch.Tensor | None  # [R · V] fp32; None with head_packs
+    head_packs: dict | None = None  # rows -> the LM head weight packed for MKL (fp32 with MKL); None: ``logits``
 
 
 class _RowCacheSteps:
@@ -84,13 +92,15 @@ class _RowCacheSteps:
         rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
         plain = dt == next(e.model.parameters()).dtype
         inter = e.layers[0].mlp.gate_proj.out_features
+        packed = plain and dt == torch.float32 and e.model.lm_head.weight.dtype == dt and mkl_packed_gemm()
         return _Workspace(
             # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
             kv_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
             gate=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
             up=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
             down=torch.empty(R * e.model.config.hidden_size, device=dev, dtype=dt) if plain else None,
-            logits=torch.empty(R * e.vocab_size, device=dev) if plain else None,
+            logits=torch.empty(R * e.vocab_size, device=dev) if plain and not packed else None,
+            head_packs={} if packed else None,
         )
 
     def _refresh_rows(self, work: _Workspace, cache: _KVCache, n_pages: int) -> None:

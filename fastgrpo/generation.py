@@ -367,7 +367,8 @@ class GenerationEngine(_ModelPieces):
 
     def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
         """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
-        logits ``[S, V]`` (fp32; with a workspace, a feature-major view of ``cache.work.logits``: strides (1, S)).
+        logits ``[S, V]`` (fp32; with a workspace and no MKL, a feature-major view of ``cache.work.logits``: strides
+        (1, S)).
 
         Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
         ``[0, pos]`` of each row (the query's own key included): through its block table ``table_SP`` on CUDA; on
@@ -429,7 +430,7 @@ class GenerationEngine(_ModelPieces):
     def _final_logits(self, ops, x, delta, work) -> torch.Tensor:
         norm = self.model.model.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
-        return self._lm_head(h, None if work is None else work.logits)  # [S, V] fp32
+        return self._lm_head(h, work)  # [S, V] fp32
 
 
 def _use_fused_attention(t: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import fastgrpo.generation as generation
+from fastgrpo.engine_forward import mkl_packed_gemm
 from fastgrpo.generation import Completion, GenerationEngine, SamplingParams
 
 VOCAB = 96
@@ -654,3 +655,60 @@ def test_the_cpu_uniform_table_is_the_per_draw_hash():
     for j in range(37):
         assert torch.equal(table[:, j], _row_uniforms(_row_seeds(stream, t0 + j)))
     assert ((table >= 0) & (table < 1)).all()
+
+
+@pytest.mark.skipif(not mkl_packed_gemm(), reason="this torch has no MKL packed GEMM (the engine uses W xᵀ then)")
+@settings(max_examples=25)
+@given(M=st.integers(1, 70), N=st.integers(1, 600), K=st.integers(1, 300), bias=st.booleans(),
+       feature_major=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, feature_major, threads, seed):
+    """``_packed_linear`` (the CPU decode step's LM head) against ``F.linear`` on the same fp32 operands: every
+    entry within the forward-error bound of two K-term fp32 dot products, ``2 (K + 1) 2⁻²⁴ Σ|x w| (+ |b|)``, rows
+    row-major or feature-major, 1 or 2 threads; the output row-major; the packs the two most recent row counts."""
+    from fastgrpo.engine_forward import _packed_linear
+
+    torch.set_num_threads(threads)  # the autouse fixture restores one thread
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    packs = {}
+    for rows in (M, M + 1, M):  # a second row count, then the first again: reused, not repacked
+        x = torch.randn(K, rows, generator=g).t() if feature_major else torch.randn(rows, K, generator=g)
+        got, want = _packed_linear(x, w, b, packs), torch.nn.functional.linear(x, w, b)
+        bound = 2 * (K + 1) * 2.0**-24 * (x.abs() @ w.abs().t() + (b.abs() if bias else 0))
+        assert got.shape == (rows, N) and got.is_contiguous()
+        assert ((got - want).abs() <= bound).all()
+    assert list(packs) == [M + 1, M]  # least recently used first
+    _packed_linear(torch.randn(M + 2, K, generator=g), w, b, packs)
+    assert list(packs) == [M, M + 2]  # at most two kept
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed-head", "buffered-head"])
+def test_lm_head_packed_or_buffered_gives_hf_results(monkeypatch, packed):
+    """The CPU step's LM head by MKL's packed GEMM (where torch has it) or as ``W hᵀ`` into the workspace buffer
+    (feature-major logits): either gives HF's greedy tokens and, sampled, the teacher-forced forward's log-probs."""
+    import fastgrpo.engine_cache as engine_cache
+
+    if packed and not mkl_packed_gemm():
+        pytest.skip("this torch has no MKL packed GEMM")
+    monkeypatch.setattr(engine_cache, "mkl_packed_gemm", lambda: packed)
+    pools = []
+
+    class TrackedCache(generation._KVCache):
+        def __init__(self, **tensors):
+            super().__init__(**tensors)
+            pools.append(self)
+
+    monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    model = tiny_model("qwen2")
+    prompts = random_prompts([5, 9, 3], seed=11)
+    engine = GenerationEngine(model, eos_token_ids=[3, 17], max_batch_size=6)
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
+    sampled = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=5))
+    for cache in pools:
+        assert (cache.work.head_packs is not None) == packed and (cache.work.logits is None) == packed
+        assert not packed or 0 < len(cache.work.head_packs) <= 2
+    for prompt, g_comps, s_comps in zip(prompts, greedy, sampled):
+        assert all(c.token_ids == hf_greedy(model, prompt, 12, [3, 17]) for c in g_comps)
+        for c in s_comps:
+            assert_logprobs_match_hf(model, prompt, c.token_ids, c.logprobs)
