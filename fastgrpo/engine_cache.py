@@ -47,6 +47,13 @@ class _KVCache:
         self.kv[:, :, :, dst] = self.kv[:, :, :, src]
 
 
+PACKED_WEIGHTS_MAX_BYTES = 256 << 20  # the CPU step packs its LM head and MLP weights for MKL up to this size
+
+
+def _mlp_projections(layer) -> tuple:
+    return layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj
+
+
 class _Workspace(NamedTuple):
     """The eager (CPU) decode step's memory besides the pages.
 
@@ -63,20 +70,20 @@ class _Workspace(NamedTuple):
     gathers its rows' pages at every step (``paged_decode_attention_torch``, slower) and writes each token's K/V to
     its page.
 
-    **Buffers.** The step writes its MLP activations into reused buffers instead of fresh tensors, as the
-    feature-major products of ``_linear_t``. None under autocast (``out=`` products are not cast).
-
-    **LM head.** fp32 with MKL: the weight packed for MKL's GEMM at the step's row count (``head_packs``, row count
-    -> packed weight, filled on first use by :func:`~fastgrpo.engine_forward._packed_linear`, at most two kept:
-    each ~the LM head's bytes, freed with the workspace, so the packs always match the weights of this call);
-    otherwise the logits go to the reused buffer ``logits``."""
+    **Products.** fp32 with MKL, while the LM head and the MLP weights hold at most ``PACKED_WEIGHTS_MAX_BYTES``: those
+    products run on copies of their weights packed for MKL's GEMM at the step's row count (``packs``: module ->
+    {rows: packed weight}, filled on first use by :func:`~fastgrpo.engine_forward._packed_linear`, at most two row
+    counts kept per weight, so at most twice those bytes; freed with the workspace, so the packs always match the
+    weights of this call). Otherwise the step writes its MLP activations and logits into reused buffers instead of
+    fresh tensors, as the feature-major products of ``_linear_t``. Neither under autocast (the products are not
+    cast)."""
 
     kv_rows: torch.Tensor | None  # [L, R, 2, Hkv, max_pages · page_size, D]; None: attention through the pages
-    gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation
+    gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation; None with packs
     up: torch.Tensor | None  # [R · intermediate]
     down: torch.Tensor | None  # [R · H]: the MLP's output
-    logits: torch.Tensor | None  # [R · V] fp32; None with head_packs
-    head_packs: dict | None = None  # rows -> the LM head weight packed for MKL (fp32 with MKL); None: ``logits``
+    logits: torch.Tensor | None  # [R · V] fp32
+    packs: dict | None = None  # module -> {rows: its weight packed for MKL}: the LM head's and the MLP's
 
 
 class _RowCacheSteps:
@@ -92,15 +99,18 @@ class _RowCacheSteps:
         rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
         plain = dt == next(e.model.parameters()).dtype
         inter = e.layers[0].mlp.gate_proj.out_features
-        packed = plain and dt == torch.float32 and e.model.lm_head.weight.dtype == dt and mkl_packed_gemm()
+        weights = [e.model.lm_head.weight] + [m.weight for layer in e.layers for m in _mlp_projections(layer)]
+        packed = (plain and dt == torch.float32 and mkl_packed_gemm() and all(w.dtype == dt for w in weights)
+                  and sum(w.numel() * w.element_size() for w in weights) <= PACKED_WEIGHTS_MAX_BYTES)
+        buffers = plain and not packed
         return _Workspace(
             # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
             kv_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
-            gate=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
-            up=torch.empty(R * inter, device=dev, dtype=dt) if plain else None,
-            down=torch.empty(R * e.model.config.hidden_size, device=dev, dtype=dt) if plain else None,
-            logits=torch.empty(R * e.vocab_size, device=dev) if plain and not packed else None,
-            head_packs={} if packed else None,
+            gate=torch.empty(R * inter, device=dev, dtype=dt) if buffers else None,
+            up=torch.empty(R * inter, device=dev, dtype=dt) if buffers else None,
+            down=torch.empty(R * e.model.config.hidden_size, device=dev, dtype=dt) if buffers else None,
+            logits=torch.empty(R * e.vocab_size, device=dev) if buffers else None,
+            packs={} if packed else None,
         )
 
     def _refresh_rows(self, work: _Workspace, cache: _KVCache, n_pages: int) -> None:

@@ -99,6 +99,10 @@ class _ModelPieces:
         lora = self._lora
         o = _proj(o_MQ, attn.o_proj, lora)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
+        if work is not None and work.packs is not None:  # fresh row-major [M, I], then in place
+            gate, up = _proj(h, mlp.gate_proj, lora, packs=work.packs), _proj(h, mlp.up_proj, lora, packs=work.packs)
+            act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
+            return x, _proj(act, mlp.down_proj, lora, packs=work.packs)
         if work is None or work.gate is None:
             gate = _proj(h, mlp.gate_proj, lora)
             up = _proj(h, mlp.up_proj, lora)
@@ -202,15 +206,15 @@ class _ModelPieces:
         rounded to bf16 before the softmax). bf16/fp16 on CUDA: cuBLAS with an fp32 output (``torch.mm``'s
         ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over vocabulary chunks of
         ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time). With the decode step's workspace (off
-        CUDA, no autocast), fp32: MKL's packed GEMM (``_packed_linear``, row-major logits) where this torch has it,
-        else the product ``W hᵀ`` into the workspace's buffer, the logits its feature-major ``[M, V]`` view
-        (``_linear_t``)."""
+        CUDA, no autocast), fp32: MKL's packed GEMM (``_packed_linear``, row-major logits) when the workspace packs
+        its weights, else the product ``W hᵀ`` into the workspace's buffer, the logits its feature-major ``[M, V]``
+        view (``_linear_t``)."""
         weight_VH, bias_V = self.model.lm_head.weight, self.model.lm_head.bias
         out = None if work is None else work.logits
         with torch.autocast(h_MH.device.type, enabled=False):
             if h_MH.dtype == weight_VH.dtype == torch.float32:
-                if work is not None and work.head_packs is not None:
-                    return _packed_linear(h_MH, weight_VH, bias_V, work.head_packs)
+                if work is not None and work.packs is not None:
+                    return _packed_linear(h_MH, weight_VH, bias_V, work.packs.setdefault(self.model.lm_head, {}))
                 return F.linear(h_MH, weight_VH, bias_V) if out is None else _linear_t(h_MH, weight_VH, bias_V, out)
             if h_MH.is_cuda:
                 logits_MV = torch.mm(h_MH, weight_VH.to(h_MH.dtype).t(), out_dtype=torch.float32)
@@ -226,7 +230,8 @@ class _ModelPieces:
             return logits_VM.t()
 
 
-def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Tensor | None = None,
+          packs: dict | None = None) -> torch.Tensor:
     """A projection of the model on rows ``x [M, K]``: ``x Wᵀ + b`` from the module's own tensors, plus, for a PEFT
     LoRA layer, each live adapter's ``s · (x Aᵀ) Bᵀ`` (never merged: ``W`` stays the loaded base; ``lora``: the
     call's adapters, ``_ModelPieces._read_adapters``). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched
@@ -234,8 +239,14 @@ def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Te
 
     Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to the compute dtype), the path
     of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``), then
-    ``+= s · B (A xᵀ)`` in place (one ``addmm``); the two differ by rounding only."""
+    ``+= s · B (A xᵀ)`` in place (one ``addmm``); with ``packs`` (the CPU workspace's, fp32 with MKL):
+    ``_packed_linear`` of the base weight, then ``+= s · (x Aᵀ) Bᵀ`` in place. All differ by rounding only."""
     terms = lora.get(module, ())
+    if packs is not None:
+        y_MN = _packed_linear(x_MK, module.weight, module.bias, packs.setdefault(module, {}))
+        for A_RK, B_NR, s in terms:
+            y_MN.addmm_(torch.mm(x_MK, A_RK.t()), B_NR.t(), alpha=s)  # [M, N] += s · (x Aᵀ) Bᵀ
+        return y_MN
     if out is None:
         y = F.linear(x_MK, module.weight, module.bias)
         for A_RK, B_NR, s in terms:
@@ -274,12 +285,13 @@ def _packed_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Te
     """``F.linear(x, weight, bias)`` (fp32, CPU) by MKL's GEMM on a copy of the weight packed into its kernel's
     layout for ``M`` rows (``packs[M]``, packed on first use; the two most recent kept), row-major ``[M, N]``.
 
-    For the decode step's LM head: at bench_generation's sizes (16K × 256, 32 rows) the product takes 0.80x the
-    time of ``_linear_t``'s ``W xᵀ`` warm, 0.55-0.8x at 2-16 rows, and its logits are row-major, so the sampler's
-    reductions over the vocabulary run on contiguous rows; the call is 4% faster (A/B, commit message). The same
-    values here (MKL's products; compared in the tests within fp32 rounding). A pack costs one pass over the weight
-    (~5 ms for 16 MB) and ~its bytes, and is valid only while the weight is unchanged (the workspace's packs live
-    for one ``generate`` call)."""
+    For the decode step's LM head and MLP: at bench_generation's sizes (16K × 256, 32 rows) the LM head's product
+    takes 0.80x the time of ``_linear_t``'s ``W xᵀ`` warm, 0.55-0.8x at 2-16 rows, and its logits are row-major, so
+    the sampler's reductions over the vocabulary run on contiguous rows; the MLP's 704 × 256 products gain nothing
+    warm but take 0.8x in the step, where their weights come cache-cold (in situ: 270 -> 230 ms a call). The
+    attention's projections do not gain (o_proj: 73 -> 81 ms). Values: MKL's products, within fp32 rounding of
+    ``F.linear`` (tested). A pack costs one pass over the weight (~5 ms for 16 MB) and ~its bytes, and is valid only
+    while the weight is unchanged (the workspace's packs live for one ``generate`` call)."""
     M = x_MK.shape[0]
     packed = packs.pop(M, None)
     if packed is None:

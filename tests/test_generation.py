@@ -683,10 +683,10 @@ def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, fe
     assert list(packs) == [M, M + 2]  # at most two kept
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed-head", "buffered-head"])
-def test_lm_head_packed_or_buffered_gives_hf_results(monkeypatch, packed):
-    """The CPU step's LM head by MKL's packed GEMM (where torch has it) or as ``W hᵀ`` into the workspace buffer
-    (feature-major logits): either gives HF's greedy tokens and, sampled, the teacher-forced forward's log-probs."""
+@pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed", "buffered"])
+def test_packed_or_buffered_products_give_hf_results(monkeypatch, packed):
+    """The CPU step's LM head and MLP by MKL's packed GEMM (where torch has it) or as ``W hᵀ`` into the workspace
+    buffers (feature-major): either gives HF's greedy tokens and, sampled, the teacher-forced forward's log-probs."""
     import fastgrpo.engine_cache as engine_cache
 
     if packed and not mkl_packed_gemm():
@@ -706,8 +706,10 @@ def test_lm_head_packed_or_buffered_gives_hf_results(monkeypatch, packed):
     greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
     sampled = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=5))
     for cache in pools:
-        assert (cache.work.head_packs is not None) == packed and (cache.work.logits is None) == packed
-        assert not packed or 0 < len(cache.work.head_packs) <= 2
+        assert (cache.work.packs is not None) == packed and (cache.work.logits is None) == packed
+        if packed:  # the LM head and every MLP projection, each packed for at most two row counts
+            assert len(cache.work.packs) == 1 + 3 * len(engine.layers)
+            assert all(1 <= len(by_rows) <= 2 for by_rows in cache.work.packs.values())
     for prompt, g_comps, s_comps in zip(prompts, greedy, sampled):
         assert all(c.token_ids == hf_greedy(model, prompt, 12, [3, 17]) for c in g_comps)
         for c in s_comps:
