@@ -47,11 +47,12 @@ class _KVCache:
         self.kv[:, :, :, dst] = self.kv[:, :, :, src]
 
 
-PACKED_WEIGHTS_MAX_BYTES = 256 << 20  # the CPU step packs its LM head and MLP weights for MKL up to this size
+PACKED_WEIGHTS_MAX_BYTES = 256 << 20  # the CPU step packs its LM head, MLP and q/k/v weights for MKL up to this size
 
 
-def _mlp_projections(layer) -> tuple:
-    return layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj
+def _packed_projections(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
 class _Workspace(NamedTuple):
@@ -70,20 +71,20 @@ class _Workspace(NamedTuple):
     gathers its rows' pages at every step (``paged_decode_attention_torch``, slower) and writes each token's K/V to
     its page.
 
-    **Products.** fp32 with MKL, while the LM head and the MLP weights hold at most ``PACKED_WEIGHTS_MAX_BYTES``: those
-    products run on copies of their weights packed for MKL's GEMM at the step's row count (``packs``: module ->
-    {rows: packed weight}, filled on first use by :func:`~fastgrpo.engine_forward._packed_linear`, at most two row
-    counts kept per weight, so at most twice those bytes; freed with the workspace, so the packs always match the
-    weights of this call). Otherwise the step writes its MLP activations and logits into reused buffers instead of
-    fresh tensors, as the feature-major products of ``_linear_t``. Neither under autocast (the products are not
-    cast)."""
+    **Products.** fp32 with MKL, while the LM head, MLP and q/k/v weights hold at most ``PACKED_WEIGHTS_MAX_BYTES``:
+    those products run on copies of their weights packed for MKL's GEMM at the step's row count (``packs``: module
+    -> {rows: packed weight}, filled on first use by :func:`~fastgrpo.engine_forward._packed_linear`, at most two
+    row counts kept per weight; an attention module -> its q/k/v weights stacked, their bias, their packs), so at
+    most about three times those bytes, freed with the workspace: the packs always match the weights of this call.
+    Otherwise the step writes its MLP activations and logits into reused buffers instead of fresh tensors, as the
+    feature-major products of ``_linear_t``. Neither under autocast (the products are not cast)."""
 
     kv_rows: torch.Tensor | None  # [L, R, 2, Hkv, max_pages · page_size, D]; None: attention through the pages
     gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation; None with packs
     up: torch.Tensor | None  # [R · intermediate]
     down: torch.Tensor | None  # [R · H]: the MLP's output
     logits: torch.Tensor | None  # [R · V] fp32
-    packs: dict | None = None  # module -> {rows: its weight packed for MKL}: the LM head's and the MLP's
+    packs: dict | None = None  # module -> {rows: its weight packed for MKL}; attention -> (q/k/v stacked, bias, packs)
 
 
 class _RowCacheSteps:
@@ -99,7 +100,7 @@ class _RowCacheSteps:
         rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
         plain = dt == next(e.model.parameters()).dtype
         inter = e.layers[0].mlp.gate_proj.out_features
-        weights = [e.model.lm_head.weight] + [m.weight for layer in e.layers for m in _mlp_projections(layer)]
+        weights = [e.model.lm_head.weight] + [m.weight for layer in e.layers for m in _packed_projections(layer)]
         packed = (plain and dt == torch.float32 and mkl_packed_gemm() and all(w.dtype == dt for w in weights)
                   and sum(w.numel() * w.element_size() for w in weights) <= PACKED_WEIGHTS_MAX_BYTES)
         buffers = plain and not packed

@@ -70,20 +70,20 @@ class _ModelPieces:
         q, k = ops.rope_qk(q, k, cos, sin)
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
-    def _attn_in_rows(self, ops: _Ops, layer, h, cos, sin_signed):
+    def _attn_in_rows(self, ops: _Ops, layer, h, cos, sin_signed, work: _Workspace):
         """:meth:`_attn_in` for the CPU decode step: the q, k, v projections of ``h [S, H]`` side by side in one
-        row-major ``[S, (Hq + 2 Hkv) · D]`` tensor, (Qwen3) q/k RMSNorm, and the rotary embedding of q and k in
-        place there; returns the views q ``[S, Hkv, G, D]`` and k/v ``[S, 2, Hkv, D]`` (unit stride on D).
+        row-major ``[S, (Hq + 2 Hkv) · D]`` tensor (:meth:`_qkv_rows`), (Qwen3) q/k RMSNorm, and the rotary embedding
+        of q and k in place there; returns the views q ``[S, Hkv, G, D]`` and k/v ``[S, 2, Hkv, D]`` (unit stride
+        on D).
 
         Rotary in place, bit for bit Hugging Face's ``x·cos + rotate_half(x)·sin``: ``rotate_half(x) = [−x₂, x₁]``,
         so ``rotate_half(x)·sin = [x₂, x₁]·[−sin₁, sin₂]`` (``sin_signed``, the same products up to the sign):
         one swap of halves, two products and one sum for q and k together, instead of those for each (17 against
         26 µs a layer at bench_generation's sizes), and k, v then go to the row cache in one write."""
         attn = layer.self_attn
-        S, lora = h.shape[0], self._lora
+        S = h.shape[0]
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = torch.cat([_proj(h, attn.q_proj, lora), _proj(h, attn.k_proj, lora), _proj(h, attn.v_proj, lora)], 1)
-        qkv = qkv.view(S, Hq + 2 * Hkv, D)
+        qkv = self._qkv_rows(attn, h, work).view(S, Hq + 2 * Hkv, D)
         qk = qkv[:, : Hq + Hkv]
         if self.qk_norm:
             qk[:, :Hq] = ops.rms_norm(qk[:, :Hq], attn.q_norm.weight, attn.q_norm.variance_epsilon)
@@ -91,6 +91,31 @@ class _ModelPieces:
         swapped = torch.cat((qk[..., D // 2 :], qk[..., : D // 2]), dim=-1)  # [x₂, x₁]
         qk.mul_(cos).add_(swapped.mul_(sin_signed))
         return qkv[:, :Hq].view(S, Hkv, Hq // Hkv, D), qkv[:, Hq:].unflatten(1, (2, Hkv))
+
+    def _qkv_rows(self, attn, h_SH: torch.Tensor, work: _Workspace) -> torch.Tensor:
+        """``[q | k | v]`` of rows ``h``, row-major ``[S, (Hq + 2 Hkv) · D]``. With the workspace's packs: one product
+        on the three weights stacked (and their biases; a missing one as zeros, which add exactly nothing), packed
+        for MKL (``_packed_linear``; the stacked copy made on the call's first use, kept in ``work.packs[attn]``),
+        then each LoRA adapter's ``s · (h Aᵀ) Bᵀ`` added to its projection's columns; otherwise three products and
+        a concatenation. In the step: 0.95x the call's time of the three products (in-process A/B), the same
+        values at bench_generation's sizes (its token hash unchanged)."""
+        lora, mods = self._lora, (attn.q_proj, attn.k_proj, attn.v_proj)
+        if work.packs is None:
+            return torch.cat([_proj(h_SH, m, lora) for m in mods], 1)
+        stacked = work.packs.get(attn)
+        if stacked is None:
+            biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
+            bias = None if all(m.bias is None for m in mods) else torch.cat(biases)
+            stacked = work.packs[attn] = (torch.cat([m.weight for m in mods]), bias, {})
+        weight, bias, by_rows = stacked
+        qkv = _packed_linear(h_SH, weight, bias, by_rows)
+        n0 = 0
+        for m in mods:
+            n1 = n0 + m.weight.shape[0]
+            for A_RK, B_NR, s in lora.get(m, ()):
+                qkv[:, n0:n1].addmm_(torch.mm(h_SH, A_RK.t()), B_NR.t(), alpha=s)  # [S, N] += s · (h Aᵀ) Bᵀ
+            n0 = n1
+        return qkv
 
     def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ, work: _Workspace | None = None):
         """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
@@ -285,13 +310,13 @@ def _packed_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Te
     """``F.linear(x, weight, bias)`` (fp32, CPU) by MKL's GEMM on a copy of the weight packed into its kernel's
     layout for ``M`` rows (``packs[M]``, packed on first use; the two most recent kept), row-major ``[M, N]``.
 
-    For the decode step's LM head and MLP: at bench_generation's sizes (16K × 256, 32 rows) the LM head's product
-    takes 0.80x the time of ``_linear_t``'s ``W xᵀ`` warm, 0.55-0.8x at 2-16 rows, and its logits are row-major, so
-    the sampler's reductions over the vocabulary run on contiguous rows; the MLP's 704 × 256 products gain nothing
-    warm but take 0.8x in the step, where their weights come cache-cold (in situ: 270 -> 230 ms a call). The
-    attention's projections do not gain (o_proj: 73 -> 81 ms). Values: MKL's products, within fp32 rounding of
-    ``F.linear`` (tested). A pack costs one pass over the weight (~5 ms for 16 MB) and ~its bytes, and is valid only
-    while the weight is unchanged (the workspace's packs live for one ``generate`` call)."""
+    For the decode step's LM head, MLP and stacked q/k/v (:meth:`_ModelPieces._qkv_rows`): at bench_generation's
+    sizes (16K × 256, 32 rows) the LM head's product takes 0.80x the time of ``_linear_t``'s ``W xᵀ`` warm,
+    0.55-0.8x at 2-16 rows, and its logits are row-major, so the sampler's reductions over the vocabulary run on
+    contiguous rows; the MLP's 704 × 256 products gain nothing warm but take 0.8x in the step, where their weights
+    come cache-cold (in situ: 270 -> 230 ms a call). o_proj does not gain (73 -> 81 ms). Values: MKL's products,
+    within fp32 rounding of ``F.linear`` (tested). A pack costs one pass over the weight (~5 ms for 16 MB) and ~its
+    bytes, and is valid only while the weight is unchanged (the workspace's packs live for one ``generate`` call)."""
     M = x_MK.shape[0]
     packed = packs.pop(M, None)
     if packed is None:

@@ -417,7 +417,7 @@ class GenerationEngine(_ModelPieces):
         for li, layer in enumerate(self.layers):
             x, h = self._norm_in(ops, layer, x, delta)
             if joint:
-                q4, kv = self._attn_in_rows(ops, layer, h, cos, sin_signed)  # [S, Hkv, G, D], [S, 2, Hkv, D]
+                q4, kv = self._attn_in_rows(ops, layer, h, cos, sin_signed, work)  # [S, Hkv, G, D], [S, 2, Hkv, D]
             else:
                 q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)
                 q4, kv = q.view(S, Hkv, G, D), torch.stack((k, v), 1)

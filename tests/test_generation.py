@@ -707,9 +707,10 @@ def test_packed_or_buffered_products_give_hf_results(monkeypatch, packed):
     sampled = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=5))
     for cache in pools:
         assert (cache.work.packs is not None) == packed and (cache.work.logits is None) == packed
-        if packed:  # the LM head and every MLP projection, each packed for at most two row counts
-            assert len(cache.work.packs) == 1 + 3 * len(engine.layers)
-            assert all(1 <= len(by_rows) <= 2 for by_rows in cache.work.packs.values())
+        if packed:  # the LM head, every MLP projection and every layer's stacked q/k/v, for at most 2 row counts
+            assert len(cache.work.packs) == 1 + 4 * len(engine.layers)
+            by_rows = [v[2] if isinstance(v, tuple) else v for v in cache.work.packs.values()]
+            assert all(1 <= len(b) <= 2 for b in by_rows)
     for prompt, g_comps, s_comps in zip(prompts, greedy, sampled):
         assert all(c.token_ids == hf_greedy(model, prompt, 12, [3, 17]) for c in g_comps)
         for c in s_comps:
