@@ -47,7 +47,11 @@ class _KVCache:
         self.kv[:, :, :, dst] = self.kv[:, :, :, src]
 
 
-PACKED_WEIGHTS_MAX_BYTES = 256 << 20  # the CPU step packs its LM head, MLP and q/k/v weights for MKL up to this size
+# The CPU step packs its LM head, MLP and q/k/v weights for MKL when they hold this many bytes in all. Below the
+# lower bound a pack (allocated per call and row count) costs more than the products it speeds: the demo's 130K-
+# parameter model generated 8% slower packed (the tests lower it to 0 to run the packed path on their tiny models).
+PACKED_WEIGHTS_MIN_BYTES = 4 << 20
+PACKED_WEIGHTS_MAX_BYTES = 256 << 20
 
 
 def _packed_projections(layer) -> tuple:
@@ -71,11 +75,12 @@ class _Workspace(NamedTuple):
     gathers its rows' pages at every step (``paged_decode_attention_torch``, slower) and writes each token's K/V to
     its page.
 
-    **Products.** fp32 with MKL, while the LM head, MLP and q/k/v weights hold at most ``PACKED_WEIGHTS_MAX_BYTES``:
-    those products run on copies of their weights packed for MKL's GEMM at the step's row count (``packs``: module
-    -> {rows: packed weight}, filled on first use by :func:`~fastgrpo.engine_forward._packed_linear`, at most two
-    row counts kept per weight; an attention module -> its q/k/v weights stacked, their bias, their packs), so at
-    most about three times those bytes, freed with the workspace: the packs always match the weights of this call.
+    **Products.** fp32 with MKL, when the LM head, MLP and q/k/v weights hold ``PACKED_WEIGHTS_MIN_BYTES`` to
+    ``PACKED_WEIGHTS_MAX_BYTES``: those products run on copies of their weights packed for MKL's GEMM at the step's
+    row count (``packs``: module -> {rows: packed weight}, filled on first use by
+    :func:`~fastgrpo.engine_forward._packed_linear`, at most two row counts kept per weight; an attention module ->
+    its q/k/v weights stacked, their bias, their packs), so at most about three times those bytes, freed with the
+    workspace: the packs always match the weights of this call.
     Otherwise the step writes its MLP activations and logits into reused buffers instead of fresh tensors, as the
     feature-major products of ``_linear_t``. Neither under autocast (the products are not cast)."""
 
@@ -102,7 +107,8 @@ class _RowCacheSteps:
         inter = e.layers[0].mlp.gate_proj.out_features
         weights = [e.model.lm_head.weight] + [m.weight for layer in e.layers for m in _packed_projections(layer)]
         packed = (plain and dt == torch.float32 and mkl_packed_gemm() and all(w.dtype == dt for w in weights)
-                  and sum(w.numel() * w.element_size() for w in weights) <= PACKED_WEIGHTS_MAX_BYTES)
+                  and PACKED_WEIGHTS_MIN_BYTES <= sum(w.numel() * w.element_size() for w in weights)
+                  <= PACKED_WEIGHTS_MAX_BYTES)
         buffers = plain and not packed
         return _Workspace(
             # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)

@@ -32,6 +32,17 @@ def _seed_everything():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _packed_products_on_tiny_models(monkeypatch):
+    """The engine's CPU step packs its weights for MKL only for models of a few MiB and more (``engine_cache``); the
+    tests' models are far smaller, so the bound is lowered here and every in-process engine test runs the packed
+    path (the buffered one: ``test_packed_or_buffered_products_give_hf_results``, bf16, and the end-to-end runs,
+    which are subprocesses with the defaults)."""
+    import fastgrpo.engine_cache
+
+    monkeypatch.setattr(fastgrpo.engine_cache, "PACKED_WEIGHTS_MIN_BYTES", 0)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
