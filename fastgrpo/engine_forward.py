@@ -119,7 +119,8 @@ class _ModelPieces:
 
     def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ, work: _Workspace | None = None):
         """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
-        workspace the gate and up projections and the activation go to its buffers (in place, the same values)."""
+        workspace: the MLP's products on its packed weights (``_packed_linear``), or into its buffers, the
+        activation in place (the same values)."""
         attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         lora = self._lora
         o = _proj(o_MQ, attn.o_proj, lora)
@@ -289,9 +290,10 @@ def _linear_t(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor 
 
     For a few rows (decode: M = the batch) MKL's product is up to 2x faster with the weight as the long operand
     (the 16K × 256 LM head of ``bench_generation.py`` at M = 32: 2.1–2.5 ms against 3.4–4.9 ms cache-cold; the MLP's
-    704 × 256 products 95 against 124 µs; MKL's packed GEMM, ``_packed_linear``, gains nothing more on those), and
-    the buffer saves a fresh allocation per step. Elementwise ops and
-    the next product take the view as it is (``x`` may itself be such a view: ``xᵀ`` is then contiguous)."""
+    704 × 256 products 95 against 124 µs), and the buffer saves a fresh allocation per step. Elementwise ops and
+    the next product take the view as it is (``x`` may itself be such a view: ``xᵀ`` is then contiguous). MKL's
+    packed GEMM (``_packed_linear``) is faster still in the step; this is the path where the workspace packs
+    nothing."""
     M, N = x_MK.shape[0], weight_NK.shape[0]
     y_NM = torch.mm(weight_NK, x_MK.t(), out=out[: N * M].view(N, M))
     if bias_N is not None:
@@ -314,9 +316,10 @@ def _packed_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Te
     sizes (16K × 256, 32 rows) the LM head's product takes 0.80x the time of ``_linear_t``'s ``W xᵀ`` warm,
     0.55-0.8x at 2-16 rows, and its logits are row-major, so the sampler's reductions over the vocabulary run on
     contiguous rows; the MLP's 704 × 256 products gain nothing warm but take 0.8x in the step, where their weights
-    come cache-cold (in situ: 270 -> 230 ms a call). o_proj does not gain (73 -> 81 ms). Values: MKL's products,
-    within fp32 rounding of ``F.linear`` (tested). A pack costs one pass over the weight (~5 ms for 16 MB) and ~its
-    bytes, and is valid only while the weight is unchanged (the workspace's packs live for one ``generate`` call)."""
+    come cache-cold (in situ: 270 -> 230 ms a call). o_proj gains nothing measurable (A/B 0.96x, then 1.02x), so
+    it stays unpacked. Values: MKL's products, within fp32 rounding of ``F.linear`` (tested). A pack costs one pass
+    over the weight (~5 ms for 16 MB) and ~its bytes, and is valid only while the weight is unchanged (the
+    workspace's packs live for one ``generate`` call)."""
     M = x_MK.shape[0]
     packed = packs.pop(M, None)
     if packed is None:
