@@ -462,11 +462,9 @@ def test_cache_is_freed_after_generate(monkeypatch):
     assert all(ref() is None for ref in caches)  # no reference cycle or lingering attribute keeps the cache
 
 
-@pytest.mark.parametrize("max_total_tokens,want_rows", [(None, True), (64, False)], ids=["default", "small-budget"])
-def test_row_cache_stays_within_the_kv_budget(monkeypatch, max_total_tokens, want_rows):
-    """By default the CPU row cache exists only when it holds no more tokens than the KV budget (the eager path's K/V
-    memory stays within twice the budget); with a small budget the attention goes through the pages. Both give HF's
-    greedy tokens."""
+def tracked_caches(monkeypatch) -> list:
+    """The ``_KVCache`` of every ``generate`` call from here on, in order (the engine's class swapped for one that
+    records its instances)."""
     pools = []
 
     class TrackedCache(generation._KVCache):
@@ -475,6 +473,15 @@ def test_row_cache_stays_within_the_kv_budget(monkeypatch, max_total_tokens, wan
             pools.append(self)
 
     monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    return pools
+
+
+@pytest.mark.parametrize("max_total_tokens,want_rows", [(None, True), (64, False)], ids=["default", "small-budget"])
+def test_row_cache_stays_within_the_kv_budget(monkeypatch, max_total_tokens, want_rows):
+    """By default the CPU row cache exists only when it holds no more tokens than the KV budget (the eager path's K/V
+    memory stays within twice the budget); with a small budget the attention goes through the pages. Both give HF's
+    greedy tokens."""
+    pools = tracked_caches(monkeypatch)
     model = tiny_model("llama")
     prompts = random_prompts([5, 9, 3])
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=6, max_total_tokens=max_total_tokens)
@@ -685,21 +692,15 @@ def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, fe
 
 @pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed", "buffered"])
 def test_packed_or_buffered_products_give_hf_results(monkeypatch, packed):
-    """The CPU step's LM head and MLP by MKL's packed GEMM (where torch has it) or as ``W hᵀ`` into the workspace
-    buffers (feature-major): either gives HF's greedy tokens and, sampled, the teacher-forced forward's log-probs."""
+    """The CPU step's LM head, MLP and q/k/v by MKL's packed GEMM (where torch has it) or as ``W hᵀ`` into the
+    workspace buffers (feature-major): either gives HF's greedy tokens and, sampled, the teacher-forced forward's
+    log-probs."""
     import fastgrpo.engine_cache as engine_cache
 
     if packed and not mkl_packed_gemm():
         pytest.skip("this torch has no MKL packed GEMM")
     monkeypatch.setattr(engine_cache, "mkl_packed_gemm", lambda: packed)
-    pools = []
-
-    class TrackedCache(generation._KVCache):
-        def __init__(self, **tensors):
-            super().__init__(**tensors)
-            pools.append(self)
-
-    monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    pools = tracked_caches(monkeypatch)
     model = tiny_model("qwen2")
     prompts = random_prompts([5, 9, 3], seed=11)
     engine = GenerationEngine(model, eos_token_ids=[3, 17], max_batch_size=6)
