@@ -10,14 +10,29 @@ import math
 import pytest
 import torch
 
+EPS32 = torch.finfo(torch.float32).eps  # 2⁻²³
+
 
 def assert_flash(name: str, got: torch.Tensor, ref32: torch.Tensor, ref_lowp: torch.Tensor, atol: float) -> None:
     """flash-attn's rule: ``max|got − ref32| ≤ 2 · max|ref_lowp − ref32| + atol`` (ref_lowp: the reference run in
-    the kernel's precision, so the bound grows with the rounding that precision cannot avoid)."""
+    the kernel's precision, so the bound grows with the rounding that precision cannot avoid).
+
+    For fp32 inputs ``ref_lowp`` is ``ref32`` (or, one level up, ``ref32`` against an fp64 ``ref``), and its own
+    error is whatever one host's kernels happened to give: ``atol`` must then carry the whole bound and follow from
+    the inputs' scale (what fp32 cannot resolve at that scale), never from one run's accuracy."""
     assert got.shape == ref32.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref32.shape)}"
     err = (got.float() - ref32.float()).abs().max().item()
     bound = 2 * (ref_lowp.float() - ref32.float()).abs().max().item() + atol
     assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def attention_floor(scores_max: float, v: torch.Tensor, do: torch.Tensor | None = None) -> float:
+    """What fp32 attention cannot resolve at these inputs' scale. A score rounds at its magnitude, at most
+    ``scores_max = max|scale · q·k|`` over the queries and keys that meet, so each probability carries a relative
+    ``eps32 · scores_max``: the output ``Σ p v`` moves by up to that times ``max|v|``, the gradients by that times
+    ``max|do|`` as well; times 8 for the roundings in a row (the score, the max, the exponential, the sum)."""
+    upstream = 1.0 if do is None else max(1.0, do.detach().float().abs().max().item())
+    return 8 * EPS32 * scores_max * v.detach().float().abs().max().item() * upstream
 
 
 class IndecisiveCase(AssertionError):
