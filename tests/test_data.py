@@ -6,6 +6,8 @@ import json
 
 import pytest
 from chat_tokenizers import TOOLS, ids, tokenizer
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from fastgrpo.chat import ChatTemplate
 from fastgrpo.config import DataConfig
@@ -117,6 +119,22 @@ def test_sampler_is_deterministic_per_epoch_and_resumes():
     assert c.next(7) == first[7:]
     assert PromptSampler(10, seed=4).next(10) != first[:10]
     assert PromptSampler(5, shuffle=False).next(7) == [0, 1, 2, 3, 4, 0, 1]
+
+
+@example(n=10, seed=3, shuffle=True, before=14, after=6)  # the issue's case: resumed inside epoch 1
+@settings(max_examples=40)
+@given(n=st.integers(1, 12), seed=st.integers(0, 2**31), shuffle=st.booleans(), before=st.integers(0, 60),
+       after=st.integers(1, 40))
+def test_a_resumed_sampler_continues_the_uninterrupted_stream(n, seed, shuffle, before, after):
+    """A sampler restored from another's state (through JSON, as a checkpoint stores it), at any point of any epoch,
+    gives what the uninterrupted one gives next, across later epochs; each epoch is a permutation of the items."""
+    a = PromptSampler(n, seed=seed, shuffle=shuffle)
+    a.next(before)
+    c = PromptSampler(n, seed=seed, shuffle=shuffle)
+    c.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert c.next(after) == a.next(after)
+    stream = PromptSampler(n, seed=seed, shuffle=shuffle).next(n * (1 + (before + after) // n))
+    assert all(sorted(stream[e : e + n]) == list(range(n)) for e in range(0, len(stream), n))
 
 
 PROMPT_MSG = r"field 'prompt' \(data.prompt_field\) must be a non-empty string"

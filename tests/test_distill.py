@@ -193,20 +193,22 @@ def hf_hidden(model, samples):
     return torch.stack(hidden), mask
 
 
-@pytest.mark.parametrize("loss_type, divergence, reward_weight", [
-    ("dapo", ["distill.beta=1"], 0.0),
-    ("grpo", ["distill.beta=null", "distill.mixed_kl_weight=0.3"], 0.0),
-    ("bnpo", ["distill.beta=0.5"], 0.7),
+@pytest.mark.parametrize("loss_type, divergence, reward_weight, temperature", [
+    ("dapo", ["distill.beta=1"], 0.0, 1.0),
+    ("grpo", ["distill.beta=null", "distill.mixed_kl_weight=0.3"], 0.0, 0.7),
+    ("bnpo", ["distill.beta=0.5"], 0.7, 0.7),
 ])
-def test_full_mode_update_matches_unpacked_reference(teacher_path, loss_type, divergence, reward_weight):
+def test_full_mode_update_matches_unpacked_reference(teacher_path, loss_type, divergence, reward_weight,
+                                                     temperature):
     """Full mode through the trainer's update (packed micro-batches, the loss re-weighted across them, one SGD step of
     lr 1, so the weight change is minus the gradient) against ``distill_loss_ref`` on each sequence's own HF hidden
     states in fp32, with the teacher's padded head rows left out (vocab_size), plus the GRPO loss's reference on
-    reward_weight-scaled advantages when that is > 0."""
+    reward_weight-scaled advantages when that is > 0; both models' distributions (and the policy loss's log-probs)
+    at rollout.temperature."""
     state = init_distributed("cpu")
     cfg = distill_config(teacher_path, f"grpo.loss_type={loss_type}", *divergence,
                          f"distill.reward_weight={reward_weight}", "train.max_tokens_per_microbatch=24",
-                         "rollout.max_new_tokens=8")
+                         "rollout.max_new_tokens=8", f"rollout.temperature={temperature}")
     model, tok = load_model(cfg.model, state.device, seed=0)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     teacher, V = load_teacher(cfg, state, tok)
@@ -230,9 +232,10 @@ def test_full_mode_update_matches_unpacked_reference(teacher_path, loss_type, di
     ws, wt = model.get_output_embeddings().weight, teacher.module.get_output_embeddings().weight
     d = cfg.distill
     ref_loss, ref_m = distill_loss_ref(hs, ws, ht, wt, mask, beta=d.beta, mixed_kl_weight=d.mixed_kl_weight,
-                                       vocab_size=V, loss_type=loss_type, max_completion_length=8)
+                                       temperature=temperature, vocab_size=V, loss_type=loss_type,
+                                       max_completion_length=8)
     if reward_weight:
-        logits = hs @ ws.t()  # the policy loss keeps every row of the student's head (here: no padding)
+        logits = hs @ ws.t() / temperature  # the policy loss keeps every row of the student's head (here: no padding)
         targets = torch.nn.utils.rnn.pad_sequence([torch.tensor(s.completion_ids) for s in samples], True)
         logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
         adv = torch.tensor([s.advantage for s in samples])

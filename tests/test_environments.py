@@ -501,6 +501,19 @@ def test_hostile_tools_are_counted_and_bounded(pool, envs_module):
     assert all(t.reward == 1.0 and not t.failures for t in d.turns.results().values())
 
 
+def test_a_worker_that_dies_in_a_turn_of_several_calls_fails_each_call(pool, envs_module):
+    """One task runs a turn's calls: when ``die`` kills the worker after ``ok`` ran, the whole answer is lost, so
+    both calls count as worker_died, the instance is lost once and the trajectory ends ("error", reward 0); the
+    trajectory on the other worker is untouched."""
+    d = hostile_turns(pool, envs_module, [{"prompt": "p"}] * 2)
+    assert d.turn((0, 0), call("ok") + call("die")).finish == "error"
+    assert d.turn((1, 0), call("ok")).finish is None
+    res = d.turns.results()
+    assert (res[(0, 0)].finish, res[(0, 0)].tool_calls, res[(0, 0)].reward) == ("error", 2, 0.0)
+    assert dict(res[(0, 0)].failures) == {"tool/worker_died": 2, "instance_lost": 1}
+    assert (res[(1, 0)].reward, dict(res[(1, 0)].failures)) == (1.0, {})
+
+
 def test_a_sample_whose_reset_text_differs_from_its_groups_ends_with_an_error(pool, envs_module):
     """A group shares one prompt: Moody's reset text names its worker, so the sample on the other worker than
     sample 0's differs, is counted (reset/mismatch) and ends at its first turn."""

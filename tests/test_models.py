@@ -1,5 +1,6 @@
-"""Models: the tiny tokenizer and model, HF save/load round trip, and the packed training forward's log-probs
-against unpacked per-sequence Hugging Face forwards."""
+"""Models: the tiny tokenizer and model, HF save/load round trip, the packed training forward's log-probs
+against unpacked per-sequence Hugging Face forwards, and ``model.lora.use_rslora`` from the config to PEFT's scaling
+and the saved adapter."""
 
 import pytest
 import torch
@@ -116,3 +117,34 @@ def test_packed_forward_logprobs_equal_unpacked_forwards():
             logits = model(torch.tensor([s.tokens])).logits[0].float()  # [L, V]
             alone = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
             torch.testing.assert_close(lp[:-1], alone, rtol=1e-5, atol=1e-6)  # fp32, summation order only
+
+
+def test_rslora_set_in_the_config_reaches_peft_and_the_saved_adapter(tmp_path):
+    """``model.lora.use_rslora=true`` with r=4, alpha=8: every adapted projection scales its update by
+    alpha / sqrt(r) = 4.0 (vanilla LoRA: alpha / r = 2.0), in the forward too; the checkpoint's adapter_config.json
+    says use_rslora, and the adapter loaded back from it scales the same."""
+    import json
+
+    from peft.tuners.lora import LoraLayer
+
+    from fastgrpo.checkpoint import save_checkpoint
+    from fastgrpo.config import LORA_TARGETS, load_config
+
+    cfg = load_config(overrides=["model.lora.use_rslora=true", "model.lora.r=4", "model.lora.alpha=8"]).model
+    model, tok = load_model(cfg, CPU, base_dir=tmp_path / "base")
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    assert len(layers) == cfg.tiny_num_layers * len(LORA_TARGETS)
+    assert all(m.scaling == {"default": 4.0} for m in layers)
+    proj = layers[0]
+    with torch.no_grad():
+        proj.lora_B["default"].weight.normal_()  # B = 0 at the start: give the update a value
+        x = torch.randn(3, proj.in_features)
+        base = torch.nn.functional.linear(x, proj.base_layer.weight, proj.base_layer.bias)
+        update = x @ proj.lora_A["default"].weight.T @ proj.lora_B["default"].weight.T
+        # fp32 rounding of outputs up to ~13 (fp32 ulp there ~1e-6; measured 5e-7); a scale of 2.0 is off by ~6
+        torch.testing.assert_close(proj(x), base + 4.0 * update, rtol=0, atol=1e-5)
+    path = save_checkpoint(tmp_path / "run", 1, model=model, tokenizer=tok)
+    saved = json.loads((path / "adapter_config.json").read_text())
+    assert (saved["use_rslora"], saved["r"], saved["lora_alpha"]) == (True, 4, 8)
+    again, _ = load_model(ModelConfig(path=str(path)), CPU)
+    assert all(m.scaling == {"default": 4.0} for m in again.modules() if isinstance(m, LoraLayer))

@@ -250,6 +250,7 @@ def test_the_math_reward_in_a_worker_matches_in_process(user_modules):
 
 def test_a_worker_killed_while_idle_is_respawned(pools):
     pool = pools[1]
+    run(pool, groups_of([["\\boxed{0}"]]))  # a step scored: the worker is up and idle, whatever ran before
     worker = pool._workers[0]
     signal.pidfd_send_signal(worker.pidfd, signal.SIGKILL)
     assert select.select([worker.pidfd], [], [], 10)[0]  # it has exited
