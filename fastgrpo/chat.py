@@ -174,12 +174,14 @@ class ChatTemplate:
         (tool results, a user message, an observation) and the next generation prompt.
 
         ``messages``: the conversation so far, ending with the assistant message whose content is the sampled text
-        (without the text of the EOS/stop token that ended it). ``end_token``: that EOS/stop token when one ended the
-        turn (the last of the turn's sampled ids), None when a stop string or nothing did. The suffix starts with
+        (without the text of the token that ended it). ``end_token``: the turn's last sampled id when that token
+        ended the turn and is not content (an EOS/stop token; for :class:`fastgrpo.environments.EnvTurns`, any
+        special token there, one in whose text a stop string completed too), None otherwise. The suffix starts with
         the template's end of turn (``<|im_end|>\\n``) less ``end_token`` when the end of turn starts with its text,
         so that a sampled ``<|im_end|>`` is followed by ``\\n<|im_start|>...``; when the end of turn starts with other
         text (a model that stopped on ``<|endoftext|>`` where its template writes ``<|im_end|>``), the whole end of
-        turn follows the sampled token.
+        turn follows the sampled token. ``ValueError`` when appending ``new_messages`` re-renders the conversation,
+        or when the template cannot render them (its own error: a role it refuses).
         """
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("suffix_ids: messages must end with the assistant message the policy just sampled")
@@ -193,7 +195,10 @@ class ChatTemplate:
             raise ValueError(f"{self.name} rendered the last assistant turn without its end of turn "
                              f"{self.end_of_turn!r}: {before[-80:]!r}")
         cut = len(before) - len(self.end_of_turn)  # where the sampled content ends
-        after = self.render(messages + new_messages, True)
+        try:
+            after = self.render(messages + new_messages, True)
+        except Exception as e:  # the template refuses the new messages (raise_exception on a role, a TypeError)
+            raise ValueError(f"{self.name} cannot render the new messages: {type(e).__name__}: {e}") from e
         if not after.startswith(before[:cut]):
             at = first_difference(after, before[:cut])
             raise ValueError(f"{self.name} is not prefix-preserving here: appending {len(new_messages)} message(s) "

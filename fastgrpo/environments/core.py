@@ -46,12 +46,21 @@ class TextStepEnvironment(ABC):
 
     The class is constructed with no argument once per worker; it keeps nothing between calls. ``reset(**row)``
     returns the text appended to the row's last user message (or None) and the initial state.
-    ``step(turn_text, state)`` gets the assistant's turn (its text without the end-of-turn token), updates
+    ``step(turn_text, state)`` gets the assistant's turn (its text without its end token: see ``EnvTurns``), updates
     ``state`` in place, and returns ``(observation, reward, done, next_stop_strings)``: the observation as text
-    (sent as a user message) or as a list of chat messages; the turn's reward (the trajectory's environment reward
-    is the sum over its turns); True to end the trajectory (finish reason "env_done"); the sample's stop strings
-    from now on, or None to keep them. ``stop_strings`` are the ones of the first turn (the rollout's
-    ``SamplingParams.stop_strings``).
+    (sent as a user message) or as a non-empty list of chat messages (dicts with a string ``role`` and a ``content``
+    that is a string or a list of text parts ``{"type": "text", "text": str}``, joined as one text, as OpenAI's and
+    Hugging Face's message formats allow; other keys, such as a tool message's ``name``, are passed to the chat
+    template); the turn's reward, a finite number (the trajectory's environment reward is the sum over its turns);
+    True to end the trajectory (finish reason "env_done"); the sample's stop strings from now on, a list or tuple
+    of non-empty strings, or None to keep them. ``stop_strings`` are the ones of the first turn (the rollout's
+    ``SamplingParams.stop_strings``), checked the same way when the pool is built.
+
+    A step that raises or times out gets an error observation and the trajectory goes on; a step whose return
+    breaks the contract above (any other content, such as None or an image part; a message without a string role
+    or without content; an empty or non-string stop string, or a bare string as stop strings, which would be its
+    characters; a reward that is not a finite number) is counted as ``step/malformed`` and ends its trajectory
+    ("error", reward 0): there is nothing to show the policy, and the rest of the batch goes on.
     """
 
     stop_strings: tuple[str, ...] = ()
@@ -192,35 +201,92 @@ def _task_step_reset(cls: type, row: dict, timeout_s: float) -> tuple[tuple | No
     return _guarded(run, timeout_s)
 
 
+def _checked_stop_strings(value, what: str) -> tuple[str, ...]:
+    """``value``, a list or tuple of non-empty strings, as a tuple; ``ValueError`` naming ``what`` otherwise (a bare
+    string would be taken as its characters, and an empty one matches everywhere)."""
+    if not isinstance(value, list | tuple) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"{what} must be a list or tuple of non-empty strings, got {type(value).__name__} "
+                         f"{value!r:.80}")
+    return tuple(value)
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content as one text: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    for p in content:
+        if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            got = f"type {p.get('type')!r:.40}" if isinstance(p, dict) else type(p).__name__
+            raise ValueError(f"{where}: a content part must be {{'type': 'text', 'text': str}}, got {got}")
+    return "".join(p["text"] for p in content)
+
+
+def _observation(obs) -> str | list[dict]:
+    """A step's observation checked (:class:`TextStepEnvironment`): the text, or the messages with text contents."""
+    if isinstance(obs, str):
+        return obs
+    if not isinstance(obs, list) or not obs:
+        got = "an empty list" if isinstance(obs, list) else f"a {type(obs).__name__}"
+        raise ValueError(f"the observation is {got}, not a string or a non-empty list of messages")
+    out = []
+    for i, m in enumerate(obs):
+        where = f"observation message {i}"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} is a {type(m).__name__}, not a dict")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"{where} needs a non-empty string 'role', got {m.get('role')!r:.40}")
+        if "content" not in m:
+            raise ValueError(f"{where} has no 'content'")
+        out.append({**m, "content": _content_text(m["content"], where)})
+    return out
+
+
+def _step_answer(value) -> tuple[str | list[dict], float, bool, tuple[str, ...] | None]:
+    """A step's return checked against the contract (:class:`TextStepEnvironment`), its contents as texts;
+    ``ValueError`` saying what breaks it."""
+    if not isinstance(value, tuple | list) or len(value) != 4:
+        got = f"{len(value)} values" if isinstance(value, tuple | list) else f"a {type(value).__name__}"
+        raise ValueError(f"{got}, not (observation, reward, done, next_stop_strings)")
+    obs, reward, done, stops = value
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise ValueError(f"the reward is a {type(reward).__name__}, not a number") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"the reward is not finite: {reward}")
+    stops = None if stops is None else _checked_stop_strings(stops, "next_stop_strings")
+    return _observation(obs), reward, bool(done), stops
+
+
 def _cut_observation(obs: str | list[dict], max_chars: int) -> tuple[str | list[dict], bool]:
     """The observation with each text cut to ``max_chars`` (:func:`fastgrpo.tools.truncate`), and whether any was."""
     if isinstance(obs, str):
         return truncate(obs, max_chars)
-    cut = [(m, (m["content"], False) if not isinstance(m.get("content"), str) else truncate(m["content"], max_chars))
-           for m in obs]
-    return [{**m, "content": c} for m, (c, _) in cut], any(was for _, (_, was) in cut)
+    cut = [truncate(m["content"], max_chars) for m in obs]
+    return [{**m, "content": c} for m, (c, _) in zip(obs, cut)], any(was for _, was in cut)
 
 
 def _task_step(cls: type, turn_text: str, state: dict, timeout_s: float, max_chars: int) -> tuple:
-    """One step: ``((observation, reward, done, stop_strings, state), fault, message, truncated)``; on a fault
-    the state is not sent back (the sample keeps the one from before the step)."""
+    """One step: ``((observation, reward, done, stop_strings, state), fault, message, truncated)``, fault
+    "raised", "timeout" or "malformed" (a return that breaks the contract: :func:`_step_answer`'s message); on a
+    fault the state is not sent back (the sample keeps the one from before the step)."""
 
     def run():
-        obs, reward, done, stops = _stepper(cls).step(turn_text, state)
-        if not (isinstance(obs, str) or (isinstance(obs, list) and all(isinstance(m, dict) for m in obs))):
-            raise TypeError(f"step() must return a str or a list of messages as observation, got {type(obs)}")
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"step() returned a non-finite reward {reward}")
-        stops = None if stops is None else tuple(str(s) for s in stops)
+        value = _stepper(cls).step(turn_text, state)
         pickle.dumps(state)
-        return obs, reward, bool(done), stops
+        return value
 
-    out, fault, message = _guarded(run, timeout_s)
+    value, fault, message = _guarded(run, timeout_s)
     if fault is not None:
         return None, fault, message, False
-    obs, truncated = _cut_observation(out[0], max_chars)
-    return (obs, out[1], out[2], out[3], state), None, "", truncated
+    try:
+        obs, reward, done, stops = _step_answer(value)
+    except ValueError as e:
+        return None, "malformed", f"step() returned a malformed value: {e}", False
+    obs, truncated = _cut_observation(obs, max_chars)
+    return (obs, reward, done, stops, state), None, "", truncated
 
 
 # ---------------------------------------------------------------------- in the trainer
@@ -252,6 +318,7 @@ def _environment(name, factory, tools: list[Callable]) -> Environment:
         return Environment("tools", None, tools, tool_schemas(tools))
     _check_picklable(factory, what)
     if isinstance(factory, type) and issubclass(factory, TextStepEnvironment):
+        _checked_stop_strings(factory.stop_strings, f"{what}: {factory.__name__}.stop_strings")
         return Environment("step", factory)
     probe = factory()  # as TRL does: one instance, to find its tools (its class's methods) and check it
     if not callable(getattr(probe, "reset", None)):

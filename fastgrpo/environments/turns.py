@@ -8,9 +8,17 @@ One ``EnvTurns`` serves one ``engine.generate`` call (the rows of a rollout, ``n
     trajectories = turns.results()                # per (prompt, sample): reward, counts, times, finish reason
 
 Per turn (:meth:`start`, called by the engine when a sample pauses at a turn boundary): the turn's text becomes the
-assistant message (without the end-of-turn token). A text-step environment gets it as is; otherwise its tool calls
-are parsed (:func:`fastgrpo.tools.parse_tool_calls` in the template's format) and sent to a worker: the one holding
-the trajectory's instance for an ``environment_factory``, any worker for a plain tools list. A turn without a tool
+assistant message, without its end token. The end token is the turn's last sampled token when it is one of the
+tokenizer's special tokens (``all_special_ids``), whatever ended the turn there: an EOS or stop token, or a stop
+string completed inside the special token's text (``"<|im_start|>"`` in ``<|im_start|>``). Its text is markup, not
+content: the environment does not receive it and the conversation's messages do not hold it, while the sampled ids
+keep it (log-prob, loss mask 1, as the policy saw it) and the template's end of turn follows it, less its text when
+the end of turn begins with it (:meth:`fastgrpo.chat.ChatTemplate.suffix_ids`). Any other token in whose text a
+stop string completed is content like the rest of the turn (its text may run past the match).
+
+A text-step environment gets the text as is; otherwise its tool calls are parsed
+(:func:`fastgrpo.tools.parse_tool_calls` in the template's format) and sent to a worker: the one holding the
+trajectory's instance for an ``environment_factory``, any worker for a plain tools list. A turn without a tool
 call ends the trajectory ("stop"); a step that says done ends it ("env_done"); a trajectory whose instance is gone
 (its reset failed, or its worker died) ends with "error" and scores 0. Otherwise :meth:`ready` hands back the
 template's suffix for the new messages (``template.suffix_ids(messages, new_messages)``: the tool or user messages
@@ -19,7 +27,10 @@ and the next generation prompt), which the engine prefills into the sample's pag
 Bounds: a tool result or observation is cut to ``max_observation_chars`` in the worker (so a hostile 100K-token
 observation costs at most that through the pipe and the tokenizer; counted in ``env/truncated``), with a note saying
 how much was cut; a suffix that still does not fit ``max_sequence_tokens`` ends the trajectory in the engine with
-"length". Every fault is an error observation or an "error" finish, counted in ``env/failures/<where>/<kind>``.
+"length". Every fault is an error observation or an "error" finish, counted in ``env/failures/<where>/<kind>``: a
+text step that raises or times out is answered with an error observation, one whose return breaks the contract
+(``step/malformed``, checked in the worker: :class:`fastgrpo.environments.TextStepEnvironment`) ends its trajectory,
+as does a template that cannot render an observation (``template``).
 A turn's calls run as one worker task: when its worker dies or is killed in it, a plain tools list answers every
 call of the turn with the error (the next turn runs on the replacement), and a factory trajectory ends ("error").
 
@@ -43,6 +54,7 @@ import functools
 import itertools
 import queue
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -70,8 +82,9 @@ class Trajectory:
     """Tool calls the model made, readable or not."""
     failures: Counter = field(default_factory=Counter)
     """``"<where>/<kind>"`` -> count: tool/<kind> for :data:`fastgrpo.tools.TOOL_FAULTS`, step/<kind>,
-    reset/<kind>, get_reward/<kind> (kinds: raised, timeout, worker_died, nonfinite, mismatch), instance_lost,
-    template (the chat template could not append the observation after this turn: the trajectory ends)."""
+    reset/<kind>, get_reward/<kind> (kinds: raised, timeout, worker_died, nonfinite, mismatch; and for a step,
+    malformed: its return broke the contract, the trajectory ends), instance_lost, template (the chat template
+    could not append the observation after this turn: the trajectory ends)."""
     truncated: int = 0
     """Observations cut to max_observation_chars."""
     env_s: float = 0.0
@@ -91,7 +104,7 @@ class _Live:
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) of calls not run
     finishing: bool = False  # its finish task was sent
-    end_token: int | None = None  # the EOS / stop token that ended the current turn (None: a stop string did)
+    end_token: int | None = None  # the special token that ended the current turn (None: it ended with content)
 
 
 class EnvTurns:
@@ -209,7 +222,7 @@ class EnvTurns:
         if id(tokenizer) not in self._special:
             self._special[id(tokenizer)] = set(tokenizer.all_special_ids)
         text, lv.end_token = turn_text, None
-        if turn_ids and turn_ids[-1] in self._special[id(tokenizer)]:  # the end-of-turn token is not content
+        if turn_ids and turn_ids[-1] in self._special[id(tokenizer)]:  # the end token is not content (module doc)
             lv.end_token = turn_ids[-1]
             text = text.removesuffix(tokenizer.decode([turn_ids[-1]]))
         tr.turns += 1
@@ -316,6 +329,8 @@ class EnvTurns:
 
     def _end(self, key, reason: str) -> TurnResult:
         self._trajs[key].finish = reason
+        if reason == "error":
+            self._trajs[key].reward = 0.0  # a text step's rewards so far included (a factory's: at its finish)
         self._finish(key)
         return TurnResult(append_ids=[], finish=reason)
 
@@ -361,6 +376,10 @@ class EnvTurns:
         if fault is not None or answer[1] is not None:
             kind, message = (_kind(fault), "the environment's worker died or hung") if fault else answer[1:3]
             tr.failures[f"step/{kind}"] += 1
+            if kind == "malformed":  # nothing to show the policy: the environment broke its contract
+                warnings.warn(f"{message}; the trajectory ends (\"error\") and counts in env/failures/step/malformed",
+                              RuntimeWarning, stacklevel=1)  # here: the default filter shows each message once
+                return self._end(key, "error")
             return self._append(key, [{"role": "user", "content": error_content(f"environment step failed: "
                                                                                 f"{message}")}], None)
         (obs, reward, done, stops, state), _, _, truncated = answer
@@ -376,7 +395,8 @@ class EnvTurns:
         tr, lv = self._trajs[key], self._live[key]
         try:
             ids = self.template(tr.env).suffix_ids(tr.messages, new, end_token=lv.end_token)
-        except ValueError:  # the template re-rendered the conversation (the sampled text broke its prefix)
+        except ValueError:  # the template re-rendered the conversation (the sampled text broke its prefix), or
+            # cannot render the new messages (a role it refuses)
             tr.failures["template"] += 1
             return self._end(key, "error")
         tr.messages.extend(new)
