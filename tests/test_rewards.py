@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from fastgrpo import rewards
 from fastgrpo.config import RewardConfig
 from fastgrpo.rewards import FAULTS, RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
 
@@ -128,6 +129,7 @@ def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
         time.sleep(30)
 
     monkeypatch.setattr(math_verify, "verify", stuck)
+    monkeypatch.setattr(rewards, "_verdicts", {})  # a verdict cached by an earlier test would skip math-verify
     rs = RewardSet(RewardConfig(functions=["math"], timeout_s=0.1))
     res = rs.score(["p", "p"], ["\\boxed{2}", "\\boxed{2*1}"], {"answer": ["2", "2"]})
     assert res.per_function["math"] == [1.0, 0.0]  # the exact match never reaches math-verify
