@@ -21,6 +21,12 @@ shrinks either). Figures:
   allocator.
 - GPU: the paged decode-attention kernel alone against a contiguous-cache reference and the memory roofline
   (:func:`paged_attention_rows`), rows in ``bench/results/decode_attention.csv``.
+- CPU: ``--cpu-packed 0,1,auto`` times one engine per setting of its MKL-packed products (plain, packed, the
+  engine's own per-host choice: ``fastgrpo.engine_cache``), alternating in the same run, one row each with the
+  groups it packed (``packed_groups``) and, for auto, the products' timings that chose them (``product_ms``). The
+  token hash (CRC-32 of every completion's token ids) is printed per setting: the paths differ by fp32 rounding
+  only, so their tokens should be identical. Rows carry the CPU model (``device``) and torch's CPU capability
+  (``isa``).
 
 ``--logprob-gap`` instead measures the bf16 sampling gap (issue 9): a ~4-layer Qwen2-shaped model in bf16 on CPU,
 8 prompts × 4 samples of 32 tokens at temperature 1; the engine's log-probs against the trainer's packed forward
@@ -38,6 +44,7 @@ import functools
 import os
 import statistics
 import time
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +97,14 @@ def timed(fn, device) -> tuple[float, object]:
     out = fn()
     sync(device)
     return time.perf_counter() - t0, out
+
+
+CPU_PACKED = {"0": False, "1": True, "auto": None}  # --cpu-packed settings -> GenerationEngine(cpu_packed=)
+
+
+def token_hash(out) -> int:
+    """CRC-32 of every completion's token ids, in order: equal hashes, equal tokens."""
+    return zlib.crc32(torch.tensor([t for comps in out for c in comps for t in c.token_ids]).numpy().tobytes())
 
 
 def hf_generate(model, prompts, n, max_new_tokens, device):
@@ -231,7 +246,13 @@ def main():
                         help="timed calls per implementation, alternating; the median is reported (default: 3 on CPU, "
                              "1 on GPU)")
     parser.add_argument("--logprob-gap", action="store_true", help="measure the bf16 engine-vs-trainer gap instead")
+    parser.add_argument("--cpu-packed", default="auto",
+                        help="CPU: comma-separated settings of the engine's MKL-packed products, one engine each, "
+                             "alternating: 0 (plain), 1 (packed), auto (its own per-host choice; default)")
     args = parser.parse_args()
+    modes = args.cpu_packed.split(",")
+    if not modes or any(m not in CPU_PACKED for m in modes) or len(set(modes)) < len(modes):
+        parser.error(f"--cpu-packed: distinct settings among {sorted(CPU_PACKED)}, got {args.cpu_packed!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.logprob_gap:
@@ -251,39 +272,49 @@ def main():
     model = build_model(config, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     prompts = make_prompts(num_prompts, lo, hi, config["vocab_size"])
-    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=num_prompts * n)
+    modes = ["auto"] if cuda else modes  # the packed products are the CPU step's
+    engines = {m: GenerationEngine(model, eos_token_ids=[], max_batch_size=num_prompts * n, cpu_packed=CPU_PACKED[m])
+               for m in modes}
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=0)
 
     load_start = os.getloadavg()[0]  # recorded with the rows: a machine busier than its cores stalls threaded runs
-    engine.generate(prompts[:2], SamplingParams(n=2, max_new_tokens=4, seed=0))  # warm-up (first-call costs)
+    for engine in engines.values():  # warm-up (first-call costs: at the timed calls' row count, the packing choice)
+        engine.generate(prompts, SamplingParams(n=n, max_new_tokens=4, seed=0))
     hf_generate(model, prompts[:2], 2, 4, device)
     repeats = args.repeats or (1 if cuda else 3)
-    eng_runs, hf_runs = [], []
-    for _ in range(repeats):  # alternating, so a slow phase of a shared machine hits both sides
-        eng_s, out = timed(lambda: engine.generate(prompts, params), device)
-        assert all(len(c.token_ids) == new for comps in out for c in comps)
+    eng_runs, hf_runs, hashes = {m: [] for m in modes}, [], {}
+    for _ in range(repeats):  # alternating, so a slow phase of a shared machine hits every side
+        for m, engine in engines.items():
+            eng_s, out = timed(functools.partial(engine.generate, prompts, params), device)
+            assert all(len(c.token_ids) == new for comps in out for c in comps)
+            eng_runs[m].append(eng_s)
+            hashes[m] = token_hash(out)
         hf_s, hf_out = timed(lambda: hf_generate(model, prompts, n, hf_new, device), device)
         assert hf_out.shape[0] == num_prompts * n
-        eng_runs.append(eng_s)
         hf_runs.append(hf_s)
     del out, hf_out
-    eng_s, hf_s = statistics.median(eng_runs), statistics.median(hf_runs)
-    # memory after the timing, one more call each (on CPU in a forked child: the timed calls above never ran with
-    # its allocator setting)
-    eng_peak = peak_extra_bytes(lambda: engine.generate(prompts, params), device)
-    hf_peak = peak_extra_bytes(lambda: hf_generate(model, prompts, n, hf_new, device), device)
-    eng_tps = num_prompts * n * new / eng_s
+    hf_s = statistics.median(hf_runs)
     hf_tps = num_prompts * n * hf_new / hf_s
-
     shape = f"{num_prompts}x{n} prompts {lo}-{hi} new {new} params {n_params / 1e6:.1f}M {str(dtype).split('.')[-1]}"
     if not cuda:
         shape += f" threads {torch.get_num_threads()}"
-    rows = [
-        {"impl": "engine", "shape": shape, "new_tokens": new, "seconds": eng_s, "tokens_per_s": eng_tps,
-         "peak_extra_MiB": eng_peak / 2**20, "speedup_vs_hf": eng_tps / hf_tps, "repeats": repeats},
-        {"impl": "hf_generate", "shape": shape, "new_tokens": hf_new, "seconds": hf_s, "tokens_per_s": hf_tps,
-         "peak_extra_MiB": hf_peak / 2**20, "speedup_vs_hf": 1.0, "repeats": repeats},
-    ]
+    rows = []
+    for m, engine in engines.items():
+        eng_s = statistics.median(eng_runs[m])
+        stats = engine.last_stats
+        # memory after the timing, one more call each (on CPU in a forked child: the timed calls above never ran
+        # with its allocator setting)
+        eng_peak = peak_extra_bytes(functools.partial(engine.generate, prompts, params), device)
+        eng_tps = num_prompts * n * new / eng_s
+        rows.append({"impl": "engine", "shape": shape, "new_tokens": new, "seconds": eng_s, "tokens_per_s": eng_tps,
+                     "peak_extra_MiB": eng_peak / 2**20, "speedup_vs_hf": eng_tps / hf_tps, "repeats": repeats})
+        if not cuda:
+            packed = "+".join(g for g, on in stats["cpu_packed"].items() if on) or "none"
+            ms = " ".join(f"{g}:{a:.2f}/{b:.2f}" for g, (a, b) in stats["cpu_product_ms"].items())
+            rows[-1].update(cpu_packed=m, packed_groups=packed, product_ms=ms, token_hash=f"{hashes[m]:08x}")
+    hf_peak = peak_extra_bytes(lambda: hf_generate(model, prompts, n, hf_new, device), device)
+    rows.append({"impl": "hf_generate", "shape": shape, "new_tokens": hf_new, "seconds": hf_s, "tokens_per_s": hf_tps,
+                 "peak_extra_MiB": hf_peak / 2**20, "speedup_vs_hf": 1.0, "repeats": repeats})
     if not cuda:
         floor_s = matmul_floor_s(model, num_prompts * n, new, device)
         attn_s = attention_floor_s(model, prompts, n, new, device)
@@ -292,15 +323,22 @@ def main():
                      x_floors=r["seconds"] / (floor_s + attn_s))
     for r in rows:
         r.update(loadavg_start=round(load_start, 2), loadavg_end=round(os.getloadavg()[0], 2))
+        if not cuda:
+            r.update(isa=torch.backends.cpu.get_cpu_capability())
     if cuda:
         one = SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=0)
-        prefill_s, _ = timed(lambda: engine.generate(prompts, one), device)
-        step_ms = (eng_s - prefill_s) / (new - 1) * 1e3
+        prefill_s, _ = timed(lambda: engines["auto"].generate(prompts, one), device)
+        step_ms = (rows[0]["seconds"] - prefill_s) / (new - 1) * 1e3
         gbps = copy_bandwidth_gbps()
         roof_ms = decode_roofline_s(model, prompts, n, new, gbps) / (new - 1) * 1e3
         rows[0].update(prefill_s=prefill_s, decode_step_ms=step_ms, roofline_step_ms=roof_ms,
                        roofline_fraction=roof_ms / step_ms, copy_gbps=gbps)
     print_table(rows, f"generation on {device}")
+    if not cuda:
+        for m in modes:
+            print(f"cpu_packed={m}: engine {statistics.median(eng_runs[m]):.3f} s (runs "
+                  f"{', '.join(f'{t:.3f}' for t in eng_runs[m])}), token hash {hashes[m]:08x}")
+        print("token hashes identical across settings:", len(set(hashes.values())) == 1)
     path = append_rows("generation", rows, device)
     print(f"rows appended to {path}")
     if cuda:

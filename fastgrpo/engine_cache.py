@@ -2,16 +2,35 @@
 cache and reused step buffers (``_Workspace``), with the ``_Run`` steps that size the workspace and refresh its rows
 from the pages (``_RowCacheSteps``). Which sequence owns which row and pages is the scheduler's
 (``fastgrpo.scheduler``); this file only copies K/V where the block tables say.
+
+**Choices made per host.** Whether the CPU step runs a weight group's products (the LM head, the MLP, the stacked
+q/k/v) on copies packed for MKL's GEMM or as plain products is measured, not assumed: the same packed products
+that take 0.8x the time of the plain ones on an Intel Xeon made bench_generation's call 28% slower on an AMD EPYC
+(issue 39). On the first call for a model's shapes, dtype, thread count and row count, each group's packed and
+plain products are timed (:func:`_time_groups`, tens of ms at bench_generation's sizes, once per process) and the
+faster kept (``_packed_groups``; ``engine.last_stats``: ``cpu_packed``, ``cpu_packed_by``, ``cpu_product_ms``).
+``FASTGRPO_CPU_PACKED=0|1|auto`` or ``GenerationEngine(cpu_packed=False|True)`` forces it (benchmarks, tests).
+Still fixed, each chosen from A/B runs on one Intel host: the packing bounds below (``PACKED_WEIGHTS_*``: under
+4 MiB a pack per call costs more than it saves, a cost the timing does not see), o_proj never packed, the plain
+products as ``W xᵀ`` into feature-major buffers (``engine_forward._linear_t``), the row cache's attention layout
+(the G query heads of a kv head as G rows of one SDPA over the contiguous row, ``masked_attention``), the fp32 LM
+head's chunk off CUDA (``LM_HEAD_CHUNK``), and the training forward's CPU attention padding rule
+(``kernels/varlen_attention.PAD_FACTOR``: one padded SDPA when it costs at most 3x the per-sequence arithmetic).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from fastgrpo.engine_forward import mkl_packed_gemm
+from fastgrpo.engine_forward import _EAGER_OPS, mkl_packed_gemm
 
 
 @dataclass
@@ -47,16 +66,120 @@ class _KVCache:
         self.kv[:, :, :, dst] = self.kv[:, :, :, src]
 
 
-# The CPU step packs its LM head, MLP and q/k/v weights for MKL when they hold this many bytes in all. Below the
-# lower bound a pack (allocated per call and row count) costs more than the products it speeds: the demo's 130K-
-# parameter model generated 8% slower packed (the tests lower it to 0 to run the packed path on their tiny models).
+PACKED_ENV = "FASTGRPO_CPU_PACKED"  # 0: never pack, 1: pack every group the step can, auto (the default): timed
+PACKED_GROUPS = ("lm_head", "mlp", "qkv")  # the weight groups the CPU step may pack (``_weight_groups``)
+# ``auto`` times the packed products only when the groups' weights hold this many bytes in all. Below the lower
+# bound a pack (allocated per call and row count) costs more than the products it speeds: the demo's 130K-parameter
+# model generated 8% slower packed on an Intel Xeon. Above the upper one the packs' memory (about three times the
+# weights) is not spent.
 PACKED_WEIGHTS_MIN_BYTES = 4 << 20
 PACKED_WEIGHTS_MAX_BYTES = 256 << 20
+PACKED_TIMING_ROUNDS = 3  # alternating runs of each side; the fastest of each is kept (a shared machine's noise)
+# (group, its weights' shapes and biases, dtype, threads, rows) -> (packed, plain) seconds, for this process
+_product_times: dict[tuple, tuple[float, float]] = {}
 
 
-def _packed_projections(layer) -> tuple:
-    attn, mlp = layer.self_attn, layer.mlp
-    return attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+def packed_setting(cpu_packed: bool | None) -> bool | None:
+    """Whether the CPU step packs its weights: the engine's ``cpu_packed`` when given, else ``FASTGRPO_CPU_PACKED``
+    (``0`` False, ``1`` True, ``auto`` or unset None: timed per host, ``_packed_groups``)."""
+    if cpu_packed is not None:
+        return cpu_packed
+    value = os.environ.get(PACKED_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{PACKED_ENV}={value!r}: expected 0, 1 or auto")
+    return None if value == "auto" else value == "1"
+
+
+def _weight_groups(e) -> dict[str, list]:
+    """The modules of each weight group the CPU step may pack: the LM head; every layer's gate, up and down; every
+    layer's q, k and v (one product on their weights stacked, ``_qkv_rows``)."""
+    mlp = [m for layer in e.layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    qkv = [m for layer in e.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)]
+    return {"lm_head": [e.model.lm_head], "mlp": mlp, "qkv": qkv}
+
+
+def product_seconds(group: str, packed: bool, run: Callable[[], object]) -> float:
+    """Wall time of one ``run()``: the ``packed`` or plain products of weight group ``group`` (named so that a test
+    can stand in a fake clock)."""
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+def _group_step(e, group: str, h_RH: torch.Tensor, work: _Workspace):
+    """One decode step's products of weight group ``group`` on rows ``h``, through ``work`` as the step runs them
+    (every layer's, for the MLP and q/k/v: their weights come cache-cold, as in the step)."""
+    if group == "lm_head":
+        return e._lm_head(h_RH, work)
+    if group == "mlp":
+        return [e._mlp(_EAGER_OPS, layer.mlp, h_RH, work) for layer in e.layers]
+    return [e._qkv_rows(layer.self_attn, h_RH, work) for layer in e.layers]
+
+
+def _time_groups(e, groups: list[str], R: int, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
+    """{group: (packed, plain) seconds} of the weight groups' products for ``R`` rows: random rows, one untimed run
+    of each (the packing, the buffers' first touch), then ``PACKED_TIMING_ROUNDS`` rounds, each running every group
+    packed then every group plain, the fastest run of each kept (:func:`product_seconds`). In that order a group's
+    weights come cache-cold, as in the step: every other weight and pack passes through the caches between two
+    runs of the same product (on an Intel Xeon the MLP's products took 1.0x packed timed back to back, 0.8x in the
+    step)."""
+    gen = torch.Generator(device).manual_seed(0)
+    h_RH = torch.randn(R, e.model.config.hidden_size, generator=gen, device=device, dtype=dtype)
+    runs = {}
+    for packed in (True, False):
+        work = _Workspace(None, **_step_buffers(e, R, device, dtype, frozenset(groups if packed else ())))
+        for group in groups:
+            runs[group, packed] = functools.partial(_group_step, e, group, h_RH, work)
+            runs[group, packed]()
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(PACKED_TIMING_ROUNDS):
+        for (group, packed), run in runs.items():
+            best[group, packed] = min(best[group, packed], product_seconds(group, packed, run))
+    return {group: (best[group, True], best[group, False]) for group in groups}
+
+
+def _packed_groups(e, R: int, device: torch.device, dtype: torch.dtype) -> tuple[frozenset, dict]:
+    """The weight groups the CPU step runs packed for ``R`` rows, and how that was decided (``last_stats``:
+    ``cpu_packed`` {group: packed}, ``cpu_packed_by`` "unavailable" (not fp32 without autocast, or no MKL), "forced"
+    (:func:`packed_setting`), "size" (auto, outside ``PACKED_WEIGHTS_*``), "timed" or "cached" (auto: measured in
+    this call, or earlier in the process), ``cpu_product_ms`` {group: (packed, plain) ms} when measured). A group
+    is packed when its packed products were faster (a tie stays plain: no packs' memory)."""
+    groups = _weight_groups(e)
+    weights = [m.weight for modules in groups.values() for m in modules]
+    setting = packed_setting(e._cpu_packed)
+    ms = {}
+    fp32 = dtype == torch.float32 and all(w.dtype == dtype for w in weights)  # and so no autocast
+    if device.type != "cpu" or not fp32 or not mkl_packed_gemm():
+        packed, by = frozenset(), "unavailable"
+    elif setting is not None:
+        packed, by = frozenset(PACKED_GROUPS if setting else ()), "forced"
+    elif not PACKED_WEIGHTS_MIN_BYTES <= sum(w.numel() * w.element_size() for w in weights) <= PACKED_WEIGHTS_MAX_BYTES:
+        packed, by = frozenset(), "size"
+    else:
+        keys = {g: (g, tuple((tuple(m.weight.shape), m.bias is not None) for m in modules), dtype,
+                    torch.get_num_threads(), R) for g, modules in groups.items()}
+        new = [g for g, key in keys.items() if key not in _product_times]
+        for g, seconds in (_time_groups(e, new, R, device, dtype) if new else {}).items():
+            _product_times[keys[g]] = seconds
+        by = "timed" if new else "cached"
+        ms = {g: tuple(t * 1e3 for t in _product_times[key]) for g, key in keys.items()}
+        packed = frozenset(g for g, (t_packed, t_plain) in ms.items() if t_packed < t_plain)
+    return packed, dict(cpu_packed={g: g in packed for g in PACKED_GROUPS}, cpu_packed_by=by, cpu_product_ms=ms)
+
+
+def _step_buffers(e, R: int, device: torch.device, dtype: torch.dtype, packed: frozenset) -> dict:
+    """The products' part of a ``_Workspace`` without autocast: the reused buffers of the groups not ``packed`` (the
+    MLP's activations and output, the LM head's fp32 logits) and, when any group is, the dict of their packs."""
+    inter = e.layers[0].mlp.gate_proj.out_features
+    mlp, head = "mlp" not in packed, "lm_head" not in packed
+    return dict(
+        gate=torch.empty(R * inter, device=device, dtype=dtype) if mlp else None,
+        up=torch.empty(R * inter, device=device, dtype=dtype) if mlp else None,
+        down=torch.empty(R * e.model.config.hidden_size, device=device, dtype=dtype) if mlp else None,
+        logits=torch.empty(R * e.vocab_size, device=device) if head else None,
+        packs={} if packed else None,
+        packed=packed,
+    )
 
 
 class _Workspace(NamedTuple):
@@ -75,21 +198,22 @@ class _Workspace(NamedTuple):
     gathers its rows' pages at every step (``paged_decode_attention_torch``, slower) and writes each token's K/V to
     its page.
 
-    **Products.** fp32 with MKL, when the LM head, MLP and q/k/v weights hold ``PACKED_WEIGHTS_MIN_BYTES`` to
-    ``PACKED_WEIGHTS_MAX_BYTES``: those products run on copies of their weights packed for MKL's GEMM at the step's
-    row count (``packs``: module -> {rows: packed weight}, filled on first use by
+    **Products.** fp32 with MKL, the weight groups in ``packed`` (the LM head, the MLP, the stacked q/k/v: chosen
+    per host, see the module docstring) run on copies of their weights packed for MKL's GEMM at the step's row
+    count (``packs``: module -> {rows: packed weight}, filled on first use by
     :func:`~fastgrpo.engine_forward._packed_linear`, at most two row counts kept per weight; an attention module ->
-    its q/k/v weights stacked, their bias, their packs), so at most about three times those bytes, freed with the
-    workspace: the packs always match the weights of this call.
-    Otherwise the step writes its MLP activations and logits into reused buffers instead of fresh tensors, as the
-    feature-major products of ``_linear_t``. Neither under autocast (the products are not cast)."""
+    its q/k/v weights stacked, their bias, their packs), so at most about three times those weights' bytes, freed
+    with the workspace: the packs always match the weights of this call.
+    The step writes the MLP activations and logits of the groups not packed into reused buffers instead of fresh
+    tensors, as the feature-major products of ``_linear_t``. Neither under autocast (the products are not cast)."""
 
     kv_rows: torch.Tensor | None  # [L, R, 2, Hkv, max_pages · page_size, D]; None: attention through the pages
-    gate: torch.Tensor | None  # [R · intermediate]: the MLP's gate projection, then its activation; None with packs
-    up: torch.Tensor | None  # [R · intermediate]
-    down: torch.Tensor | None  # [R · H]: the MLP's output
-    logits: torch.Tensor | None  # [R · V] fp32
+    gate: torch.Tensor | None = None  # [R · intermediate]: the MLP's gate projection, then its activation
+    up: torch.Tensor | None = None  # [R · intermediate]
+    down: torch.Tensor | None = None  # [R · H]: the MLP's output
+    logits: torch.Tensor | None = None  # [R · V] fp32
     packs: dict | None = None  # module -> {rows: its weight packed for MKL}; attention -> (q/k/v stacked, bias, packs)
+    packed: frozenset = frozenset()  # the groups of PACKED_GROUPS whose products run packed
 
 
 class _RowCacheSteps:
@@ -99,26 +223,16 @@ class _RowCacheSteps:
         """The eager decode step's row cache and buffers for ``R`` rows of at most ``max_keys`` keys (see
         :class:`_Workspace`): by default the row cache only when it holds no more tokens than the KV budget
         (``R · max_keys ≤ max_total_tokens``: the eager path's K/V stays within twice the budget); no activation
-        buffers under autocast."""
+        buffers under autocast; the weight groups packed as chosen for this host (``_packed_groups``, reported in
+        ``self.products``)."""
         e, dev, dt = self.e, self.device, self.dtype
         shape = (len(e.layers), R, 2, e.num_kv_heads, max_keys, e.head_dim)
         rows = R * max_keys <= self.budget if e._row_cache is None else e._row_cache
-        plain = dt == next(e.model.parameters()).dtype
-        inter = e.layers[0].mlp.gate_proj.out_features
-        weights = [e.model.lm_head.weight] + [m.weight for layer in e.layers for m in _packed_projections(layer)]
-        packed = (plain and dt == torch.float32 and mkl_packed_gemm() and all(w.dtype == dt for w in weights)
-                  and PACKED_WEIGHTS_MIN_BYTES <= sum(w.numel() * w.element_size() for w in weights)
-                  <= PACKED_WEIGHTS_MAX_BYTES)
-        buffers = plain and not packed
-        return _Workspace(
-            # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
-            kv_rows=torch.zeros(shape, device=dev, dtype=dt) if rows else None,
-            gate=torch.empty(R * inter, device=dev, dtype=dt) if buffers else None,
-            up=torch.empty(R * inter, device=dev, dtype=dt) if buffers else None,
-            down=torch.empty(R * e.model.config.hidden_size, device=dev, dtype=dt) if buffers else None,
-            logits=torch.empty(R * e.vocab_size, device=dev) if buffers else None,
-            packs={} if packed else None,
-        )
+        packed, self.products = _packed_groups(e, R, dev, dt)
+        autocast = dt != next(e.model.parameters()).dtype
+        products = {} if autocast else _step_buffers(e, R, dev, dt, packed)
+        # zeroed: never-written keys stay finite (their weight is 0 in P V, and 0 · NaN would be NaN)
+        return _Workspace(torch.zeros(shape, device=dev, dtype=dt) if rows else None, **products)
 
     def _refresh_rows(self, work: _Workspace, cache: _KVCache, n_pages: int) -> None:
         """Copy into the row cache, from the pages, every running row whose sequence is not the one it holds; its

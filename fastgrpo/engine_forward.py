@@ -93,14 +93,14 @@ class _ModelPieces:
         return qkv[:, :Hq].view(S, Hkv, Hq // Hkv, D), qkv[:, Hq:].unflatten(1, (2, Hkv))
 
     def _qkv_rows(self, attn, h_SH: torch.Tensor, work: _Workspace) -> torch.Tensor:
-        """``[q | k | v]`` of rows ``h``, row-major ``[S, (Hq + 2 Hkv) · D]``. With the workspace's packs: one product
-        on the three weights stacked (and their biases; a missing one as zeros, which add exactly nothing), packed
-        for MKL (``_packed_linear``; the stacked copy made on the call's first use, kept in ``work.packs[attn]``),
-        then each LoRA adapter's ``s · (h Aᵀ) Bᵀ`` added to its projection's columns; otherwise three products and
-        a concatenation. In the step: 0.95x the call's time of the three products (in-process A/B), the same
-        values at bench_generation's sizes (its token hash unchanged)."""
+        """``[q | k | v]`` of rows ``h``, row-major ``[S, (Hq + 2 Hkv) · D]``. With q/k/v packed (``work.packed``):
+        one product on the three weights stacked (and their biases; a missing one as zeros, which add exactly
+        nothing), packed for MKL (``_packed_linear``; the stacked copy made on the call's first use, kept in
+        ``work.packs[attn]``), then each LoRA adapter's ``s · (h Aᵀ) Bᵀ`` added to its projection's columns;
+        otherwise three products and a concatenation. In the step on an Intel Xeon: 0.95x the call's time of the
+        three products (in-process A/B), the same values at bench_generation's sizes (its token hash unchanged)."""
         lora, mods = self._lora, (attn.q_proj, attn.k_proj, attn.v_proj)
-        if work.packs is None:
+        if "qkv" not in work.packed:
             return torch.cat([_proj(h_SH, m, lora) for m in mods], 1)
         stacked = work.packs.get(attn)
         if stacked is None:
@@ -112,32 +112,36 @@ class _ModelPieces:
         n0 = 0
         for m in mods:
             n1 = n0 + m.weight.shape[0]
-            for A_RK, B_NR, s in lora.get(m, ()):
-                qkv[:, n0:n1].addmm_(torch.mm(h_SH, A_RK.t()), B_NR.t(), alpha=s)  # [S, N] += s · (h Aᵀ) Bᵀ
+            _add_lora(qkv[:, n0:n1], h_SH, lora.get(m, ()))
             n0 = n1
         return qkv
 
     def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ, work: _Workspace | None = None):
-        """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output). With a
-        workspace: the MLP's products on its packed weights (``_packed_linear``), or into its buffers, the
-        activation in place (the same values)."""
-        attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-        lora = self._lora
-        o = _proj(o_MQ, attn.o_proj, lora)
+        """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output)."""
+        attn, ln2 = layer.self_attn, layer.post_attention_layernorm
+        o = _proj(o_MQ, attn.o_proj, self._lora)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
-        if work is not None and work.packs is not None:  # fresh row-major [M, I], then in place
-            gate, up = _proj(h, mlp.gate_proj, lora, packs=work.packs), _proj(h, mlp.up_proj, lora, packs=work.packs)
+        return x, self._mlp(ops, layer.mlp, h, work)
+
+    def _mlp(self, ops: _Ops, mlp, h_MH: torch.Tensor, work: _Workspace | None = None) -> torch.Tensor:
+        """``down(act(gate(h)) · up(h))``. With a workspace: the products on the MLP's packed weights
+        (``_packed_linear``, when ``work.packed`` holds it) or into the workspace's buffers, the activation in place
+        (the same values)."""
+        lora = self._lora
+        if work is not None and "mlp" in work.packed:  # fresh row-major [M, I], then in place
+            gate = _proj(h_MH, mlp.gate_proj, lora, packs=work.packs)
+            up = _proj(h_MH, mlp.up_proj, lora, packs=work.packs)
             act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
-            return x, _proj(act, mlp.down_proj, lora, packs=work.packs)
+            return _proj(act, mlp.down_proj, lora, packs=work.packs)
         if work is None or work.gate is None:
-            gate = _proj(h, mlp.gate_proj, lora)
-            up = _proj(h, mlp.up_proj, lora)
+            gate = _proj(h_MH, mlp.gate_proj, lora)
+            up = _proj(h_MH, mlp.up_proj, lora)
             act = ops.silu_mul(gate, up) if self.silu else mlp.act_fn(gate) * up
-            return x, _proj(act, mlp.down_proj, lora)
-        gate = _proj(h, mlp.gate_proj, lora, work.gate)  # [M, I] feature-major views
-        up = _proj(h, mlp.up_proj, lora, work.up)
+            return _proj(act, mlp.down_proj, lora)
+        gate = _proj(h_MH, mlp.gate_proj, lora, work.gate)  # [M, I] feature-major views
+        up = _proj(h_MH, mlp.up_proj, lora, work.up)
         act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
-        return x, _proj(act, mlp.down_proj, lora, work.down)
+        return _proj(act, mlp.down_proj, lora, work.down)
 
     def _norm_in(self, ops: _Ops, layer, x, delta):
         """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
@@ -233,13 +237,13 @@ class _ModelPieces:
         ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over vocabulary chunks of
         ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time). With the decode step's workspace (off
         CUDA, no autocast), fp32: MKL's packed GEMM (``_packed_linear``, row-major logits) when the workspace packs
-        its weights, else the product ``W hᵀ`` into the workspace's buffer, the logits its feature-major ``[M, V]``
-        view (``_linear_t``)."""
+        the LM head (``work.packed``), else the product ``W hᵀ`` into the workspace's buffer, the logits its
+        feature-major ``[M, V]`` view (``_linear_t``)."""
         weight_VH, bias_V = self.model.lm_head.weight, self.model.lm_head.bias
         out = None if work is None else work.logits
         with torch.autocast(h_MH.device.type, enabled=False):
             if h_MH.dtype == weight_VH.dtype == torch.float32:
-                if work is not None and work.packs is not None:
+                if work is not None and "lm_head" in work.packed:
                     return _packed_linear(h_MH, weight_VH, bias_V, work.packs.setdefault(self.model.lm_head, {}))
                 return F.linear(h_MH, weight_VH, bias_V) if out is None else _linear_t(h_MH, weight_VH, bias_V, out)
             if h_MH.is_cuda:
@@ -263,24 +267,39 @@ def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Te
     call's adapters, ``_ModelPieces._read_adapters``). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched
     over the rows.
 
-    Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to the compute dtype), the path
-    of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``), then
-    ``+= s · B (A xᵀ)`` in place (one ``addmm``); with ``packs`` (the CPU workspace's, fp32 with MKL):
-    ``_packed_linear`` of the base weight, then ``+= s · (x Aᵀ) Bᵀ`` in place. All differ by rounding only."""
+    Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to its operands' dtype), the
+    path of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``); with
+    ``packs`` (the CPU workspace's, fp32 with MKL): ``_packed_linear`` of the base weight; either then
+    ``+= s · (x Aᵀ) Bᵀ`` in place (:func:`_add_lora`). All differ by rounding only.
+
+    An adapter in another dtype than the base (PEFT's default ``autocast_adapter_dtype=True`` keeps fp32 adapters on
+    a bf16 or fp16 base) runs as PEFT's ``lora.Linear.forward`` runs it: ``x`` cast to the adapter's dtype, the
+    products and the sum with the base's output in the wider dtype, the result cast back to the base's dtype."""
     terms = lora.get(module, ())
-    if packs is not None:
-        y_MN = _packed_linear(x_MK, module.weight, module.bias, packs.setdefault(module, {}))
-        for A_RK, B_NR, s in terms:
-            y_MN.addmm_(torch.mm(x_MK, A_RK.t()), B_NR.t(), alpha=s)  # [M, N] += s · (x Aᵀ) Bᵀ
-        return y_MN
-    if out is None:
-        y = F.linear(x_MK, module.weight, module.bias)
-        for A_RK, B_NR, s in terms:
-            y = y + F.linear(F.linear(x_MK, A_RK), B_NR) * s
-        return y
-    y_MN = _linear_t(x_MK, module.weight, module.bias, out)
+    if packs is not None or out is not None:
+        if packs is not None:
+            y_MN = _packed_linear(x_MK, module.weight, module.bias, packs.setdefault(module, {}))
+        else:
+            y_MN = _linear_t(x_MK, module.weight, module.bias, out)
+        return _add_lora(y_MN, x_MK, terms)
+    y = F.linear(x_MK, module.weight, module.bias)
+    base_dtype = y.dtype
     for A_RK, B_NR, s in terms:
-        y_MN.t().addmm_(B_NR, torch.mm(A_RK, x_MK.t()), alpha=s)  # [N, M] += s · B (A xᵀ)
+        y = y + F.linear(F.linear(x_MK.to(A_RK.dtype), A_RK), B_NR) * s
+    return y.to(base_dtype)
+
+
+def _add_lora(y_MN: torch.Tensor, x_MK: torch.Tensor, terms) -> torch.Tensor:
+    """``y += s · (x Aᵀ) Bᵀ`` in place for each adapter ``(A [r, K], B [N, r], s)`` of ``terms``, ``y [M, N]`` of any
+    strides (a feature-major buffer, a column slice: ``addmm_`` writes through them). An adapter in ``y``'s dtype: one
+    ``addmm``; in another (fp32 adapters on a bf16 base): the products in the adapter's dtype on ``x`` cast to it,
+    then added to ``y`` in the wider dtype and rounded once to ``y``'s, as PEFT does. Returns ``y``."""
+    for A_RK, B_NR, s in terms:
+        xA_MR = torch.mm(x_MK.to(A_RK.dtype), A_RK.t())
+        if A_RK.dtype == y_MN.dtype:
+            y_MN.addmm_(xA_MR, B_NR.t(), alpha=s)
+        else:
+            y_MN.add_(torch.mm(xA_MR, B_NR.t()), alpha=s)
     return y_MN
 
 

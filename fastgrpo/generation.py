@@ -34,7 +34,9 @@ modules listed below are the device step):
    forward (embedding → logits) is captured once per batch-size bucket into a CUDA graph (block tables and lengths
    are static inputs, so no graph per length) writing one logits buffer; the graphs and the pool are dropped when
    ``generate`` returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets), and the
-   step writes its largest activations (logits, MLP) into reused buffers instead of fresh tensors.
+   step runs its LM head, MLP and q/k/v products on weights packed for MKL or writes them (logits, MLP) into
+   reused buffers instead of fresh tensors, whichever its first call measured faster on this host
+   (``engine_cache``).
 
 5. **Turns (multi-turn, ``generate(..., turns=)``; host side in ``engine_turns.py``).** A sample whose turn ends at
    a boundary (eos/stop token, or a stop string matched on the decoded tail; a match seen late with
@@ -60,7 +62,8 @@ the real bound. ``engine.last_stats`` reports each call: peak_running, preemptio
 (prompts, recomputes and resumed turns' appended tokens), resume_prefill_tokens (the appended ones: observations +
 the one sampled token per resume whose K/V were not cached), re_prefill_tokens (what re-prefilling the whole
 conversation at every resumed turn would have cost, TRL's way), evictions (paused samples whose pages were freed),
-peak_paused, peak_kv_tokens, kv_capacity_tokens, page_size.
+peak_paused, peak_kv_tokens, kv_capacity_tokens, page_size, and for the CPU step which weight groups ran on
+MKL-packed weights and how that was chosen (cpu_packed, cpu_packed_by, cpu_product_ms: ``fastgrpo.engine_cache``).
 
 Where it lives (``fastgrpo.generation`` is the entry module; it re-exports the public names):
 
@@ -142,6 +145,9 @@ class GenerationEngine(_ModelPieces):
         row_cache: where the paged kernel does not run (CPU), decode attention reads a contiguous row cache kept in
             step with the pages (see ``_Workspace``) instead of gathering every row's pages per layer and step; None
             = when it holds no more tokens than the KV budget (``max_total_tokens``). Ignored on CUDA.
+        cpu_packed: on CPU (fp32, MKL), run the LM head's, MLP's and q/k/v's products on weights packed for MKL's
+            GEMM (True) or as plain products (False); None = ``FASTGRPO_CPU_PACKED`` (0, 1, or auto: each weight
+            group's two products timed once per process and shapes, the faster kept; see ``fastgrpo.engine_cache``).
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
@@ -160,6 +166,7 @@ class GenerationEngine(_ModelPieces):
         compile: bool | None = None,
         page_size: int | None = None,
         row_cache: bool | None = None,
+        cpu_packed: bool | None = None,
         tokenizer=None,
     ):
         model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.lora)
@@ -202,6 +209,8 @@ class GenerationEngine(_ModelPieces):
             raise ValueError(f"page_size must be an integer >= 1 or None, got {page_size!r}")
         if row_cache is not None and not isinstance(row_cache, bool):
             raise ValueError(f"row_cache must be True, False or None, got {row_cache!r}")
+        if cpu_packed is not None and not isinstance(cpu_packed, bool):
+            raise ValueError(f"cpu_packed must be True, False or None, got {cpu_packed!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise ValueError(f"tokenizer must have a decode(ids) method, got {type(tokenizer).__name__}")
         self.tokenizer = tokenizer
@@ -215,6 +224,7 @@ class GenerationEngine(_ModelPieces):
         self._compile = compile
         self._compiled_ops: _Ops | None = None
         self._row_cache = row_cache
+        self._cpu_packed = cpu_packed
 
         self.layers = list(inner.layers)
         attn = self.layers[0].self_attn
@@ -367,8 +377,8 @@ class GenerationEngine(_ModelPieces):
 
     def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
         """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
-        logits ``[S, V]`` (fp32; with a workspace and no MKL, a feature-major view of ``cache.work.logits``: strides
-        (1, S)).
+        logits ``[S, V]`` (fp32; with a workspace whose LM head is not packed, a feature-major view of
+        ``cache.work.logits``: strides (1, S)).
 
         Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
         ``[0, pos]`` of each row (the query's own key included): through its block table ``table_SP`` on CUDA; on
@@ -484,6 +494,7 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
         max_new = max(self.limits)
         # zeroed: masked-out keys still enter the CPU attention's P @ V, where 0 * NaN would be NaN
         cache = _KVCache(kv=torch.zeros(L, 2, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype))
+        self.products = dict(cpu_packed={}, cpu_packed_by=None, cpu_product_ms={})  # the CPU step's (_workspace)
         if not _use_fused_attention(cache.kv):
             cache.work = self._workspace(R, max_pages * ps)
         self.row_owner: list = [None] * R  # the sequence whose keys each row of the row cache holds
@@ -523,4 +534,5 @@ class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
                 peak_kv_tokens=sched.peak_pages * ps,
                 kv_capacity_tokens=(sched.num_pages - 1) * ps,
                 page_size=ps,
+                **self.products,
             )

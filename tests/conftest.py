@@ -33,14 +33,14 @@ def _seed_everything():
 
 
 @pytest.fixture(autouse=True)
-def _packed_products_on_tiny_models(monkeypatch):
-    """The engine's CPU step packs its weights for MKL only for models of a few MiB and more (``engine_cache``); the
-    tests' models are far smaller, so the bound is lowered here and every in-process engine test runs the packed
-    path (the buffered one: ``test_packed_or_buffered_products_give_hf_results``, bf16, and the end-to-end runs,
-    which are subprocesses with the defaults)."""
-    import fastgrpo.engine_cache
+def _packed_products_forced(monkeypatch):
+    """The engine's CPU step chooses per host, by timing, whether its products run on weights packed for MKL
+    (``engine_cache``): a test must not depend on that draw, so every engine test (and the subprocesses it starts)
+    runs the packed path wherever it can (fp32, MKL), whatever the models' size. Tests that compare the paths force
+    each one (``GenerationEngine(cpu_packed=...)``); ``test_generation.py``'s choice tests set ``auto``."""
+    from fastgrpo.engine_cache import PACKED_ENV
 
-    monkeypatch.setattr(fastgrpo.engine_cache, "PACKED_WEIGHTS_MIN_BYTES", 0)
+    monkeypatch.setenv(PACKED_ENV, "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+import fastgrpo.engine_cache as engine_cache
 import fastgrpo.generation as generation
+from fastgrpo.engine_cache import PACKED_GROUPS
 from fastgrpo.engine_forward import mkl_packed_gemm
 from fastgrpo.generation import Completion, GenerationEngine, SamplingParams
 
@@ -693,18 +695,16 @@ def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, fe
 @pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed", "buffered"])
 def test_packed_or_buffered_products_give_hf_results(monkeypatch, packed):
     """The CPU step's LM head, MLP and q/k/v by MKL's packed GEMM (where torch has it) or as ``W hᵀ`` into the
-    workspace buffers (feature-major): either gives HF's greedy tokens and, sampled, the teacher-forced forward's
-    log-probs."""
-    import fastgrpo.engine_cache as engine_cache
-
+    workspace buffers (feature-major), each forced whatever this host would pick: either gives HF's greedy tokens
+    and, sampled, the teacher-forced forward's log-probs."""
     if packed and not mkl_packed_gemm():
         pytest.skip("this torch has no MKL packed GEMM")
-    monkeypatch.setattr(engine_cache, "mkl_packed_gemm", lambda: packed)
     pools = tracked_caches(monkeypatch)
     model = tiny_model("qwen2")
     prompts = random_prompts([5, 9, 3], seed=11)
-    engine = GenerationEngine(model, eos_token_ids=[3, 17], max_batch_size=6)
+    engine = GenerationEngine(model, eos_token_ids=[3, 17], max_batch_size=6, cpu_packed=packed)
     greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
+    assert engine.last_stats["cpu_packed"] == dict.fromkeys(PACKED_GROUPS, packed)
     sampled = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=5))
     for cache in pools:
         assert (cache.work.packs is not None) == packed and (cache.work.logits is None) == packed
@@ -716,3 +716,131 @@ def test_packed_or_buffered_products_give_hf_results(monkeypatch, packed):
         assert all(c.token_ids == hf_greedy(model, prompt, 12, [3, 17]) for c in g_comps)
         for c in s_comps:
             assert_logprobs_match_hf(model, prompt, c.token_ids, c.logprobs)
+
+
+@pytest.fixture
+def auto_packed(monkeypatch):
+    """``FASTGRPO_CPU_PACKED=auto`` with no size floor (the tiny models are timed) and an empty cache of timings;
+    ``set_clock({(group, packed): seconds})`` puts a fake clock in place of the wall time (returns the calls it
+    gets, ``[(group, packed), ...]``)."""
+    if not mkl_packed_gemm():
+        pytest.skip("this torch has no MKL packed GEMM: nothing to choose")
+    monkeypatch.setenv(engine_cache.PACKED_ENV, "auto")
+    monkeypatch.setattr(engine_cache, "PACKED_WEIGHTS_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_cache, "_product_times", {})
+
+    def set_clock(seconds):
+        calls = []
+
+        def fake(group, packed, run):
+            calls.append((group, packed))
+            return seconds[group, packed]
+
+        monkeypatch.setattr(engine_cache, "product_seconds", fake)
+        return calls
+
+    return set_clock
+
+
+FAKE_SECONDS = {("lm_head", True): 1.0, ("lm_head", False): 2.0, ("mlp", True): 3.0, ("mlp", False): 2.0,
+                ("qkv", True): 1.0, ("qkv", False): 1.0}  # packed faster, plain faster, a tie (stays plain)
+
+
+def test_auto_keeps_the_faster_products_of_each_group(monkeypatch, auto_packed):
+    """``auto``: each weight group's packed and plain products are timed (``PACKED_TIMING_ROUNDS`` each, the
+    fastest kept) and the faster side runs; the mixed step (LM head packed, MLP and q/k/v plain) gives
+    HF's greedy tokens."""
+    calls = auto_packed(FAKE_SECONDS)
+    pools = tracked_caches(monkeypatch)
+    model = tiny_model("llama")
+    prompts = random_prompts([5, 9, 3], seed=2)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=6)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=8))
+    stats = engine.last_stats
+    assert stats["cpu_packed"] == {"lm_head": True, "mlp": False, "qkv": False}
+    assert stats["cpu_packed_by"] == "timed"
+    assert stats["cpu_product_ms"] == {g: (FAKE_SECONDS[g, True] * 1e3, FAKE_SECONDS[g, False] * 1e3)
+                                       for g in PACKED_GROUPS}
+    rounds = engine_cache.PACKED_TIMING_ROUNDS
+    # rounds of every group packed then every group plain (a group's weights cache-cold at each of its runs)
+    assert calls == [(g, packed) for _ in range(rounds) for packed in (True, False) for g in PACKED_GROUPS]
+    [cache] = pools
+    assert cache.work.packed == {"lm_head"} and cache.work.logits is None and cache.work.gate is not None
+    assert list(cache.work.packs) == [model.lm_head]
+    for prompt, comps in zip(prompts, out):
+        assert all(c.token_ids == hf_greedy(model, prompt, 8, None) for c in comps)
+
+
+def test_auto_timings_are_cached_by_shapes_dtype_threads_and_rows(auto_packed):
+    """Timed once per process for the weights' shapes and biases, dtype, thread count and row count: the same
+    engine again, or another model of the same shapes, reuses the timings ("cached", even if the clock would now
+    say otherwise); another row count or thread count times again."""
+    calls = auto_packed(FAKE_SECONDS)
+    prompts = random_prompts([4, 6], seed=3)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=3)
+    engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], max_batch_size=4)
+    engine.generate(prompts, params)
+    timed = len(calls)
+    assert timed == 2 * engine_cache.PACKED_TIMING_ROUNDS * len(PACKED_GROUPS)
+    auto_packed({k: 3.0 - v for k, v in FAKE_SECONDS.items()})  # the other sides faster, if it were asked
+    for e in (engine, GenerationEngine(tiny_model("qwen2", seed=1), eos_token_ids=[], max_batch_size=4)):
+        e.generate(prompts, params)
+        assert e.last_stats["cpu_packed_by"] == "cached"
+        assert e.last_stats["cpu_packed"] == {"lm_head": True, "mlp": False, "qkv": False}
+    calls = auto_packed(FAKE_SECONDS)
+    other_rows = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], max_batch_size=3)
+    other_rows.generate(prompts, params)
+    assert other_rows.last_stats["cpu_packed_by"] == "timed" and len(calls) == timed
+    torch.set_num_threads(2)  # the autouse one_thread fixture restores it
+    engine.generate(prompts, params)
+    assert engine.last_stats["cpu_packed_by"] == "timed" and len(calls) == 2 * timed
+    qwen3 = GenerationEngine(tiny_model("qwen3"), eos_token_ids=[], max_batch_size=4)  # q/k/v without biases
+    qwen3.generate(prompts, params)
+    assert qwen3.last_stats["cpu_packed_by"] == "timed" and len(calls) == 2 * timed + timed // 3  # q/k/v alone
+
+
+@pytest.mark.parametrize("env,arg,want", [("0", None, False), ("1", None, True), ("auto", False, False),
+                                          ("0", True, True), ("1", False, False)])
+def test_packed_products_forced_by_env_or_argument(monkeypatch, auto_packed, env, arg, want):
+    """``FASTGRPO_CPU_PACKED=0|1`` forces the products plain or packed with nothing timed; the engine's
+    ``cpu_packed`` argument, when given, wins over the variable."""
+    calls = auto_packed(FAKE_SECONDS)
+    monkeypatch.setenv(engine_cache.PACKED_ENV, env)
+    engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], max_batch_size=4, cpu_packed=arg)
+    engine.generate(random_prompts([4, 6]), SamplingParams(n=2, temperature=0.0, max_new_tokens=3))
+    assert engine.last_stats["cpu_packed"] == dict.fromkeys(PACKED_GROUPS, want)
+    assert engine.last_stats["cpu_packed_by"] == "forced" and calls == []
+
+
+def test_auto_decides_nothing_it_cannot_pack_or_should_not(monkeypatch, auto_packed):
+    """Not timed: a bf16 model (MKL's packed GEMM is fp32; forced or not), a model below the size floor under
+    ``auto``; a value of the variable other than 0, 1 or auto is refused."""
+    calls = auto_packed(FAKE_SECONDS)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=3)
+    bf16 = GenerationEngine(tiny_model("qwen2").to(torch.bfloat16), eos_token_ids=[], cpu_packed=True)
+    bf16.generate([[1, 2, 3]], params)
+    assert bf16.last_stats["cpu_packed_by"] == "unavailable"
+    assert bf16.last_stats["cpu_packed"] == dict.fromkeys(PACKED_GROUPS, False)
+    monkeypatch.setattr(engine_cache, "PACKED_WEIGHTS_MIN_BYTES", 4 << 20)
+    small = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[])
+    small.generate([[1, 2, 3]], params)
+    assert small.last_stats["cpu_packed_by"] == "size" and calls == []
+    monkeypatch.setenv(engine_cache.PACKED_ENV, "yes")
+    with pytest.raises(ValueError, match="FASTGRPO_CPU_PACKED='yes'"):
+        small.generate([[1, 2, 3]], params)
+    with pytest.raises(ValueError, match="cpu_packed must be True, False or None"):
+        GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], cpu_packed=1)
+
+
+def test_auto_with_the_wall_clock_gives_hf_results(auto_packed):
+    """The real timing (whatever it picks on this host: no assertion on the times themselves): every group timed,
+    each packed exactly when its packed products were the faster, HF's greedy tokens."""
+    model = tiny_model("qwen3")
+    prompts = random_prompts([7, 2], seed=4)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=8))
+    stats = engine.last_stats
+    assert stats["cpu_packed_by"] == "timed" and set(stats["cpu_product_ms"]) == set(PACKED_GROUPS)
+    assert stats["cpu_packed"] == {g: packed < plain for g, (packed, plain) in stats["cpu_product_ms"].items()}
+    for prompt, comps in zip(prompts, out):
+        assert all(c.token_ids == hf_greedy(model, prompt, 8, None) for c in comps)

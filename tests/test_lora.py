@@ -64,6 +64,47 @@ def test_adapter_changes_the_engine_output():
     assert max(abs(a - b) for a, b in zip(with_lora.logprobs, base.logprobs)) > 1e-2
 
 
+@pytest.mark.parametrize("row_cache", [True, False], ids=["row-cache", "pages"])
+def test_bf16_base_with_peft_default_fp32_adapters_runs_as_peft(row_cache):
+    """PEFT's defaults (``autocast_adapter_dtype=True``) keep the adapters in fp32 on a bf16 base (issue 37: the
+    engine's prefill raised "expected m1 and m2 to have the same dtype"). The engine runs them as PEFT's forward
+    does (the input cast to fp32 for the adapter, the sum rounded once to bf16), in the prefill, the q/k/v products
+    and the MLP's buffered products (bf16 is never packed), decoding from the row cache or through the pages.
+
+    Sampled log-probs against the exact (fp64) forward of the same PeftModel, flash-attn's rule with PEFT's own
+    bf16 forward as the low-precision reference: ``|engine − exact| ≤ 2 |peft_bf16 − exact| + 2 · 2⁻⁸ · max|z|``.
+    The floor: one bf16 rounding of the logits ``z`` (relative 2⁻⁸ at worst) moves a log-softmax by at most twice
+    the largest change, so a bound below it would ask the engine to be luckier than bf16 allows. Not vacuous:
+    the adapters move the exact log-probs by far more than the bound."""
+    import copy
+
+    from test_generation import random_prompts, teacher_forced_logp
+
+    from fastgrpo.generation import GenerationEngine, SamplingParams
+    from fastgrpo.lora import adapters_disabled
+
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_model("qwen2").to(torch.bfloat16), cfg).eval()
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all((d == torch.float32) == (".lora_" in n) for n, d in dtypes.items())  # PEFT's default mix
+    exact = copy.deepcopy(model).double()
+    prompts = [[1, 2, 3], *random_prompts([6, 9])]
+    engine = GenerationEngine(model, eos_token_ids=[], row_cache=row_cache)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=10, seed=0))
+    for prompt, comps in zip(prompts, out):
+        for c in comps:
+            got = torch.tensor(c.logprobs, dtype=torch.float64)
+            ref64 = teacher_forced_logp(exact, prompt, c.token_ids)
+            with torch.no_grad():
+                z = exact(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+            bound = 2 * (teacher_forced_logp(model, prompt, c.token_ids).double() - ref64).abs().max()
+            bound += 2 * 2.0**-8 * z.abs().max()
+            assert (got - ref64).abs().max() <= bound
+            with adapters_disabled(exact):
+                assert (teacher_forced_logp(exact, prompt, c.token_ids) - ref64).abs().max() > 4 * bound
+
+
 # ---------------------------------------------------------------- the trainer's model: config, files, reference
 
 
