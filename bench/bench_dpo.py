@@ -8,13 +8,15 @@ Both sides train the same randomly initialised ``tiny`` Qwen2-shaped model (fp32
 on the same conversational preference rows in TRL's format (``prompt`` / ``chosen`` / ``rejected`` message lists,
 rendered by the tiny tokenizer's chat template): the synthetic addition task of ``dpo-tiny``, chosen the correct
 sum, rejected a near miss, each response followed by ``--extra-tokens`` random characters on average (uniform in
-``[0, 2·extra]``, so lengths differ, as real responses do). The same DPO settings: sigmoid loss, beta 0.1, AdamW at
-the same learning rate without weight decay, clipping at 1.0, ``--pairs`` pairs per optimizer step (no gradient
-accumulation), the reference computed by a frozen copy of the model in every step (TRL's default,
-``precompute_ref_log_probs=False``; fastgrpo's ``dpo.precompute_ref_logprobs=false``), fp32, the same number of
-CPU threads, no evaluation, no checkpoints. Both sides also run with the reference log-probs computed once before
-the first step (``*-precomputed``: fastgrpo's default ``dpo.precompute_ref_logprobs``, TRL's
-``precompute_ref_log_probs=True``; that pass is not part of a step).
+``[0, 2·extra]``, so lengths differ, as real responses do). The same DPO settings: sigmoid loss, beta 0.1 (the flags
+under which TRL's loss is fastgrpo's: ``loss_type="sigmoid"``; ``label_smoothing=0``, ``use_weighting=False``, no
+``ld_alpha`` and no ``loss_weights``, TRL's defaults; fastgrpo's ``dpo.label_smoothing=0``, ``dpo.sft_weight=0``,
+summed sequence log-probs, its defaults), AdamW at the same learning rate without weight decay, clipping at 1.0,
+``--pairs`` pairs per optimizer step (no gradient accumulation), the reference computed by a frozen copy of the
+model in every step (TRL's default, ``precompute_ref_log_probs=False``; fastgrpo's
+``dpo.precompute_ref_logprobs=false``), fp32, the same number of CPU threads, no evaluation, no checkpoints. Both
+sides also run with the reference log-probs computed once before the first step (``*-precomputed``: fastgrpo's
+default ``dpo.precompute_ref_logprobs``, TRL's ``precompute_ref_log_probs=True``; that pass is not part of a step).
 
 - fastgrpo: ``fastgrpo/train.py --recipe dpo-tiny`` in a subprocess; a step's time is the ``time/step`` it logs.
   Its micro-batches pack the pairs padding-free (one micro-batch here).

@@ -11,7 +11,12 @@ every step really trains (a random model scores 0 everywhere, and a trainer may 
 same formatted prompt strings of the synthetic addition task, the math reward (``fastgrpo.rewards.math_reward``),
 ``P`` prompts x ``G`` generations per step, mean baseline with group std scaling and no filtering, one AdamW step
 per rollout at the same learning rate and clipping, loss ``dapo``, beta 0, epsilon 0.2 / 0.28, temperature 1, no
-validation, no checkpoints, the same number of CPU threads. Each side runs in its own process:
+validation, no checkpoints, the same number of CPU threads. TRL's flags are those of the README's "Which TRL flags"
+paragraph: the KL weighting is set on both sides (TRL's ``use_bias_correction_kl=True``, fastgrpo's
+``grpo.kl_weight=ratio``; with beta 0 there is no KL term), ``importance_sampling_level="token"``,
+``top_entropy_quantile=1.0``, ``mask_truncated_completions=False``, no ``off_policy_mask_threshold`` and no
+``delta`` (TRL's defaults and fastgrpo's), no vLLM (so no ``vllm_importance_sampling_correction``; fastgrpo's
+``grpo.rollout_is=none``), one process without gradient accumulation. Each side runs in its own process:
 
 - fastgrpo: ``python fastgrpo/train.py --recipe tiny ...``; a step's time is the ``time/step`` it logs (rollout,
   reward, update, metric reduction).
@@ -102,7 +107,8 @@ def run_fastgrpo(args, out_dir: Path, model_path: Path, seed: int) -> dict:
         "train.weight_decay=0.0", "train.warmup_steps=0", "train.max_grad_norm=1.0",
         "train.sequences_per_optimizer_step=0",
         f"grpo.num_prompts_per_step={args.prompts}", f"grpo.num_generations={args.generations}",
-        "grpo.loss_type=dapo", "grpo.beta=0.0", "grpo.epsilon_low=0.2", "grpo.epsilon_high=0.28",
+        "grpo.loss_type=dapo", "grpo.beta=0.0", "grpo.kl_weight=ratio", "grpo.epsilon_low=0.2",
+        "grpo.epsilon_high=0.28",
         "grpo.baseline=mean", "grpo.scale=group", "grpo.mask_zero_std_groups=false",
         "grpo.mask_truncated_completions=false",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
@@ -210,9 +216,10 @@ def trl_worker(args) -> None:
         output_dir=str(out / "trl_run"), per_device_train_batch_size=args.prompts * args.generations,
         gradient_accumulation_steps=1, num_generations=args.generations, max_completion_length=args.max_new_tokens,
         learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo",
-        beta=0.0, epsilon=0.2, epsilon_high=0.28, temperature=1.0, top_p=1.0, scale_rewards="group",
-        num_iterations=1, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        use_cpu=use_cpu, bf16=False, fp16=False, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        beta=0.0, use_bias_correction_kl=True, epsilon=0.2, epsilon_high=0.28, temperature=1.0, top_p=1.0,
+        scale_rewards="group", num_iterations=1, max_steps=args.warmup + args.steps, logging_steps=1,
+        save_strategy="no", report_to="none", use_cpu=use_cpu, bf16=False, fp16=False, seed=args.seed,
+        dataloader_num_workers=0, disable_tqdm=True,
     )
     timer = StepTimes()
     peft_config = None

@@ -48,6 +48,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the microbenchm
 # (rtol, atol) of the numbers check between a baseline and fastgrpo: fp32 paths agree to rounding; in bf16 the
 # outputs are rounded to 8 bits of mantissa (relative 2^-8) and each side rounds differently.
 CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-3)}
+# A smoke run (``pytest bench/ --benchmark-disable``; bench/conftest.py sets this before the cases are collected):
+# every case's numbers check and one call, untimed, at the small sizes of its table's "smoke" entry.
+SMOKE = False
+SMOKE_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # what the smoke sizes run in (flash-attn: 16 bit)
+
+
+def sizes(table: dict):
+    """A case table's entry for this run: ``table["smoke"]`` in a smoke run, else ``table[DEVICE]``."""
+    return table["smoke" if SMOKE else DEVICE]
+
+
+def members(methods: tuple[str, ...], compiled: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A group's members in this run. A smoke run leaves out the ``compiled`` ones: each is an inductor compile
+    (20-60 s on 2 cores, most of the smoke run's time) of the code of a member checked beside it uncompiled
+    (``torch.compile`` of ``eager``, Liger's compiled chunk loop of ``liger eager``)."""
+    return tuple(m for m in methods if not (SMOKE and m in compiled))
 
 
 def device_name(device: torch.device | str) -> str:

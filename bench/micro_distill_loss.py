@@ -23,7 +23,8 @@ to the loss and the gradients of the student's hidden state and head. Members:
 Useful FLOPs: the four K×H×V products over the K completion tokens (both models' logits forward, the student's two
 gradient products: ``8·K·H·V``; prompt and padding rows, recomputes and the JSD's second forward pass are no useful
 work), credited to every member; roofline: the matmul rate. Peak extra memory is measured on a separate call.
-Shapes: CPU 8×512×256×32000 fp32 (4,096 tokens, the issue's); GPU 16×1024×1536×151936 bf16 (16K tokens, Qwen's head).
+Shapes: CPU 8×512×256×32000 fp32 (4,096 tokens, the issue's); GPU 16×1024×1536×151936 bf16 (16K tokens, Qwen's head);
+smoke run 2×128×64×1000.
 """
 
 from __future__ import annotations
@@ -33,11 +34,23 @@ import gc
 
 import pytest
 import torch
-from common import DEVICE, append_rows, check_same, dtype_name, head_inputs, loss_and_grads, measure
+from common import (
+    DEVICE,
+    SMOKE_DTYPE,
+    append_rows,
+    check_same,
+    dtype_name,
+    head_inputs,
+    loss_and_grads,
+    measure,
+    members,
+    sizes,
+)
 from fastgrpo.kernels import fused_linear_distill_loss
 
 BETA, TEMPERATURE = 0.5, 0.9
-SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(16, 1024, 1536, 151936, torch.bfloat16)]}
+SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(16, 1024, 1536, 151936, torch.bfloat16)],
+          "smoke": [(2, 128, 64, 1000, SMOKE_DTYPE)]}
 METHODS = {"cpu": ("fastgrpo", "eager", "torch.compile", "liger", "liger eager"),
            "cuda": ("fastgrpo", "eager", "liger")}
 GPU_ROUNDS = 10  # bounds the step in gpu_check.sh (a fastgrpo call is ~0.1 s there, Liger's a few times that)
@@ -103,8 +116,8 @@ def _fastgrpo(shape):
 
 
 def _cases():
-    for S, T, H, V, dtype in SHAPES[DEVICE]:
-        for method in METHODS[DEVICE]:
+    for S, T, H, V, dtype in sizes(SHAPES):
+        for method in members(METHODS[DEVICE], compiled=("torch.compile", "liger") if DEVICE == "cpu" else ()):
             yield pytest.param((S, T, H, V, dtype), method, id=f"fwd+bwd-{S}x{T}x{H}x{V}-{dtype_name(dtype)}-{method}")
 
 

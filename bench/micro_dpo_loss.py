@@ -6,10 +6,13 @@ hidden and weight. Sequence log-probs are masked sums over the completion tokens
 log-probs are precomputed constants in a DPO step; here they are 0 on every side (Liger's
 ``use_ref_model=False``), so every member does the same work: the policy's log-probs, the loss, the gradients.
 Members: ``fastgrpo``, ``eager`` (logits → fp32 log-softmax → gather → masked sum → ``dpo_loss_ref``), Liger's
-``LigerFusedLinearDPOLoss`` as it runs by default (``liger``: chunk loop under ``torch.compile``), when
-liger-kernel is importable. Useful FLOPs: 8·K·H·V over the K completion tokens (forward, recompute, two
-gradients); roofline: the matmul rate.
-Shapes: CPU 8×512×256×32000 fp32; GPU 8×1024×1536×151936 bf16.
+``LigerFusedLinearDPOLoss`` as it runs by default (``liger``: chunk loop under ``torch.compile``) and uncompiled
+(``liger eager``), when liger-kernel is importable. The flags under which Liger computes fastgrpo's loss
+(fastgrpo's defaults: ``loss_type="sigmoid"``, ``label_smoothing=0``, ``average_logprobs=False``) are passed
+explicitly: ``loss_type="sigmoid"``, ``use_ref_model=False``, ``average_log_prob=False`` (summed sequence
+log-probs), ``compute_nll_loss=False`` (no NLL term); its label smoothing stays at its default, none. Useful FLOPs:
+8·K·H·V over the K completion tokens (forward, recompute, two gradients); roofline: the matmul rate.
+Shapes: CPU 8×512×256×32000 fp32; GPU 8×1024×1536×151936 bf16; smoke run 4×128×64×1000.
 """
 
 from __future__ import annotations
@@ -18,17 +21,29 @@ import functools
 
 import pytest
 import torch
-from common import DEVICE, check_same, dtype_name, eager_logprobs, head_inputs, loss_and_grads, measure
+from common import (
+    DEVICE,
+    SMOKE_DTYPE,
+    check_same,
+    dtype_name,
+    eager_logprobs,
+    head_inputs,
+    loss_and_grads,
+    measure,
+    members,
+    sizes,
+)
 from fastgrpo.kernels.dpo_loss import fused_linear_dpo_loss
 from fastgrpo.kernels.reference import dpo_loss_ref
 
 BETA = 0.1
-SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(8, 1024, 1536, 151936, torch.bfloat16)]}
+SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(8, 1024, 1536, 151936, torch.bfloat16)],
+          "smoke": [(4, 128, 64, 1000, SMOKE_DTYPE)]}
 
 
 def _cases():
-    for S, T, H, V, dtype in SHAPES[DEVICE]:
-        for method in ("fastgrpo", "eager", "liger"):
+    for S, T, H, V, dtype in sizes(SHAPES):
+        for method in members(("fastgrpo", "eager", "liger", "liger eager"), compiled=("liger",)):
             yield pytest.param((S, T, H, V, dtype), method, id=f"fwd+bwd-{S}x{T}x{H}x{V}-{dtype_name(dtype)}-{method}")
 
 
@@ -52,7 +67,8 @@ def _fn(method):
         return eager
     liger = pytest.importorskip("liger_kernel.chunked_loss",
                                 reason="liger-kernel is not installed (pip install -e '.[bench]')")
-    module = liger.LigerFusedLinearDPOLoss(beta=BETA, use_ref_model=False)
+    module = liger.LigerFusedLinearDPOLoss(beta=BETA, loss_type="sigmoid", use_ref_model=False, average_log_prob=False,
+                                           compute_nll_loss=False, compiled=method == "liger")
     return lambda h, w, y, m: module(w, h, y.masked_fill(~m, -100))[0]  # Liger reads its mask from the targets
 
 

@@ -24,7 +24,18 @@ import functools
 
 import pytest
 import torch
-from common import DEVICE, check_same, dtype_name, eager_logprobs, head_inputs, loss_and_grads, measure
+from common import (
+    DEVICE,
+    SMOKE_DTYPE,
+    check_same,
+    dtype_name,
+    eager_logprobs,
+    head_inputs,
+    loss_and_grads,
+    measure,
+    members,
+    sizes,
+)
 from fastgrpo.kernels import fused_linear_grpo_loss, grpo_loss
 from fastgrpo.kernels.reference import grpo_loss_ref
 
@@ -32,8 +43,13 @@ CONFIGS = {
     "dapo/token": dict(loss_type="dapo", importance_sampling_level="token", beta=0.04, epsilon_high=0.28),
     "grpo/sequence": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
 }
-LOSS_SHAPES = {"cpu": [(64, 4096)], "cuda": [(256, 8192)]}
-LINEAR_SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(8, 1024, 1536, 151936, torch.bfloat16)]}
+# the fused-linear group: plain k3 on every member (Liger's KL; fastgrpo's default kl_weight="ratio" is another loss)
+LINEAR_CONFIG = dict(CONFIGS["dapo/token"], kl_weight="none")
+LOSS_SHAPES = {"cpu": [(64, 4096)], "cuda": [(256, 8192)], "smoke": [(4, 256)]}
+LINEAR_SHAPES = {"cpu": [(8, 512, 256, 32000, torch.float32)], "cuda": [(8, 1024, 1536, 151936, torch.bfloat16)],
+                 "smoke": [(2, 128, 64, 1000, SMOKE_DTYPE)]}
+# -m slow: the CPU shape at Qwen's vocabulary, fastgrpo and eager only (Liger's calls would take minutes)
+LARGER_LINEAR_SHAPES = {"cpu": [(8, 512, 256, 151936, torch.float32)], "cuda": [], "smoke": []}
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,10 +74,10 @@ def _bytes_moved(B, T, level, mode):
 
 
 def _loss_cases():
-    for B, T in LOSS_SHAPES[DEVICE]:
+    for B, T in sizes(LOSS_SHAPES):
         for config in CONFIGS:
             for mode in ("fwd", "fwd+bwd"):
-                for method in ("fastgrpo", "eager", "torch.compile"):
+                for method in members(("fastgrpo", "eager", "torch.compile"), compiled=("torch.compile",)):
                     if method == "torch.compile" and (config != "dapo/token" or mode == "fwd"):
                         continue
                     yield pytest.param((B, T), config, mode, method, id=f"{mode}-{config}-{B}x{T}-{method}")
@@ -100,9 +116,12 @@ def test_grpo_loss(benchmark, ceilings, shape, config, mode, method):
 
 
 def _linear_cases():
-    for S, T, H, V, dtype in LINEAR_SHAPES[DEVICE]:
-        for method in ("fastgrpo", "eager", "liger", "liger eager"):
-            yield pytest.param((S, T, H, V, dtype), method, id=f"fwd+bwd-{S}x{T}x{H}x{V}-{dtype_name(dtype)}-{method}")
+    for shapes, methods, marks in ((sizes(LINEAR_SHAPES), ("fastgrpo", "eager", "liger", "liger eager"), ()),
+                                   (sizes(LARGER_LINEAR_SHAPES), ("fastgrpo", "eager"), pytest.mark.slow)):
+        for S, T, H, V, dtype in shapes:
+            for method in members(methods, compiled=("liger",)):
+                yield pytest.param((S, T, H, V, dtype), method, marks=marks,
+                                   id=f"fwd+bwd-{S}x{T}x{H}x{V}-{dtype_name(dtype)}-{method}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,8 +137,8 @@ def _old_ref_adv(shape):
 
 
 def _linear_fn(method):
-    """fn(hidden, weight, targets, mask, old, ref, adv) -> loss (DAPO, β = 0.04, ε_high = 0.28)."""
-    cfg = CONFIGS["dapo/token"]
+    """fn(hidden, weight, targets, mask, old, ref, adv) -> loss (DAPO, β = 0.04, ε_high = 0.28, plain k3)."""
+    cfg = LINEAR_CONFIG
     if method == "fastgrpo":
         return lambda h, w, y, m, old, ref, adv: fused_linear_grpo_loss(h, w, y, old, adv, m, ref_logprobs=ref,
                                                                          **cfg)[0]
@@ -129,7 +148,9 @@ def _linear_fn(method):
     liger = pytest.importorskip("liger_kernel.chunked_loss",
                                 reason="liger-kernel is not installed (pip install -e '.[bench]')")
     module = liger.LigerFusedLinearGRPOLoss(beta=cfg["beta"], epsilon_low=0.2, epsilon_high=cfg["epsilon_high"],
-                                            loss_type="dapo", compiled=method == "liger")
+                                            loss_type=cfg["loss_type"],
+                                            importance_sampling_level=cfg["importance_sampling_level"],
+                                            use_bias_correction_kl=False, compiled=method == "liger")
     return lambda h, w, y, m, old, ref, adv: module(h, w, y, m.long(), adv, ref_per_token_logps=ref,
                                                     old_per_token_logps=old)[0]
 
@@ -156,5 +177,5 @@ def test_fused_linear_grpo_loss(benchmark, ceilings, shape, method):
     measure(benchmark, lambda: _linear_call(fn, shape), device=DEVICE, method=method, ceilings=ceilings,
             flops=8 * completion_tokens * H * V,
             op="fused_linear_grpo_loss", shape=f"S={S} T={T} H={H} V={V}",
-            completion_tokens=completion_tokens, dtype=dtype_name(dtype), config="dapo/token",
+            completion_tokens=completion_tokens, dtype=dtype_name(dtype), config="dapo/token kl_weight=none",
             max_abs_err_vs_fastgrpo=err)

@@ -7,7 +7,8 @@ gradients of hidden and weight. Members:
 - ``fastgrpo``: :func:`fastgrpo.kernels.linear_logprobs.fused_linear_logprobs` (Triton on GPU, chunked torch on CPU);
 - ``eager``: ``hidden @ weightᵀ`` in the compute dtype → fp32 ``log_softmax`` → gather (``common.eager_logprobs``);
 - ``trl``: TRL's ``trl.kernels.ChunkedLogProbFunction`` (what ``add_fused_lm_head`` runs) with its default
-  vocabulary chunk of 32768, when trl is importable;
+  vocabulary chunk of 32768, when trl is importable, with the flags under which it computes fastgrpo's log-probs:
+  no bias, ``temperature=1``, no ``final_logit_softcapping``, ``logit_scale=1``, no optional outputs (entropy);
 - ``torch.compile``: the eager composition compiled (fwd+bwd only: one compile, to bound the GPU check's time).
 
 ``cross_entropy fwd+bwd``: the SFT loss (mean ``−logp`` over the tokens), ``fastgrpo``
@@ -18,7 +19,8 @@ gradients of hidden and weight. Members:
 backward on a low-entropy distribution like a trained LM's, where whole vocabulary tiles fall under the threshold.
 
 FLOPs: forward 2·N·H·V; forward+backward 8·N·H·V (forward, recompute, two gradients; fastgrpo's design, credited
-to every member); roofline: the matmul rate. Shapes: CPU 2048×256×32000 fp32; GPU 16384×1536×151936 bf16.
+to every member); roofline: the matmul rate. Shapes: CPU 2048×256×32000 fp32; GPU 16384×1536×151936 bf16; smoke
+run 256×64×1000.
 """
 
 from __future__ import annotations
@@ -29,19 +31,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from common import DEVICE, check_same, dtype_name, eager_logprobs, loss_and_grads, measure
+from common import DEVICE, SMOKE_DTYPE, check_same, dtype_name, eager_logprobs, loss_and_grads, measure, members, sizes
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy, fused_linear_logprobs
 
-SHAPES = {"cpu": [(2048, 256, 32000, torch.float32)], "cuda": [(16384, 1536, 151936, torch.bfloat16)]}
+SHAPES = {"cpu": [(2048, 256, 32000, torch.float32)], "cuda": [(16384, 1536, 151936, torch.bfloat16)],
+          "smoke": [(256, 64, 1000, SMOKE_DTYPE)]}
 TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16
 FILTER_EPS = 2.0**-12  # Cut Cross-Entropy's default for bf16: below bf16's resolution next to 1
 
 
 def _cases():
-    for N, H, V, dtype in SHAPES[DEVICE]:
+    for N, H, V, dtype in sizes(SHAPES):
         name = f"{N}x{H}x{V}-{dtype_name(dtype)}"
         for mode in ("fwd", "fwd+bwd"):
-            for method in ("fastgrpo", "eager", "trl", "torch.compile")[: 4 if mode == "fwd+bwd" else 3]:
+            methods = ("fastgrpo", "eager", "trl", "torch.compile")[: 4 if mode == "fwd+bwd" else 3]
+            for method in members(methods, compiled=("torch.compile",)):
                 yield pytest.param((N, H, V, dtype), "linear_logprobs", mode, method, id=f"{mode}-{name}-{method}")
         for method in ("fastgrpo", "eager", "liger"):
             yield pytest.param((N, H, V, dtype), "cross_entropy", "fwd+bwd", method, id=f"ce-{name}-{method}")
@@ -85,7 +89,7 @@ def _fn(op, method):
         return eager_logprobs
     if method == "torch.compile":
         return torch.compile(eager_logprobs, dynamic=False)
-    trl = pytest.importorskip("trl.kernels", reason="trl is not installed (pip install trl)")
+    trl = pytest.importorskip("trl.kernels", reason="trl is not installed (pip install -e '.[bench]')")
     return lambda h, w, y: trl.ChunkedLogProbFunction.apply(h, w, None, y, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ())[0]
 
 

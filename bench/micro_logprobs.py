@@ -7,13 +7,14 @@ and ``fwd+bwd`` (random upstream gradients for logp and the entropy; the logits 
 - ``fastgrpo inplace``: ``inplace_backward=True`` (fwd+bwd only; fresh logits before each call, not timed);
 - ``eager``: ``kernels.reference.logprobs_ref``, i.e. ``log_softmax(logits.float() / T).gather(...)``;
 - ``trl``: TRL's ``selective_log_softmax`` / ``selective_log_softmax_and_entropy`` (``trl.trainer.utils``; its
-  Triton kernel on GPU, its row loop on CPU), when trl is importable;
+  Triton kernel on GPU, its row loop on CPU), when trl is importable, at the same ``temperature`` (0.9), no
+  ``row_mask`` (every row computed, as fastgrpo) and TRL's default ``entropy_requires_grad=True``;
 - ``torch.compile``: the eager composition compiled (fwd+bwd of logp only: one compile, to bound the GPU check's
   time).
 
 Bytes moved: forward reads the logits once (N·V·element size); forward+backward reads them twice and writes the
 gradient (3·N·V·element size). Roofline: the copy bandwidth measured in the session. Shapes: CPU 4×512×32000
-fp32; GPU 16×1024×151936 bf16 (Qwen's vocabulary).
+fp32; GPU 16×1024×151936 bf16 (Qwen's vocabulary); smoke run 2×64×1000.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ import functools
 
 import pytest
 import torch
-from common import DEVICE, check_same, measure
+from common import DEVICE, SMOKE_DTYPE, check_same, measure, members, sizes
 from fastgrpo.kernels.logprobs import logprobs_from_logits
 from fastgrpo.kernels.reference import logprobs_ref
 
 TEMPERATURE = 0.9
-SHAPES = {"cpu": [(4, 512, 32000, torch.float32)], "cuda": [(16, 1024, 151936, torch.bfloat16)]}
+SHAPES = {"cpu": [(4, 512, 32000, torch.float32)], "cuda": [(16, 1024, 151936, torch.bfloat16)],
+          "smoke": [(2, 64, 1000, SMOKE_DTYPE)]}
 METHODS = ("fastgrpo", "fastgrpo inplace", "eager", "trl", "torch.compile")
 
 
 def _cases():
-    for B, T, V, dtype in SHAPES[DEVICE]:
+    for B, T, V, dtype in sizes(SHAPES):
         for entropy in (False, True):
             for mode in ("fwd", "fwd+bwd"):
-                for method in METHODS:
+                for method in members(METHODS, compiled=("torch.compile",)):
                     backward_only = method == "fastgrpo inplace" or (method == "torch.compile" and not entropy)
                     if (backward_only and mode == "fwd") or (method == "torch.compile" and entropy):
                         continue
@@ -65,7 +67,7 @@ def _method(name, entropy):
         return eager
     if name == "torch.compile":
         return torch.compile(eager, dynamic=False)
-    trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed (pip install trl)")
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed (pip install -e '.[bench]')")
     if entropy:
         return functools.partial(trl_utils.selective_log_softmax_and_entropy, temperature=TEMPERATURE)
     return functools.partial(trl_utils.selective_log_softmax, temperature=TEMPERATURE)

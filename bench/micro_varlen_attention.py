@@ -1,9 +1,10 @@
 """Packed causal GQA attention (``varlen_attention``) against flash-attn, PyTorch's kernels and padded SDPA.
 
 A packed row holds whole documents, causal within each (GPU: 32768 tokens from documents of 16K, 8K, 4K, 2K, 1K,
-512 and 512 tokens; CPU: 2048 tokens from 1024 … 64). Groups ``varlen_attention <mode> tokens Hq/Hkv D dtype``
-for ``fwd`` (no autograd) and ``fwd+bwd`` (random upstream gradient, to the gradients of q, k and v). Members,
-all on the same data and checked against fastgrpo's output and gradients before they are timed:
+512 and 512 tokens; CPU: 2048 tokens from 1024 … 64; smoke run: 128 tokens from 64, 32, 16 and 16, 4/2 heads).
+Groups ``varlen_attention <mode> tokens Hq/Hkv D dtype`` for ``fwd`` (no autograd) and ``fwd+bwd`` (random upstream
+gradient, to the gradients of q, k and v). Members, all on the same data and checked against fastgrpo's output and
+gradients before they are timed (causal within each document, GQA, the default softmax scale 1/√D on every side):
 
 - ``fastgrpo``: :func:`fastgrpo.kernels.varlen_attention.varlen_attention` (Triton on GPU, per-document SDPA on CPU);
 - ``flash-attn``: ``flash_attn_varlen_func`` (FlashAttention-2, native GQA), when flash-attn is importable (GPU);
@@ -26,12 +27,14 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from common import DEVICE, check_same, dtype_name, measure
+from common import DEVICE, SMOKE_DTYPE, check_same, dtype_name, measure, sizes
 from fastgrpo.kernels._utils import pad_packed, seq_index, unpad_padded
 from fastgrpo.kernels.varlen_attention import varlen_attention
 
-DOCS = {"cuda": [16384, 8192, 4096, 2048, 1024, 512, 512], "cpu": [1024, 512, 256, 128, 64, 64]}
-HEADS = {"cuda": [(12, 2, 128, torch.bfloat16), (32, 8, 128, torch.bfloat16)], "cpu": [(12, 2, 64, torch.float32)]}
+DOCS = {"cuda": [16384, 8192, 4096, 2048, 1024, 512, 512], "cpu": [1024, 512, 256, 128, 64, 64],
+        "smoke": [64, 32, 16, 16]}
+HEADS = {"cuda": [(12, 2, 128, torch.bfloat16), (32, 8, 128, torch.bfloat16)], "cpu": [(12, 2, 64, torch.float32)],
+         "smoke": [(4, 2, 64, SMOKE_DTYPE)]}
 METHODS = ("fastgrpo", "flash-attn", "torch varlen", "flex", "padded sdpa")
 
 
@@ -42,20 +45,20 @@ def causal_flops(lengths, Hq, D, mode):
 
 
 def _cases():
-    for Hq, Hkv, D, dtype in HEADS[DEVICE]:
+    for Hq, Hkv, D, dtype in sizes(HEADS):
         for mode in ("fwd", "fwd+bwd"):
             for method in METHODS:
-                if method == "flex" and ((Hq, Hkv) != HEADS[DEVICE][0][:2] or mode == "fwd"):
+                if method == "flex" and ((Hq, Hkv) != sizes(HEADS)[0][:2] or mode == "fwd"):
                     continue
                 yield pytest.param((Hq, Hkv, D, dtype), mode, method,
-                                   id=f"{mode}-{sum(DOCS[DEVICE])}-{Hq}x{Hkv}x{D}-{dtype_name(dtype)}-{method}")
+                                   id=f"{mode}-{sum(sizes(DOCS))}-{Hq}x{Hkv}x{D}-{dtype_name(dtype)}-{method}")
 
 
 @functools.lru_cache(maxsize=1)
 def _inputs(Hq, Hkv, D, dtype):
     """Packed q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens, upstream gradient [T, Hq, D]."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    lengths = DOCS[DEVICE]
+    lengths = sizes(DOCS)
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, v = (torch.randn(T, h, D, device=DEVICE, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
@@ -85,7 +88,7 @@ def _torch_varlen():
 def _method(name, heads):
     """(leaves, grad_out, fn(*leaves) -> out, to_packed(out, grads) -> {"out", "grad_q", "grad_k", "grad_v"})."""
     q, k, v, cu, grad_out = _inputs(*heads)
-    T, max_len, group = q.shape[0], max(DOCS[DEVICE]), q.shape[1] // k.shape[1]
+    T, max_len, group = q.shape[0], max(sizes(DOCS)), q.shape[1] // k.shape[1]
     packed = [x.clone().requires_grad_() for x in (q, k, v)]
 
     def as_packed(out, grads):
@@ -166,7 +169,7 @@ def test_varlen_attention(benchmark, ceilings, heads, mode, method):
     want = _fastgrpo_result(heads, mode)  # fastgrpo's own case: this call was its warm-up
     err = 0.0 if method == "fastgrpo" else check_same(to_packed(*_call(fn, leaves, grad_out, mode)), want, dtype,
                                                       method)
-    lengths = DOCS[DEVICE]
+    lengths = sizes(DOCS)
     benchmark.group = f"varlen_attention {mode} {sum(lengths)} tokens {Hq}/{Hkv}x{D} {dtype_name(dtype)}"
     measure(benchmark, lambda: _call(fn, leaves, grad_out, mode), device=DEVICE, method=method, ceilings=ceilings,
             flops=causal_flops(lengths, Hq, D, mode), op="varlen_attention",
