@@ -4,11 +4,13 @@ from the pages (``_RowCacheSteps``). Which sequence owns which row and pages is 
 (``fastgrpo.scheduler``); this file only copies K/V where the block tables say.
 
 **Choices made per host.** Whether the CPU step runs a weight group's products (the LM head, the MLP, the stacked
-q/k/v) on copies packed for MKL's GEMM or as plain products is measured, not assumed: the same packed products
-that take 0.8x the time of the plain ones on an Intel Xeon made bench_generation's call 28% slower on an AMD EPYC
-(issue 39). On the first call for a model's shapes, dtype, thread count and row count, each group's packed and
-plain products are timed (:func:`_time_groups`, tens of ms at bench_generation's sizes, once per process) and the
-faster kept (``_packed_groups``; ``engine.last_stats``: ``cpu_packed``, ``cpu_packed_by``, ``cpu_product_ms``).
+q/k/v) on copies packed for MKL's GEMM or as plain products is measured, not assumed: packing, which saved an
+Intel Xeon about 5% of a call per group (paired A/B 0.95-0.97), made bench_generation's call 28% slower on an AMD
+EPYC (issue 39). On the first call for a model's shapes, dtype, thread count and row count, each group's packed and
+plain products, with what reads their output, are timed (:func:`_time_groups`, once per process: at
+bench_generation's sizes 0.44 s at 1 thread and 1.8 s at 2 on a shared 2-core AMD EPYC at load ~3, a few times less
+on a quiet host) and the faster kept (``_packed_groups``; ``engine.last_stats``: ``cpu_packed``, ``cpu_packed_by``,
+``cpu_product_ms``).
 ``FASTGRPO_CPU_PACKED=0|1|auto`` or ``GenerationEngine(cpu_packed=False|True)`` forces it (benchmarks, tests).
 Still fixed, each chosen from A/B runs on one Intel host: the packing bounds below (``PACKED_WEIGHTS_*``: under
 4 MiB a pack per call costs more than it saves, a cost the timing does not see), o_proj never packed, the plain
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from fastgrpo.engine_forward import _EAGER_OPS, mkl_packed_gemm
+from fastgrpo.engine_sampling import SamplingParams, _sample
 
 
 @dataclass
@@ -74,7 +77,8 @@ PACKED_GROUPS = ("lm_head", "mlp", "qkv")  # the weight groups the CPU step may 
 # weights) is not spent.
 PACKED_WEIGHTS_MIN_BYTES = 4 << 20
 PACKED_WEIGHTS_MAX_BYTES = 256 << 20
-PACKED_TIMING_ROUNDS = 3  # alternating runs of each side; the fastest of each is kept (a shared machine's noise)
+_DRAW = SamplingParams()  # the draw timed after the LM head: temperature 1, no top-k/top-p
+PACKED_TIMING_ROUNDS = 5  # runs of each side, the fastest kept (a shared machine adds time, never removes it)
 # (group, its weights' shapes and biases, dtype, threads, rows) -> (packed, plain) seconds, for this process
 _product_times: dict[tuple, tuple[float, float]] = {}
 
@@ -106,13 +110,18 @@ def product_seconds(group: str, packed: bool, run: Callable[[], object]) -> floa
     return time.perf_counter() - t0
 
 
-def _group_step(e, group: str, h_RH: torch.Tensor, work: _Workspace):
-    """One decode step's products of weight group ``group`` on rows ``h``, through ``work`` as the step runs them
-    (every layer's, for the MLP and q/k/v: their weights come cache-cold, as in the step)."""
+def _group_step(e, group: str, h_RH: torch.Tensor, u_R: torch.Tensor, work: _Workspace):
+    """One decode step's products of weight group ``group`` on rows ``h``, through ``work`` as the step runs them,
+    with what reads their output: the layout differs (row-major packed, feature-major plain), and so does the
+    reader's speed. The LM head's logits: one draw at temperature 1 (uniforms ``u``; on an Intel Xeon the packed
+    head's row-major logits took the call's sampling from 93 to 68 ms). Every layer's MLP, then the residual add
+    and norm of its output; every layer's q/k/v (row-major either way)."""
     if group == "lm_head":
-        return e._lm_head(h_RH, work)
+        return _sample(e._lm_head(h_RH, work), _DRAW, None, u_R)
     if group == "mlp":
-        return [e._mlp(_EAGER_OPS, layer.mlp, h_RH, work) for layer in e.layers]
+        norm = e.model.model.norm
+        return [_EAGER_OPS.add_rms_norm(h_RH, e._mlp(_EAGER_OPS, layer.mlp, h_RH, work), norm.weight,
+                                        norm.variance_epsilon) for layer in e.layers]
     return [e._qkv_rows(layer.self_attn, h_RH, work) for layer in e.layers]
 
 
@@ -125,11 +134,12 @@ def _time_groups(e, groups: list[str], R: int, device: torch.device, dtype: torc
     step)."""
     gen = torch.Generator(device).manual_seed(0)
     h_RH = torch.randn(R, e.model.config.hidden_size, generator=gen, device=device, dtype=dtype)
+    u_R = torch.rand(R, generator=gen, device=device, dtype=torch.float64)
     runs = {}
     for packed in (True, False):
         work = _Workspace(None, **_step_buffers(e, R, device, dtype, frozenset(groups if packed else ())))
         for group in groups:
-            runs[group, packed] = functools.partial(_group_step, e, group, h_RH, work)
+            runs[group, packed] = functools.partial(_group_step, e, group, h_RH, u_R, work)
             runs[group, packed]()
     best = dict.fromkeys(runs, math.inf)
     for _ in range(PACKED_TIMING_ROUNDS):
