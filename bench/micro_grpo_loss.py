@@ -3,19 +3,43 @@
 ``grpo_loss <mode> <config> B×T``: inputs as a trainer has them (fp32 ``logprobs`` requiring grad, ``old`` and
 ``ref`` log-probs, a bool completion mask, per-sequence advantages). Configs: token-level ``dapo`` with β = 0.04
 and clip-higher (ε_high = 0.28, DAPO/DeepScaleR), sequence-level ``grpo`` with β = 0.04 (GSPO: the kernel reads
-each sequence twice). ``fwd`` is a training forward (grad enabled); ``fwd+bwd`` adds the gradient. Members:
-``fastgrpo`` (Triton on GPU, chunked torch on CPU), ``eager`` (``grpo_loss_ref``), ``torch.compile`` of it
-(token level fwd+bwd only: one compile, to bound the GPU check's time). Bytes moved: what the fused kernels
-must move (token level: forward reads logp, old, ref (4 B each) and mask (1 B) per token, backward reads them
-again and writes the fp32 gradient; sequence level: two forward passes); roofline: the copy bandwidth.
+each sequence twice), both with the KL defaults (``kl_weight="ratio"``: TRL 1.16's ``use_bias_correction_kl=True``;
+k3, no KL clamps). ``fwd`` is a training forward (grad enabled); ``fwd+bwd`` adds the gradient. Members, all
+fastgrpo's own code: ``fastgrpo`` (Triton on GPU, chunked torch on CPU), ``eager`` (``grpo_loss_ref``),
+``torch.compile`` of it (token level fwd+bwd only: one compile, to bound the GPU check's time). Bytes moved: what
+the fused kernels must move (token level: forward reads logp, old, ref (4 B each) and mask (1 B) per token, backward
+reads them again and writes the fp32 gradient; sequence level: two forward passes); roofline: the copy bandwidth.
 
-``fused_linear_grpo_loss fwd+bwd S×T×H×V``: DAPO, β = 0.04, ε_high = 0.28, from ``hidden [S, T, H]`` and the LM
-head ``[V, H]`` to the loss and the gradients of hidden and weight. Members: ``fastgrpo``, ``eager`` (logits →
-fp32 log-softmax → gather → ``grpo_loss_ref``), Liger-Kernel's ``LigerFusedLinearGRPOLoss`` as Liger runs it by
-default (``liger``: its chunk loop under ``torch.compile``) and uncompiled (``liger eager``), when liger-kernel is
-importable. Useful FLOPs: four K×H×V matmuls over the K completion tokens (forward, recompute, two gradients:
-8·K·H·V; prompt and padding rows are no useful work), credited to every member; roofline: the matmul rate.
-Shapes: CPU 8×512×256×32000 fp32 (the issue's 4096 × 256 × 32000); GPU 8×1024×1536×151936 bf16.
+``fused_linear_grpo_loss fwd+bwd S×T×H×V``: DAPO, β = 0.04, ε_high = 0.28, token level, from ``hidden [S, T, H]``
+and the LM head ``[V, H]`` to the loss and the gradients of hidden and weight, with plain k3 on every member:
+``kl_weight="none"`` for fastgrpo and the reference (TRL's ``use_bias_correction_kl=False``), Liger's
+``use_bias_correction_kl=False`` (its default). Liger's KL is plain k3; fastgrpo's default ``kl_weight="ratio"``
+(k3 times the ratio) is another loss, β·k3·(r − 1) per token away (1.5e-4 relative here, above the check's 1e-4).
+Members: ``fastgrpo``, ``eager`` (logits → fp32 log-softmax → gather → ``grpo_loss_ref``), Liger-Kernel's
+``LigerFusedLinearGRPOLoss`` as Liger runs it by default (``liger``: its chunk loop under ``torch.compile``) and
+uncompiled (``liger eager``), when liger-kernel is importable. Useful FLOPs: four K×H×V matmuls over the K completion
+tokens (forward, recompute, two gradients: 8·K·H·V; prompt and padding rows are no useful work), credited to every
+member; roofline: the matmul rate. Shapes: CPU 8×512×256×32000 fp32 (the issue's 4096 × 256 × 32000; with
+``-m slow`` also 8×512×256×151936, Qwen's vocabulary, fastgrpo and eager only); GPU 8×1024×1536×151936 bf16; smoke
+run 2×128×64×1000.
+
+Why fastgrpo's time is close to eager's at the CPU shape, while its memory is a twentieth (measured on 2 cores of an
+AMD EPYC, AVX2, at a 1-minute load of 3-6 from other work on the machine):
+
+- Work. fastgrpo runs four products over the K completion rows, eager three over all N rows (6·N·H·V): with
+  K/N = 0.50 here that is 0.67x eager's FLOPs. Skipping the prompt and padding rows pays for the backward's
+  recompute and little more. At H = 256 both sides are matmul-bound; eager's passes over its 0.5 GB of logits
+  (log-softmax forward and backward, the gather's zero-filled gradient) are about 30% of its time (profile, 1 thread).
+- Matmul rate. Eager's products are three big MKL GEMMs ([4096, 256] × [256, 32000] and its two gradients);
+  fastgrpo's are 256 products of 2048-token × 1024-vocabulary chunks, between 256 passes over an 8 MB chunk. On one
+  thread the chunk products run at the big GEMMs' rate (36 vs 34 GFLOP/s, interleaved) and a whole call takes half
+  of eager's (4.26 vs 8.58 s, paired 2.1x). On the default two threads they scale worse (18 vs 30 GFLOP/s): each
+  small parallel op ends with its two threads meeting, and a busy machine stretches every such wait. The call is
+  then 0.95x (interleaved with eager) to 1.43x (this group's rows) eager's speed; 1.10x in the issue's quieter run.
+- Larger vocabulary or longer sequences do not change the time ratio: both sides' products and eager's passes over
+  the logits grow with N·V alike (1.02x at V = 151936: 43.8 vs 44.6 s). They change the memory: eager's grows with
+  N·V (7.1 GB at V = 151936), fastgrpo's with V·H (its weight gradient: 0.30 GB). What sets the time ratio is the
+  completion share K/N, and H (a larger H makes both sides more matmul-bound: the ratio tends to 6·N / 8·K).
 """
 
 from __future__ import annotations
