@@ -31,7 +31,7 @@ setup(
     extras_require={
         # trl: tests/test_trl_dropin.py (the README's GRPOTrainer subclass) and TRL's overlong-punishment numbers;
         # it accepts any torch >= 2.0, so pip keeps the CPU torch installed first
-        # peft: LoRA (model.lora, fastgrpo/lora.py) and its tests
+        # peft: LoRA (model.lora, fastgrpo/models/lora.py) and its tests
         "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff", "tensorboard", "trl>=1.16", "peft>=0.17"],
         "lora": ["peft>=0.17"],
         # peer baselines of the microbenchmarks (bench/micro_*.py skip a peer that is not installed); install the

@@ -17,9 +17,9 @@ from common import append_rows, median_ms, peak_extra_bytes, print_table
 from fastgrpo.kernels import fused_linear_grpo_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fastgrpo.attention import enable_packed_attention
-from fastgrpo.grpo import Sample, packed_forward, plan
-from fastgrpo.models import enable_activation_checkpointing
+from fastgrpo.algorithms.grpo import Sample, packed_forward, plan
+from fastgrpo.models.attention import enable_packed_attention
+from fastgrpo.models.loading import enable_activation_checkpointing
 
 CPU_CONFIG = dict(vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from common import append_rows, print_table, sync
 
+from fastgrpo.algorithms.grpo import PolicyUpdate, Sample, compute_advantages, packed_forward
 from fastgrpo.config import load_config
-from fastgrpo.generation import GenerationEngine, SamplingParams
-from fastgrpo.grpo import PolicyUpdate, Sample, compute_advantages, packed_forward
-from fastgrpo.models import enable_activation_checkpointing
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+from fastgrpo.models.loading import enable_activation_checkpointing
 from fastgrpo.precision import make_optimizer
 
 R1_DISTILL_QWEN_15B = dict(  # DeepSeek-R1-Distill-Qwen-1.5B's config.json (the fields that shape compute)
@@ -84,8 +84,8 @@ def run_grpo(device: torch.device, part: str, model_config: dict, sizes: dict, s
     """``steps`` GRPO steps (generation + update) of a random-weight bf16 Qwen2 under the deepscaler settings."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from fastgrpo.attention import enable_packed_attention
     from fastgrpo.distributed import init_distributed, wrap_model
+    from fastgrpo.models.attention import enable_packed_attention
 
     P, G = sizes["prompts"], sizes["generations"]
     overrides = [f"grpo.num_prompts_per_step={P}", f"grpo.num_generations={G}", "stages=[]",  # one budget

@@ -34,8 +34,8 @@ from fastgrpo.config import RewardConfig
 from fastgrpo.environments import EnvironmentPool, environment_modules
 from fastgrpo.environments.adder import AdderEnvironment, add
 from fastgrpo.environments.sliding_puzzle import SlidingPuzzle
-from fastgrpo.reward_pool import RewardPool
-from fastgrpo.tools import ToolCall
+from fastgrpo.environments.tools import ToolCall
+from fastgrpo.rewards.pool import RewardPool
 
 CRASHER = '''
 import os

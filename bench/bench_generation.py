@@ -22,7 +22,7 @@ shrinks either). Figures:
 - GPU: the paged decode-attention kernel alone against a contiguous-cache reference and the memory roofline
   (:func:`paged_attention_rows`), rows in ``bench/results/decode_attention.csv``.
 - CPU: ``--cpu-packed 0,1,auto`` times one engine per setting of its MKL-packed products (plain, packed, the
-  engine's own per-host choice: ``fastgrpo.engine_cache``), alternating in the same run, one row each with the
+  engine's own per-host choice: ``fastgrpo.engine.cache``), alternating in the same run, one row each with the
   groups it packed (``packed_groups``) and, for auto, the products' timings that chose them (``product_ms``). The
   token hash (CRC-32 of every completion's token ids) is printed per setting: the paths differ by fp32 rounding
   only, so their tokens should be identical. Rows carry the CPU model (``device``) and torch's CPU capability
@@ -30,7 +30,7 @@ shrinks either). Figures:
 
 ``--logprob-gap`` instead measures the bf16 sampling gap (issue 9): a ~4-layer Qwen2-shaped model in bf16 on CPU,
 8 prompts × 4 samples of 32 tokens at temperature 1; the engine's log-probs against the trainer's packed forward
-(``fastgrpo.grpo.packed_logprobs``, the same bf16 weights): mean and max |Δ log p| over the sampled tokens.
+(``fastgrpo.algorithms.grpo.packed_logprobs``, the same bf16 weights): mean and max |Δ log p| over the sampled tokens.
 
 Workloads (issue 4): CPU, a ~10M-parameter Qwen2-shaped model, 8 prompts × n=4 of 32–64 tokens, 128 new tokens;
 GPU, a Qwen2.5-1.5B-shaped model with random bf16 weights, 32 prompts × n=8 of 256 tokens, 1024 new tokens.
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from common import append_rows, assert_timing_state, copy_bandwidth_gbps, median_ms, peak_extra_bytes, print_table, sync
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fastgrpo.generation import GenerationEngine, SamplingParams
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 CPU_CONFIG = dict(  # ~10M parameters (tied embeddings: 4.2M embedding + 8 × 0.74M layers)
     vocab_size=16384,
@@ -217,8 +217,8 @@ def paged_attention_rows(gbps: float) -> list[dict]:
 
 def logprob_gap(initializer_range: float) -> None:
     """Print mean and max |engine log p − trainer log p| for bf16 weights (see the module docstring)."""
+    from fastgrpo.algorithms.grpo import Sample, packed_forward, packed_logprobs, plan
     from fastgrpo.distributed import ForwardWrapper
-    from fastgrpo.grpo import Sample, packed_forward, packed_logprobs, plan
 
     config = dict(CPU_CONFIG, num_hidden_layers=4, max_position_embeddings=512)
     torch.manual_seed(0)

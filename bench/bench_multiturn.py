@@ -41,7 +41,7 @@ import torch
 from bench_generation import CPU_CONFIG, QWEN25_15B_CONFIG, build_model, make_prompts, timed
 from common import append_rows, print_table
 
-from fastgrpo.generation import GenerationEngine, SamplingParams, TurnResult
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams, TurnResult
 
 
 class UniformText:

@@ -54,12 +54,12 @@ import time
 from common import append_rows, print_table
 from reward_functions import CRASH, DELAY_ENV
 
+from fastgrpo.algorithms.sft import sft_warmup
 from fastgrpo.config import RewardConfig, load_config
 from fastgrpo.metrics import MetricsLogger
-from fastgrpo.reward_pool import RewardPool
 from fastgrpo.rewards import clear_caches
-from fastgrpo.sft import sft_warmup
-from fastgrpo.train import Trainer
+from fastgrpo.rewards.pool import RewardPool
+from fastgrpo.trainer import Trainer
 
 
 def compare(steps: int, workers: list[int], delay_ms: float, warmup: int, max_batch_size: int) -> list[dict]:

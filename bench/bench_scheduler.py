@@ -10,7 +10,8 @@ cap (8K, 16K, 24K): most completions end far below the cap, about 7% reach it. D
 141 GiB one. The decode loop syncs every 8 steps (the CUDA setting); a step advances every running sample by one
 token.
 
-- paged: the engine's real :class:`fastgrpo.scheduler.Scheduler` (64-token pages, 256 rows), driven with the drawn
+- paged: the engine's real :class:`fastgrpo.engine.scheduler.Scheduler` (64-token pages, 256 rows), driven with the
+drawn
   lengths: decode steps, peak running sequences, preemptions, prefill tokens (prompts once, plus recomputes).
 - static: the previous engine's plan from the same budget: each sample reserves ``longest prompt + cap`` tokens,
   prompts go in sequential waves whose prompt store plus slots fit, slots are refilled within a wave; a wave lasts
@@ -24,7 +25,7 @@ import random
 
 from common import append_rows, print_table
 
-from fastgrpo.scheduler import Scheduler
+from fastgrpo.engine.scheduler import Scheduler
 
 KV_BYTES_PER_TOKEN = 28 * 2 * 2 * 128 * 2  # layers × (K, V) × kv heads × head dim × bf16
 GIB = 2**30

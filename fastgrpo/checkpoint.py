@@ -31,7 +31,7 @@ fp32 parameters gathered): a resume loads the masters, and the compute weights a
 continues bit for bit. Without masters (fp32 training, or an HF bf16 model) ``"masters"`` is None and the weights
 come from the safetensors.
 
-LoRA (``model.lora``, :mod:`fastgrpo.lora`): instead of the full weights, PEFT's ``adapter_model.safetensors`` +
+LoRA (``model.lora``, :mod:`fastgrpo.models.lora`): instead of the full weights, PEFT's ``adapter_model.safetensors`` +
 ``adapter_config.json`` (the adapters in the compute dtype; ``PeftModel.from_pretrained(base, dir)`` loads them, and
 ``base_model_name_or_path`` names the base's directory); ``"masters"`` and the optimizer state hold the adapters'
 alone. The frozen base is never written here (it is ``model.path``, or ``<run dir>/base`` for the tiny model).
@@ -66,7 +66,7 @@ from fastgrpo.distributed import (
     get_world_size,
     unwrap_model,
 )
-from fastgrpo.lora import adapter_names, is_lora, read_adapter, save_adapter
+from fastgrpo.models.lora import adapter_names, is_lora, read_adapter, save_adapter
 from fastgrpo.precision import MasterAdamW
 
 CHECKPOINT_DIR = "checkpoints"

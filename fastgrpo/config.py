@@ -69,13 +69,13 @@ def _check_min(name: str, value, low, *, strict: bool = False) -> None:
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # module names the unmerged engine cannot adapt: the fused losses read the head's weight directly, and the embedding
-# is a lookup (fastgrpo.lora)
+# is a lookup (fastgrpo.models.lora)
 LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
 
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters (PEFT's modules and files) on a frozen base: see fastgrpo/lora.py."""
+    """LoRA adapters (PEFT's modules and files) on a frozen base: see fastgrpo/models/lora.py."""
 
     r: int = 16
     """Rank of every adapter."""
@@ -307,7 +307,7 @@ class GRPOConfig:
     use_dynamic_sampling: bool = False
     """DAPO's dynamic sampling (NeMo-RL's use_dynamic_sampling): drop groups whose rewards are all equal (before
     reward_shaping) and generate further batches until num_prompts_per_step groups remain, counted over all ranks;
-    the surplus is cut (fastgrpo.grpo)."""
+    the surplus is cut (fastgrpo.algorithms.grpo)."""
     batch_multiplier: float = 1.0
     """Dynamic sampling: each generation batch holds int(batch_multiplier x num_prompts_per_step) prompts (>= 1;
     1 without use_dynamic_sampling, as NeMo-RL's)."""
@@ -403,7 +403,7 @@ class RewardScalingConfig:
 class RewardShapingConfig:
     """DAPO's overlong reward shaping (NeMo-RL's reward_shaping): a completion of L tokens gets
     min(-(L - (max_response_length - overlong_buffer_length)) / overlong_buffer_length * overlong_buffer_penalty, 0)
-    added to its reward (fastgrpo.grpo.overlong_penalty)."""
+    added to its reward (fastgrpo.algorithms.grpo.overlong_penalty)."""
 
     enabled: bool = False
     """Add the overlong penalty to the rewards."""
@@ -526,7 +526,8 @@ class TrainConfig:
 
 @dataclass
 class DPOConfig:
-    """Direct preference optimisation (``algorithm: dpo``; see fastgrpo.dpo and fastgrpo.kernels.dpo_loss)."""
+    """Direct preference optimisation (``algorithm: dpo``; see fastgrpo.algorithms.dpo and
+    fastgrpo.kernels.dpo_loss)."""
 
     batch_size: int = 64
     """Preference pairs per optimizer step, all ranks together (each pair is two sequences)."""
@@ -583,7 +584,8 @@ class SFTConfig:
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation (``algorithm: distill``, fastgrpo.distill): the student samples as in GRPO, a frozen
+    """On-policy distillation (``algorithm: distill``, fastgrpo.algorithms.distill): the student samples as in GRPO, a
+    frozen
     teacher with the student's tokenizer scores the sampled tokens, and the loss pulls the student towards it."""
 
     teacher_path: str = ""
@@ -860,7 +862,7 @@ class Config:
                   self.sft.warmup_steps)
 
     def _check_distill(self) -> None:
-        """What ``algorithm: distill`` needs of the other groups (fastgrpo.distill)."""
+        """What ``algorithm: distill`` needs of the other groups (fastgrpo.algorithms.distill)."""
         d, g = self.distill, self.grpo
         if not d.teacher_path:
             _fail("distill.teacher_path", "must name the teacher's directory with algorithm distill", d.teacher_path)

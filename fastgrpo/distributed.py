@@ -339,7 +339,7 @@ def wrap_model(
       ``torch.distributed.fsdp.MixedPrecisionPolicy``. By default a model in a low precision (bf16) is upcast in
       place to fp32 sharded parameters (the fp32 master weights) with ``param_dtype`` = its dtype (bf16 all-gather,
       forward and backward) and ``reduce_dtype=float32`` (see :mod:`fastgrpo.precision`); an fp32 model stays fp32.
-      Frozen parameters (a LoRA base, ``fastgrpo.lora``) are not upcast: they stay sharded in the compute dtype.
+      Frozen parameters (a LoRA base, ``fastgrpo.models.lora``) are not upcast: they stay sharded in the compute dtype.
       ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
       Every forward all-gathers, so all ranks must run the same number of forwards per step.
     - ``"none"``: the model unchanged.

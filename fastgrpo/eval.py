@@ -20,9 +20,9 @@ import sys
 
 import torch
 
-from fastgrpo.data import PromptDataset
+from fastgrpo.data.datasets import PromptDataset
 from fastgrpo.distributed import all_reduce, get_rank, get_world_size
-from fastgrpo.generation import GenerationEngine, SamplingParams
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.rewards import math_reward
 
 
@@ -36,11 +36,12 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     counts are reduced (default: the model's device); ``max_sequence_tokens``: prompt + response budget (0: none).
 
     ``sample(indices, params) -> (completions [prompt][sample], trajectories that called a tool, scores)``:
-    multi-turn sampling of the dataset rows ``indices`` (``fastgrpo.grpo.GRPO.eval_sampler``) instead of the engine
+    multi-turn sampling of the dataset rows ``indices`` (``fastgrpo.algorithms.grpo.GRPO.eval_sampler``) instead of the
+    engine
     on ``dataset.prompt_ids``; the result then has ``tool_call_rate`` (trajectories with a tool call / P·k).
     ``scores`` (``[prompt][sample]``, or None for the math verifier): the environment's reward of each trajectory,
     which then stands for ``c_pj`` (a game's solve rate: avg@k its mean, pass@k the mean of each prompt's best)."""
-    from fastgrpo.models import eos_token_ids
+    from fastgrpo.models.loading import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
     rank, world = get_rank(), get_world_size()
@@ -82,9 +83,9 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     from fastgrpo.config import load_config
-    from fastgrpo.data import load_datasets
+    from fastgrpo.data.datasets import load_datasets
     from fastgrpo.distributed import destroy, init_distributed, print0
-    from fastgrpo.models import load_model, set_cpu_threads
+    from fastgrpo.models.loading import load_model, set_cpu_threads
 
     parser = argparse.ArgumentParser(description="avg@k / pass@k of a model on the validation prompts")
     parser.add_argument("model", help="checkpoint directory (full, or a LoRA adapter: its base is loaded too) or "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.models import DTYPES
+from fastgrpo.models.loading import DTYPES
 
 
 def export_merged(checkpoint: str, out: str, dtype: str | None = None) -> Path:
@@ -30,8 +30,8 @@ def export_merged(checkpoint: str, out: str, dtype: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fastgrpo.config import ModelConfig
-    from fastgrpo.lora import adapter_base, is_adapter_dir, merged_state_dict
-    from fastgrpo.models import load_model
+    from fastgrpo.models.loading import load_model
+    from fastgrpo.models.lora import adapter_base, is_adapter_dir, merged_state_dict
 
     if not is_adapter_dir(checkpoint):
         raise ValueError(f"CKPT {checkpoint!r} is not a PEFT adapter directory (no adapter_config.json, or a full "

@@ -31,7 +31,7 @@ forward itself runs before the student's, so its one-layer working set never mee
 sampled-token mode the teacher's forwards run between generation and the update (nothing of it at the peaks but its
 weights).
 
-With ``model.lora`` (:mod:`fastgrpo.lora`; p adapter parameters, ``r · (in + out)`` per targeted projection and
+With ``model.lora`` (:mod:`fastgrpo.models.lora`; p adapter parameters, ``r · (in + out)`` per targeted projection and
 layer) the base is frozen in the compute dtype and only the adapters train: weights ``c·(P + p)``; masters,
 optimizer and gradients as above with p for P (``4·p``, ``8·p``, ``4·p`` + ``c·p``; ``/ W`` under fsdp2, where the
 base's shard ``c·P / W`` stays resident too); no reference model (the base with the adapters disabled). Per token
@@ -82,7 +82,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.config import Config, ModelConfig, load_config, stage_settings
-from fastgrpo.generation import PREFILL_CHUNK_TOKENS
+from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
@@ -114,7 +114,7 @@ def model_shape(cfg: Config) -> ModelShape:
     """Build ``cfg.model`` on the meta device (no weights) and read its shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fastgrpo.models import build_tiny_model, build_tiny_tokenizer
+    from fastgrpo.models.loading import build_tiny_model, build_tiny_tokenizer
 
     with torch.device("meta"):
         if cfg.model.path == "tiny":
@@ -126,7 +126,7 @@ def model_shape(cfg: Config) -> ModelShape:
 def teacher_shape(cfg: Config) -> ModelShape:
     """The distillation teacher's :class:`ModelShape`: ``distill.teacher_path``'s model when it exists, else the
     model of ``distill.teacher_recipe`` (which would train it there)."""
-    from fastgrpo.distill import teacher_dir, teacher_recipe_config
+    from fastgrpo.algorithms.distill import teacher_dir, teacher_recipe_config
 
     d = cfg.distill
     path = teacher_dir(d.teacher_path)

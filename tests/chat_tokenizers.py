@@ -10,7 +10,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import get_json_schema
 
-from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.models.loading import build_tiny_tokenizer
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 # Qwen2's pre-tokenizer split (Llama 3's differs only in grouping digits by up to three)

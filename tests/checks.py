@@ -112,7 +112,7 @@ class ScriptedEngine:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def _trajectory(self, key, entry, params, turns):
-        from fastgrpo.generation import Completion
+        from fastgrpo.engine.engine import Completion
 
         eos = self.tok.eos_token_id
         ids, mask = [], []
@@ -133,7 +133,7 @@ class ScriptedEngine:
         return Completion(ids, [self.logprob if m else 0.0 for m in mask], "length", mask, len(entry))
 
     def generate(self, prompts, params, *, on_group_done=None, turns=None):
-        from fastgrpo.generation import Completion
+        from fastgrpo.engine.engine import Completion
 
         out = []
         for p in range(len(prompts)):

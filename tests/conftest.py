@@ -38,7 +38,7 @@ def _packed_products_forced(monkeypatch):
     (``engine_cache``): a test must not depend on that draw, so every engine test (and the subprocesses it starts)
     runs the packed path wherever it can (fp32, MKL), whatever the models' size. Tests that compare the paths force
     each one (``GenerationEngine(cpu_packed=...)``); ``test_generation.py``'s choice tests set ``auto``."""
-    from fastgrpo.engine_cache import PACKED_ENV
+    from fastgrpo.engine.cache import PACKED_ENV
 
     monkeypatch.setenv(PACKED_ENV, "1")
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from fastgrpo.attention import (
+from fastgrpo.models.attention import (
     ATTN_IMPLEMENTATION,
     enable_packed_attention,
     fastgrpo_varlen_attention_forward,
     packed_hidden_states,
 )
-from fastgrpo.packing import pack
+from fastgrpo.models.packing import pack
 
 VOCAB = 97
 LENGTHS = [5, 1, 23, 17, 5]  # mixed, with a length-1 sequence and two of equal length

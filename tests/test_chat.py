@@ -1,4 +1,5 @@
-"""Chat templates for multi-turn rollouts (fastgrpo/chat.py): a conversation built turn by turn from prompt_ids,
+"""Chat templates for multi-turn rollouts (fastgrpo/environments/chat.py): a conversation built turn by turn from
+prompt_ids,
 the sampled ids and suffix_ids equals the tokenisation of its whole rendering (HF's apply_chat_template), on the
 tiny tokenizer and on byte-level BPE tokenizers built here carrying the published Qwen2.5, Qwen3 and Llama 3.1
 templates (tests/data/chat_templates/); Qwen3 gets the training template; a non-preserving template raises naming it.
@@ -9,8 +10,8 @@ from chat_tokenizers import QWEN_SPLIT, TOKENIZERS, TOOLS, add, bpe_tokenizer, i
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.chat import KNOWN_TEMPLATES, QWEN3_TRAINING_TEMPLATE, ChatTemplate, template_name
-from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.environments.chat import KNOWN_TEMPLATES, QWEN3_TRAINING_TEMPLATE, ChatTemplate, template_name
+from fastgrpo.models.loading import build_tiny_tokenizer
 
 
 def test_the_published_templates_are_recognised():

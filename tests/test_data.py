@@ -9,9 +9,8 @@ from chat_tokenizers import TOOLS, ids, tokenizer
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.chat import ChatTemplate
 from fastgrpo.config import DataConfig
-from fastgrpo.data import (
+from fastgrpo.data.datasets import (
     PromptSampler,
     build_dataset,
     conversation_example,
@@ -23,7 +22,8 @@ from fastgrpo.data import (
     tool_tiny_conversation,
     tool_tiny_warmup,
 )
-from fastgrpo.models import TINY_MAX_POSITIONS, build_tiny_tokenizer
+from fastgrpo.environments.chat import ChatTemplate
+from fastgrpo.models.loading import TINY_MAX_POSITIONS, build_tiny_tokenizer
 
 HAS_PYARROW = importlib.util.find_spec("pyarrow") is not None
 

@@ -1,4 +1,5 @@
-"""Preference and SFT rows (fastgrpo/data.py): every format, the chat-template masks, the length rule, bad rows."""
+"""Preference and SFT rows (fastgrpo/data/datasets.py): every format, the chat-template masks, the length rule, bad
+rows."""
 
 import json
 
@@ -7,14 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data import (
+from fastgrpo.data.datasets import (
     Renderer,
     build_rows,
     load_response_datasets,
     preference_pair,
     sft_example,
 )
-from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.models.loading import build_tiny_tokenizer
 
 TOK = build_tiny_tokenizer()
 EOS = TOK.eos_token_id

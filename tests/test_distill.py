@@ -14,12 +14,12 @@ import torch
 from fastgrpo.kernels.reference import distill_loss_ref, grpo_loss_ref
 from test_grpo import make_samples
 
+from fastgrpo.algorithms.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher, teacher_trained
+from fastgrpo.algorithms.grpo import packed_forward
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher, teacher_trained
 from fastgrpo.distributed import init_distributed, wrap_model
-from fastgrpo.grpo import packed_forward
 from fastgrpo.metrics import read_jsonl
-from fastgrpo.models import build_tiny_tokenizer, load_model
+from fastgrpo.models.loading import build_tiny_tokenizer, load_model
 from fastgrpo.plan import memory_plan, model_shape, teacher_shape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,8 +146,8 @@ def test_sampled_token_advantages_match_hf_forwards(teacher_path, tmp_path):
     reward advantage times distill.reward_weight, and the micro-batch the update packs carries their sum."""
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.grpo import GRPO, make_microbatch
-    from fastgrpo.train import Trainer
+    from fastgrpo.algorithms.grpo import GRPO, make_microbatch
+    from fastgrpo.trainer import Trainer
 
     w = 0.5
     cfg = distill_config(teacher_path, "distill.mode=sampled_token", f"distill.reward_weight={w}",
@@ -346,9 +346,9 @@ def _fsdp_worker(out: str, teacher: str) -> None:
     """torchrun entry of test_fsdp2_teacher_matches_ddp: each rank's share under DDP and under FSDP2."""
     import copy
 
-    from fastgrpo.distill import sampled_token_advantages
+    from fastgrpo.algorithms.distill import sampled_token_advantages
+    from fastgrpo.algorithms.grpo import plan
     from fastgrpo.distributed import all_reduce, barrier, destroy, fsdp_root
-    from fastgrpo.grpo import plan
 
     state = init_distributed("cpu")
     torch.set_num_threads(1)

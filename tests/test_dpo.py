@@ -1,4 +1,5 @@
-"""DPO on the trainer's loop (fastgrpo/dpo.py): the packed step against an unpacked fp32 reference, the reference
+"""DPO on the trainer's loop (fastgrpo/algorithms/dpo.py): the packed step against an unpacked fp32 reference, the
+reference
 log-probs (precomputed = on the fly), 2 processes = 1, exact resume."""
 
 import json
@@ -28,7 +29,7 @@ TIMING = ("time", "time/", "tokens_per_second", "peak_memory_gib")
 
 
 def trainer(tmp_path, *overrides):
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     return Trainer(load_config("dpo-tiny", overrides=[*SMALL, f"logging.output_dir={tmp_path}", *overrides]))
 
@@ -112,7 +113,7 @@ def test_precomputed_reference_equals_on_the_fly(tmp_path):
     """After a 3-step warm-up (the reference is the warmed-up policy, not model.path), two DPO steps with the
     precomputed table and with a frozen reference model give the same metrics; the reference model's weights are
     the policy's as DPO started, kept in the run directory for a resume."""
-    from fastgrpo.dpo import REFERENCE_FILE
+    from fastgrpo.algorithms.dpo import REFERENCE_FILE
 
     rows = {}
     for pre in (True, False):
@@ -253,7 +254,7 @@ def test_config_errors_name_the_field():
         load_config("dpo-tiny", overrides=["data.max_length=3000"])
     with pytest.raises(ValueError, match="sft.warmup_steps must be 0 with algorithm sft"):
         load_config("sft-tiny", overrides=["sft.warmup_steps=5"])
-    from fastgrpo.dpo import DPO
+    from fastgrpo.algorithms.dpo import DPO
 
     with pytest.raises(ValueError, match=r"dpo.batch_size=6 must be a multiple of the number of processes \(4\)"):
         DPO.check_world_size(load_config("dpo-tiny", overrides=["dpo.batch_size=6"]), 4)
@@ -273,7 +274,7 @@ def test_recipes_use_nemo_rl_published_defaults():
 def test_on_the_fly_reference_without_warmup_is_model_path(tmp_path):
     """No warm-up: the on-the-fly reference is model.path as loaded (here the tiny model's seeded weights), so the
     first step's implicit rewards are 0; no reference file is written."""
-    from fastgrpo.dpo import REFERENCE_FILE
+    from fastgrpo.algorithms.dpo import REFERENCE_FILE
 
     t = trainer(tmp_path, "dpo.precompute_ref_logprobs=false", "dpo.sft_weight=0")
     t.algorithm.begin()

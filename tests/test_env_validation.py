@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_environments import Driver, runs, user_reply
 
-from fastgrpo.chat import ChatTemplate
 from fastgrpo.config import ModelConfig, RewardConfig
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.environments import EnvironmentPool, EnvTurns, environment_modules
-from fastgrpo.generation import GenerationEngine, SamplingParams
-from fastgrpo.models import TINY_CHAT_TEMPLATE, build_tiny_model, build_tiny_tokenizer
-from fastgrpo.reward_pool import RewardPool
+from fastgrpo.environments.chat import ChatTemplate
+from fastgrpo.models.loading import TINY_CHAT_TEMPLATE, build_tiny_model, build_tiny_tokenizer
+from fastgrpo.rewards.pool import RewardPool
 
 TOKENIZER = build_tiny_tokenizer()
 EOS, UNK = TOKENIZER.eos_token_id, TOKENIZER.unk_token_id

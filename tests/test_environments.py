@@ -6,7 +6,8 @@ its soft limit, hangs past the hard one, kills its worker (os._exit, SIGKILL), r
 a model that emits malformed calls. Each is counted and bounded, and the run goes on.
 
 One pool (2 workers, 0.3 s per call) is shared by the module: its server starts once (about a second here). The
-conversations go through the tiny model's tokenizer and chat template (``fastgrpo.chat.ChatTemplate``), so every
+conversations go through the tiny model's tokenizer and chat template (``fastgrpo.environments.chat.ChatTemplate``), so
+every
 appended suffix is the real one and a whole trajectory's ids are checked against the template's rendering.
 """
 
@@ -22,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.chat import ChatTemplate
 from fastgrpo.config import RewardConfig
 from fastgrpo.environments import EnvironmentPool, EnvTurns, environment_modules
 from fastgrpo.environments.adder import AdderEnvironment, add
+from fastgrpo.environments.chat import ChatTemplate
 from fastgrpo.environments.core import GRACE_S
 from fastgrpo.environments.sliding_puzzle import (
     SlidingPuzzle,
@@ -35,8 +36,8 @@ from fastgrpo.environments.sliding_puzzle import (
     render,
     solved,
 )
-from fastgrpo.models import build_tiny_tokenizer
-from fastgrpo.reward_pool import RewardPool
+from fastgrpo.models.loading import build_tiny_tokenizer
+from fastgrpo.rewards.pool import RewardPool
 
 TIMEOUT_S = 0.3
 MAX_CHARS = 1000
@@ -682,8 +683,8 @@ def test_a_hostile_environment_in_engine_rollouts_is_counted_and_the_run_finishe
     is the template's suffix for the expected observation; the 100K-token observation ends the trajectory with
     "length" in the engine (it does not fit max_sequence_tokens); env_done and max_turns end where they should."""
     from fastgrpo.config import ModelConfig
-    from fastgrpo.generation import GenerationEngine, SamplingParams
-    from fastgrpo.models import build_tiny_model
+    from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+    from fastgrpo.models.loading import build_tiny_model
 
     model = build_tiny_model(ModelConfig(), TOKENIZER, seed=0)
     engine = GenerationEngine(model, eos_token_ids=EOS, tokenizer=TOKENIZER, max_batch_size=8)
@@ -746,7 +747,7 @@ def test_a_rollout_replaying_the_tool_tiny_demonstration_gives_its_tokens_and_ma
     tool, or as AdderEnvironment) whose policy writes the demonstration's assistant texts gives the demonstration's
     token ids, with its loss mask on the sampled tokens; AdderEnvironment's reward says the tool gave the answer."""
     from fastgrpo.config import DataConfig
-    from fastgrpo.data import _assistant_text, conversation_example, prompt_messages, tool_tiny_conversation
+    from fastgrpo.data.datasets import _assistant_text, conversation_example, prompt_messages, tool_tiny_conversation
 
     cfg = DataConfig()
     row = {"prompt": "37+85+9=", "answer": "131"}

@@ -4,9 +4,9 @@ import pytest
 from checks import ScriptedEngine
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data import build_dataset
+from fastgrpo.data.datasets import build_dataset
 from fastgrpo.eval import evaluate, main
-from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.models.loading import build_tiny_tokenizer
 
 
 def test_avg_and_pass_at_k_closed_form():
@@ -25,7 +25,7 @@ def test_avg_and_pass_at_k_closed_form():
 
 def test_command_line_on_a_saved_model(tmp_path, capsys):
     from fastgrpo.config import ModelConfig
-    from fastgrpo.models import load_model
+    from fastgrpo.models.loading import load_model
 
     model, tok = load_model(ModelConfig(), "cpu")
     model.save_pretrained(tmp_path)

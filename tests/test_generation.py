@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import fastgrpo.engine_cache as engine_cache
-import fastgrpo.generation as generation
-from fastgrpo.engine_cache import PACKED_GROUPS
-from fastgrpo.engine_forward import mkl_packed_gemm
-from fastgrpo.generation import Completion, GenerationEngine, SamplingParams
+import fastgrpo.engine.cache as engine_cache
+import fastgrpo.engine.engine as generation
+from fastgrpo.engine.cache import PACKED_GROUPS
+from fastgrpo.engine.engine import Completion, GenerationEngine, SamplingParams
+from fastgrpo.engine.forward import mkl_packed_gemm
 
 VOCAB = 96
 MAX_POS = 64
@@ -639,7 +639,7 @@ def test_cpu_rms_norm_is_hf_bit_for_bit(H, M, feature_major, threads, scale, see
     activations small enough for eps to matter or large."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from fastgrpo.engine_forward import _rms_norm
+    from fastgrpo.engine.forward import _rms_norm
 
     torch.set_num_threads(threads)  # the autouse fixture restores one thread
     g = torch.Generator().manual_seed(seed)
@@ -654,7 +654,7 @@ def test_cpu_rms_norm_is_hf_bit_for_bit(H, M, feature_major, threads, scale, see
 def test_the_cpu_uniform_table_is_the_per_draw_hash():
     """The rows' table of uniforms (filled at admission) holds, at column j, exactly the uniform the per-step hash
     gives for draw t0 + j of the row's stream, so reading it changes no draw."""
-    from fastgrpo.engine_sampling import _row_seeds, _row_uniforms, _sample_streams, _stream_uniforms
+    from fastgrpo.engine.sampling import _row_seeds, _row_uniforms, _sample_streams, _stream_uniforms
 
     g = torch.Generator().manual_seed(4)
     stream = _sample_streams(12345, torch.randint(0, 1000, (9,), generator=g))
@@ -674,7 +674,7 @@ def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, fe
     """``_packed_linear`` (the CPU decode step's LM head) against ``F.linear`` on the same fp32 operands: every
     entry within the forward-error bound of two K-term fp32 dot products, ``2 (K + 1) 2⁻²⁴ Σ|x w| (+ |b|)``, rows
     row-major or feature-major, 1 or 2 threads; the output row-major; the packs the two most recent row counts."""
-    from fastgrpo.engine_forward import _packed_linear
+    from fastgrpo.engine.forward import _packed_linear
 
     torch.set_num_threads(threads)  # the autouse fixture restores one thread
     g = torch.Generator().manual_seed(seed)

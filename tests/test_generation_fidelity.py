@@ -59,8 +59,8 @@ from test_generation import (
 )
 from turn_script import CharTokenizer, ScriptedTurns
 
-import fastgrpo.generation as generation
-from fastgrpo.generation import GenerationEngine, SamplingParams
+import fastgrpo.engine.engine as generation
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 
 @st.composite

@@ -20,8 +20,8 @@ from test_generation import (
 from test_generation_fidelity import check_trajectory, first_boundary
 from turn_script import CharTokenizer, ScriptedTurns
 
-import fastgrpo.generation as generation
-from fastgrpo.generation import GenerationEngine, SamplingParams, TurnResult
+import fastgrpo.engine.engine as generation
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams, TurnResult
 
 
 class FixedTurns:

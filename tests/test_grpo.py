@@ -14,9 +14,7 @@ from fastgrpo.kernels.reference import grpo_loss_ref
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo.config import load_config
-from fastgrpo.distributed import init_distributed, wrap_model
-from fastgrpo.grpo import (
+from fastgrpo.algorithms.grpo import (
     ADV_EPS,
     LOO_STD_EPS,
     PolicyUpdate,
@@ -27,7 +25,9 @@ from fastgrpo.grpo import (
     packed_forward,
     scale_rewards,
 )
-from fastgrpo.models import enable_activation_checkpointing, load_model
+from fastgrpo.config import load_config
+from fastgrpo.distributed import init_distributed, wrap_model
+from fastgrpo.models.loading import enable_activation_checkpointing, load_model
 from fastgrpo.precision import MasterAdamW, make_optimizer
 
 
@@ -456,8 +456,8 @@ def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
 
 def _fsdp_worker(out: str) -> None:
     """torchrun entry of test_fsdp2_several_optimizer_steps_match_ddp: the same shares under DDP and FSDP2."""
+    from fastgrpo.algorithms.grpo import plan
     from fastgrpo.distributed import all_reduce, barrier, destroy
-    from fastgrpo.grpo import plan
 
     state = init_distributed("cpu")
     torch.set_num_threads(1)

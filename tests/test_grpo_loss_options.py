@@ -1,5 +1,6 @@
 """The loss options of the ``grpo`` config group (issue 22): validated at start-up with their dotted names, kept in
-step with the kernels' names, and passed by the trainer's update to the loss (``fastgrpo.grpo.loss_options``), with
+step with the kernels' names, and passed by the trainer's update to the loss
+(``fastgrpo.algorithms.grpo.loss_options``), with
 each loss type's own normalisation across micro-batches (sapo as grpo, cispo as dapo) against the unpacked fp32
 reference (``test_grpo.py``'s setting)."""
 
@@ -11,10 +12,10 @@ from fastgrpo.kernels.reference import KL_ESTIMATORS, KL_WEIGHTS, LOSS_TYPES, gr
 from test_grpo import TINY, make_samples, run_update, teacher_forced, teacher_forced_at
 
 from fastgrpo import config
+from fastgrpo.algorithms.grpo import PolicyUpdate, loss_options, packed_forward
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
-from fastgrpo.grpo import PolicyUpdate, loss_options, packed_forward
-from fastgrpo.models import load_model
+from fastgrpo.models.loading import load_model
 
 
 def test_config_names_are_the_kernels():

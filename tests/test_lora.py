@@ -1,4 +1,5 @@
-"""LoRA (fastgrpo/lora.py): the engine reads base + adapters unmerged, the reference is the base with the adapters
+"""LoRA (fastgrpo/models/lora.py): the engine reads base + adapters unmerged, the reference is the base with the
+adapters
 disabled, PEFT loads what fastgrpo saves, and the unsupported variants are refused at start-up.
 
 The references are PEFT's own modules run by Hugging Face: a teacher-forced forward and ``generate`` of the
@@ -48,13 +49,13 @@ def test_engine_with_lora_matches_peft_sweep(case):
 
 def test_adapter_changes_the_engine_output():
     """The check above is not vacuous: with the adapters the engine's log-probs differ from the base's."""
-    from fastgrpo.generation import GenerationEngine, SamplingParams
+    from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
     model = random_lora(tiny_model("qwen2", seed=1), seed=3)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, seed=0)
     engine = GenerationEngine(model, eos_token_ids=[])
     with_lora = engine.generate([[1, 2, 3]], params)[0][0]
-    from fastgrpo.lora import adapters_disabled
+    from fastgrpo.models.lora import adapters_disabled
 
     with adapters_disabled(model):
         base = engine.generate([[1, 2, 3]], params)[0][0]
@@ -80,8 +81,8 @@ def test_bf16_base_with_peft_default_fp32_adapters_runs_as_peft(row_cache):
 
     from test_generation import random_prompts, teacher_forced_logp
 
-    from fastgrpo.generation import GenerationEngine, SamplingParams
-    from fastgrpo.lora import adapters_disabled
+    from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+    from fastgrpo.models.lora import adapters_disabled
 
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     torch.manual_seed(0)
@@ -111,7 +112,7 @@ def test_bf16_base_with_peft_default_fp32_adapters_runs_as_peft(row_cache):
 def lora_model(tmp_path, dtype="float32", **lora):
     """The trainer's tiny model with ``model.lora`` (its base saved in ``tmp_path/base``) and a MasterAdamW."""
     from fastgrpo.config import LoRAConfig, ModelConfig
-    from fastgrpo.models import load_model
+    from fastgrpo.models.loading import load_model
 
     cfg = ModelConfig(path="tiny", dtype=dtype, lora=LoRAConfig(**{"r": 4, **lora}))
     torch.manual_seed(0)
@@ -183,7 +184,7 @@ def test_adapter_checkpoint_resumes_bit_for_bit(tmp_path, dtype):
     """A fresh model (other adapters) and optimizer loaded from a checkpoint take the same next steps as the run that
     kept going: the adapters' fp32 masters (bf16) and AdamW state are in trainer_state.pt."""
     from fastgrpo.checkpoint import load_checkpoint, save_checkpoint
-    from fastgrpo.models import DTYPES
+    from fastgrpo.models.loading import DTYPES
     from fastgrpo.precision import make_optimizer
 
     model, tok, _ = lora_model(tmp_path, dtype=dtype)
@@ -210,11 +211,11 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_n
 def test_grpo_reference_is_the_base_with_adapters_disabled(tmp_path, monkeypatch):
     """β > 0 with LoRA: no second model; the reference log-probs the loss receives equal those of the base loaded
     separately (from <run dir>/base), while the adapters (non-zero) change the policy's."""
-    import fastgrpo.grpo as G
+    import fastgrpo.algorithms.grpo as G
     from fastgrpo.config import ModelConfig, load_config
     from fastgrpo.distributed import ForwardWrapper
-    from fastgrpo.models import load_model
-    from fastgrpo.train import Trainer
+    from fastgrpo.models.loading import load_model
+    from fastgrpo.trainer import Trainer
 
     t = Trainer(load_config(overrides=[*SMALL, "grpo.beta=0.1", f"logging.output_dir={tmp_path}"]))
     t.close()  # the reward workers: not needed here
@@ -252,7 +253,7 @@ def test_export_merged_rounds_once_and_eval_takes_the_adapter(tmp_path, dtype):
     from fastgrpo import eval as fg_eval
     from fastgrpo.checkpoint import save_checkpoint
     from fastgrpo.export_merged import main as export_main
-    from fastgrpo.models import DTYPES
+    from fastgrpo.models.loading import DTYPES
     from fastgrpo.precision import make_optimizer
 
     model, tok, _ = lora_model(tmp_path, dtype=dtype)
@@ -310,8 +311,8 @@ def test_unsupported_adapter_files_are_refused_naming_the_field(tmp_path, field,
     """An existing adapter (model.lora.path) of a variant the unmerged engine does not compute fails at start-up,
     naming its adapter_config.json field; the engine also refuses such modules when handed a PeftModel directly."""
     from fastgrpo.config import LoRAConfig, ModelConfig
-    from fastgrpo.generation import GenerationEngine
-    from fastgrpo.models import load_model
+    from fastgrpo.engine.engine import GenerationEngine
+    from fastgrpo.models.loading import load_model
 
     base = tiny_model("qwen2")
     kwargs = {"r": 4, "target_modules": ["q_proj", "v_proj"], field: value}
@@ -364,7 +365,7 @@ def test_fsdp2_bf16_grpo_with_kl_to_the_base_and_resume(tmp_path):
     """2 processes, FSDP2, bf16, continuing a random non-zero adapter (model.lora.path): the frozen base stays bf16
     shards, β > 0 takes the reference from the adapters disabled (padded no-grad forwards on every rank), so the KL
     is > 0 from the first step; the adapter checkpoint loads back for a resume that continues the log."""
-    from fastgrpo.lora import save_adapter
+    from fastgrpo.models.lora import save_adapter
 
     model, _, _ = lora_model(tmp_path, dtype="bfloat16")
     with torch.no_grad():
@@ -388,7 +389,7 @@ def test_cuda_graph_decode_with_lora_matches_peft(arch):
     inside them): greedy == HF generate of the PeftModel, sampled log-probs == its teacher-forced forward (fp32)."""
     from test_generation import hf_greedy, random_prompts, teacher_forced_logp
 
-    from fastgrpo.generation import GenerationEngine, SamplingParams
+    from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = random_lora(tiny_model(arch).cuda(), seed=5)
@@ -420,7 +421,7 @@ def test_dpo_reference_table_is_the_base_model(tmp_path):
     same base, built from the same seed, a separate model) computes, bit for bit; the adapters do change the
     policy's sequence log-probs."""
     from fastgrpo.config import load_config
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     common = ["sft.warmup_steps=0", "train.num_threads=1", "logging.progress_bar=false"]
     lora = Trainer(load_config("dpo-tiny", overrides=[*common, "model.lora.r=4", f"logging.output_dir={tmp_path}/a"]))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from fastgrpo.kernels.reference import linear_logprobs_ref
 
+from fastgrpo.algorithms.grpo import Sample, make_microbatch, packed_forward
 from fastgrpo.config import ModelConfig
-from fastgrpo.grpo import Sample, make_microbatch, packed_forward
-from fastgrpo.models import (
+from fastgrpo.models.loading import (
     BOXED_TOKEN,
     EOS_TOKEN,
     ROLE_TOKENS,

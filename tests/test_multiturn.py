@@ -42,7 +42,7 @@ def test_env_config_fails_at_start_up_naming_the_field():
 
 
 def scripted_trainer(tmp_path, script, *overrides):
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*MT, f"logging.output_dir={tmp_path}", *overrides])
     trainer = Trainer(cfg)
@@ -53,7 +53,7 @@ def scripted_trainer(tmp_path, script, *overrides):
 def rendered_ids(trainer, row, messages):
     """The whole conversation rendered by the tokenizer's own chat template (with the tools) and tokenized once:
     what prompt + completion must be, token for token (the tiny tokenizer has one token per character)."""
-    from fastgrpo.data import prompt_messages
+    from fastgrpo.data.datasets import prompt_messages
 
     tok = trainer.tokenizer
     text = tok.apply_chat_template([*prompt_messages(row["prompt"], trainer.cfg.data), *messages],

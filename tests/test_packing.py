@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastgrpo.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches
 
 
 def test_pack_layout_and_round_trip():

@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.data import format_prompt, load_datasets
-from fastgrpo.models import build_tiny_tokenizer
+from fastgrpo.data.datasets import format_prompt, load_datasets
+from fastgrpo.models.loading import build_tiny_tokenizer
 from fastgrpo.rewards import math_reward
 
 REPO = "NVIDIA-NeMo/RL@7ea279a"
@@ -180,7 +180,7 @@ def test_lr_at_every_step_matches_nemo_rl_scheduler(cfg):
 
 def test_trainer_optimizer_is_nemo_rl_adamw(tmp_path):
     """The trainer's AdamW with the recipe's train group: NeMo-RL's betas, eps 1e-8, weight decay (BASE)."""
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     t = load_config("deepscaler-1.5b").train
     cfg = load_config(overrides=[f"train.weight_decay={t.weight_decay}", f"train.adam_beta1={t.adam_beta1}",
@@ -221,7 +221,7 @@ def test_sample_files_load_with_the_recipe_data_settings(cfg, tmp_path):
 def test_rollout_uses_the_leave_one_out_std(tmp_path):
     """The trainer's rollout with grpo.scale=group_loo: a group of four with one correct completion gives it A = 1
     (its others tie at 0) and the three others -(1/3) / (sqrt(1/3) + 1e-6)."""
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=["grpo.num_prompts_per_step=1", "grpo.num_generations=4", "grpo.baseline=leave_one_out",
                                  "grpo.scale=group_loo", "data.shuffle=false", "sft.warmup_steps=0",
@@ -248,7 +248,7 @@ def _nemo_loss_fn(settings: dict) -> dict:
        torch_path=st.booleans())
 def test_loss_and_gradient_equal_nemo_rl(seed, step, packed, torch_path):
     """With the recipe's loss settings at the 16K and 24K stages (β > 0), grpo_loss called as the trainer calls it
-    (fastgrpo.grpo.loss_options, the stage's β and ε_high, the optimizer step's token count) equals NeMo-RL's
+    (fastgrpo.algorithms.grpo.loss_options, the stage's β and ε_high, the optimizer step's token count) equals NeMo-RL's
     ClippedPGLossFn (kernels/reference.py clipped_pg_loss_nemo_ref, from its formulas) in loss and gradient to fp32
     rounding (1e-5 of the largest value: sums in another order), off-policy (16 optimizer steps per rollout), on
     both paths, with some |ref − logp| > 20 and some k3 values > 10 so that both clamps act."""
@@ -256,7 +256,7 @@ def test_loss_and_gradient_equal_nemo_rl(seed, step, packed, torch_path):
     from fastgrpo.kernels._utils import pad_packed, unpad_padded
     from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref
 
-    from fastgrpo.grpo import loss_options
+    from fastgrpo.algorithms.grpo import loss_options
 
     cfg = load_config("deepscaler-1.5b")
     s = stage_settings(cfg, step)

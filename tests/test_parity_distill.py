@@ -109,8 +109,8 @@ DEPARTURES = [
 
 def _tokenizer_check_is_by_ids() -> bool:
     """check_tokenizers accepts the same tokenizer and refuses one with one more token."""
-    from fastgrpo.distill import check_tokenizers
-    from fastgrpo.models import build_tiny_tokenizer
+    from fastgrpo.algorithms.distill import check_tokenizers
+    from fastgrpo.models.loading import build_tiny_tokenizer
 
     a, b = build_tiny_tokenizer(), build_tiny_tokenizer()
     check_tokenizers(a, b, "student", "teacher")

@@ -20,9 +20,9 @@ import pytest
 import torch
 from fastgrpo.kernels.varlen_attention import varlen_attention_unchecked
 
-from fastgrpo import attention
 from fastgrpo.config import load_config
-from fastgrpo.packing import pack
+from fastgrpo.models import attention
+from fastgrpo.models.packing import pack
 from fastgrpo.plan import layer_saved_bytes_per_token, main, memory_plan, model_shape, shape_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -87,9 +87,9 @@ def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
 def _policy_step_peak(cfg, seq_len: int) -> int:
     """Peak extra resident bytes of: build the model, its optimizer, and two GRPO updates of two full micro-batches
     each (the second micro-batch runs with the first one's accumulated gradients in place, as in a real step)."""
+    from fastgrpo.algorithms.grpo import PolicyUpdate, Sample, packed_forward
     from fastgrpo.distributed import init_distributed, wrap_model
-    from fastgrpo.grpo import PolicyUpdate, Sample, packed_forward
-    from fastgrpo.models import load_model
+    from fastgrpo.models.loading import load_model
     from fastgrpo.precision import make_optimizer
 
     def run():
@@ -132,7 +132,7 @@ def test_cpu_peak_matches_plan(monkeypatch, size, dtype):
                  "model.tiny_num_kv_heads=2", "model.tiny_intermediate_size=1536"]
     cfg = load_config("tiny", overrides=over)
     if size != "tiny":
-        monkeypatch.setattr("fastgrpo.models.build_tiny_tokenizer", lambda: _Vocab(8192))
+        monkeypatch.setattr("fastgrpo.models.loading.build_tiny_tokenizer", lambda: _Vocab(8192))
     plan = memory_plan(cfg, 1, 80, activation_checkpointing=False, kernel_loss=False, shape=model_shape(cfg))
     measured = _policy_step_peak(cfg, seq_len)
     predicted = plan.training_peak
@@ -248,7 +248,7 @@ def test_trainer_check_stops_on_cuda_when_it_does_not_fit(monkeypatch):
     check_fits(cfg, 1, torch.device("cuda", 0))
 
 
-# ---------------------------------------------------------------- LoRA (fastgrpo.lora)
+# ---------------------------------------------------------------- LoRA (fastgrpo.models.lora)
 
 QWEN_7B = {name: str(Path(__file__).resolve().parent / "data" / name)
            for name in ("deepseek-r1-distill-qwen-7b", "qwen2.5-7b")}

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from fastgrpo.algorithms.grpo import PolicyUpdate, Sample, packed_forward
 from fastgrpo.checkpoint import load_checkpoint, save_checkpoint
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
-from fastgrpo.grpo import PolicyUpdate, Sample, packed_forward
-from fastgrpo.models import enable_activation_checkpointing, load_model
+from fastgrpo.models.loading import enable_activation_checkpointing, load_model
 from fastgrpo.precision import MasterAdamW, accumulate, make_optimizer, train_mode
 
 TINY = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "rollout.max_new_tokens=8"]

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from fastgrpo import rewards
 from fastgrpo.config import RewardConfig
 from fastgrpo.rewards import FAULTS, RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
+from fastgrpo.rewards import functions as rewards
 
 
 def test_last_boxed_balances_braces():

@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import RewardConfig
-from fastgrpo.reward_pool import RewardPool, _Worker, default_num_workers
 from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet, chunk_bounds
+from fastgrpo.rewards.pool import RewardPool, _Worker, default_num_workers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -359,10 +359,10 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
     """GRPO steps with the real engine (3 waves of 2 groups) and a reward that sleeps per completion: groups are
     scored while later waves decode, so the logged wait is below the reward time; Ctrl-C (in the third update)
     leaves no worker behind."""
+    from fastgrpo.algorithms.grpo import PolicyUpdate
     from fastgrpo.config import load_config
-    from fastgrpo.grpo import PolicyUpdate
     from fastgrpo.metrics import read_jsonl
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     real_run, calls = PolicyUpdate.run, []
 
@@ -396,7 +396,7 @@ ENTRY_SCRIPT = """
 import json, sys
 import torch  # as fastgrpo/train.py does: a worker that re-imported this entry script would import torch
 from fastgrpo.config import RewardConfig
-from fastgrpo.reward_pool import RewardPool
+from fastgrpo.rewards.pool import RewardPool
 
 if __name__ == "__main__":
     sys.path.insert(0, sys.argv[1])
@@ -423,7 +423,7 @@ def test_workers_import_neither_torch_nor_the_entry_script(user_modules, tmp_pat
     for i in range(2):
         r = json.loads((tmp_path / f"{i}.json").read_text())
         heavy = [m for m in r["modules"] if m.split(".")[0] in ("torch", "triton", "transformers", "numpy")]
-        assert heavy == [] and "fastgrpo.train" not in r["modules"]
+        assert heavy == [] and not {"fastgrpo.train", "fastgrpo.trainer"} & set(r["modules"])
         assert r["main"] is None and "math_verify" in r["modules"] and r["init"] is True
         fds = r["fds"]
         assert fds["0"] == "/dev/null" and set(fds) - {"0", "1", "2"} == {
@@ -491,7 +491,7 @@ def test_a_hostile_reward_run_finishes_with_every_fault_counted(user_modules, tm
 
     from fastgrpo.config import load_config
     from fastgrpo.metrics import read_jsonl
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     steps, submitted = [], []
     real_submit, real_gather = RewardPool.submit, RewardPool.gather

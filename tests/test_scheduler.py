@@ -10,7 +10,7 @@ than the shortage needs, requeued at the front)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo.scheduler import Scheduler
+from fastgrpo.engine.scheduler import Scheduler
 
 
 @st.composite

@@ -1,4 +1,5 @@
-"""SFT on the trainer's loop (fastgrpo/sft.py): the packed step against an unpacked fp32 reference, the mask (which
+"""SFT on the trainer's loop (fastgrpo/algorithms/sft.py): the packed step against an unpacked fp32 reference, the mask
+(which
 packed positions are trained, on what target, from rows of both formats), the validation loss, and the warm-up's
 noisy examples."""
 
@@ -7,10 +8,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fastgrpo.algorithms.sft import lm_batch
 from fastgrpo.config import DataConfig, load_config
-from fastgrpo.data import Renderer, SFTExample, sft_example
-from fastgrpo.models import build_tiny_tokenizer
-from fastgrpo.sft import lm_batch
+from fastgrpo.data.datasets import Renderer, SFTExample, sft_example
+from fastgrpo.models.loading import build_tiny_tokenizer
 
 SMALL = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "data.synthetic_num_terms=2",
          "data.synthetic_eval_size=16", "data.max_length=24", "train.max_tokens_per_microbatch=40", "sft.batch_size=8",
@@ -18,7 +19,7 @@ SMALL = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "data.s
 
 
 def trainer(tmp_path, *overrides):
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     return Trainer(load_config("sft-tiny", overrides=[*SMALL, f"logging.output_dir={tmp_path}", *overrides]))
 
@@ -74,8 +75,8 @@ def test_validation_loss_and_accuracy(tmp_path):
 
 def test_warmup_noise_swaps_responses_only(tmp_path, monkeypatch):
     """The warm-up's examples keep their prompts; a swapped response is another row's, whole."""
-    import fastgrpo.sft as S
-    from fastgrpo.train import Trainer
+    import fastgrpo.algorithms.sft as S
+    from fastgrpo.trainer import Trainer
 
     seen = []
     monkeypatch.setattr(S, "sft_backward", lambda model, opt, batch, *a: (seen.extend(batch), (0.0, 1.0))[1])
@@ -116,7 +117,7 @@ TEXT = st.text(alphabet="0123456789+= ", min_size=1, max_size=10)
 @given(rows=st.lists(st.tuples(TEXT, TEXT, st.booleans()), min_size=1, max_size=4))
 def test_rows_train_exactly_their_completions(rows):
     """Rows as users write them (``{prompt, completion}`` or a user / assistant conversation), tokenised by
-    ``fastgrpo.data`` and packed by ``lm_batch``: the trained targets are each completion's tokens then EOS, in
+    ``fastgrpo.data.datasets`` and packed by ``lm_batch``: the trained targets are each completion's tokens then EOS, in
     order, from the last prompt position on (the tiny tokenizer's template renders ``<|user|>q<|assistant|>a``)."""
     cfg = DataConfig(max_prompt_tokens=64, max_length=64)
 

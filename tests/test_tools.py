@@ -16,7 +16,7 @@ from fastgrpo.environments import python_code
 from fastgrpo.environments.adder import AdderEnvironment, add
 from fastgrpo.environments.core import tool_methods
 from fastgrpo.environments.python_code import run_python
-from fastgrpo.tools import ToolCall, parse_tool_calls, run_tool_calls, tool_schemas
+from fastgrpo.environments.tools import ToolCall, parse_tool_calls, run_tool_calls, tool_schemas
 
 
 class TemplateTokenizer:

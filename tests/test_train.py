@@ -103,8 +103,8 @@ def test_bad_config_fails_before_starting():
 
 def test_batch_sizes_must_split_over_the_processes():
     """What `torchrun --nproc_per_node 2` checks before loading anything (the check alone, on a stand-in)."""
+    from fastgrpo.algorithms.grpo import check_world_size
     from fastgrpo.config import load_config
-    from fastgrpo.grpo import check_world_size
 
     def check(*overrides, world_size=2):
         check_world_size(load_config(overrides=list(overrides)), world_size)
@@ -120,10 +120,10 @@ def test_batch_sizes_must_split_over_the_processes():
 
 
 def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
+    from fastgrpo.algorithms.grpo import PolicyUpdate
     from fastgrpo.checkpoint import latest_checkpoint
     from fastgrpo.config import load_config
-    from fastgrpo.grpo import PolicyUpdate
-    from fastgrpo.train import Trainer, TrainingAborted
+    from fastgrpo.trainer import Trainer, TrainingAborted
 
     def always_bad(self, samples, **kwargs):  # every optimizer step of every rollout had a non-finite loss
         return {"optimizer_steps": 0.0, "bad_steps": 1.0}
@@ -141,7 +141,7 @@ def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mask_truncated, mask_zero_std", [(False, False), (True, True)])
 def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, mask_zero_std):
     from fastgrpo.config import load_config
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, "grpo.num_prompts_per_step=2", "grpo.num_generations=2",
                                  "data.shuffle=false", f"grpo.mask_truncated_completions={str(mask_truncated).lower()}",
@@ -171,9 +171,9 @@ def test_rollout_shapes_overlong_rewards_and_filters_on_unshaped_ones(tmp_path):
     unshaped rewards too)."""
     import torch
 
+    from fastgrpo.algorithms.grpo import compute_advantages
     from fastgrpo.config import load_config
-    from fastgrpo.grpo import compute_advantages
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, "grpo.num_prompts_per_step=2", "grpo.num_generations=2",
                                  "reward.functions=[format]", "reward.num_workers=0", "grpo.mask_zero_std_groups=true",
@@ -200,7 +200,7 @@ def test_reference_model_only_when_some_stage_has_beta(tmp_path):
     import torch
 
     from fastgrpo.config import load_config
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     base = [*SMALL, "sft.warmup_steps=0", f"logging.output_dir={tmp_path}"]
     assert Trainer(load_config(overrides=base)).algorithm.ref_model is None
@@ -221,9 +221,9 @@ def test_lr_warms_up_per_grpo_step_and_restarts_with_a_stage(tmp_path, monkeypat
     over 2 steps, then 1e-3 × the warm-up again from the stage that restarts it, which also clears AdamW's state."""
     import torch
 
+    from fastgrpo.algorithms.grpo import PolicyUpdate
     from fastgrpo.config import load_config
-    from fastgrpo.grpo import PolicyUpdate
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     seen, fresh = [], []
 
@@ -258,7 +258,7 @@ def test_sequence_budget_bounds_prompt_plus_completion(tmp_path):
     """rollout.max_sequence_tokens (a stage's, here) reaches the engine: every prompt + completion of the rollout
     fits in it, and validation gets the same budget."""
     from fastgrpo.config import load_config, stage_settings
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, "sft.warmup_steps=0", "rollout.max_new_tokens=64",
                                  "stages=[{at_step: 0, max_new_tokens: 64, max_sequence_tokens: 40}]",
@@ -279,9 +279,9 @@ def test_stage_resets_the_kl_reference_and_a_resume_loads_it(tmp_path, monkeypat
     new NeMo-RL run's reference is its starting weights), also after a resume from a later checkpoint."""
     import torch
 
+    from fastgrpo.algorithms.grpo import PolicyUpdate
     from fastgrpo.config import load_config
-    from fastgrpo.grpo import PolicyUpdate
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     holder, seen = {}, []
 
@@ -343,7 +343,7 @@ def test_dynamic_sampling_generates_until_the_batch_is_full(tmp_path):
     of 6, so the third batch fills the step (6 >= 4): 12 groups dropped, the last 2 groups with signal discarded
     (4 samples), the first 4 with signal trained on, in generation order, with their own prompts."""
     from fastgrpo.config import load_config, stage_settings
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, *DS, "grpo.num_prompts_per_step=4", "grpo.batch_multiplier=1.5",
                                  f"logging.output_dir={tmp_path}"])
@@ -369,7 +369,7 @@ def test_dynamic_sampling_generates_until_the_batch_is_full(tmp_path):
 @pytest.fixture(scope="module")
 def ds_trainer(tmp_path_factory):
     from fastgrpo.config import load_config
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     return Trainer(load_config(overrides=[*SMALL, *DS, f"logging.output_dir={tmp_path_factory.mktemp('ds')}"]))
 
@@ -412,7 +412,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal(ds_trainer, data):
 
 def test_dynamic_sampling_stops_when_the_data_cannot_fill_a_step(tmp_path):
     from fastgrpo.config import load_config, stage_settings
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, *DS, "grpo.num_prompts_per_step=4", "grpo.dynamic_sampling_max_gen_batches=2",
                                  f"logging.output_dir={tmp_path}"])
@@ -439,7 +439,7 @@ def test_dynamic_sampling_config():
     cfg = load_config(overrides=["grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=1.3",
                                  "grpo.num_prompts_per_step=10"])
     assert cfg.grpo.prompts_per_gen_batch == 13 and cfg.grpo.dynamic_sampling_max_gen_batches == 10
-    from fastgrpo.grpo import check_world_size
+    from fastgrpo.algorithms.grpo import check_world_size
 
     with pytest.raises(ValueError, match=r"= 13 prompts per generation batch must be a multiple of the number"):
         check_world_size(load_config(overrides=["grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=1.3",
@@ -477,7 +477,7 @@ def _ds_worker(out: str) -> None:
 
     from fastgrpo.config import load_config, stage_settings
     from fastgrpo.distributed import barrier
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, *DS, "grpo.num_prompts_per_step=4", "grpo.batch_multiplier=2",
                                  "train.lr=1e-2", f"logging.output_dir={out}"])

@@ -18,7 +18,7 @@ from datasets import Dataset  # noqa: E402  (trl's dependency)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastgrpo.config import ModelConfig  # noqa: E402
-from fastgrpo.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from fastgrpo.models.loading import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from fastgrpo.generation import TurnResult
+from fastgrpo.engine.engine import TurnResult
 
 HANDLER_FINISHES = ("stop", "env_done", "error")
 

@@ -2,7 +2,7 @@
 
 The trainer side (:class:`EnvironmentPool`) normalises what the user passed (TRL's ``environment_factory``, a dict
 of them, a ``tools`` list, :class:`TextStepEnvironment` classes), renders the tool schemas, and sends each piece of
-work to a worker of a :class:`fastgrpo.reward_pool.RewardPool` through :meth:`RewardPool.run`: the same processes,
+work to a worker of a :class:`fastgrpo.rewards.pool.RewardPool` through :meth:`RewardPool.run`: the same processes,
 hard time limits, kills, respawns and counters as reward chunks. The worker side is the ``_task_*`` functions below
 (module-level, sent by name) and the per-worker state they keep:
 
@@ -32,8 +32,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from fastgrpo.environments.tools import ToolCall, ToolResult, cancel_pending, run_tool_calls, tool_schemas, truncate
 from fastgrpo.rewards import RewardTimeout, time_limit
-from fastgrpo.tools import ToolCall, ToolResult, cancel_pending, run_tool_calls, tool_schemas, truncate
 
 GRACE_S = 1.0  # the hard limit of a task = its soft limits + this; then the worker is killed
 MAX_OBSERVATION_CHARS = 16_384  # default cut of one tool result / step observation (~4K tokens of English)
@@ -261,7 +261,8 @@ def _step_answer(value) -> tuple[str | list[dict], float, bool, tuple[str, ...] 
 
 
 def _cut_observation(obs: str | list[dict], max_chars: int) -> tuple[str | list[dict], bool]:
-    """The observation with each text cut to ``max_chars`` (:func:`fastgrpo.tools.truncate`), and whether any was."""
+    """The observation with each text cut to ``max_chars`` (:func:`fastgrpo.environments.tools.truncate`), and whether
+    any was."""
     if isinstance(obs, str):
         return truncate(obs, max_chars)
     cut = [truncate(m["content"], max_chars) for m in obs]
@@ -333,7 +334,7 @@ def environment_modules(environment_factory=None, tools: Sequence[Callable] = ()
     worker server imports them once, before it forks (otherwise each worker imports them at its first task)."""
     factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
     objs = [f for f in factories if f is not None] + list(tools)
-    modules = ["fastgrpo.tools", __name__]
+    modules = ["fastgrpo.environments.tools", __name__]
     for obj in objs:
         module = getattr(obj, "__module__", None) or getattr(getattr(obj, "func", None), "__module__", None)
         if module and module not in modules:
@@ -342,7 +343,7 @@ def environment_modules(environment_factory=None, tools: Sequence[Callable] = ()
 
 
 class EnvironmentPool:
-    """Environments and tools run in the workers of ``pool`` (a :class:`fastgrpo.reward_pool.RewardPool` with at
+    """Environments and tools run in the workers of ``pool`` (a :class:`fastgrpo.rewards.pool.RewardPool` with at
     least one worker), with its time limits, kills and respawns.
 
     ``environment_factory``: TRL 1.16's contract (a no-argument callable returning an instance with

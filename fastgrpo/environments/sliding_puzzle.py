@@ -14,7 +14,7 @@ never undoes the one before unless ``backtrack``, as NeMo-RL's walk may) and kep
 ``min_moves`` moves exists (a breadth-first search to depth ``min_moves - 1``): with one action per turn, the optimum
 needs at least ``min_moves`` (default 3) turns. NeMo-RL's boards (``examples/run_grpo_sliding_puzzle.py``: an odd
 number of shuffle moves, any board but the solved one) are ``min_moves=1, backtrack=True``; the
-``data.synthetic_task: sliding_puzzle`` rows draw their size and shuffle moves as it does (``fastgrpo.data``).
+``data.synthetic_task: sliding_puzzle`` rows draw their size and shuffle moves as it does (``fastgrpo.data.datasets``).
 """
 
 from __future__ import annotations

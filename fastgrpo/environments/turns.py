@@ -13,11 +13,13 @@ tokenizer's special tokens (``all_special_ids``), whatever ended the turn there:
 string completed inside the special token's text (``"<|im_start|>"`` in ``<|im_start|>``). Its text is markup, not
 content: the environment does not receive it and the conversation's messages do not hold it, while the sampled ids
 keep it (log-prob, loss mask 1, as the policy saw it) and the template's end of turn follows it, less its text when
-the end of turn begins with it (:meth:`fastgrpo.chat.ChatTemplate.suffix_ids`). Any other token in whose text a
+the end of turn begins with it (:meth:`fastgrpo.environments.chat.ChatTemplate.suffix_ids`). Any other token in whose
+text a
 stop string completed is content like the rest of the turn (its text may run past the match).
 
 A text-step environment gets the text as is; otherwise its tool calls are parsed
-(:func:`fastgrpo.tools.parse_tool_calls` in the template's format) and sent to a worker: the one holding the
+(:func:`fastgrpo.environments.tools.parse_tool_calls` in the template's format) and sent to a worker: the one holding
+the
 trajectory's instance for an ``environment_factory``, any worker for a plain tools list. A turn without a tool
 call ends the trajectory ("stop"); a step that says done ends it ("env_done"); a trajectory whose instance is gone
 (its reset failed, or its worker died) ends with "error" and scores 0. Otherwise :meth:`ready` hands back the
@@ -58,8 +60,8 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fastgrpo.engine_sampling import TurnResult
-from fastgrpo.tools import ToolCall, ToolResult, error_content, parse_tool_calls
+from fastgrpo.engine.sampling import TurnResult
+from fastgrpo.environments.tools import ToolCall, ToolResult, error_content, parse_tool_calls
 
 _owners = itertools.count()
 READY_POLL_S = 0.5  # ready(block=True) wakes this often (Ctrl-C is seen while it waits)
@@ -81,7 +83,7 @@ class Trajectory:
     tool_calls: int = 0
     """Tool calls the model made, readable or not."""
     failures: Counter = field(default_factory=Counter)
-    """``"<where>/<kind>"`` -> count: tool/<kind> for :data:`fastgrpo.tools.TOOL_FAULTS`, step/<kind>,
+    """``"<where>/<kind>"`` -> count: tool/<kind> for :data:`fastgrpo.environments.tools.TOOL_FAULTS`, step/<kind>,
     reset/<kind>, get_reward/<kind> (kinds: raised, timeout, worker_died, nonfinite, mismatch; and for a step,
     malformed: its return broke the contract, the trajectory ends), instance_lost, template (the chat template
     could not append the observation after this turn: the trajectory ends)."""
@@ -110,7 +112,7 @@ class _Live:
 class EnvTurns:
     """The engine's TurnHandler for the rows of one rollout (``n`` samples each) over ``pool``.
 
-    ``template``: a :class:`fastgrpo.chat.ChatTemplate` built with ``pool.schemas()``, or a dict of them by
+    ``template``: a :class:`fastgrpo.environments.chat.ChatTemplate` built with ``pool.schemas()``, or a dict of them by
     environment name (a dict of factories exposes each environment's own tools). ``rows``: the dataset rows; the
     prompt is ``row["prompt"]`` (a string or chat messages), reset gets the row (without ``environment`` when the
     factories are a dict, as TRL passes it).

@@ -9,7 +9,7 @@ with ``B = 0`` at the start (the policy is the base). The base ``W``, ``b`` stay
 dtype too (PEFT's ``autocast_adapter_dtype`` off), so they go through the same mixed-precision path as a full
 fine-tune's weights (:class:`fastgrpo.precision.MasterAdamW`: fp32 masters and AdamW state, of the adapters only).
 
-- **Generation** (``fastgrpo.engine_forward``) computes ``x Wᵀ + b`` and then ``x Aᵀ`` then ``· Bᵀ`` per targeted
+- **Generation** (``fastgrpo.engine.forward``) computes ``x Wᵀ + b`` and then ``x Aᵀ`` then ``· Bᵀ`` per targeted
   projection over the running rows (:func:`lora_terms`: the modules' live adapters, read at the start of every
   ``generate`` call; inside one, and so inside its CUDA graphs, they do not change). Extra cost per token:
   ``2 · r · (in + out)`` flops per projection, ``2 · p`` in all: r = 64 on the seven projections of Qwen2.5-7B is

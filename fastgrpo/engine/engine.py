@@ -5,7 +5,7 @@ q/k/v/o projections with their biases, Qwen3's q_norm/k_norm, the RMSNorms, the 
 a KV cache of its own that lives only for the duration of one :meth:`GenerationEngine.generate` call, so training
 gets the memory back as soon as the rollout is done and the next rollout sees the optimizer's latest update.
 
-One call, step by step (the host bookkeeping is ``fastgrpo.scheduler.Scheduler``; this file and the ``engine_*``
+One call, step by step (the host bookkeeping is ``fastgrpo.engine.scheduler.Scheduler``; this file and the ``engine_*``
 modules listed below are the device step):
 
 1. **Pages.** The KV cache is a pool of pages ``kv: [layers, 2, Hkv, pages, page_size, D]`` (keys, values) sized
@@ -63,9 +63,9 @@ the real bound. ``engine.last_stats`` reports each call: peak_running, preemptio
 the one sampled token per resume whose K/V were not cached), re_prefill_tokens (what re-prefilling the whole
 conversation at every resumed turn would have cost, TRL's way), evictions (paused samples whose pages were freed),
 peak_paused, peak_kv_tokens, kv_capacity_tokens, page_size, and for the CPU step which weight groups ran on
-MKL-packed weights and how that was chosen (cpu_packed, cpu_packed_by, cpu_product_ms: ``fastgrpo.engine_cache``).
+MKL-packed weights and how that was chosen (cpu_packed, cpu_packed_by, cpu_product_ms: ``fastgrpo.engine.cache``).
 
-Where it lives (``fastgrpo.generation`` is the entry module; it re-exports the public names):
+Where it lives (``fastgrpo.engine.engine`` is the entry module; it re-exports the public names):
 
 - ``generation.py``: ``GenerationEngine`` (validation, ``generate``, the KV budget, the decode forward) and ``_Run``
   (one call: its scheduler, pool and row state).
@@ -78,7 +78,7 @@ Where it lives (``fastgrpo.generation`` is the entry module; it re-exports the p
 - ``engine_sampling.py``: ``SamplingParams``, ``Completion``, ``TurnHandler``/``TurnResult``, the per-sample random
   streams and the token draw.
 - ``engine_turns.py``: turn ends, stop strings, the turn handler's answers (the host side of multi-turn).
-- ``fastgrpo.scheduler``: the host bookkeeping, the one place that knows which sample is where.
+- ``fastgrpo.engine.scheduler``: the host bookkeeping, the one place that knows which sample is where.
 
 Sampling (``engine_sampling.py`` states the math): greedy, or temperature / top-k / top-p from one random stream per
 sample (its tokens do not depend on the batch, row or ``sync_every``); the logits are fp32, and the returned
@@ -95,16 +95,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from fastgrpo.engine_cache import _KVCache, _RowCacheSteps
-from fastgrpo.engine_cuda import _GraphSteps
-from fastgrpo.engine_forward import LM_HEAD_CHUNK, _ModelPieces, _Ops
-from fastgrpo.engine_loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
-from fastgrpo.engine_sampling import Completion, SamplingParams, TurnHandler, TurnResult, _use_fused_sampling
-from fastgrpo.engine_turns import _TurnSteps
+from fastgrpo.engine.cache import _KVCache, _RowCacheSteps
+from fastgrpo.engine.cuda_graphs import _GraphSteps
+from fastgrpo.engine.forward import LM_HEAD_CHUNK, _ModelPieces, _Ops
+from fastgrpo.engine.loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
+from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult, _use_fused_sampling
+from fastgrpo.engine.scheduler import Scheduler
+from fastgrpo.engine.turns import _TurnSteps
 from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
-from fastgrpo.lora import check_modules, unwrap_peft
-from fastgrpo.scheduler import Scheduler
+from fastgrpo.models.lora import check_modules, unwrap_peft
 
 __all__ = [
     "GenerationEngine", "SamplingParams", "Completion", "TurnHandler", "TurnResult", "PREFILL_CHUNK_TOKENS",
@@ -147,7 +147,7 @@ class GenerationEngine(_ModelPieces):
             = when it holds no more tokens than the KV budget (``max_total_tokens``). Ignored on CUDA.
         cpu_packed: on CPU (fp32, MKL), run the LM head's, MLP's and q/k/v's products on weights packed for MKL's
             GEMM (True) or as plain products (False); None = ``FASTGRPO_CPU_PACKED`` (0, 1, or auto: each weight
-            group's two products timed once per process and shapes, the faster kept; see ``fastgrpo.engine_cache``).
+            group's two products timed once per process and shapes, the faster kept; see ``fastgrpo.engine.cache``).
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
@@ -169,7 +169,7 @@ class GenerationEngine(_ModelPieces):
         cpu_packed: bool | None = None,
         tokenizer=None,
     ):
-        model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.lora)
+        model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.models.lora)
         check_modules(model)
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
@@ -260,9 +260,9 @@ class GenerationEngine(_ModelPieces):
         in-place update outside inference mode). A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
         "stop"), at the token that completes the first ``params.stop_strings`` match in its decoded text ("stop";
-        see ``fastgrpo.engine_turns``), or after ``params.response_limit(len(prompt))`` tokens (reason "length").
+        see ``fastgrpo.engine.turns``), or after ``params.response_limit(len(prompt))`` tokens (reason "length").
 
-        ``turns`` (multi-turn, see ``fastgrpo.engine_turns``): a sample whose turn ends at one of those boundaries
+        ``turns`` (multi-turn, see ``fastgrpo.engine.turns``): a sample whose turn ends at one of those boundaries
         pauses with its KV pages kept while the others go on decoding, and ``turns.start(key, turn_ids, turn_text)``
         is called; the handler's answer (``turns.ready``) ends the trajectory or gives tokens to append, which are
         prefilled into the sample's pages against its cached K/V, and decoding resumes. ``params.max_new_tokens``
@@ -307,7 +307,7 @@ class GenerationEngine(_ModelPieces):
 
         was_training = model.training
         model.eval()
-        self._read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.lora)
+        self._read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
         try:
             with torch.inference_mode(), self._autocast(device, dtype, param.dtype):
                 cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
@@ -449,7 +449,7 @@ def _use_fused_attention(t: torch.Tensor) -> bool:
 
 
 class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
-    """One ``generate`` call: the device step driven by a :class:`~fastgrpo.scheduler.Scheduler` (one wave)."""
+    """One ``generate`` call: the device step driven by a :class:`~fastgrpo.engine.scheduler.Scheduler` (one wave)."""
 
     def __init__(self, engine: GenerationEngine, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget,
                  turns=None, max_context=None):

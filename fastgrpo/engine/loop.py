@@ -1,7 +1,7 @@
-"""The host loop of one ``generate`` call (``_DecodeLoop``, a mixin of ``fastgrpo.generation._Run``): every
+"""The host loop of one ``generate`` call (``_DecodeLoop``, a mixin of ``fastgrpo.engine.engine._Run``): every
 ``sync_every`` steps it reads the flags and counts (and, with stop strings, the newest tokens), ends the turns of
-finished samples (``fastgrpo.engine_turns``: finish, or pause for the turn handler), lets the scheduler grow,
-preempt, compact, take the handler's answers and admit (``fastgrpo.scheduler.Scheduler`` is the one place that
+finished samples (``fastgrpo.engine.turns``: finish, or pause for the turn handler), lets the scheduler grow,
+preempt, compact, take the handler's answers and admit (``fastgrpo.engine.scheduler.Scheduler`` is the one place that
 knows which sample is where), prefills admitted prompts in packed chunks and resumed samples' appended tokens onto
 their cached K/V, samples first tokens, rebuilds the block tables when they change, then runs ``sync_every`` decode
 steps without reading anything back. The rows' device state is ``_RowState``.
@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from fastgrpo.engine_sampling import Completion, _row_seeds, _sample, _sample_streams, _stream_uniforms
-from fastgrpo.engine_turns import _Traj
-from fastgrpo.scheduler import Admission
+from fastgrpo.engine.sampling import Completion, _row_seeds, _sample, _sample_streams, _stream_uniforms
+from fastgrpo.engine.scheduler import Admission
+from fastgrpo.engine.turns import _Traj
 
 PREFILL_CHUNK_TOKENS = 16384  # prompts are prefilled in packed chunks of at most this many tokens (bounds activations)
 

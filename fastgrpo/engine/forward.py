@@ -1,8 +1,8 @@
 """The model pieces of the engine's device step: the layer's projections, attention of a packed prefill, the MLP, the
 final norm and the fp32 LM head, read from the model's own parameter tensors (``_ModelPieces``, a base of
-``fastgrpo.generation.GenerationEngine``), and the elementwise ops ``torch.compile`` fuses on CUDA (``_Ops``).
+``fastgrpo.engine.engine.GenerationEngine``), and the elementwise ops ``torch.compile`` fuses on CUDA (``_Ops``).
 The decode forward, which picks the attention path, is ``GenerationEngine._decode_forward``.
-Tensor names carry their shape (the letters of ``fastgrpo.generation``: N packed tokens, M rows, H hidden, V vocab).
+Tensor names carry their shape (the letters of ``fastgrpo.engine.engine``: N packed tokens, M rows, H hidden, V vocab).
 """
 
 from __future__ import annotations
@@ -15,22 +15,23 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.lora import lora_terms
+from fastgrpo.models.lora import lora_terms
 
 if TYPE_CHECKING:
-    from fastgrpo.engine_cache import _Workspace
+    from fastgrpo.engine.cache import _Workspace
 
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
 
 class _ModelPieces:
-    """The forward pieces of :class:`~fastgrpo.generation.GenerationEngine` (its attributes: model, layers, head
+    """The forward pieces of :class:`~fastgrpo.engine.engine.GenerationEngine` (its attributes: model, layers, head
     counts, scale, qk_norm, silu, _compile, _compiled_ops)."""
 
     _lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per generate call
 
     def _read_adapters(self) -> None:
-        """Read every projection's live LoRA adapters (:func:`fastgrpo.lora.lora_terms`) for one ``generate`` call,
+        """Read every projection's live LoRA adapters (:func:`fastgrpo.models.lora.lora_terms`) for one ``generate``
+        call,
         in which they do not change: the step then looks them up instead of walking PEFT's properties (~20 µs a
         projection) at every layer and step; empty for a model without adapters."""
         self._lora = {m: t for layer in self.layers for m in layer.modules() if (t := lora_terms(m))}

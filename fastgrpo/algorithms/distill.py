@@ -12,7 +12,8 @@ Per completion token ``t`` of a sampled sequence (``h`` / ``g`` the student's / 
                    (Thinking Machines' on-policy distillation, NeMo-RL's MOPD with one teacher)
 
 ``agg`` is the token aggregation of ``grpo.loss_type`` (``LOSS_REDUCTION``: dapo's global token mean for the default),
-re-weighted over micro-batches and ranks as the GRPO loss is (``fastgrpo.grpo``), so one and W processes give the
+re-weighted over micro-batches and ranks as the GRPO loss is (``fastgrpo.algorithms.grpo``), so one and W processes
+give the
 same loss. In sampled-token mode ``logp_student`` is the engine's log-prob of the sampled token (the distribution it
 was drawn from, as Thinking Machines' sampler log-probs) and ``logp_teacher`` the teacher's at the same temperature
 (``masked_linear_logprobs`` on its hidden state, over its first V head rows); ``A_t`` is a constant, so on the first
@@ -25,7 +26,7 @@ the teacher (2·V·Ht) and the GRPO loss.
 
 The teacher (``distill.teacher_path``: a Hugging Face directory, e.g. a fastgrpo checkpoint, or a fastgrpo run
 directory) is loaded in the compute dtype ``model.dtype``, frozen, and runs the packed no-grad forward to its last
-hidden state (``fastgrpo.grpo.packed_forward``): in full mode on each micro-batch right before the student's
+hidden state (``fastgrpo.algorithms.grpo.packed_forward``): in full mode on each micro-batch right before the student's
 forward, in sampled-token mode on the rollout's micro-batches before the update (every rank the same number of
 forwards). Under ``train.strategy: fsdp2`` it is sharded like the student (each decoder layer, then the root) in its
 own dtype (no fp32 masters: it never steps); otherwise every rank holds a full copy, as GRPO's KL reference.
@@ -59,14 +60,14 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.algorithms.grpo import GRPO, PolicyUpdate, Sample, _call, make_microbatch, packed_forward
 from fastgrpo.checkpoint import latest_checkpoint
 from fastgrpo.config import Config, ModelConfig
 from fastgrpo.distributed import all_reduce, print0, wrap_model
-from fastgrpo.grpo import GRPO, PolicyUpdate, Sample, _call, make_microbatch, packed_forward
 from fastgrpo.kernels.distill_loss import fused_linear_distill_loss
 from fastgrpo.kernels.grpo_options import LOSS_REDUCTION
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
-from fastgrpo.packing import plan_microbatches
+from fastgrpo.models.packing import plan_microbatches
 
 DISTILL_METRICS = ("distill/divergence", "distill/teacher_logp", "distill/student_logp")
 
@@ -119,7 +120,7 @@ def train_teacher(spec: str, output_dir: str) -> None:
     overrides) to its end with ``output_dir`` as its run directory, in this process (every rank together). The
     caller's RNG states and CPU thread count are restored afterwards, so the student's run does not depend on
     whether its teacher was trained now or earlier."""
-    from fastgrpo.train import Trainer
+    from fastgrpo.trainer import Trainer
 
     cfg = teacher_recipe_config(spec, f"logging.output_dir={output_dir}")
     print0(f"distill.teacher_recipe: training the teacher (--recipe {spec}) into {output_dir}")
@@ -136,7 +137,7 @@ def train_teacher(spec: str, output_dir: str) -> None:
 def load_teacher(cfg: Config, state, tokenizer):
     """``(teacher, vocab_size)``: the frozen teacher as a module whose call is ``packed_forward`` (FSDP2-sharded when
     the student is), and the real vocabulary both softmaxes use (the student's tokenizer size)."""
-    from fastgrpo.models import load_model
+    from fastgrpo.models.loading import load_model
 
     d = cfg.distill
     if d.teacher_recipe and not teacher_trained(d.teacher_recipe, d.teacher_path):

@@ -12,7 +12,7 @@ and ``cu_seqlens`` passed as transformers' flash-attention keyword arguments (``
 sequence sees only itself and the result equals running every sequence alone. CUDA tensors go through the Triton
 kernel; CPU tensors through its per-sequence SDPA path (also under ``TRITON_INTERPRET=1``, which is for the
 kernel's own tests). :func:`packed_hidden_states`
-does all of this for a :class:`~fastgrpo.packing.PackedBatch`.
+does all of this for a :class:`~fastgrpo.models.packing.PackedBatch`.
 
 Calls that are not packed training forwards still work: without ``cu_seq_lens_*`` the offsets come from
 ``position_ids`` (a new sequence wherever the position restarts at 0) or, failing that, every batch row is one
@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from fastgrpo.kernels.varlen_attention import varlen_attention_torch, varlen_attention_unchecked
-from fastgrpo.packing import PackedBatch
+from fastgrpo.models.packing import PackedBatch
 
 ATTN_IMPLEMENTATION = "fastgrpo_varlen"
 

@@ -1,5 +1,5 @@
 """The CUDA graph path of the decode step: one graph per batch-size bucket, captured on first use, replayed every
-step, writing one logits buffer (``_GraphSteps``, a mixin of ``fastgrpo.generation._Run``). Off CUDA, or with
+step, writing one logits buffer (``_GraphSteps``, a mixin of ``fastgrpo.engine.engine._Run``). Off CUDA, or with
 ``cuda_graphs=False``, the step runs the decode forward eagerly. The graphs and their pool live for one
 ``generate`` call.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.engine_cache import _KVCache
+from fastgrpo.engine.cache import _KVCache
 
 
 class _GraphSteps:

@@ -1,6 +1,7 @@
 """Policy models: any local Hugging Face causal LM, or the built-in tiny model for the demo.
 
-The training forward never runs the LM head as a module: :func:`fastgrpo.attention.packed_hidden_states` gives the
+The training forward never runs the LM head as a module: :func:`fastgrpo.models.attention.packed_hidden_states` gives
+the
 final hidden states ``[N, H]`` of a packed batch and :func:`lm_head_params` hands the head's weight ``[V, H]`` (tied
 to the embedding or not) and bias to the fused loss kernels.
 
@@ -29,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.attention import enable_packed_attention
 from fastgrpo.config import LoRAConfig, ModelConfig
 from fastgrpo.distributed import barrier, is_main_process
-from fastgrpo.lora import adapter_base, apply_lora, is_adapter_dir
+from fastgrpo.models.attention import enable_packed_attention
+from fastgrpo.models.lora import adapter_base, apply_lora, is_adapter_dir
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -126,7 +127,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
     ``cfg.path == "tiny"`` builds the built-in model; otherwise ``cfg.path`` must be a local directory holding a
     Hugging Face causal LM and its tokenizer (Qwen2/2.5/3, Llama, ...), or a PEFT adapter (a LoRA checkpoint of
     fastgrpo's): its ``base_model_name_or_path`` is loaded and the adapter applied, as ``model.lora.path``.
-    ``cfg.lora``: PEFT LoRA adapters on the frozen base (:func:`fastgrpo.lora.apply_lora`); their
+    ``cfg.lora``: PEFT LoRA adapters on the frozen base (:func:`fastgrpo.models.lora.apply_lora`); their
     ``base_model_name_or_path`` is ``cfg.path``, or for the tiny model ``base_dir``, where the main process saves
     the base once (HF format, with the tokenizer) when it is not there yet.
     """

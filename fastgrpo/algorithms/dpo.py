@@ -32,7 +32,7 @@ reward is exactly 0 there, on every path. From the second step on the policy has
 asked for. Otherwise a frozen copy of the starting policy (a second set of
 weights on every rank: 3 GB for a 1.5B model in bf16) computes them in every step; when the warm-up changed the
 weights, that copy is also written to ``<run dir>/dpo_reference.safetensors`` for a resume.
-With ``model.lora`` the reference is the base, the policy with its adapters disabled (``fastgrpo.lora``; TRL's
+With ``model.lora`` the reference is the base, the policy with its adapters disabled (``fastgrpo.models.lora``; TRL's
 convention with PEFT), in both modes, with no copy (with ``model.lora.path``: the base, not that adapter).
 
 Metrics (TRL's names): ``loss``, ``rewards/chosen`` = mean β(π_c − ref_c), ``rewards/rejected``,
@@ -53,7 +53,9 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.data import PreferencePair, SFTExample, load_response_datasets
+from fastgrpo.algorithms.grpo import _call, _no_grad_forward, packed_forward
+from fastgrpo.algorithms.sft import LMBatch, clip_and_step, lm_batch, same_count
+from fastgrpo.data.datasets import PreferencePair, SFTExample, load_response_datasets
 from fastgrpo.distributed import (
     ForwardWrapper,
     all_reduce,
@@ -63,12 +65,10 @@ from fastgrpo.distributed import (
     print0,
     unwrap_model,
 )
-from fastgrpo.grpo import _call, _no_grad_forward, packed_forward
 from fastgrpo.kernels.dpo_loss import fused_linear_dpo_loss
-from fastgrpo.lora import adapters_disabled, is_lora
-from fastgrpo.packing import plan_microbatches
+from fastgrpo.models.lora import adapters_disabled, is_lora
+from fastgrpo.models.packing import plan_microbatches
 from fastgrpo.precision import accumulate, train_mode
-from fastgrpo.sft import LMBatch, clip_and_step, lm_batch, same_count
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -211,7 +211,7 @@ class DPO:
         ``path`` None, the live policy's (after a warm-up)."""
         from safetensors.torch import load_model as load_weights
 
-        from fastgrpo.models import load_model
+        from fastgrpo.models.loading import load_model
 
         st = self.trainer.state
         if self.base_reference:  # no copy: _reference runs the policy with its adapters disabled

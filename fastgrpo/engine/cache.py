@@ -1,7 +1,7 @@
 """The per-``generate`` memory of the engine: the KV page pool (``_KVCache``) and, on the eager (CPU) path, the row
 cache and reused step buffers (``_Workspace``), with the ``_Run`` steps that size the workspace and refresh its rows
 from the pages (``_RowCacheSteps``). Which sequence owns which row and pages is the scheduler's
-(``fastgrpo.scheduler``); this file only copies K/V where the block tables say.
+(``fastgrpo.engine.scheduler``); this file only copies K/V where the block tables say.
 
 **Choices made per host.** Whether the CPU step runs a weight group's products (the LM head, the MLP, the stacked
 q/k/v) on copies packed for MKL's GEMM or as plain products is measured, not assumed: packing, which saved an
@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from fastgrpo.engine_forward import _EAGER_OPS, mkl_packed_gemm
-from fastgrpo.engine_sampling import SamplingParams, _sample
+from fastgrpo.engine.forward import _EAGER_OPS, mkl_packed_gemm
+from fastgrpo.engine.sampling import SamplingParams, _sample
 
 
 @dataclass
@@ -216,7 +216,7 @@ class _Workspace(NamedTuple):
     **Products.** fp32 with MKL, the weight groups in ``packed`` (the LM head, the MLP, the stacked q/k/v: chosen
     per host, see the module docstring) run on copies of their weights packed for MKL's GEMM at the step's row
     count (``packs``: module -> {rows: packed weight}, filled on first use by
-    :func:`~fastgrpo.engine_forward._packed_linear`, at most two row counts kept per weight; an attention module ->
+    :func:`~fastgrpo.engine.forward._packed_linear`, at most two row counts kept per weight; an attention module ->
     its q/k/v weights stacked, their bias, their packs), so at most about three times those weights' bytes, freed
     with the workspace: the packs always match the weights of this call.
     The step writes the MLP activations and logits of the groups not packed into reused buffers instead of fresh
@@ -232,7 +232,7 @@ class _Workspace(NamedTuple):
 
 
 class _RowCacheSteps:
-    """The ``_Run`` steps of the CPU row cache (a mixin of ``fastgrpo.generation._Run``)."""
+    """The ``_Run`` steps of the CPU row cache (a mixin of ``fastgrpo.engine.engine._Run``)."""
 
     def _workspace(self, R: int, max_keys: int) -> _Workspace:
         """The eager decode step's row cache and buffers for ``R`` rows of at most ``max_keys`` keys (see

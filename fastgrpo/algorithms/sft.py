@@ -1,7 +1,7 @@
 """Supervised fine-tuning on the trainer's loop (``algorithm: sft``), and the supervised warm-up before GRPO / DPO.
 
 Loss of one step over the examples of every rank, each a token sequence with a loss mask (completion or assistant
-tokens: ``fastgrpo.data.SFTExample``), with ``C`` the number of trained tokens of the whole step (all ranks)::
+tokens: ``fastgrpo.data.datasets.SFTExample``), with ``C`` the number of trained tokens of the whole step (all ranks)::
 
     L = (1 / C) Σ_examples Σ_{t : mask_t} −log p(y_t | y_<t)
 
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.data import SFTExample, load_response_datasets
+from fastgrpo.algorithms.grpo import _call, _local, _no_grad_forward
+from fastgrpo.data.datasets import SFTExample, load_response_datasets
 from fastgrpo.distributed import all_reduce, print0
-from fastgrpo.grpo import _call, _local, _no_grad_forward
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
-from fastgrpo.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches
 from fastgrpo.precision import accumulate, make_optimizer, optimizer_params, train_mode
 
 

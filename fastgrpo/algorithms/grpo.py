@@ -58,17 +58,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.attention import packed_hidden_states
 from fastgrpo.config import Config, RewardScalingConfig
 from fastgrpo.distributed import ForwardWrapper, all_reduce, broadcast_object, print0, reduce_metrics, unwrap_model
-from fastgrpo.generation import Completion, SamplingParams
+from fastgrpo.engine.engine import Completion, SamplingParams
 from fastgrpo.kernels.grpo_options import LOSS_POLICY, LOSS_REDUCTION, POLICY_METRICS
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
-from fastgrpo.lora import adapters_disabled, is_lora
-from fastgrpo.models import lm_head_params
-from fastgrpo.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.models.attention import packed_hidden_states
+from fastgrpo.models.loading import lm_head_params
+from fastgrpo.models.lora import adapters_disabled, is_lora
+from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches
 from fastgrpo.precision import accumulate, optimizer_params, train_mode
 from fastgrpo.rewards import RewardResult, add_faults
 
@@ -271,7 +271,7 @@ def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
 
 
 def plan(samples: list[Sample], max_tokens: int, device: torch.device) -> list[MicroBatch]:
-    """Micro-batches of at most ``max_tokens`` tokens (``fastgrpo.packing.plan_microbatches``)."""
+    """Micro-batches of at most ``max_tokens`` tokens (``fastgrpo.models.packing.plan_microbatches``)."""
     groups = plan_microbatches([len(s.tokens) for s in samples], max_tokens)
     return [make_microbatch([samples[i] for i in g], device) for g in groups]
 
@@ -515,10 +515,11 @@ class GRPO:
     ``trainer`` gives the wrapped model, optimizer, scheduler, tokenizer, generation (``trainer.generate``) and the
     shared avg@k validation (``trainer.accuracy_eval``). The frozen reference model (β > 0 in the config or a
     stage) is ``model.path`` loaded again: the initial weights (with ``model.lora``: no second model, the policy
-    with its adapters disabled, ``fastgrpo.lora.adapters_disabled``); from a stage with ``reset_reference`` on, the
+    with its adapters disabled, ``fastgrpo.models.lora.adapters_disabled``); from a stage with ``reset_reference`` on,
+    the
     policy's weights at that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in
     :meth:`state_dict`, so a resumed run loads them back). Rewards are scored by a
-    :class:`fastgrpo.reward_pool.RewardPool` (its workers start here, during the model set-up and warm-up; the
+    :class:`fastgrpo.rewards.pool.RewardPool` (its workers start here, during the model set-up and warm-up; the
     trainer calls :meth:`close`).
     """
 
@@ -527,9 +528,9 @@ class GRPO:
     check_world_size = staticmethod(check_world_size)
 
     def __init__(self, trainer):
-        from fastgrpo.data import load_datasets
-        from fastgrpo.models import load_model
-        from fastgrpo.reward_pool import RewardPool, default_num_workers
+        from fastgrpo.data.datasets import load_datasets
+        from fastgrpo.models.loading import load_model
+        from fastgrpo.rewards.pool import RewardPool, default_num_workers
 
         cfg, st = trainer.cfg, trainer.state
         self.trainer = trainer
@@ -541,15 +542,15 @@ class GRPO:
             workers = default_num_workers(busy, int(os.environ.get("LOCAL_WORLD_SIZE", st.world_size)))
         self.envs = self.templates = None
         preload: list[str] = []
-        if cfg.env.enabled:  # multi-turn: the environments run in the reward workers (fastgrpo.multiturn)
+        if cfg.env.enabled:  # multi-turn: the environments run in the reward workers (fastgrpo.environments.rollout)
             from fastgrpo.environments import environment_modules
-            from fastgrpo.multiturn import env_objects
+            from fastgrpo.environments.rollout import env_objects
 
             factory, tools = env_objects(cfg)
             preload = environment_modules(factory, tools)
         self.rewards = RewardPool(cfg.reward, workers, preload=preload)
         if cfg.env.enabled:
-            from fastgrpo.multiturn import build_environments, build_templates
+            from fastgrpo.environments.rollout import build_environments, build_templates
 
             self.envs = build_environments(cfg, self.rewards, factory, tools)
             self.templates = build_templates(self.envs, trainer.tokenizer)
@@ -578,12 +579,12 @@ class GRPO:
 
     def warmup_examples(self):
         """The supervised warm-up's examples (each prompt and its reference completion: the answer in
-        ``\\boxed{}`` and EOS) and the completions alone (``fastgrpo.sft.sft_warmup``)."""
-        from fastgrpo.data import SFTExample, sft_completion
+        ``\\boxed{}`` and EOS) and the completions alone (``fastgrpo.algorithms.sft.sft_warmup``)."""
+        from fastgrpo.data.datasets import SFTExample, sft_completion
 
         tok = self.trainer.tokenizer
         if self.cfg.sft.warmup_format == "tool_calls":  # whole tool-calling conversations, as a rollout builds them
-            from fastgrpo.data import tool_tiny_warmup
+            from fastgrpo.data.datasets import tool_tiny_warmup
 
             return tool_tiny_warmup(self.train_data.rows, self.templates, self.cfg.data)
         responses = [tok(sft_completion(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -637,7 +638,7 @@ class GRPO:
         the environment's reward (a game's solve rate)."""
         if self.envs is None:
             return None
-        from fastgrpo.multiturn import env_rows, generate_trajectories, multi_turn_params
+        from fastgrpo.environments.rollout import env_rows, generate_trajectories, multi_turn_params
 
         def sample(indices: list[int], params: SamplingParams):
             rows = env_rows([self.held_out.rows[i] for i in indices], self.cfg)
@@ -672,7 +673,7 @@ class GRPO:
                                 seed=(cfg.train.seed * SEED_STRIDE + t.step + batch * DS_SEED_STRIDE) * 1024 + st.rank)
         columns = self.train_data.columns(idx)  # column -> one value per prompt
         if self.envs is not None:
-            from fastgrpo.multiturn import env_rows, multi_turn_params
+            from fastgrpo.environments.rollout import env_rows, multi_turn_params
 
             params = multi_turn_params(params, cfg, self.envs)
             rows = env_rows([self.train_data.rows[i] for i in idx], cfg)
@@ -689,7 +690,7 @@ class GRPO:
                 prompt_texts = [t.tokenizer.decode(p) for p in prompts]
                 outs = t.generate(prompts, params, on_group_done=score)
             else:  # the prompts come from the environments' resets; rewards score the final transcripts
-                from fastgrpo.multiturn import generate_trajectories, trajectory_sums
+                from fastgrpo.environments.rollout import generate_trajectories, trajectory_sums
 
                 prompts, outs, trajs, handler_metrics = generate_trajectories(t.generate, self.envs, self.templates,
                                                                               rows, params)
@@ -826,7 +827,7 @@ class GRPO:
         if cfg.reward_shaping.enabled:
             m["reward_shaping/penalty_mean"] = totals["penalty"] / n
         if self.envs is not None:
-            from fastgrpo.multiturn import step_metrics
+            from fastgrpo.environments.rollout import step_metrics
 
             m.update(step_metrics(totals, n))
         if g.use_dynamic_sampling:  # the same on every rank (counted over all of them)

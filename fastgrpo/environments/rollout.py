@@ -10,7 +10,7 @@ plus the reward functions on the final transcript (the decoded completion: turns
 are per trajectory over the GRPO group; the loss mask is 1 on exactly the tokens the policy sampled.
 
 Metrics (per step; every rank logs the same keys): ``env/turns_mean`` and ``env/turns/max``, ``env/tool_calls``
-(per trajectory), ``env/tool_failures/<kind>`` (summed, a kind of :data:`fastgrpo.tools.TOOL_FAULTS`),
+(per trajectory), ``env/tool_failures/<kind>`` (summed, a kind of :data:`fastgrpo.environments.tools.TOOL_FAULTS`),
 ``env/failures/<where>`` (reset, step, get_reward, instance_lost, template), ``env/finish/<reason>`` (fractions),
 ``env/truncated``, ``env/reward_mean``, ``time/env`` and ``time/env_wait``; from the engine's ``last_stats``,
 ``generation/resume_prefill_tokens/sum`` (the tokens prefilled to resume turns: observations and template suffixes)
@@ -29,8 +29,8 @@ import importlib
 from dataclasses import replace
 
 from fastgrpo.config import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS, Config
-from fastgrpo.engine_sampling import SamplingParams
-from fastgrpo.tools import TOOL_FAULTS
+from fastgrpo.engine.sampling import SamplingParams
+from fastgrpo.environments.tools import TOOL_FAULTS
 
 FINISH_REASONS = ("stop", "length", "max_turns", "env_done", "error")
 FAILURE_PLACES = ("reset", "step", "get_reward", "instance_lost", "template")
@@ -76,7 +76,7 @@ def build_environments(cfg: Config, pool, factory, tools):
 def build_templates(envs, tokenizer):
     """The chat template of each environment (its tools rendered in the prompt): one, or a dict by name. Raises at
     start-up, naming the template, when it does not preserve the prefix on re-render."""
-    from fastgrpo.chat import ChatTemplate
+    from fastgrpo.environments.chat import ChatTemplate
 
     if envs.multi:
         return {name: ChatTemplate(tokenizer, envs.schemas(name) or None) for name in envs.environments}
@@ -86,7 +86,7 @@ def build_templates(envs, tokenizer):
 def env_rows(rows: list[dict], cfg: Config) -> list[dict]:
     """Dataset rows as the environments see them: ``prompt`` as the chat messages of ``data.prompt_template`` and
     ``data.system_prompt`` (what the single-turn prompt renders), the other columns unchanged."""
-    from fastgrpo.data import prompt_messages
+    from fastgrpo.data.datasets import prompt_messages
 
     return [{**r, "prompt": prompt_messages(r["prompt"], cfg.data) if isinstance(r["prompt"], str) else r["prompt"]}
             for r in rows]

@@ -1,7 +1,7 @@
-"""The host side of multi-turn rollouts and stop strings (``_TurnSteps``, a mixin of ``fastgrpo.generation._Run``):
+"""The host side of multi-turn rollouts and stop strings (``_TurnSteps``, a mixin of ``fastgrpo.engine.engine._Run``):
 what happens when a sample reaches the end of a turn, the turn handler's answers, and the stop-string match on the
 decoded tail of a turn. The device step knows nothing of turns: a paused sample simply has no row, and a resumed
-one is admitted like a new sample whose context is already (mostly) in its pages (``fastgrpo.scheduler``).
+one is admitted like a new sample whose context is already (mostly) in its pages (``fastgrpo.engine.scheduler``).
 
 A trajectory, in order: prompt, turn 1 (sampled), observation 1 (appended), turn 2, ... Its host state besides the
 scheduler's is a ``_Traj``: every token after the prompt with its log-prob and loss-mask bit, how many tokens the
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastgrpo.engine_sampling import HANDLER_FINISH_REASONS, Completion, TurnResult
+from fastgrpo.engine.sampling import HANDLER_FINISH_REASONS, Completion, TurnResult
 
 
 @dataclass(eq=False)

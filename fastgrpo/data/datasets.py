@@ -300,7 +300,8 @@ def sft_completion(answer: str) -> str:
 # data.synthetic_num_terms 2 and data.synthetic_max_value 99, too hard for the tiny model to add alone), answered by
 # calling the adder tool ``add(a, b)`` and reading its result. A demonstration calls ``add`` once per "+" (``a``: the
 # running sum, ``b``: the next term), then gives the last result in \boxed{}. The supervised warm-up trains on whole
-# demonstrations built exactly as a rollout builds the trajectory (fastgrpo.chat: the prompt's ids, the assistant's
+# demonstrations built exactly as a rollout builds the trajectory (fastgrpo.environments.chat: the prompt's ids, the
+# assistant's
 # tokens, the template suffixes), so it trains the very token sequences GRPO then samples and scores.
 
 ADD_TOOL = "add"
@@ -335,7 +336,8 @@ def _assistant_text(template, conversation: list[dict], message: dict) -> str:
 def conversation_example(template, messages: list[dict]) -> SFTExample:
     """A demonstration as a rollout's token sequence, with its loss mask.
 
-    ``template``: a :class:`fastgrpo.chat.ChatTemplate` (holding the tools). ``messages``: the prompt messages, then
+    ``template``: a :class:`fastgrpo.environments.chat.ChatTemplate` (holding the tools). ``messages``: the prompt
+    messages, then
     assistant turns (content and/or ``tool_calls``) each followed by the messages the environment answers with
     (tool results, user messages), ending with an assistant turn. The sequence is ``template.prompt_ids`` of the
     prompt, then per assistant turn its text's tokens and the EOS that ends the turn (when the template's end of turn
@@ -370,7 +372,7 @@ def conversation_example(template, messages: list[dict]) -> SFTExample:
 
 
 def tool_tiny_warmup(rows: list[dict], template, cfg: DataConfig) -> tuple[list[SFTExample], list[list[int]]]:
-    """The tool-tiny supervised warm-up, in the shape ``GRPO.warmup_examples`` returns for ``fastgrpo.sft.
+    """The tool-tiny supervised warm-up, in the shape ``GRPO.warmup_examples`` returns for ``fastgrpo.algorithms.sft.
     sft_warmup``: each row's demonstration (:func:`conversation_example` of :func:`tool_tiny_conversation`), and
     each row's answer given directly (``\\boxed{}`` and EOS, no tool call), the responses that ``sft.answer_noise``
     swaps in after the prompt: a warmed-up policy then sometimes answers without the tool, mostly wrongly."""

@@ -8,7 +8,7 @@ A packed batch of B sequences with lengths ``L_0 … L_{B-1}`` is one row of ``N
     max_seqlen             max_b L_b (the attention kernel sizes its grid with it)
 
 This is the layout of FlashAttention's varlen API and of transformers' flash-attention keyword arguments
-(``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``); :mod:`fastgrpo.attention` feeds it to
+(``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k``); :mod:`fastgrpo.models.attention` feeds it to
 Hugging Face models.
 """
 

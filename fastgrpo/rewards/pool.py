@@ -104,7 +104,7 @@ PIPELINE_DEPTH = 2  # tasks sent ahead to a worker: the next one waits in its pi
 GATHER_POLL_S = 0.5  # gather() wakes this often, so Ctrl-C is seen while it waits
 PID = struct.Struct("q")  # the server's answer to a fork request: the new worker's pid
 SERVER_CODE = ("import json, sys; a = json.loads(sys.argv[1]); sys.path[:] = a.pop('sys_path'); "
-               "from fastgrpo.reward_pool import _server_main; _server_main(**a)")
+               "from fastgrpo.rewards.pool import _server_main; _server_main(**a)")
 
 
 def default_num_workers(busy_cores_per_rank: int, local_world_size: int) -> int:

@@ -1,0 +1,47 @@
+"""Rewards: the built-in reward functions and how completions are scored.
+
+- :mod:`fastgrpo.rewards.functions`: the TRL-convention functions ``f(prompts, completions, **columns)``
+  (``math_reward``, ``format_reward``) and their helpers.
+- :mod:`fastgrpo.rewards.scoring`: names resolved to functions, chunked calls with faults counted, the weighted sum
+  (:class:`RewardSet`, in the training process).
+- :mod:`fastgrpo.rewards.pool`: :class:`~fastgrpo.rewards.pool.RewardPool`, the same scoring in worker processes.
+
+Everything below is importable from ``fastgrpo.rewards``; the package imports neither torch nor Triton, so a
+reward worker (or a user's reward module) stays light.
+"""
+
+from fastgrpo.rewards.functions import (
+    BOXED,
+    BUILTINS,
+    VERDICT_CACHE_SIZE,
+    RewardTimeout,
+    clear_caches,
+    fast_verdict,
+    format_reward,
+    last_boxed,
+    math_reward,
+    math_score,
+    parsed_gold,
+    time_limit,
+)
+from fastgrpo.rewards.scoring import (
+    CHUNK_SIZE,
+    FAULTS,
+    RewardResult,
+    RewardSet,
+    add_faults,
+    chunk_bounds,
+    combine,
+    function_name,
+    load_functions,
+    no_scores,
+    resolve,
+    score_chunk,
+)
+
+__all__ = [
+    "BOXED", "BUILTINS", "CHUNK_SIZE", "FAULTS", "VERDICT_CACHE_SIZE", "RewardResult", "RewardSet", "RewardTimeout",
+    "add_faults", "chunk_bounds", "clear_caches", "combine", "fast_verdict", "format_reward", "function_name",
+    "last_boxed", "load_functions", "math_reward", "math_score", "no_scores", "parsed_gold", "resolve",
+    "score_chunk", "time_limit",
+]
