@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.pop("TRITON_INTERPRET", None)
 
 import common  # noqa: E402
-import fastgrpo.kernels._utils as kernel_utils  # noqa: E402  (after TRITON_INTERPRET)
+import fastgrpo.kernels.utils as kernel_utils  # noqa: E402  (after TRITON_INTERPRET)
 import triton  # noqa: E402
 from common import DEVICE, copy_bandwidth_gbps, device_name, git_sha, matmul_tflops  # noqa: E402
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from common import DEVICE, SMOKE_DTYPE, check_same, dtype_name, measure, sizes
-from fastgrpo.kernels._utils import pad_packed, seq_index, unpad_padded
+from fastgrpo.kernels.utils import pad_packed, seq_index, unpad_padded
 from fastgrpo.kernels.varlen_attention import varlen_attention
 
 DOCS = {"cuda": [16384, 8192, 4096, 2048, 1024, 512, 512], "cpu": [1024, 512, 256, 128, 64, 64],

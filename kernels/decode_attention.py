@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, dot_in_fp32, use_triton
+from .utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, dot_in_fp32, use_triton
 
 if HAS_TRITON:
     import triton

@@ -56,7 +56,7 @@ reference's own 3e-8). The KL modes' one pass reads ``Σ q (zt − zs)`` against
 large both terms are large and the divergence is their difference, so its absolute error is ~1e-7 of the logits'
 magnitude (measured at logit std 30: 7e-6 on a divergence of 66 nats; the element-wise fp32 reference 2e-7).
 
-Paths (``kernels/_utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path
+Paths (``kernels/utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path
 chunked over tokens and vocabulary (two passes forward in every mode) with the same memory promise.
 
 Shape legend: N tokens (K kept ones), Hs / Ht hidden sizes, Vs / Vt head rows, V real vocabulary, S vocabulary
@@ -71,7 +71,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._utils import (
+from .grpo_loss import MASK_DTYPES
+from .grpo_options import check_normaliser
+from .linear_logprobs import _chunk_buffers, _chunk_logits, _input_precision, _view
+from .utils import (
     FLOAT_DTYPES,
     HAS_TRITON,
     check_cu_seqlens,
@@ -83,9 +86,6 @@ from ._utils import (
     seq_index,
     use_triton,
 )
-from .grpo_loss import MASK_DTYPES
-from .grpo_options import check_normaliser
-from .linear_logprobs import _chunk_buffers, _chunk_logits, _input_precision, _view
 
 if HAS_TRITON:
     import triton

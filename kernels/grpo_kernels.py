@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import HAS_TRITON
 from .grpo_options import POLICY_TERMS, REDUCTIONS, Options
 from .reference import KL_ESTIMATORS, KL_WEIGHTS
+from .utils import HAS_TRITON
 
 N_PARTS = 7  # Σ m ℓ, Σ m, Σ m·kl, Σ m·low, Σ m·high, Σ m·region, S_b
 MAX_BLOCK = 1024  # tokens per loop step of a program

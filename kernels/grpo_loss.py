@@ -63,11 +63,11 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import seq_index, use_triton
 from .grpo_kernels import triton_backward, triton_forward
 from .grpo_options import LEVELS, LOSS_TYPES, MASK_DTYPES, POLICY_METRICS, Options, validate
 from .grpo_torch import torch_backward, torch_forward
 from .rollout_is import needs_sequences, off_policy_mask, rollout_is_weights
+from .utils import seq_index, use_triton
 
 __all__ = ["LEVELS", "LOSS_TYPES", "MASK_DTYPES", "grpo_loss"]
 

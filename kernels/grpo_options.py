@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor
 from .reference import KL_ESTIMATORS, KL_WEIGHTS, LOSS_TYPES
 from .rollout_is import MODES as ROLLOUT_IS_MODES
 from .rollout_is import canonical_mode
+from .utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor
 
 LEVELS = ("token", "sequence")
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import FLOAT_DTYPES, check_shape, check_tensor
 from .grpo_loss import MASK_DTYPES, grpo_loss
 from .linear_logprobs import masked_linear_logprobs
+from .utils import FLOAT_DTYPES, check_shape, check_tensor
 
 
 def fused_linear_grpo_loss(

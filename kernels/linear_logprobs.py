@@ -19,7 +19,7 @@ logits from ``h`` and ``W`` (Cut Cross-Entropy, Wijmans et al. 2024).
 Masking and packing: this op is per token, so it needs no ``cu_seqlens``. Pass only the rows you need (packed
 ``[N, H]``), or pass padded ``[B, T, H]`` (just reshaped to ``[B·T, H]``) and apply the mask to the result.
 
-Paths (``kernels/_utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path
+Paths (``kernels/utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path
 chunked over tokens and vocabulary with the same memory promise (nothing ``[N, V]``; the only ``[V, H]`` buffer is
 the one fp32 gradient accumulator).
 
@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ._utils import (
+from .utils import (
     FLOAT_DTYPES,
     HAS_TRITON,
     check_shape,

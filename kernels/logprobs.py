@@ -22,7 +22,7 @@ only the LSE (fp32 ``[N]``) for the backward, which recomputes ``p`` block by bl
 allocation at all. Logits with ``-inf`` entries (masked tokens) give ``p = 0`` there, a zero gradient, and no
 entropy contribution.
 
-Paths (``kernels/_utils.use_triton``): the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``; otherwise a
+Paths (``kernels/utils.use_triton``): the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``; otherwise a
 plain-torch path chunked over rows (about ``_CPU_CHUNK_BYTES`` of fp32 per chunk), forward and backward, with the
 same results and the same ``inplace_backward`` behaviour.
 
@@ -35,7 +35,7 @@ import numbers
 
 import torch
 
-from ._utils import FLOAT_DTYPES, HAS_TRITON, check_shape, check_targets, check_tensor, use_triton
+from .utils import FLOAT_DTYPES, HAS_TRITON, check_shape, check_targets, check_tensor, use_triton
 
 if HAS_TRITON:
     import triton

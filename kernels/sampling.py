@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, use_triton
 from .reference import gumbel_sample_ref
+from .utils import FLOAT_DTYPES, HAS_TRITON, check_tensor, use_triton
 
 if HAS_TRITON:
     import triton

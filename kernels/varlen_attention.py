@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import (
+from .utils import (
     FLOAT_DTYPES,
     HAS_TRITON,
     INTERPRET,

@@ -253,8 +253,8 @@ def test_loss_and_gradient_equal_nemo_rl(seed, step, packed, torch_path):
     rounding (1e-5 of the largest value: sums in another order), off-policy (16 optimizer steps per rollout), on
     both paths, with some |ref − logp| > 20 and some k3 values > 10 so that both clamps act."""
     from fastgrpo.kernels import grpo_loss
-    from fastgrpo.kernels._utils import pad_packed, unpad_padded
     from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref
+    from fastgrpo.kernels.utils import pad_packed, unpad_padded
 
     from fastgrpo.algorithms.grpo import loss_options
 

@@ -102,8 +102,8 @@ from fastgrpo.engine.loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult, _use_fused_sampling
 from fastgrpo.engine.scheduler import Scheduler
 from fastgrpo.engine.turns import _TurnSteps
-from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
+from fastgrpo.kernels.utils import use_triton
 from fastgrpo.models.lora import check_modules, unwrap_peft
 
 __all__ = [

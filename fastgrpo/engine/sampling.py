@@ -29,8 +29,8 @@ from typing import Protocol
 
 import torch
 
-from fastgrpo.kernels._utils import use_triton
 from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, inverse_cdf_sample, uniform_rows
+from fastgrpo.kernels.utils import use_triton
 
 
 @dataclass(frozen=True)

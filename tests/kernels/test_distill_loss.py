@@ -18,8 +18,8 @@ import torch
 from checks import assert_flash
 from fastgrpo.kernels import distill_loss as D
 from fastgrpo.kernels import fused_linear_distill_loss
-from fastgrpo.kernels._utils import pad_packed
 from fastgrpo.kernels.reference import distill_loss_ref
+from fastgrpo.kernels.utils import pad_packed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 from checks import assert_flash
-from fastgrpo.kernels._utils import unpad_padded
 from fastgrpo.kernels.dpo_loss import dpo_loss, fused_linear_dpo_loss
 from fastgrpo.kernels.reference import dpo_loss_ref, linear_logprobs_ref
+from fastgrpo.kernels.utils import unpad_padded
 
 CASES = [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("ipo+lengths", 0.0), ("hinge", 0.0)]
 

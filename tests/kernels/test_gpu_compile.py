@@ -7,7 +7,7 @@ arguments are bound and specialised as a real launch would (pointer alignment, i
 ``triton.compile(..., target=GPUTarget("cuda", arch, 32))`` (triton's bundled ptxas), and nothing runs. A compiled
 kernel whose shared memory exceeds the architecture's per-block limit, or whose registers do not allow its
 threads, raises ``OutOfResources`` exactly as a real launch does, so a launcher's fallback
-(``kernels/_utils.launch_first_fitting``) takes the next configuration. The public ops are called on CPU tensors
+(``kernels/utils.launch_first_fitting``) takes the next configuration. The public ops are called on CPU tensors
 with each kernel module's ``use_triton`` switched on, so the configurations are the launchers' own choices.
 
 Coverage: ``GATE`` below, one row per op (its driver calls the forward and, where there is one, the backward), for
@@ -160,7 +160,7 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 class _StartAt(dict):
-    """Stands in for ``kernels._utils._CHOSEN``: every launcher with a fallback list starts at entry ``start``."""
+    """Stands in for ``kernels.utils._CHOSEN``: every launcher with a fallback list starts at entry ``start``."""
 
     def __init__(self, start: int):
         super().__init__()
@@ -224,7 +224,7 @@ def _worker(arch: int) -> None:
     """Subprocess body: compile every case for ``arch``; print one JSON list of records."""
     import torch
     import triton.runtime.jit
-    from fastgrpo.kernels import _utils
+    from fastgrpo.kernels import utils as _utils
 
     records: list = []
     context: dict = {}

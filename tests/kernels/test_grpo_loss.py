@@ -16,10 +16,10 @@ import itertools
 import pytest
 import torch
 from checks import assert_is_decisive
-from fastgrpo.kernels._utils import pad_packed, unpad_padded
 from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.reference import grpo_loss_ref, linear_logprobs_ref
+from fastgrpo.kernels.utils import pad_packed, unpad_padded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -16,10 +16,10 @@ import itertools
 
 import pytest
 import torch
-from fastgrpo.kernels._utils import pad_packed, unpad_padded
 from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref, grpo_loss_ref, linear_logprobs_ref
+from fastgrpo.kernels.utils import pad_packed, unpad_padded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_grpo_loss import BF16_ULP, TP, G, _assert_close, _compare, _inputs, _run, _sampling

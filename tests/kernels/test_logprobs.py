@@ -15,9 +15,9 @@ import fastgrpo.kernels.logprobs as lp_mod
 import pytest
 import torch
 from checks import assert_flash
-from fastgrpo.kernels._utils import HAS_TRITON
 from fastgrpo.kernels.logprobs import logprobs_from_logits
 from fastgrpo.kernels.reference import logprobs_ref
+from fastgrpo.kernels.utils import HAS_TRITON
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
