@@ -77,7 +77,7 @@ def _run(cmd: list[str], env: dict | None = None) -> tuple[str, float, float]:
 def make_inputs(args, out_dir: Path) -> tuple[Path, Path]:
     """The shared model directory and the preference rows (JSONL, TRL's conversational format)."""
     from fastgrpo.config import load_config
-    from fastgrpo.data.datasets import near_miss, sft_completion, synthetic_rows
+    from fastgrpo.data.synthetic import near_miss, sft_completion, synthetic_rows
     from fastgrpo.models.loading import build_tiny_model, build_tiny_tokenizer
 
     cfg = load_config("dpo-tiny")

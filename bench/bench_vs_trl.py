@@ -129,7 +129,8 @@ def write_prompts(model_path: Path, out_file: Path) -> None:
     from transformers import AutoTokenizer
 
     from fastgrpo.config import load_config
-    from fastgrpo.data.datasets import format_prompt, synthetic_rows
+    from fastgrpo.data.prompts import format_prompt
+    from fastgrpo.data.synthetic import synthetic_rows
 
     cfg = load_config("tiny", None, [])
     tok = AutoTokenizer.from_pretrained(model_path)

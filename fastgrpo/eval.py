@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from fastgrpo.data.datasets import PromptDataset
+from fastgrpo.data.prompts import PromptDataset
 from fastgrpo.distributed import all_reduce, get_rank, get_world_size
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.rewards import math_reward
@@ -83,7 +83,7 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     from fastgrpo.config import load_config
-    from fastgrpo.data.datasets import load_datasets
+    from fastgrpo.data.prompts import load_datasets
     from fastgrpo.distributed import destroy, init_distributed, print0
     from fastgrpo.models.loading import load_model, set_cpu_threads
 

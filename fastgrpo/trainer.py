@@ -16,7 +16,7 @@ from fastgrpo.algorithms.grpo import GRPO, packed_forward
 from fastgrpo.algorithms.sft import SFT, sft_warmup
 from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fastgrpo.config import Config, stage_settings
-from fastgrpo.data.datasets import PromptDataset, PromptSampler
+from fastgrpo.data.prompts import PromptDataset, PromptSampler
 from fastgrpo.distributed import (
     broadcast_object,
     fsdp_root,

@@ -10,18 +10,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data.datasets import (
-    PromptSampler,
-    build_dataset,
-    conversation_example,
-    format_prompt,
-    load_datasets,
-    prompt_messages,
-    read_rows,
-    synthetic_rows,
-    tool_tiny_conversation,
-    tool_tiny_warmup,
-)
+from fastgrpo.data.prompts import PromptSampler, build_dataset, format_prompt, load_datasets, prompt_messages, read_rows
+from fastgrpo.data.synthetic import synthetic_rows
+from fastgrpo.data.tool_tiny import conversation_example, tool_tiny_conversation, tool_tiny_warmup
 from fastgrpo.environments.chat import ChatTemplate
 from fastgrpo.models.loading import TINY_MAX_POSITIONS, build_tiny_tokenizer
 

@@ -1,4 +1,4 @@
-"""Preference and SFT rows (fastgrpo/data/datasets.py): every format, the chat-template masks, the length rule, bad
+"""Preference and SFT rows (fastgrpo/data/responses.py): every format, the chat-template masks, the length rule, bad
 rows."""
 
 import json
@@ -8,13 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data.datasets import (
-    Renderer,
-    build_rows,
-    load_response_datasets,
-    preference_pair,
-    sft_example,
-)
+from fastgrpo.data.responses import Renderer, build_rows, load_response_datasets, preference_pair, sft_example
 from fastgrpo.models.loading import build_tiny_tokenizer
 
 TOK = build_tiny_tokenizer()

@@ -24,18 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import RewardConfig
+from fastgrpo.data.puzzle_boards import generate, neighbours, optimal_moves, render, solved
 from fastgrpo.environments import EnvironmentPool, EnvTurns, environment_modules
 from fastgrpo.environments.adder import AdderEnvironment, add
 from fastgrpo.environments.chat import ChatTemplate
 from fastgrpo.environments.core import GRACE_S
-from fastgrpo.environments.sliding_puzzle import (
-    SlidingPuzzle,
-    generate,
-    neighbours,
-    optimal_moves,
-    render,
-    solved,
-)
+from fastgrpo.environments.sliding_puzzle import SlidingPuzzle
 from fastgrpo.models.loading import build_tiny_tokenizer
 from fastgrpo.rewards.pool import RewardPool
 
@@ -747,7 +741,8 @@ def test_a_rollout_replaying_the_tool_tiny_demonstration_gives_its_tokens_and_ma
     tool, or as AdderEnvironment) whose policy writes the demonstration's assistant texts gives the demonstration's
     token ids, with its loss mask on the sampled tokens; AdderEnvironment's reward says the tool gave the answer."""
     from fastgrpo.config import DataConfig
-    from fastgrpo.data.datasets import _assistant_text, conversation_example, prompt_messages, tool_tiny_conversation
+    from fastgrpo.data.prompts import prompt_messages
+    from fastgrpo.data.tool_tiny import _assistant_text, conversation_example, tool_tiny_conversation
 
     cfg = DataConfig()
     row = {"prompt": "37+85+9=", "answer": "131"}

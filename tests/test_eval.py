@@ -4,7 +4,7 @@ import pytest
 from checks import ScriptedEngine
 
 from fastgrpo.config import DataConfig
-from fastgrpo.data.datasets import build_dataset
+from fastgrpo.data.prompts import build_dataset
 from fastgrpo.eval import evaluate, main
 from fastgrpo.models.loading import build_tiny_tokenizer
 

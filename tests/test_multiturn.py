@@ -53,7 +53,7 @@ def scripted_trainer(tmp_path, script, *overrides):
 def rendered_ids(trainer, row, messages):
     """The whole conversation rendered by the tokenizer's own chat template (with the tools) and tokenized once:
     what prompt + completion must be, token for token (the tiny tokenizer has one token per character)."""
-    from fastgrpo.data.datasets import prompt_messages
+    from fastgrpo.data.prompts import prompt_messages
 
     tok = trainer.tokenizer
     text = tok.apply_chat_template([*prompt_messages(row["prompt"], trainer.cfg.data), *messages],

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.data.datasets import format_prompt, load_datasets
+from fastgrpo.data.prompts import format_prompt, load_datasets
 from fastgrpo.models.loading import build_tiny_tokenizer
 from fastgrpo.rewards import math_reward
 

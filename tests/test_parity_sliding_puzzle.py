@@ -26,8 +26,9 @@ from checks import assert_departure, assert_published
 from test_train import train  # SMALL sizes, one torchrun
 
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.data.datasets import PUZZLE_PROMPT, synthetic_rows
-from fastgrpo.environments.sliding_puzzle import SlidingPuzzle, optimal_moves, parse_action, solved
+from fastgrpo.data.puzzle_boards import optimal_moves, solved
+from fastgrpo.data.synthetic import PUZZLE_PROMPT, synthetic_rows
+from fastgrpo.environments.sliding_puzzle import SlidingPuzzle, parse_action
 from fastgrpo.metrics import read_jsonl
 from fastgrpo.plan import memory_plan, model_shape
 
@@ -285,7 +286,7 @@ def test_a_game_in_qwen25s_template_is_its_rendering():
     from chat_tokenizers import qwen25
     from test_environments import optimal_actions
 
-    from fastgrpo.data.datasets import prompt_messages
+    from fastgrpo.data.prompts import prompt_messages
     from fastgrpo.environments.chat import ChatTemplate
 
     cfg = load_config("sliding-puzzle-qwen2.5-1.5b")

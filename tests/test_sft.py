@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.algorithms.sft import lm_batch
 from fastgrpo.config import DataConfig, load_config
-from fastgrpo.data.datasets import Renderer, SFTExample, sft_example
+from fastgrpo.data.responses import Renderer, SFTExample, sft_example
 from fastgrpo.models.loading import build_tiny_tokenizer
 
 SMALL = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "data.synthetic_num_terms=2",

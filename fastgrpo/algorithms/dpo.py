@@ -55,7 +55,7 @@ import torch
 
 from fastgrpo.algorithms.grpo import _call, _no_grad_forward, packed_forward
 from fastgrpo.algorithms.sft import LMBatch, clip_and_step, lm_batch, same_count
-from fastgrpo.data.datasets import PreferencePair, SFTExample, load_response_datasets
+from fastgrpo.data.responses import PreferencePair, SFTExample, load_response_datasets
 from fastgrpo.distributed import (
     ForwardWrapper,
     all_reduce,

@@ -528,7 +528,7 @@ class GRPO:
     check_world_size = staticmethod(check_world_size)
 
     def __init__(self, trainer):
-        from fastgrpo.data.datasets import load_datasets
+        from fastgrpo.data.prompts import load_datasets
         from fastgrpo.models.loading import load_model
         from fastgrpo.rewards.pool import RewardPool, default_num_workers
 
@@ -580,11 +580,12 @@ class GRPO:
     def warmup_examples(self):
         """The supervised warm-up's examples (each prompt and its reference completion: the answer in
         ``\\boxed{}`` and EOS) and the completions alone (``fastgrpo.algorithms.sft.sft_warmup``)."""
-        from fastgrpo.data.datasets import SFTExample, sft_completion
+        from fastgrpo.data.responses import SFTExample
+        from fastgrpo.data.synthetic import sft_completion
 
         tok = self.trainer.tokenizer
         if self.cfg.sft.warmup_format == "tool_calls":  # whole tool-calling conversations, as a rollout builds them
-            from fastgrpo.data.datasets import tool_tiny_warmup
+            from fastgrpo.data.tool_tiny import tool_tiny_warmup
 
             return tool_tiny_warmup(self.train_data.rows, self.templates, self.cfg.data)
         responses = [tok(sft_completion(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

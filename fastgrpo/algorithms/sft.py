@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.algorithms.grpo import _call, _local, _no_grad_forward
-from fastgrpo.data.datasets import SFTExample, load_response_datasets
+from fastgrpo.data.responses import SFTExample, load_response_datasets
 from fastgrpo.distributed import all_reduce, print0
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
 from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches

@@ -86,7 +86,7 @@ def build_templates(envs, tokenizer):
 def env_rows(rows: list[dict], cfg: Config) -> list[dict]:
     """Dataset rows as the environments see them: ``prompt`` as the chat messages of ``data.prompt_template`` and
     ``data.system_prompt`` (what the single-turn prompt renders), the other columns unchanged."""
-    from fastgrpo.data.datasets import prompt_messages
+    from fastgrpo.data.prompts import prompt_messages
 
     return [{**r, "prompt": prompt_messages(r["prompt"], cfg.data) if isinstance(r["prompt"], str) else r["prompt"]}
             for r in rows]
