@@ -66,7 +66,8 @@ from fastgrpo.distributed import (
     get_world_size,
     unwrap_model,
 )
-from fastgrpo.models.lora import adapter_names, is_lora, read_adapter, save_adapter
+from fastgrpo.models.lora import adapter_names, is_lora, read_adapter
+from fastgrpo.models.saving import save_model
 from fastgrpo.precision import MasterAdamW
 
 CHECKPOINT_DIR = "checkpoints"
@@ -200,42 +201,6 @@ def _unprefixed(named: dict, prefix: str) -> dict:
             "param_groups": [{**g, "params": [p[n:] for p in g["params"]]} for g in named["param_groups"]]}
 
 
-def _save_model(model: nn.Module, out: Path, sd: dict | None, dtype: torch.dtype | None = None) -> None:
-    """HF ``save_pretrained`` (safetensors); a plain module gets ``model.safetensors`` alone. ``dtype``: the
-    weights' dtype for ``config.json`` (HF reads the dtype of the parameters, fp32 shards under FSDP2)."""
-    inner = unwrap_model(model)
-    if is_lora(inner):
-        save_adapter(inner, out, sd, dtype)
-        return
-    if hasattr(inner, "save_pretrained"):
-        from transformers.utils import logging as hf_logging
-
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a "Writing model shards" bar at every checkpoint is noise in run logs
-        try:
-            inner.save_pretrained(out, state_dict=sd)
-        finally:
-            if bar:
-                hf_logging.enable_progress_bar()
-        if dtype is not None and hasattr(inner, "config"):
-            inner.config.dtype = str(dtype).removeprefix("torch.")
-            inner.config.to_json_file(out / "config.json")
-        return
-    import safetensors.torch
-
-    sd = dict(sd if sd is not None else inner.state_dict())
-    seen: set[tuple] = set()
-    for k in list(sd):  # tied weights: one name per tensor (load_checkpoint restores the aliases)
-        t = sd[k]
-        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if key in seen:
-            del sd[k]
-        seen.add(key)
-    # safetensors refuses tensors that share memory: copies (a plain module is small; HF models take the path above)
-    safetensors.torch.save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()},
-                                str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -304,7 +269,7 @@ def save_checkpoint(
     barrier()  # the temporary directory exists before any rank writes into it
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
-        _save_model(model, tmp, model_sd, dtype)
+        save_model(model, tmp, model_sd, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         payload = {

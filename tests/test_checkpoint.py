@@ -158,7 +158,7 @@ def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(C, "_save_model", crash)
+    monkeypatch.setattr(C, "save_model", crash)
     with pytest.raises(OSError, match="disk full"):
         C.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, trainer_state={})
     assert C.latest_checkpoint(tmp_path) == first

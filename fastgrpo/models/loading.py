@@ -1,8 +1,7 @@
 """Policy models: any local Hugging Face causal LM, or the built-in tiny model for the demo.
 
 The training forward never runs the LM head as a module: :func:`fastgrpo.models.attention.packed_hidden_states` gives
-the
-final hidden states ``[N, H]`` of a packed batch and :func:`lm_head_params` hands the head's weight ``[V, H]`` (tied
+the final hidden states ``[N, H]`` of a packed batch and :func:`lm_head_params` hands the head's weight ``[V, H]`` (tied
 to the embedding or not) and bias to the fused loss kernels.
 
 The built-in tiny model is a Qwen2 architecture built from a config (random weights), with a character-level
@@ -34,6 +33,7 @@ from fastgrpo.config import LoRAConfig, ModelConfig
 from fastgrpo.distributed import barrier, is_main_process
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.lora import adapter_base, apply_lora, is_adapter_dir
+from fastgrpo.models.saving import save_model
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -143,9 +143,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
         if lora_cfg is not None and base_dir is not None:
             base_path = str(Path(base_dir).resolve())
             if is_main_process() and not (Path(base_dir) / "config.json").is_file():
-                from fastgrpo.checkpoint import _save_model
-
-                _save_model(model, Path(base_dir), None)
+                save_model(model, Path(base_dir), None)
                 tokenizer.save_pretrained(base_dir)
             barrier()
     else:
