@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from fastgrpo.config import RewardConfig
 from fastgrpo.rewards import CHUNK_SIZE, FAULTS, RewardSet, chunk_bounds
-from fastgrpo.rewards.pool import RewardPool, _Worker, default_num_workers
+from fastgrpo.rewards.pool import RewardPool, default_num_workers
+from fastgrpo.rewards.processes import WorkerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -291,14 +292,14 @@ def test_scoring_overlaps_the_submitter(pools):
 def record_processes(monkeypatch) -> list[int]:
     """Patches the pool to keep a pidfd of every worker it starts (respawns included) and of its server."""
     pidfds = []
-    real_start = _Worker.start
+    real_start = WorkerProcess.start
 
     def start(self):
         real_start(self)
         pidfds.append(os.pidfd_open(self.pid))
         pidfds.append(os.pidfd_open(self.server.proc.pid))
 
-    monkeypatch.setattr(_Worker, "start", start)
+    monkeypatch.setattr(WorkerProcess, "start", start)
     return pidfds
 
 

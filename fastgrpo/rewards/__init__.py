@@ -4,7 +4,9 @@
   (``math_reward``, ``format_reward``) and their helpers.
 - :mod:`fastgrpo.rewards.scoring`: names resolved to functions, chunked calls with faults counted, the weighted sum
   (:class:`RewardSet`, in the training process).
-- :mod:`fastgrpo.rewards.pool`: :class:`~fastgrpo.rewards.pool.RewardPool`, the same scoring in worker processes.
+- :mod:`fastgrpo.rewards.pool`: :class:`~fastgrpo.rewards.pool.RewardPool`, the same scoring in worker processes,
+  with :mod:`fastgrpo.rewards.processes` (the trainer's handles on the server and workers) and
+  :mod:`fastgrpo.rewards.worker` (the code that runs in them).
 
 Everything below is importable from ``fastgrpo.rewards``; the package imports neither torch nor Triton, so a
 reward worker (or a user's reward module) stays light.

@@ -31,8 +31,8 @@ B at least, and once sent it waits at most one budget behind the task ahead of i
     time/reward_wait ≤ (⌈T/W⌉ + 2) · 4 · timeout_s + time/reward_worker_start + milliseconds per task of dispatch,
 
 the middle term being the summed waits for workers to become ready (the first step's start-up, then each respawn:
-a fork and ``reward.worker_init``; at most :data:`WORKER_START_TIMEOUT_S` each, after which the task fails). With the
-demo's math reward (timeout_s = 5 s) and no hang the wait is the scoring time itself.
+a fork and ``reward.worker_init``; at most :data:`fastgrpo.rewards.processes.WORKER_START_TIMEOUT_S` each, after
+which the task fails). With the demo's math reward (timeout_s = 5 s) and no hang the wait is the scoring time itself.
 
 **Processes, isolation and memory.** The pool starts one server per pool, a fresh interpreter (``python -c``, with
 the trainer's ``sys.path``, working directory and environment as they are when the pool is built) that imports only
@@ -42,47 +42,38 @@ not bring torch into the workers (a reward module that imports torch does; torch
 worker is a ``fork`` of that warm server: ready after a fork and ``reward.worker_init``, instead of a ``spawn``ed
 interpreter importing the entry script, torch, math-verify and sympy again. Workers share the server's pages until
 they write them: each adds what its own scoring touches (its PSS, not its RSS, is its cost), and none holds torch.
-Measured on 2 CPU cores with the math reward (``bench/bench_rewards.py --part workers``, rows in
-``bench/results/rewards.csv``, under a load average of ~9): from a worker's death to its replacement scoring, ~15 ms
-(spawned interpreters before: 8-13 s); per warm worker, the server's share included, ~28 MiB PSS and ~84 MiB RSS
-(before: ~306 and ~410 MiB), so 8 ranks × ~11 workers on a 96-core node hold ~2.5 GB, not ~27 GB. The server
-inherits no CUDA context, tensor or file of the trainer (``close_fds``, stdin from ``/dev/null``); a worker's
-descriptors are stdio and its pipe (plus any a reward module opened at import time). Per-worker state (sandboxes,
-connections, threads) belongs in ``reward.worker_init``, which runs in each worker after the fork, never in the
-server: a module's import-time state is copied into every worker (and CUDA, initialised before a fork, is unusable
-after it). Workers and the server ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them
-down) and exit when their pipe closes; on Linux the server gets SIGKILL when the trainer thread that started it
-exits, and a worker when the server does, so a killed trainer leaves none behind (a dead server is restarted at the
-next worker start; its workers die with it and count as respawned). The trainer watches and kills a worker through a
-pidfd (Linux ≥ 5.3), so a recycled pid is never signalled; elsewhere through its pid. A reward may start processes
-(``subprocess`` sees their exit statuses: the workers reset SIGCHLD); those that outlive a killed worker are not
-stopped by the pool.
+The respawn time (a worker's death to its replacement scoring) and the memory per warm worker (PSS and RSS, the
+server's share included) are measured by ``bench/bench_rewards.py --part workers`` (rows in
+``bench/results/rewards.csv``; figures in docs/benchmarks.md). The server inherits no CUDA context, tensor or file of
+the trainer (``close_fds``, stdin from ``/dev/null``); a worker's descriptors are stdio and its pipe (plus any a
+reward module opened at import time). Per-worker state (sandboxes, connections, threads) belongs in
+``reward.worker_init``, which runs in each worker after the fork, never in the server: a module's import-time state
+is copied into every worker (and CUDA, initialised before a fork, is unusable after it). Workers and the server
+ignore SIGINT (Ctrl-C reaches the whole process group; the trainer shuts them down) and exit when their pipe closes;
+on Linux the server gets SIGKILL when the trainer thread that started it exits, and a worker when the server does,
+so a killed trainer leaves none behind (a dead server is restarted at the next worker start; its workers die with it
+and count as respawned). The trainer watches and kills a worker through a pidfd (Linux ≥ 5.3), so a recycled pid is
+never signalled; elsewhere through its pid. A reward may start processes (``subprocess`` sees their exit statuses:
+the workers reset SIGCHLD); those that outlive a killed worker are not stopped by the pool.
+
+Modules: this one (the task queue, the supervisor threads, :class:`RewardPool`); :mod:`fastgrpo.rewards.processes`
+(the trainer's handles on the server and the workers); :mod:`fastgrpo.rewards.worker` (the code that runs in them).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import importlib
-import json
 import os
-import select
-import signal
-import socket
-import struct
-import subprocess
-import sys
 import threading
 import time
-import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 from fastgrpo.config import RewardConfig
-from fastgrpo.rewards import (
+from fastgrpo.rewards.processes import WORKER_START_TIMEOUT_S, WORKER_STOP_TIMEOUT_S, ServerProcess, WorkerProcess
+from fastgrpo.rewards.scoring import (
     CHUNK_SIZE,
     FAULTS,
     RewardResult,
@@ -91,20 +82,12 @@ from fastgrpo.rewards import (
     chunk_bounds,
     combine,
     function_name,
-    load_functions,
     no_scores,
-    resolve,
-    score_chunk,
 )
+from fastgrpo.rewards.worker import score_task
 
-WORKER_START_TIMEOUT_S = 300.0  # a (re)started worker not ready by then is killed and its task fails
-WORKER_STOP_TIMEOUT_S = 2.0  # close(): how long a worker may take to exit after being asked, before it is killed
-PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a process gets when its parent thread exits
 PIPELINE_DEPTH = 2  # tasks sent ahead to a worker: the next one waits in its pipe while it runs one
 GATHER_POLL_S = 0.5  # gather() wakes this often, so Ctrl-C is seen while it waits
-PID = struct.Struct("q")  # the server's answer to a fork request: the new worker's pid
-SERVER_CODE = ("import json, sys; a = json.loads(sys.argv[1]); sys.path[:] = a.pop('sys_path'); "
-               "from fastgrpo.rewards.pool import _server_main; _server_main(**a)")
 
 
 def default_num_workers(busy_cores_per_rank: int, local_world_size: int) -> int:
@@ -115,251 +98,6 @@ def default_num_workers(busy_cores_per_rank: int, local_world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = max(local_world_size, 1)
     return max(1, (cores - busy_cores_per_rank * local) // local)
-
-
-# ---------------------------------------------------------------------- in the server and the workers
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the thread that started it exits (Linux), and exit now if it already has."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def _server_main(control_fd: int, parent: int, functions: list[str], worker_init: str, timeout_s: float,
-                 preload: list[str]) -> None:
-    """The server: import the reward modules (and ``preload``) once, then fork a worker for each pipe the trainer
-    sends."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
-    _die_with_parent(parent)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers: no zombies (reset in each worker)
-    load_functions(functions, "")  # imports the modules and math-verify; their errors are the workers' to report
-    for module in preload:
-        try:
-            importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - a task that needs it fails in its worker, where it is counted
-            pass
-    if worker_init:
-        try:
-            resolve(worker_init)  # its module only: the initializer itself runs in each worker
-        except ValueError:
-            pass
-    control = socket.socket(fileno=control_fd)
-    while True:
-        try:
-            msg, fds, _, _ = socket.recv_fds(control, 1, 1)
-        except OSError:
-            return
-        if not msg or not fds:  # the trainer closed the pool or is gone
-            return
-        server = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                control.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # subprocess.run in a reward needs its exit statuses
-                _die_with_parent(server)
-                _worker_main(Connection(fds[0]), functions, worker_init, timeout_s)
-                code = 0
-            except BaseException:  # noqa: BLE001 - never return into the server's loop
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        os.close(fds[0])
-        try:
-            control.sendall(PID.pack(pid))
-        except OSError:  # the trainer is gone
-            return
-
-
-_functions: list[Callable | None] = []  # in a worker: the reward functions, in reward.functions order
-_timeout_s = 0.0  # in a worker: reward.timeout_s
-
-
-def _worker_main(conn: Connection, functions: list[str], worker_init: str, timeout_s: float) -> None:
-    """A worker: run the initializer, say which functions failed, then run tasks until told to stop or the pipe
-    closes. A task is ``(fn, args)``: a module-level function (pickled by name) and its arguments."""
-    global _functions, _timeout_s
-    if "torch" in sys.modules:  # a reward module imported it: keep it off the trainer's cores
-        sys.modules["torch"].set_num_threads(1)
-    _functions, errors = load_functions(functions, worker_init)
-    _timeout_s = timeout_s
-    conn.send(errors)
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:  # the trainer is gone
-            return
-        if task is None:
-            return
-        fn, args = task
-        conn.send(fn(*args))
-
-
-def _score(f: int, prompts: list[str], completions: list[str], columns: dict[str, list]):
-    """A task in a worker: reward function ``f`` on one chunk (the pool enforces the budget by killing)."""
-    return score_chunk(_functions[f], prompts, completions, columns, _timeout_s, soft_limit=False)
-
-
-# ---------------------------------------------------------------------- in the trainer
-
-class _Server:
-    """The trainer's handle on the server; thread-safe (the supervisors start workers concurrently)."""
-
-    def __init__(self, args: dict):
-        self.args = args
-        self.proc: subprocess.Popen | None = None
-        self.control: socket.socket | None = None
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def start(self) -> None:
-        """Launch the server (returns at once: it imports the reward modules while the trainer goes on)."""
-        self.control, child = socket.socketpair()
-        args = {**self.args, "control_fd": child.fileno(), "parent": os.getpid(),
-                "sys_path": [os.fspath(p) for p in sys.path]}
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", SERVER_CODE, json.dumps(args)],
-                                         pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
-        finally:
-            child.close()
-
-    def fork(self, fd: int) -> int:
-        """A new worker on pipe end ``fd``: its pid. Restarts a dead server once; raises OSError when the server
-        cannot fork within WORKER_START_TIMEOUT_S (the first call waits for its imports) or the pool is closing."""
-        with self.lock:
-            for attempt in range(2):
-                if self.closed:
-                    raise ConnectionError("the reward pool is closed")
-                if self.proc is None or self.proc.poll() is not None:
-                    self._stop()
-                    self.start()
-                try:
-                    self.control.settimeout(WORKER_START_TIMEOUT_S)
-                    socket.send_fds(self.control, [b"F"], [fd])
-                    answer = b""
-                    while len(answer) < PID.size:
-                        part = self.control.recv(PID.size - len(answer))
-                        if not part:
-                            raise ConnectionError("the reward worker server exited")
-                        answer += part
-                    return PID.unpack(answer)[0]
-                except OSError:  # dead, or stuck in a reward module's import: a fresh one on the next try
-                    self._stop()
-                    if attempt:
-                        raise
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        """Kill the server now (not under the lock: a fork waiting for its imports then fails at once)."""
-        self.closed = True
-        proc = self.proc
-        if proc is not None:
-            proc.kill()
-        with self.lock:
-            self._stop()
-
-    def _stop(self) -> None:
-        if self.control is not None:
-            self.control.close()  # the server exits on EOF
-        if self.proc is not None:
-            try:
-                self.proc.wait(WORKER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = self.control = None
-
-
-def _exited(pid: int | None, pidfd: int | None, timeout: float) -> bool:
-    """Whether process ``pid`` (its pidfd when there is one) has exited, waiting up to ``timeout`` s for it."""
-    if pid is None:
-        return True
-    if pidfd is not None:
-        try:
-            return bool(select.select([pidfd], [], [], timeout)[0])  # a pidfd turns readable when its process exits
-        except (OSError, ValueError):  # closed by a concurrent kill(), which waited for the exit
-            return True
-    end = time.perf_counter() + timeout
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if time.perf_counter() >= end:
-            return False
-        time.sleep(0.001)
-
-
-class _Worker:
-    """One worker process (a fork of the server), its pipe and its pidfd; used by one supervisor thread and by
-    close() (kill() is serialised by a lock)."""
-
-    def __init__(self, server: _Server):
-        self.server = server
-        self.pid: int | None = None
-        self.pidfd: int | None = None
-        self.conn: Connection | None = None
-        self.ready = False
-        self.lock = threading.Lock()
-
-    @property
-    def started(self) -> bool:
-        return self.conn is not None
-
-    def start(self) -> None:
-        """Fork a new worker from the server; raises OSError when the server cannot."""
-        ours, theirs = socket.socketpair()
-        try:
-            pid = self.server.fork(theirs.fileno())
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()  # the worker holds the only other end: its death reads as EOF here
-        with self.lock:
-            self.conn, self.pid, self.ready = Connection(ours.detach()), pid, False
-            try:
-                self.pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
-            except ProcessLookupError:  # it exited already and was reaped; reads as dead from here on
-                self.pid = self.pidfd = None
-
-    def alive(self) -> bool:
-        return not _exited(self.pid, self.pidfd, 0.0)
-
-    def kill(self) -> None:
-        """SIGKILL the worker (if running), wait for its exit, close its pipe. Idempotent."""
-        with self.lock:
-            if self.alive():
-                try:
-                    if self.pidfd is not None:
-                        signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-                    else:
-                        os.kill(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                _exited(self.pid, self.pidfd, WORKER_STOP_TIMEOUT_S)
-            if self.pidfd is not None:
-                os.close(self.pidfd)
-            if self.conn is not None:
-                self.conn.close()
-            self.pid = self.pidfd = self.conn = None
-            self.ready = False
-
-    def stop(self) -> None:
-        """Ask the worker to exit; kill it if it has not within WORKER_STOP_TIMEOUT_S."""
-        conn, pid, pidfd = self.conn, self.pid, self.pidfd  # its supervisor may be killing it at the same moment
-        if conn is not None:
-            try:
-                conn.send(None)
-            except (OSError, ValueError):
-                pass
-            _exited(pid, pidfd, WORKER_STOP_TIMEOUT_S)
-        self.kill()
 
 
 @dataclass
@@ -437,9 +175,9 @@ class RewardPool:
         self._close_lock = threading.Lock()
         self._closed = False
         self._queue = _TaskQueue(num_workers)
-        self._server = _Server({"functions": list(cfg.functions), "worker_init": cfg.worker_init,
+        self._server = ServerProcess({"functions": list(cfg.functions), "worker_init": cfg.worker_init,
                                 "timeout_s": cfg.timeout_s, "preload": list(preload)}) if num_workers else None
-        self._workers = [_Worker(self._server) for _ in range(num_workers)]
+        self._workers = [WorkerProcess(self._server) for _ in range(num_workers)]
         self._threads = []
         if self._server is not None:
             self._server.start()  # it imports the reward modules while the trainer builds its model
@@ -476,7 +214,7 @@ class RewardPool:
                 for a, b in chunk_bounds(len(completions)):
                     self._expected += 1
                     args = (f, prompts[a:b], completions[a:b], {k: v[a:b] for k, v in columns.items()})
-                    self._queue.put(_Task(_score, args, (b - a) * self.cfg.timeout_s,
+                    self._queue.put(_Task(score_task, args, (b - a) * self.cfg.timeout_s,
                                           functools.partial(self._store, (index, f, a), b - a)))
 
     def run(self, fn: Callable, args: tuple, budget_s: float, done: Callable[[object, str | None], None], *,
@@ -577,7 +315,7 @@ class RewardPool:
 
     # ------------------------------------------------------------------ supervisor threads
 
-    def _supervise(self, worker: _Worker, index: int) -> None:
+    def _supervise(self, worker: WorkerProcess, index: int) -> None:
         """Feed one worker; every task taken gets a result or goes back to the queue, whatever the worker does."""
         inflight: deque[_Task] = deque()  # sent to the worker, in order: it runs the head, the rest wait in its pipe
         deadline = 0.0  # when the head's budget runs out
@@ -630,7 +368,7 @@ class RewardPool:
                 while inflight:
                     inflight.popleft().done(None, "failures")
 
-    def _ready(self, worker: _Worker) -> bool:
+    def _ready(self, worker: WorkerProcess) -> bool:
         """Start the worker if it is not running (counted when it died) and wait until it has loaded the functions;
         False when it could not start, died, or was not ready within WORKER_START_TIMEOUT_S."""
         if not worker.alive():  # never started, killed after its last task, or died while idle
@@ -659,7 +397,7 @@ class RewardPool:
         worker.ready = True
         return True
 
-    def _lose(self, worker: _Worker, inflight: deque[_Task], fault: str) -> str:
+    def _lose(self, worker: WorkerProcess, inflight: deque[_Task], fault: str) -> str:
         """The worker hung or died in the head task: respawn it; the head fails as ``fault`` (returned), the tasks
         waiting behind it (never started) go back to the front of the queue, in order."""
         inflight.popleft()
@@ -676,7 +414,7 @@ class RewardPool:
             self._last_result = time.perf_counter()
             self._lock.notify_all()
 
-    def _start(self, worker: _Worker) -> bool:
+    def _start(self, worker: WorkerProcess) -> bool:
         """Fork the worker from the server (the wait counts in ``time/reward_worker_start``); False when the server
         could not, or the pool is closing."""
         if self._closed:
@@ -696,7 +434,7 @@ class RewardPool:
             return False
         return True
 
-    def _respawn(self, worker: _Worker) -> None:
+    def _respawn(self, worker: WorkerProcess) -> None:
         """Kill the worker and start its replacement now, overlapping the remaining work (waited for at its next
         task); nothing starts once the pool is closing."""
         worker.kill()
