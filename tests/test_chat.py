@@ -1,7 +1,6 @@
 """Chat templates for multi-turn rollouts (fastgrpo/environments/chat.py): a conversation built turn by turn from
-prompt_ids,
-the sampled ids and suffix_ids equals the tokenisation of its whole rendering (HF's apply_chat_template), on the
-tiny tokenizer and on byte-level BPE tokenizers built here carrying the published Qwen2.5, Qwen3 and Llama 3.1
+prompt_ids, the sampled ids and suffix_ids equals the tokenisation of its whole rendering (HF's apply_chat_template),
+on the tiny tokenizer and on byte-level BPE tokenizers built here carrying the published Qwen2.5, Qwen3 and Llama 3.1
 templates (tests/data/chat_templates/); Qwen3 gets the training template; a non-preserving template raises naming it.
 """
 

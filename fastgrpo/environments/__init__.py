@@ -10,8 +10,10 @@ Two contracts (examples in the README, "Multi-turn: environments and tools"):
 - The text-step contract (:class:`TextStepEnvironment`, NeMo-RL-like): ``step(turn_text, state) -> (observation,
   reward, done, next_stop_strings)`` with a picklable state that travels with the sample.
 
-Layout: :mod:`.core` (the worker tasks and :class:`EnvironmentPool`), :mod:`.turns` (:class:`EnvTurns`, the
-engine's turn handler, and :class:`Trajectory`), and the built-ins :mod:`.adder`, :mod:`.sliding_puzzle` and
+Layout: :mod:`.core` (the worker tasks and :class:`EnvironmentPool`), :mod:`.tools` (tool calls: parsed, described,
+run), :mod:`.chat` (chat templates: a conversation's prompt ids and the ids after each turn), :mod:`.turns`
+(:class:`EnvTurns`, the engine's turn handler, and :class:`Trajectory`), :mod:`.rollout` (the ``env`` config group
+made into one generation batch's trajectories), and the built-ins :mod:`.adder`, :mod:`.sliding_puzzle` and
 :mod:`.python_code`. Names load on first use, so a worker that imports :mod:`.core` does not import torch (which
 :mod:`.turns` brings for the engine's ``TurnResult``).
 """

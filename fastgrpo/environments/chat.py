@@ -26,8 +26,8 @@ conversation, as text and as ids. A template that fails is replaced by a known p
 (Qwen3 -> :data:`QWEN3_TRAINING_TEMPLATE`: Qwen3 drops the ``<think>`` blocks of turns before the last user question
 and adds an empty one to a last turn without one) or raises ``ValueError`` naming it.
 
-Cost: two template renders of the conversation so far per suffix (a few milliseconds at most for a long
-conversation, on the host, once per turn and sample); the construction check renders a probe of ~9 messages ~10 times.
+Cost: two template renders of the conversation so far per suffix (on the host, once per turn and sample); the
+construction check renders a probe of ~9 messages ~10 times.
 """
 
 from __future__ import annotations
