@@ -1,4 +1,4 @@
-"""The repository stays ruff-clean (STYLE.md: line length 120, the rules in pyproject.toml)."""
+"""The repository stays ruff-clean (line length 120 and the rule set in pyproject.toml's ``[tool.ruff]``)."""
 
 import subprocess
 import sys
