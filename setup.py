@@ -4,7 +4,7 @@ The top-level ``kernels/`` folder is installed as ``fastgrpo.kernels`` (never as
 package: another PyPI distribution owns that name and transformers probes for it).
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="fastgrpo",
@@ -13,7 +13,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["fastgrpo", "fastgrpo.kernels"],
+    # the subpackages (fastgrpo.engine, .algorithms, ...) by search: a wheel built from an explicit list that misses
+    # one installs a package that cannot import
+    packages=["fastgrpo", *(f"fastgrpo.{p}" for p in find_packages("fastgrpo")), "fastgrpo.kernels"],
     package_dir={"fastgrpo": "fastgrpo", "fastgrpo.kernels": "kernels"},
     package_data={"fastgrpo": ["recipes/*.yaml"]},
     install_requires=[
