@@ -1,6 +1,6 @@
 """End to end on one GPU: the tiny demo for a few steps, then 2 GRPO steps of a 1.5B-shaped model at ~4K tokens.
 
-Run: ``python bench/bench_e2e_gpu.py`` on a CUDA machine (bench/gpu_check.sh runs it, ≤ 120 s on an H200);
+Run: ``python bench/bench_e2e_gpu.py`` on a CUDA machine (bench/gpu_check.sh runs it under its time limit);
 ``python bench/bench_e2e_gpu.py --cpu-smoke`` runs both parts at toy sizes on CPU (tests/test_bench_e2e.py).
 
 1. **demo**: ``fastgrpo.train`` with the ``tiny`` recipe as shipped (fp32) for a few GRPO steps after a short

@@ -34,9 +34,9 @@ group submitted to the last score (``time/reward``, overlapping the decode). fas
 Each side runs once per seed (``--seeds``: the sampling seed, and the prompt order, of both trainers), and the
 first ``--warmup`` steps of each run are dropped; the table shows the median of the rest, pooled over the seeds.
 Several seeds matter for the reward's share: its time is almost all math-verify calls on the distinct boxed answers
-the fast paths cannot settle (``\\boxed{1qx6}``: sympy, ~1-10 ms each; a plain number costs microseconds), and how
-many such answers a step holds (0 to 41 of 256 at the default sizes) depends on where the sampled trajectory drifts, on
-either side: with one seed, one side's reward time may be 4x the other's by chance. The 1-minute load
+the fast paths cannot settle (``\\boxed{1qx6}`` goes to sympy; a plain number is settled at once), and how many such
+answers a step holds depends on where the sampled trajectory drifts, on either side: with one seed, one side's
+reward time may be a multiple of the other's by chance (figures in docs/benchmarks.md). The 1-minute load
 average is recorded with the rows: on a machine busier than its cores, multi-threaded CPU runs stall in OpenMP
 barriers (seconds per step instead of fractions) and only ``--threads 1`` gives comparable figures. TRL is not a
 dependency of fastgrpo: without it only fastgrpo runs, with a message (``pip install trl``; ``--trl-path DIR``

@@ -10,7 +10,6 @@ benchmarks stay scripts: they print side-by-side ratios against baselines measur
 - GPU peak extra memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
 - Timing and memory are separate measurements. Every timing runs in the state users run in: the default
   allocator and threads (:func:`assert_timing_state` checks it before each timed call and fails otherwise).
-- GPU peak extra memory: ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
 - CPU peak extra memory: measured in a forked child, never in the timed process. The child makes the resident size
   exact (``exact_cpu_rss``: on glibc every block of 64 KiB or more becomes its own mmap, unmapped when freed, and
   free heap pages are handed back before the call; the libraries' pages are mapped in first, as they are in the
@@ -18,8 +17,8 @@ benchmarks stay scripts: they print side-by-side ratios against baselines measur
   (``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident size before it. That setting slows code
   that allocates fresh tensors (every one is page-faulted in), so it must never reach a timed call: the fork keeps
   it out of the parent.
-- Ceilings (the roofline), measured on random data in the same run (METHOD.md: never time zeros): the
-  device's copy bandwidth (bytes read + written) and its matmul rate (bf16 on GPU, fp32 on CPU).
+- Ceilings (the roofline), measured on random data (never zeros) in the same run: the device's copy bandwidth
+  (bytes read + written) and its matmul rate (bf16 on GPU, fp32 on CPU).
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def sizes(table: dict):
 
 def members(methods: tuple[str, ...], compiled: tuple[str, ...] = ()) -> tuple[str, ...]:
     """A group's members in this run. A smoke run leaves out the ``compiled`` ones: each is an inductor compile
-    (20-60 s on 2 cores, most of the smoke run's time) of the code of a member checked beside it uncompiled
+    (most of a smoke run's time; docs/benchmarks.md) of the code of a member checked beside it uncompiled
     (``torch.compile`` of ``eager``, Liger's compiled chunk loop of ``liger eager``)."""
     return tuple(m for m in methods if not (SMOKE and m in compiled))
 
@@ -209,10 +208,10 @@ _MADV_POPULATE_READ = 22  # madvise advice (Linux >= 5.14): map the pages of a r
 def _map_file_pages() -> None:
     """Map, in this (forked) process, every page of its readable file mappings (the libraries' code and constants).
 
-    fork copies the page tables of anonymous memory only; a file mapping's pages (libtorch's code, ~400 MiB mapped)
-    are mapped again on first use, so a child's call would count, as its own resident memory, every page of code
-    it runs that the parent had already mapped (35 MiB more for one training step of the tiny model). Mapping them
-    all before the measurement leaves the call's own memory.
+    fork copies the page tables of anonymous memory only; a file mapping's pages (libtorch's code) are mapped
+    again on first use, so a child's call would count, as its own resident memory, every page of code it runs that
+    the parent had already mapped (the size is in docs/benchmarks.md). Mapping them all before the measurement
+    leaves the call's own memory.
     """
     libc = _glibc()
     if libc is None:

@@ -1,9 +1,9 @@
 """Mixed precision: the model computes in ``model.dtype``; the optimizer steps fp32 master weights.
 
 Why: at the DeepScaleR learning rate (2e-6) an AdamW step moves a weight of magnitude 0.02 by ~1e-4 of itself, far
-below bf16's relative resolution 2^-8: applied to bf16 weights the update rounds away (3.8% of the weights changed at
-all in 10 steps). So the optimizer keeps fp32 masters and fp32 AdamW state, and the compute weights are the masters
-rounded to nearest (``w_bf16 = round(w_fp32)``) after every step.
+below bf16's relative resolution 2^-8: applied to bf16 weights most updates round away (the measured share is in
+docs/benchmarks.md). So the optimizer keeps fp32 masters and fp32 AdamW state, and the compute weights are the
+masters rounded to nearest (``w_bf16 = round(w_fp32)``) after every step.
 
 Per strategy (``model.dtype`` = bfloat16; with float32 nothing of this exists: AdamW on the parameters themselves):
 
@@ -19,9 +19,9 @@ Per strategy (``model.dtype`` = bfloat16; with float32 nothing of this exists: A
   (:func:`fastgrpo.distributed.wrap_model` upcasts them): the sharded fp32 parameters *are* the masters, and plain
   AdamW steps them. Each forward all-gathers bf16 copies; gradients are reduce-scattered in fp32 (and accumulated
   unsharded in fp32 between micro-batches). The engine reads the bf16 unsharded parameters inside
-  ``unshard()``/``reshard()`` (``train.full_weights``), as before. Per parameter and rank: (4 + 8 + 4) / world size
-  (master, AdamW state, sharded gradient) + 2 (bf16 copy) while gathered + 4 (the unsharded fp32 gradient FSDP2
-  accumulates between micro-batches, freed by the reduce-scatter of the last one).
+  ``unshard()``/``reshard()`` (``fastgrpo.trainer.full_weights``), as before. Per parameter and rank:
+  (4 + 8 + 4) / world size (master, AdamW state, sharded gradient) + 2 (bf16 copy) while gathered + 4 (the
+  unsharded fp32 gradient FSDP2 accumulates between micro-batches, freed by the reduce-scatter of the last one).
 
 Numerics: a micro-batch's gradient is computed in bf16 (its matmuls accumulate in fp32 inside the kernels) and
 rounded once to bf16; the sum over micro-batches and ranks, the clipping norm, the AdamW moments and the update are

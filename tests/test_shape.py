@@ -52,7 +52,7 @@ RANKS = {
 ROOT_MAY_IMPORT = {"kernels"}  # fastgrpo/__init__.py re-exports the losses, nothing else
 
 # Documents outside the repository that no file may cite (spelled as patterns so this file does not cite them).
-FOREIGN_DOCS = re.compile(r"\b(DESIGN|STYLE)\.md\b")
+FOREIGN_DOCS = re.compile(r"\b(DESIGN|STYLE|METHOD)\.md\b")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg", ".ini", ".json", ".csv"}
 SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".benchmarks", ".hypothesis"}
 
