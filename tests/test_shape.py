@@ -225,6 +225,12 @@ def long_modules(modules: dict[str, Module]) -> list[str]:
     )
 
 
+def _skipped(folder: str) -> bool:
+    """A folder that is no part of the sources: caches, environments, build outputs."""
+    return folder in SKIP_DIRS or folder.startswith(".venv") or folder in {"build", "dist"} or folder.endswith(
+        ".egg-info")
+
+
 def repository_files(root: Path) -> list[Path]:
     """The repository's text files: git's tracked and untracked-but-not-ignored ones when ``root`` is a checkout,
     else every text file under ``root``."""
@@ -233,7 +239,7 @@ def repository_files(root: Path) -> list[Path]:
                                 capture_output=True, text=True, check=True).stdout.splitlines()
         paths = [root / p for p in listed]
     else:
-        paths = [p for p in root.rglob("*") if not SKIP_DIRS.intersection(p.relative_to(root).parts)]
+        paths = [p for p in root.rglob("*") if not any(_skipped(part) for part in p.relative_to(root).parts[:-1])]
     return sorted(p for p in paths if p.suffix in TEXT_SUFFIXES and p.is_file())
 
 
