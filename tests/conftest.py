@@ -35,10 +35,10 @@ def _seed_everything():
 @pytest.fixture(autouse=True)
 def _packed_products_forced(monkeypatch):
     """The engine's CPU step chooses per host, by timing, whether its products run on weights packed for MKL
-    (``fastgrpo.engine.cache``): a test must not depend on that draw, so every engine test (and the subprocesses it
+    (``fastgrpo.engine.workspace``): a test must not depend on that draw, so every engine test (and the subprocesses it
     starts) runs the packed path wherever it can (fp32, MKL), whatever the models' size. Tests that compare the paths
     force each one (``GenerationEngine(cpu_packed=...)``); ``test_generation.py``'s choice tests set ``auto``."""
-    from fastgrpo.engine.cache import PACKED_ENV
+    from fastgrpo.engine.workspace import PACKED_ENV
 
     monkeypatch.setenv(PACKED_ENV, "1")
 

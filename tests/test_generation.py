@@ -1,7 +1,7 @@
 """GenerationEngine against independent references: Hugging Face greedy ``generate``, a teacher-forced full forward,
 the closed-form sampling distribution softmax(logits / T) with top-k/top-p, and the model's own parameter storage.
 
-Tiny random models (fp32, ``initializer_range=0.3`` so greedy output varies, DESIGN.md). The matmuls are a few
+Tiny random models (fp32, ``initializer_range=0.3`` so greedy output varies). The matmuls are a few
 dozen elements wide, so the tests run on one intra-op thread (threads only add latency at this size, and the
 machine is shared); the previous setting is restored afterwards.
 """
@@ -12,15 +12,18 @@ import weakref
 import pytest
 import torch
 from checks import assert_decisive, one_thread, total_variation  # noqa: F401  (one_thread: autouse)
+from fastgrpo.kernels.utils import use_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import fastgrpo.engine.cache as engine_cache
 import fastgrpo.engine.engine as generation
-from fastgrpo.engine.cache import PACKED_GROUPS
+import fastgrpo.engine.loop as engine_loop
+import fastgrpo.engine.runner as engine_runner
+import fastgrpo.engine.workspace as engine_workspace
 from fastgrpo.engine.engine import Completion, GenerationEngine, SamplingParams
-from fastgrpo.engine.forward import mkl_packed_gemm
+from fastgrpo.engine.scheduler import Scheduler
+from fastgrpo.engine.workspace import PACKED_GROUPS, mkl_packed_gemm
 
 VOCAB = 96
 MAX_POS = 64
@@ -346,13 +349,13 @@ def test_group_shares_one_prefill(monkeypatch):
     prompts = random_prompts([6, 9, 6])
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=5)
     prefilled = []
-    real_prefill = engine._prefill
+    real_prefill = engine.forward.prefill
 
     def counting_prefill(ops, tokens_N, *args, **kwargs):
         prefilled.append(tokens_N.numel())
         return real_prefill(ops, tokens_N, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_prefill", counting_prefill)
+    monkeypatch.setattr(engine.forward, "prefill", counting_prefill)
     results = engine.generate(prompts, SamplingParams(n=4, temperature=0.0, max_new_tokens=6))
     assert sum(prefilled) == sum(len(p) for p in prompts)  # each prompt once, not once per sample
     for prompt, comps in zip(prompts, results):
@@ -360,7 +363,7 @@ def test_group_shares_one_prefill(monkeypatch):
         assert comps[0].token_ids == hf_greedy(model, prompt, 6, None)
 
 
-class CheckedScheduler(generation.Scheduler):
+class CheckedScheduler(Scheduler):
     """The engine's scheduler, with its invariants asserted after every admission and growth round."""
 
     instances = []
@@ -385,7 +388,7 @@ def test_pages_accounted_shared_and_freed(monkeypatch):
     every page is free after the call, the prompts are prefilled once each (shared pages), and last_stats reports
     the call."""
     CheckedScheduler.instances.clear()
-    monkeypatch.setattr(generation, "Scheduler", CheckedScheduler)
+    monkeypatch.setattr(engine_loop, "Scheduler", CheckedScheduler)
     model = tiny_model("qwen3")
     prompts = random_prompts([7, 16, 3, 21], seed=9)  # partial, full and multi-page prompts (page_size 4)
     engine = GenerationEngine(model, eos_token_ids=[5, 17], max_batch_size=6, page_size=4, sync_every=3)
@@ -406,7 +409,7 @@ def test_preemption_does_not_change_the_result(monkeypatch, params):
     """A pool too small for every running sample forces preemptions (recompute); each sample's tokens equal those of
     an uninterrupted run with a large pool, its log-probs within 1e-5 (the recompute prefill sums differently)."""
     CheckedScheduler.instances.clear()
-    monkeypatch.setattr(generation, "Scheduler", CheckedScheduler)
+    monkeypatch.setattr(engine_loop, "Scheduler", CheckedScheduler)
     model = tiny_model("llama")
     prompts = random_prompts([9, 4, 13], seed=3)
     big = GenerationEngine(model, eos_token_ids=[], max_batch_size=12, page_size=4)
@@ -451,12 +454,12 @@ def test_reads_the_live_parameters():
 def test_cache_is_freed_after_generate(monkeypatch):
     caches = []
 
-    class TrackedCache(generation._KVCache):
+    class TrackedCache(engine_runner.KVCache):
         def __init__(self, **tensors):
             super().__init__(**tensors)
             caches.extend(weakref.ref(t) for t in (self, self.kv))
 
-    monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    monkeypatch.setattr(engine_runner, "KVCache", TrackedCache)
     model = tiny_model("qwen2")
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=2, max_total_tokens=64)
     engine.generate(random_prompts([5, 8, 3]), SamplingParams(n=2, max_new_tokens=6, seed=0))
@@ -465,16 +468,16 @@ def test_cache_is_freed_after_generate(monkeypatch):
 
 
 def tracked_caches(monkeypatch) -> list:
-    """The ``_KVCache`` of every ``generate`` call from here on, in order (the engine's class swapped for one that
+    """The ``KVCache`` of every ``generate`` call from here on, in order (the engine's class swapped for one that
     records its instances)."""
     pools = []
 
-    class TrackedCache(generation._KVCache):
+    class TrackedCache(engine_runner.KVCache):
         def __init__(self, **tensors):
             super().__init__(**tensors)
             pools.append(self)
 
-    monkeypatch.setattr(generation, "_KVCache", TrackedCache)
+    monkeypatch.setattr(engine_runner, "KVCache", TrackedCache)
     return pools
 
 
@@ -517,9 +520,9 @@ def test_autocast_dtype_within_bf16_error_of_fp32():
 
 def test_engine_with_the_decode_attention_kernel_matches_hf(monkeypatch):
     """The CUDA decode path's attention (the Triton kernel, here under the interpreter) inside the engine."""
-    if not generation.use_triton(torch.empty(0)):
+    if not use_triton(torch.empty(0)):
         pytest.skip("needs TRITON_INTERPRET=1 (a CPU machine under the test suite's conftest)")
-    monkeypatch.setattr(generation, "_use_fused_attention", lambda t: True)
+    monkeypatch.setattr(engine_runner, "use_fused_attention", lambda t: True)
     model = tiny_model("qwen3")
     prompts = random_prompts([5, 11, 3])
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4)
@@ -639,7 +642,7 @@ def test_cpu_rms_norm_is_hf_bit_for_bit(H, M, feature_major, threads, scale, see
     activations small enough for eps to matter or large."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from fastgrpo.engine.forward import _rms_norm
+    from fastgrpo.engine.ops import rms_norm
 
     torch.set_num_threads(threads)  # the autouse fixture restores one thread
     g = torch.Generator().manual_seed(seed)
@@ -648,21 +651,21 @@ def test_cpu_rms_norm_is_hf_bit_for_bit(H, M, feature_major, threads, scale, see
     norm = Qwen2RMSNorm(H, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(H, generator=g))
-        assert torch.equal(_rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+        assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
 
 
 def test_the_cpu_uniform_table_is_the_per_draw_hash():
     """The rows' table of uniforms (filled at admission) holds, at column j, exactly the uniform the per-step hash
     gives for draw t0 + j of the row's stream, so reading it changes no draw."""
-    from fastgrpo.engine.sampling import _row_seeds, _row_uniforms, _sample_streams, _stream_uniforms
+    from fastgrpo.engine.sampling import row_seeds, row_uniforms, sample_streams, stream_uniforms
 
     g = torch.Generator().manual_seed(4)
-    stream = _sample_streams(12345, torch.randint(0, 1000, (9,), generator=g))
+    stream = sample_streams(12345, torch.randint(0, 1000, (9,), generator=g))
     t0 = torch.randint(0, 5000, (9,), generator=g)
-    table = _stream_uniforms(stream, t0, 37)
+    table = stream_uniforms(stream, t0, 37)
     assert table.shape == (9, 37) and table.dtype == torch.float64
     for j in range(37):
-        assert torch.equal(table[:, j], _row_uniforms(_row_seeds(stream, t0 + j)))
+        assert torch.equal(table[:, j], row_uniforms(row_seeds(stream, t0 + j)))
     assert ((table >= 0) & (table < 1)).all()
 
 
@@ -671,10 +674,10 @@ def test_the_cpu_uniform_table_is_the_per_draw_hash():
 @given(M=st.integers(1, 70), N=st.integers(1, 600), K=st.integers(1, 300), bias=st.booleans(),
        feature_major=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
 def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, feature_major, threads, seed):
-    """``_packed_linear`` (the CPU decode step's LM head) against ``F.linear`` on the same fp32 operands: every
+    """``packed_linear`` (the CPU decode step's LM head) against ``F.linear`` on the same fp32 operands: every
     entry within the forward-error bound of two K-term fp32 dot products, ``2 (K + 1) 2⁻²⁴ Σ|x w| (+ |b|)``, rows
     row-major or feature-major, 1 or 2 threads; the output row-major; the packs the two most recent row counts."""
-    from fastgrpo.engine.forward import _packed_linear
+    from fastgrpo.engine.workspace import packed_linear
 
     torch.set_num_threads(threads)  # the autouse fixture restores one thread
     g = torch.Generator().manual_seed(seed)
@@ -683,12 +686,12 @@ def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, fe
     packs = {}
     for rows in (M, M + 1, M):  # a second row count, then the first again: reused, not repacked
         x = torch.randn(K, rows, generator=g).t() if feature_major else torch.randn(rows, K, generator=g)
-        got, want = _packed_linear(x, w, b, packs), torch.nn.functional.linear(x, w, b)
+        got, want = packed_linear(x, w, b, packs), torch.nn.functional.linear(x, w, b)
         bound = 2 * (K + 1) * 2.0**-24 * (x.abs() @ w.abs().t() + (b.abs() if bias else 0))
         assert got.shape == (rows, N) and got.is_contiguous()
         assert ((got - want).abs() <= bound).all()
     assert list(packs) == [M + 1, M]  # least recently used first
-    _packed_linear(torch.randn(M + 2, K, generator=g), w, b, packs)
+    packed_linear(torch.randn(M + 2, K, generator=g), w, b, packs)
     assert list(packs) == [M, M + 2]  # at most two kept
 
 
@@ -725,9 +728,9 @@ def auto_packed(monkeypatch):
     gets, ``[(group, packed), ...]``)."""
     if not mkl_packed_gemm():
         pytest.skip("this torch has no MKL packed GEMM: nothing to choose")
-    monkeypatch.setenv(engine_cache.PACKED_ENV, "auto")
-    monkeypatch.setattr(engine_cache, "PACKED_WEIGHTS_MIN_BYTES", 0)
-    monkeypatch.setattr(engine_cache, "_product_times", {})
+    monkeypatch.setenv(engine_workspace.PACKED_ENV, "auto")
+    monkeypatch.setattr(engine_workspace, "PACKED_WEIGHTS_MIN_BYTES", 0)
+    monkeypatch.setattr(engine_workspace, "_product_times", {})
 
     def set_clock(seconds):
         calls = []
@@ -736,7 +739,7 @@ def auto_packed(monkeypatch):
             calls.append((group, packed))
             return seconds[group, packed]
 
-        monkeypatch.setattr(engine_cache, "product_seconds", fake)
+        monkeypatch.setattr(engine_workspace, "product_seconds", fake)
         return calls
 
     return set_clock
@@ -762,7 +765,7 @@ def test_auto_keeps_the_faster_products_of_each_group(monkeypatch, auto_packed):
     assert stats["cpu_packed_by"] == "timed"
     assert stats["cpu_product_ms"] == {g: (FAKE_SECONDS[g, True] * 1e3, FAKE_SECONDS[g, False] * 1e3)
                                        for g in PACKED_GROUPS}
-    rounds = engine_cache.PACKED_TIMING_ROUNDS
+    rounds = engine_workspace.PACKED_TIMING_ROUNDS
     # rounds of every group packed then every group plain (a group's weights cache-cold at each of its runs)
     assert calls == [(g, packed) for _ in range(rounds) for packed in (True, False) for g in PACKED_GROUPS]
     [cache] = pools
@@ -782,7 +785,7 @@ def test_auto_timings_are_cached_by_shapes_dtype_threads_and_rows(auto_packed):
     engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], max_batch_size=4)
     engine.generate(prompts, params)
     timed = len(calls)
-    assert timed == 2 * engine_cache.PACKED_TIMING_ROUNDS * len(PACKED_GROUPS)
+    assert timed == 2 * engine_workspace.PACKED_TIMING_ROUNDS * len(PACKED_GROUPS)
     auto_packed({k: 3.0 - v for k, v in FAKE_SECONDS.items()})  # the other sides faster, if it were asked
     for e in (engine, GenerationEngine(tiny_model("qwen2", seed=1), eos_token_ids=[], max_batch_size=4)):
         e.generate(prompts, params)
@@ -806,7 +809,7 @@ def test_packed_products_forced_by_env_or_argument(monkeypatch, auto_packed, env
     """``FASTGRPO_CPU_PACKED=0|1`` forces the products plain or packed with nothing timed; the engine's
     ``cpu_packed`` argument, when given, wins over the variable."""
     calls = auto_packed(FAKE_SECONDS)
-    monkeypatch.setenv(engine_cache.PACKED_ENV, env)
+    monkeypatch.setenv(engine_workspace.PACKED_ENV, env)
     engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], max_batch_size=4, cpu_packed=arg)
     engine.generate(random_prompts([4, 6]), SamplingParams(n=2, temperature=0.0, max_new_tokens=3))
     assert engine.last_stats["cpu_packed"] == dict.fromkeys(PACKED_GROUPS, want)
@@ -822,11 +825,11 @@ def test_auto_decides_nothing_it_cannot_pack_or_should_not(monkeypatch, auto_pac
     bf16.generate([[1, 2, 3]], params)
     assert bf16.last_stats["cpu_packed_by"] == "unavailable"
     assert bf16.last_stats["cpu_packed"] == dict.fromkeys(PACKED_GROUPS, False)
-    monkeypatch.setattr(engine_cache, "PACKED_WEIGHTS_MIN_BYTES", 4 << 20)
+    monkeypatch.setattr(engine_workspace, "PACKED_WEIGHTS_MIN_BYTES", 4 << 20)
     small = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[])
     small.generate([[1, 2, 3]], params)
     assert small.last_stats["cpu_packed_by"] == "size" and calls == []
-    monkeypatch.setenv(engine_cache.PACKED_ENV, "yes")
+    monkeypatch.setenv(engine_workspace.PACKED_ENV, "yes")
     with pytest.raises(ValueError, match="FASTGRPO_CPU_PACKED='yes'"):
         small.generate([[1, 2, 3]], params)
     with pytest.raises(ValueError, match="cpu_packed must be True, False or None"):
@@ -842,7 +845,7 @@ def test_auto_with_the_wall_clock_gives_hf_results(auto_packed):
     out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=8))
     stats = engine.last_stats
     assert stats["cpu_packed_by"] == "timed" and set(stats["cpu_product_ms"]) == set(PACKED_GROUPS)
-    gain = 1 - engine_cache.PACKED_MIN_GAIN
+    gain = 1 - engine_workspace.PACKED_MIN_GAIN
     assert stats["cpu_packed"] == {g: packed <= gain * plain for g, (packed, plain) in stats["cpu_product_ms"].items()}
     for prompt, comps in zip(prompts, out):
         assert all(c.token_ids == hf_greedy(model, prompt, 8, None) for c in comps)

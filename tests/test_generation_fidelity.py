@@ -1,6 +1,6 @@
 """Differential harness: the engine against Hugging Face over randomized schedules (issue 9).
 
-Random tiny Qwen2 / Llama / Qwen3 models (fp32, ``initializer_range=0.3`` so outputs vary, DESIGN.md), random prompt
+Random tiny Qwen2 / Llama / Qwen3 models (fp32, ``initializer_range=0.3`` so outputs vary), random prompt
 lengths, n up to 16, several stop ids with high stop rates, ``max_batch_size`` below the number of samples
 (refill), small KV budgets (admission and preemption under memory pressure), ``sync_every`` in {1, 3, 8} (8 is the
 CUDA setting, run here on CPU), page sizes, the CPU attention from the row cache or through the pages, top-k, top-p
@@ -59,7 +59,7 @@ from test_generation import (
 )
 from turn_script import CharTokenizer, ScriptedTurns
 
-import fastgrpo.engine.engine as generation
+import fastgrpo.engine.loop as engine_loop
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 
@@ -214,7 +214,7 @@ def run_turns(model, tokenizer, prompts, params, script, max_batch_size, sync_ev
     )  # fmt: skip
     turns = ScriptedTurns(vocab=VOCAB, **script)
     CheckedScheduler.instances.clear()
-    with mock.patch.object(generation, "Scheduler", CheckedScheduler):
+    with mock.patch.object(engine_loop, "Scheduler", CheckedScheduler):
         out = engine.generate(prompts, params, turns=turns)
     [sched] = CheckedScheduler.instances
     assert sched.used_pages == 0 and not any(sched.refs)

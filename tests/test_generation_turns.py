@@ -20,7 +20,7 @@ from test_generation import (
 from test_generation_fidelity import check_trajectory, first_boundary
 from turn_script import CharTokenizer, ScriptedTurns
 
-import fastgrpo.engine.engine as generation
+import fastgrpo.engine.loop as engine_loop
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams, TurnResult
 
 
@@ -149,7 +149,7 @@ def test_preemption_and_eviction_mid_conversation_do_not_change_the_trajectories
     CheckedScheduler.instances.clear()
     small = GenerationEngine(model, eos_token_ids=[], max_batch_size=24, page_size=4, max_total_tokens=4 * 17,
                              sync_every=3, tokenizer=tok)
-    with mock.patch.object(generation, "Scheduler", CheckedScheduler):
+    with mock.patch.object(engine_loop, "Scheduler", CheckedScheduler):
         got = small.generate(prompts, params, turns=ScriptedTurns(**script))
     stats = small.last_stats
     assert stats["evictions"] > 0 and stats["preemptions"] > 0

@@ -1,41 +1,40 @@
-"""The CUDA graph path of the decode step: one graph per batch-size bucket, captured on first use, replayed every
-step, writing one logits buffer (``_GraphSteps``, a mixin of ``fastgrpo.engine.engine._Run``). Off CUDA, or with
-``cuda_graphs=False``, the step runs the decode forward eagerly. The graphs and their pool live for one
-``generate`` call.
+"""The CUDA graph path of the decode step (``DecodeGraphs``): one graph per batch-size bucket, captured on first use,
+replayed every step, writing one logits buffer. Block tables and lengths are static inputs (full-width tables), so
+there is no graph per length. The graphs and their pool live for one ``generate`` call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from fastgrpo.engine.cache import _KVCache
 
+class DecodeGraphs:
+    """The decode step's CUDA graphs of one call, keyed by batch bucket ``S_b``, and the ``[R, V]`` logits buffer
+    they write. ``forward(S_b)`` runs the decode forward on rows ``[0, S_b)`` of the call's static inputs and
+    returns its logits ``[S_b, V]``."""
 
-class _GraphSteps:
-    """The ``_Run`` decode step, through a CUDA graph when ``use_graphs``."""
+    def __init__(self, forward: Callable[[int], torch.Tensor], R: int, vocab_size: int, device: torch.device):
+        self.forward = forward
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.logits_RV = torch.empty(R, vocab_size, device=device)
 
-    def _step(self, cache: _KVCache, S_b: int, n_pages: int) -> torch.Tensor:
-        st = self.st
-        if not self.use_graphs:
-            return self.e._decode_forward(
-                self.ops, cache, st.tok[:S_b], st.pos[:S_b], st.table[:S_b, :n_pages], self.cos_TD, self.sin_TD,
-                self.dtype,
-            )  # fmt: skip
+    def step(self, S_b: int) -> torch.Tensor:
+        """Replay the graph of bucket ``S_b`` (captured first if new); returns the logits ``[S_b, V]`` (a view of the
+        one buffer: read before the next step)."""
         if S_b not in self.graphs:
-            self.graphs[S_b] = self._capture(cache, S_b)
+            self.graphs[S_b] = self._capture(S_b)
         self.graphs[S_b].replay()
         return self.logits_RV[:S_b]
 
-    def _capture(self, cache: _KVCache, S_b: int):
-        """Capture the decode forward for batch bucket ``S_b`` (full-width block tables: no per-length graph),
-        writing the one logits buffer. Warm-up runs recompute the current step's K/V: harmless."""
-        st = self.st
+    def _capture(self, S_b: int) -> torch.cuda.CUDAGraph:
+        """Capture the decode forward for batch bucket ``S_b``, writing the one logits buffer. Warm-up runs recompute
+        the current step's K/V: harmless."""
 
         def forward():
-            logits = self.e._decode_forward(
-                self.ops, cache, st.tok[:S_b], st.pos[:S_b], st.table[:S_b], self.cos_TD, self.sin_TD, self.dtype
-            )
-            self.logits_RV[:S_b].copy_(logits)
+            self.logits_RV[:S_b].copy_(self.forward(S_b))
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -5,8 +5,8 @@ q/k/v/o projections with their biases, Qwen3's q_norm/k_norm, the RMSNorms, the 
 a KV cache of its own that lives only for the duration of one :meth:`GenerationEngine.generate` call, so training
 gets the memory back as soon as the rollout is done and the next rollout sees the optimizer's latest update.
 
-One call, step by step (the host bookkeeping is ``fastgrpo.engine.scheduler.Scheduler``; this file and the ``engine_*``
-modules listed below are the device step):
+One call, step by step (the host bookkeeping is ``fastgrpo.engine.scheduler.Scheduler``; the modules listed below
+are the device step and the host loop that drives it):
 
 1. **Pages.** The KV cache is a pool of pages ``kv: [layers, 2, Hkv, pages, page_size, D]`` (keys, values) sized
    from the budget (``max_total_tokens``, or 80% of the free GPU memory), allocated per call and freed on return.
@@ -18,37 +18,35 @@ modules listed below are the device step):
    its first token.
 3. **Decode.** One token per running sample per step: ``x_S -> layers -> logits_SV (fp32)``, sample, append. The
    attention reads each sample's keys through its block table: on CUDA the split-K paged kernel of
-   ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat). On CPU a
-   row cache (``_Workspace``) holds each running row's keys contiguously: a row that gets another sequence is
-   loaded from its pages through the block table, every step writes its token to the row (the pages get a row's
-   new K/V when its sequence leaves the row keeping them), and the attention is SDPA over the row with the keys
-   past its length masked (re-gathering every page at every layer and step would copy the live K/V once more per
-   step). Every ``sync_every`` steps the host reads the flags and
-   counts (the only host synchronisation in the loop): finished samples are harvested and free their pages, every
-   running sample gets the pages of its next ``sync_every`` tokens (when the pool runs dry, the latest-admitted
-   sample is preempted: pages freed, requeued with its tokens; it is later recomputed by prefilling prompt +
-   tokens), queued samples are admitted, rows are compacted, and the batch is the smallest power of two that holds
-   the running samples (padding rows write to a scratch page).
-4. On CUDA the elementwise pieces of a layer (RMSNorm fused with the residual add, rotary on q and k, SiLU·up)
-   are fused by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode
-   forward (embedding → logits) is captured once per batch-size bucket into a CUDA graph (block tables and lengths
-   are static inputs, so no graph per length) writing one logits buffer; the graphs and the pool are dropped when
-   ``generate`` returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets), and the
-   step runs its LM head, MLP and q/k/v products on weights packed for MKL or writes them (logits, MLP) into
-   reused buffers instead of fresh tensors, whichever its first call measured faster on this host
-   (``engine_cache``).
+   ``fastgrpo.kernels.decode_attention`` (the G query heads of a kv head as G query rows, no K/V repeat). On CPU a row
+   cache (``fastgrpo.engine.workspace.Workspace``) holds each running row's keys contiguously: a row that gets another
+   sequence is loaded from its pages through the block table, every step writes its token to the row (the pages get a
+   row's new K/V when its sequence leaves the row keeping them), and the attention is SDPA over the row with the keys
+   past its length masked (re-gathering every page at every layer and step would copy the live K/V once more per step).
+   Every ``sync_every`` steps the host reads the flags and counts (the only host synchronisation in the loop): finished
+   samples are harvested and free their pages, every running sample gets the pages of its next ``sync_every`` tokens
+   (when the pool runs dry, the latest-admitted sample is preempted: pages freed, requeued with its tokens; it is later
+   recomputed by prefilling prompt + tokens), queued samples are admitted, rows are compacted, and the batch is the
+   smallest power of two that holds the running samples (padding rows write to a scratch page).
+4. On CUDA the elementwise pieces of a layer (RMSNorm fused with the residual add, rotary on q and k, SiLU·up) are fused
+   by ``torch.compile`` (small pure functions, dynamic shapes, compiled once per engine), and the decode forward
+   (embedding → logits) is captured once per batch-size bucket into a CUDA graph (block tables and lengths are static
+   inputs, so no graph per length) writing one logits buffer; the graphs and the pool are dropped when ``generate``
+   returns. On CPU everything runs eagerly, with the same host logic (``sync_every``, buckets), and the step runs its LM
+   head, MLP and q/k/v products on weights packed for MKL or writes them (logits, MLP) into reused buffers instead of
+   fresh tensors, whichever its first call measured faster on this host (``fastgrpo.engine.workspace``).
 
-5. **Turns (multi-turn, ``generate(..., turns=)``; host side in ``engine_turns.py``).** A sample whose turn ends at
-   a boundary (eos/stop token, or a stop string matched on the decoded tail; a match seen late with
-   ``sync_every`` > 1 is trimmed and the pages of the trimmed tokens freed) pauses: it leaves its row, keeps its pages,
-   and the turn handler's ``start`` is called while the others go on decoding. The handler's answer (polled every
-   ``sync_every`` steps; a blocking wait only when nothing decodes) ends the trajectory or appends tokens: at
-   admission the last sampled token and the appended ones are prefilled into the sample's own pages against its
-   cached K/V (``_prefill_onto``: a few new tokens, nothing before recomputed), and its next turn's first token is
+5. **Turns (multi-turn, ``generate(..., turns=)``; host side in ``fastgrpo.engine.turns``).** A sample whose turn ends
+   at a boundary (eos/stop token, or a stop string matched on the decoded tail; a match seen late with ``sync_every`` >
+   1 is trimmed and the pages of the trimmed tokens freed) pauses: it leaves its row, keeps its pages, and the turn
+   handler's ``start`` is called while the others go on decoding. The handler's answer (polled every ``sync_every``
+   steps; a blocking wait only when nothing decodes) ends the trajectory or appends tokens: at admission the last
+   sampled token and the appended ones are prefilled into the sample's own pages against its cached K/V
+   (``ModelForward.prefill_onto``: a few new tokens, nothing before recomputed), and its next turn's first token is
    sampled from that prefill. The device step stays one batched decode of whatever rows run; pausing, evicting and
-   resuming are the scheduler's. A sample evicted while paused, or preempted mid-turn, is recomputed from all its
-   tokens (prompt, turns, observations). Single-turn (no handler) is the case of one turn: its outputs are bit for
-   bit those of the engine before turns existed.
+   resuming are the scheduler's. A sample evicted while paused, or preempted mid-turn, is recomputed from all its tokens
+   (prompt, turns, observations). Single-turn (no handler) is the case of one turn: its outputs are bit for bit those of
+   the engine before turns existed.
 
 Memory (DeepSeek-R1-Distill-Qwen-1.5B, bf16): 28 KiB of K/V per token (28 layers × 2 × 2 kv heads × 128 × 2 B), so
 a 64-token page is 1.75 MiB; 40 GiB of pool hold ~1.5M tokens, e.g. 128 sequences at 12K tokens on average. Host
@@ -63,26 +61,31 @@ the real bound. ``engine.last_stats`` reports each call: peak_running, preemptio
 the one sampled token per resume whose K/V were not cached), re_prefill_tokens (what re-prefilling the whole
 conversation at every resumed turn would have cost, TRL's way), evictions (paused samples whose pages were freed),
 peak_paused, peak_kv_tokens, kv_capacity_tokens, page_size, and for the CPU step which weight groups ran on
-MKL-packed weights and how that was chosen (cpu_packed, cpu_packed_by, cpu_product_ms: ``fastgrpo.engine.cache``).
+MKL-packed weights and how that was chosen (cpu_packed, cpu_packed_by, cpu_product_ms: ``fastgrpo.engine.workspace``).
 
-Where it lives (``fastgrpo.engine.engine`` is the entry module; it re-exports the public names):
+Where it lives (``fastgrpo.engine.engine`` is the entry module; it re-exports the public names; the object model,
+who owns what and one call as a data flow: ``docs/architecture.md``, "The engine"):
 
-- ``generation.py``: ``GenerationEngine`` (validation, ``generate``, the KV budget, the decode forward) and ``_Run``
-  (one call: its scheduler, pool and row state).
-- ``engine_loop.py``: the host loop of a call (harvest, grow/preempt/compact/admit through the scheduler, packed
-  prefill, first tokens, block tables, the ``sync_every`` decode steps) and the rows' device state.
-- ``engine_forward.py``: the model pieces (projections, packed prefill, the prefill onto cached K/V, MLP, fp32 LM
-  head) and the fused ops.
-- ``engine_cache.py``: the KV page pool and the CPU row cache / reused step buffers.
-- ``engine_cuda.py``: the CUDA graph capture and replay of the decode step.
-- ``engine_sampling.py``: ``SamplingParams``, ``Completion``, ``TurnHandler``/``TurnResult``, the per-sample random
+- ``engine.py``: ``GenerationEngine`` (validation, ``generate``, the KV budget, the call's ``CallSettings``).
+- ``loop.py``: ``Run``, the host loop of one call, top-down (harvest, reschedule, admit, prepare the batch,
+  ``sync_every`` decode steps); the scheduler decides, the runner computes.
+- ``scheduler.py``: ``Scheduler``, the host bookkeeping, the one place that knows which sample is where.
+- ``runner.py``: ``ModelRunner``, the device side of one call (packed prefill, first tokens, the decode step) and
+  the memory it owns (the pool, the CPU workspace, the CUDA graphs).
+- ``state.py``: ``RowState`` (the rows' device state) and ``StepOutput`` (what the decode steps hand to the host).
+- ``forward.py``: ``ModelForward``, the model pieces (projections, packed prefill, the prefill onto cached K/V,
+  the decode forward, MLP, fp32 LM head); ``ops.py``: the elementwise ops ``torch.compile`` fuses.
+- ``cache.py``: ``KVCache`` (the page pool) and ``RowCache`` (the CPU row cache's host bookkeeping).
+- ``workspace.py``: the CPU step's ``Workspace`` (row cache, reused buffers, MKL packs), the plain and packed
+  products and their per-host choice.
+- ``cuda_graphs.py``: ``DecodeGraphs``, the CUDA graph capture and replay of the decode step.
+- ``sampling.py``: ``SamplingParams``, ``Completion``, ``TurnHandler``/``TurnResult``, the per-sample random
   streams and the token draw.
-- ``engine_turns.py``: turn ends, stop strings, the turn handler's answers (the host side of multi-turn).
-- ``fastgrpo.engine.scheduler``: the host bookkeeping, the one place that knows which sample is where.
+- ``turns.py``: ``Conversations``: turn ends, stop strings, the turn handler's answers, the results.
 
-Sampling (``engine_sampling.py`` states the math): greedy, or temperature / top-k / top-p from one random stream per
-sample (its tokens do not depend on the batch, row or ``sync_every``); the logits are fp32, and the returned
-log-prob is ``logp[token]`` under the temperature-scaled distribution before top-p/top-k truncation.
+Sampling (``fastgrpo.engine.sampling`` states the math): greedy, or temperature / top-k / top-p from one random stream
+per sample (its tokens do not depend on the batch, row or ``sync_every``); the logits are fp32, and the returned log-
+prob is ``logp[token]`` under the temperature-scaled distribution before top-p/top-k truncation.
 
 Tensor names carry their shape: S rows (running samples), P block-table width, N packed prompt tokens, V vocabulary,
 H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
@@ -90,20 +93,14 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from fastgrpo.engine.cache import _KVCache, _RowCacheSteps
-from fastgrpo.engine.cuda_graphs import _GraphSteps
-from fastgrpo.engine.forward import LM_HEAD_CHUNK, _ModelPieces, _Ops
-from fastgrpo.engine.loop import PREFILL_CHUNK_TOKENS, _DecodeLoop, _RowState
-from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult, _use_fused_sampling
-from fastgrpo.engine.scheduler import Scheduler
-from fastgrpo.engine.turns import _TurnSteps
-from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
-from fastgrpo.kernels.utils import use_triton
+from fastgrpo.engine.forward import LM_HEAD_CHUNK, ModelForward
+from fastgrpo.engine.loop import CallSettings, Run
+from fastgrpo.engine.runner import PREFILL_CHUNK_TOKENS
+from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult
 from fastgrpo.models.lora import check_modules, unwrap_peft
 
 __all__ = [
@@ -122,7 +119,7 @@ CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a f
 DEFAULT_PAGE_SIZE = {True: 64, False: 16}
 
 
-class GenerationEngine(_ModelPieces):
+class GenerationEngine:
     """Batched sampling with ``model``'s own parameters and a KV cache that lives only during :meth:`generate`.
 
     Args:
@@ -143,11 +140,12 @@ class GenerationEngine(_ModelPieces):
         page_size: tokens per KV page; None = 64 on CUDA (the decode kernel's keys per inner step; < 64 tokens
             wasted per sequence), 16 on CPU.
         row_cache: where the paged kernel does not run (CPU), decode attention reads a contiguous row cache kept in
-            step with the pages (see ``_Workspace``) instead of gathering every row's pages per layer and step; None
-            = when it holds no more tokens than the KV budget (``max_total_tokens``). Ignored on CUDA.
+            step with the pages (see ``fastgrpo.engine.workspace.Workspace``) instead of gathering every row's pages
+            per layer and step; None = when it holds no more tokens than the KV budget (``max_total_tokens``).
+            Ignored on CUDA.
         cpu_packed: on CPU (fp32, MKL), run the LM head's, MLP's and q/k/v's products on weights packed for MKL's
             GEMM (True) or as plain products (False); None = ``FASTGRPO_CPU_PACKED`` (0, 1, or auto: each weight
-            group's two products timed once per process and shapes, the faster kept; see ``fastgrpo.engine.cache``).
+            group's two products timed once per process and shapes, the faster kept; see ``fastgrpo.engine.workspace``).
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
@@ -221,24 +219,16 @@ class GenerationEngine(_ModelPieces):
         self._dtype = dtype
         self._sync_every = sync_every
         self._cuda_graphs = cuda_graphs
-        self._compile = compile
-        self._compiled_ops: _Ops | None = None
         self._row_cache = row_cache
         self._cpu_packed = cpu_packed
 
-        self.layers = list(inner.layers)
-        attn = self.layers[0].self_attn
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scale = attn.scaling
+        self.forward = ModelForward(model, compile)  # the forward pieces, read from the model's own modules
+        self.layers = self.forward.layers
         self.max_positions = config.max_position_embeddings
-        self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
-        self.silu = getattr(config, "hidden_act", None) == "silu"
         norms = [inner.norm]
         for layer in self.layers:
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
-            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm] if self.qk_norm else []
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm] if self.forward.qk_norm else []
         if not all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms):
             raise ValueError("model: unsupported structure, its norms are not RMSNorm(weight, variance_epsilon)")
 
@@ -254,8 +244,8 @@ class GenerationEngine(_ModelPieces):
     ) -> list[list[Completion]]:
         """Sample ``params.n`` completions for each prompt; returns ``[prompt][sample]`` :class:`Completion`.
 
-        The model runs in eval mode under ``inference_mode`` (no autograd bookkeeping: 5-8% of a CPU call of
-        bench_generation.py against ``no_grad``) and gets its previous mode back afterwards; ``on_group_done`` and
+        The model runs in eval mode under ``inference_mode`` (no autograd bookkeeping, cheaper than ``no_grad``;
+        measured by bench/bench_generation.py) and gets its previous mode back afterwards; ``on_group_done`` and
         the turn handler are called inside it too (a tensor they create is an inference tensor: no autograd, no
         in-place update outside inference mode). A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
@@ -305,17 +295,32 @@ class GenerationEngine(_ModelPieces):
         else:
             seed = params.seed
 
+        cuda = device.type == "cuda"
+        settings = CallSettings(
+            device=device, dtype=dtype, seed=seed, budget=budget,
+            sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
+            cuda_graphs=cuda and self._cuda_graphs is not False,
+            page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
+            row_cache=self._row_cache, cpu_packed=self._cpu_packed,
+            stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
+        )  # fmt: skip
+        limits = [self._first_limit(params, len(p), turns is not None) for p in prompts]
+        forward = self.forward
         was_training = model.training
         model.eval()
-        self._read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
+        forward.read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
         try:
-            with torch.inference_mode(), self._autocast(device, dtype, param.dtype):
-                cos_TD, sin_TD = self._rope_tables(max_len, device, dtype)
-                run = _Run(self, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget, turns, max_context)
-                return run.run(on_group_done)
+            with torch.inference_mode(), forward.autocast(device, dtype, param.dtype):
+                cos_TD, sin_TD = forward.rope_tables(max_len, device, dtype)
+                run = Run(forward, settings, prompts, params, limits, turns, self.tokenizer, cos_TD, sin_TD)
+                try:
+                    return run.run(on_group_done)
+                finally:
+                    if run.last_stats is not None:
+                        self.last_stats = run.last_stats
         finally:
             model.train(was_training)
-            self._lora = {}  # the adapters are read afresh by the next call
+            forward.clear_adapters()  # the adapters are read afresh by the next call
 
     # ------------------------------------------------------------------ validation and planning
 
@@ -361,178 +366,11 @@ class GenerationEngine(_ModelPieces):
             prompts.append(list(p))
         return prompts
 
-    def _kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
-
     def _budget_tokens(self, device: torch.device, dtype: torch.dtype) -> int:
         if self.max_total_tokens is not None:
             return self.max_total_tokens
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached, reusable
-            return int(free * CUDA_MEMORY_FRACTION) // self._kv_bytes_per_token(dtype)
+            return int(free * CUDA_MEMORY_FRACTION) // self.forward.kv_bytes_per_token(dtype)
         return DEFAULT_CPU_TOTAL_TOKENS
-
-    # ------------------------------------------------------------------ the decode forward
-
-    def _decode_forward(self, ops, cache: _KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
-        """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
-        logits ``[S, V]`` (fp32; with a workspace whose LM head is not packed, a feature-major view of
-        ``cache.work.logits``: strides (1, S)).
-
-        Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
-        ``[0, pos]`` of each row (the query's own key included): through its block table ``table_SP`` on CUDA; on
-        CPU from the row cache (:meth:`_decode_rows`) when there is one, its first ``P · page_size`` columns (the
-        engine passes only the table columns the longest row uses).
-        """
-        work = cache.work  # None: the paged kernel (CUDA)
-        ps = cache.kv.shape[4]
-        if work is not None and work.kv_rows is not None:
-            return self._decode_rows(ops, cache, tok_S, pos_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype)
-        page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
-        slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
-        S = tok_S.shape[0]
-        G = self.num_heads // self.num_kv_heads
-        length_S = pos_S + 1  # keys [0, pos] are live, the current one included
-        # the torch path named off CUDA: paged_decode_attention would run the kernel under TRITON_INTERPRET=1
-        attention = paged_decode_attention if _use_fused_attention(tok_S) else paged_decode_attention_torch
-
-        def attend(li, q, k, v):  # the G query heads of one kv head act as G query rows (no K/V repeat)
-            k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
-            q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
-            return attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)  # [S, Hkv, G, D]
-
-        x, delta = self._layers(ops, tok_S, pos_S, cos_TD, sin_TD, cache, slot_S, dtype, attend, work)
-        return self._final_logits(ops, x, delta, work)
-
-    def _decode_rows(self, ops, cache: _KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
-        """The decode step on the CPU row cache: each layer writes the token's K/V to its row
-        (``work.kv_rows[layer, row, :, :, pos]``; the pages get them when the sequence leaves the row keeping them,
-        ``_RowCacheSteps._flush_rows``), then attends over the row's first ``T`` keys, those past ``pos`` masked
-        (:func:`masked_attention`). Without autocast the projections and the rotary embedding run on q, k, v side by
-        side (:meth:`_attn_in_rows`)."""
-        work = cache.work
-        S = tok_S.shape[0]
-        Hkv, G, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        rows_S = torch.arange(S, device=tok_S.device)
-        # additive mask, 0 where live, -inf past pos: SDPA turns a boolean one into this at every call (6 ops)
-        dead_S11T = torch.arange(T, device=tok_S.device) > pos_S[:, None]
-        mask_S11T = torch.zeros(S, 1, 1, T, device=tok_S.device).masked_fill_(dead_S11T.view(S, 1, 1, T), -math.inf)
-        cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
-        joint = dtype == self.layers[0].self_attn.q_proj.weight.dtype  # no autocast: q, k, v side by side
-        if joint:
-            sin_signed = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
-        x = self.model.model.embed_tokens(tok_S)  # [S, H]
-        delta = None
-        for li, layer in enumerate(self.layers):
-            x, h = self._norm_in(ops, layer, x, delta)
-            if joint:
-                q4, kv = self._attn_in_rows(ops, layer, h, cos, sin_signed, work)  # [S, Hkv, G, D], [S, 2, Hkv, D]
-            else:
-                q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)
-                q4, kv = q.view(S, Hkv, G, D), torch.stack((k, v), 1)
-            kv_rows = work.kv_rows[li]  # [R, 2, Hkv, T_max, D]
-            kv_rows[rows_S, :, :, pos_S] = kv
-            o = masked_attention(q4, kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T], mask_S11T, self.scale)
-            x, delta = self._attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
-        return self._final_logits(ops, x, delta, work)
-
-    def _final_logits(self, ops, x, delta, work) -> torch.Tensor:
-        norm = self.model.model.norm
-        _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
-        return self._lm_head(h, work)  # [S, V] fp32
-
-
-def _use_fused_attention(t: torch.Tensor) -> bool:
-    """Decode attention by the Triton kernel through the pages on CUDA; the row cache elsewhere (the CPU path)."""
-    return t.is_cuda and use_triton(t)
-
-
-class _Run(_DecodeLoop, _TurnSteps, _RowCacheSteps, _GraphSteps):
-    """One ``generate`` call: the device step driven by a :class:`~fastgrpo.engine.scheduler.Scheduler` (one wave)."""
-
-    def __init__(self, engine: GenerationEngine, prompts, params, device, dtype, seed, cos_TD, sin_TD, budget,
-                 turns=None, max_context=None):
-        self.e = engine
-        self.prompts = prompts
-        self.params = params
-        self.device = device
-        self.dtype = dtype
-        self.seed = seed
-        self.budget = budget  # KV tokens
-        self.cos_TD, self.sin_TD = cos_TD, sin_TD
-        cuda = device.type == "cuda"
-        self.sync_every = engine._sync_every or (CUDA_SYNC_EVERY if cuda else 1)
-        self.use_graphs = cuda and engine._cuda_graphs is not False
-        self.ops = engine._ops(device)
-        self.stop_set = set(engine.eos_token_ids) | set(params.stop_token_ids)
-        self.stop_ids = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=device)
-        self.ps = engine.page_size or DEFAULT_PAGE_SIZE[device.type == "cuda"]
-        self.turns = turns
-        self.max_context = max_context  # multi-turn: a conversation's token budget; None: single-turn
-        self.lengths = [len(p) for p in prompts]
-        self.limits = [engine._first_limit(params, n, turns is not None) for n in self.lengths]
-        # the pool never needs more than every sample's full length at once (+ prompt pages, the scratch page)
-        ps = self.ps
-        ends = [max_context or a + b for a, b in zip(self.lengths, self.limits)]  # a sequence's last position + 1
-        worst = sum(params.n * -(-end // ps) - (-a // ps) for a, end in zip(self.lengths, ends)) + 1
-        self.max_end = max(ends)
-        try:
-            self.sched = Scheduler(
-                self.lengths, params.n, self.limits, self.ps, min(budget // self.ps, worst), engine.max_batch_size,
-                max_context,
-            )
-        except ValueError as err:
-            raise ValueError(f"max_total_tokens={budget} ({budget // self.ps} pages of {self.ps}): {err}") from None
-
-    def run(self, on_group_done) -> list[list[Completion]]:
-        e, P, n, ps = self.e, len(self.prompts), self.params.n, self.ps
-        L, Hkv, D = len(e.layers), e.num_kv_heads, e.head_dim
-        R = min(e.max_batch_size, P * n)  # rows
-        dev = self.device
-        max_pages = self.sched.pages_for(self.max_end)
-        max_new = max(self.limits)
-        # zeroed: masked-out keys still enter the CPU attention's P @ V, where 0 * NaN would be NaN
-        cache = _KVCache(kv=torch.zeros(L, 2, Hkv, self.sched.num_pages, ps, D, device=dev, dtype=self.dtype))
-        self.products = dict(cpu_packed={}, cpu_packed_by=None, cpu_product_ms={})  # the CPU step's (_workspace)
-        if not _use_fused_attention(cache.kv):
-            cache.work = self._workspace(R, max_pages * ps)
-        self.row_owner: list = [None] * R  # the sequence whose keys each row of the row cache holds
-        self.row_from = [0] * R  # the position from which a row's K/V are in the row cache only (not in pages)
-        self.st = _RowState(
-            tok=torch.zeros(R, dtype=torch.long, device=dev),  # token fed at the next step
-            pos=torch.zeros(R, dtype=torch.long, device=dev),  # its position (= tokens already cached)
-            n_gen=torch.zeros(R, dtype=torch.long, device=dev),  # tokens generated so far
-            done=torch.ones(R, dtype=torch.bool, device=dev),  # finished or padding
-            limit=torch.ones(R, dtype=torch.long, device=dev),  # the sample's response limit
-            stream=torch.zeros(R, dtype=torch.long, device=dev),  # h(seed, its sample id): its random stream
-            t0=torch.zeros(R, dtype=torch.long, device=dev),  # tokens sampled in its earlier turns
-            out_tok=torch.zeros(R, max_new + 1, dtype=torch.long, device=dev),  # + a scratch column
-            out_lp=torch.zeros(R, max_new + 1, dtype=torch.float32, device=dev),
-            u=torch.zeros(R, 0 if self.params.greedy or _use_fused_sampling(cache.kv) else max_new + 1, device=dev,
-                          dtype=torch.float64),  # uniforms of the CPU draws (the kernels draw their own on CUDA)
-            table=torch.zeros(R, max_pages, dtype=torch.int32, device=dev),  # block tables (0 = scratch page)
-        )
-        self.graphs = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.logits_RV = torch.empty(R, e.vocab_size, device=dev) if self.use_graphs else None
-        self.stats = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0, re_prefill_tokens=0)
-        try:
-            return self._loop(cache, R, on_group_done)
-        finally:
-            self.graphs = None  # the graphs hold the cache's addresses: drop them with it
-            sched = self.sched
-            e.last_stats = dict(
-                peak_running=sched.peak_running,
-                preemptions=sched.preemptions,
-                decode_steps=self.stats["decode_steps"],
-                prefill_tokens=self.stats["prefill_tokens"],
-                resume_prefill_tokens=self.stats["resume_prefill_tokens"],
-                re_prefill_tokens=self.stats["re_prefill_tokens"],
-                evictions=sched.evictions,
-                peak_paused=sched.peak_paused,
-                peak_kv_tokens=sched.peak_pages * ps,
-                kv_capacity_tokens=(sched.num_pages - 1) * ps,
-                page_size=ps,
-                **self.products,
-            )

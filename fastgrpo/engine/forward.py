@@ -1,63 +1,90 @@
-"""The model pieces of the engine's device step: the layer's projections, attention of a packed prefill, the MLP, the
-final norm and the fp32 LM head, read from the model's own parameter tensors (``_ModelPieces``, a base of
-``fastgrpo.engine.engine.GenerationEngine``), and the elementwise ops ``torch.compile`` fuses on CUDA (``_Ops``).
-The decode forward, which picks the attention path, is ``GenerationEngine._decode_forward``.
-Tensor names carry their shape (the letters of ``fastgrpo.engine.engine``: N packed tokens, M rows, H hidden, V vocab).
+"""The model runner's arithmetic: the forward pieces of the engine's device step, read from the model's own parameter
+tensors (``ModelForward``): the layer's projections (with unmerged LoRA adapters), the packed prefill and the
+prefill onto cached K/V, the decode forward (paged kernel, row cache or pages), the MLP, the final norm and the
+fp32 LM head. The elementwise ops are ``fastgrpo.engine.ops``; the CPU products' buffers and MKL packs are
+``fastgrpo.engine.workspace``.
+
+Tensor names carry their shape: S rows (running samples), P block-table width, N packed tokens, M rows, H hidden,
+V vocabulary, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+import math
 
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.engine.cache import KVCache
+from fastgrpo.engine.ops import EAGER_OPS, Ops
+from fastgrpo.engine.workspace import Workspace, linear_t, packed_linear
+from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
 from fastgrpo.models.lora import lora_terms
-
-if TYPE_CHECKING:
-    from fastgrpo.engine.cache import _Workspace
 
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
 
-class _ModelPieces:
-    """The forward pieces of :class:`~fastgrpo.engine.engine.GenerationEngine` (its attributes: model, layers, head
-    counts, scale, qk_norm, silu, _compile, _compiled_ops)."""
+class ModelForward:
+    """The forward pieces of a supported causal LM (checked by ``GenerationEngine``), read from its own modules.
 
-    _lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per generate call
+    ``compile``: fuse the elementwise ops with ``torch.compile`` (None: on CUDA only; compiled once, on first use).
+    ``read_adapters`` / ``clear_adapters`` bracket one ``generate`` call (the LoRA adapters do not change within it).
+    """
 
-    def _read_adapters(self) -> None:
+    def __init__(self, model: torch.nn.Module, compile: bool | None):
+        inner = model.model
+        config = model.config
+        self.model = model
+        self.vocab_size = inner.embed_tokens.num_embeddings
+        self.layers = list(inner.layers)
+        attn = self.layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
+        self.silu = getattr(config, "hidden_act", None) == "silu"
+        self._compile = compile
+        self._compiled_ops: Ops | None = None
+        self._lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per call
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K/V one token takes in the page pool: ``2 · layers · Hkv · D · element size``."""
+        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def read_adapters(self) -> None:
         """Read every projection's live LoRA adapters (:func:`fastgrpo.models.lora.lora_terms`) for one ``generate``
-        call,
-        in which they do not change: the step then looks them up instead of walking PEFT's properties (~20 µs a
-        projection) at every layer and step; empty for a model without adapters."""
+        call, in which they do not change: the step then looks them up instead of walking PEFT's properties at every
+        layer and step; empty for a model without adapters."""
         self._lora = {m: t for layer in self.layers for m in layer.modules() if (t := lora_terms(m))}
 
-    def _autocast(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
+    def clear_adapters(self) -> None:
+        """Forget the call's adapters: the next call reads them afresh."""
+        self._lora = {}
+
+    def autocast(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
         if dtype == param_dtype:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
-    def _rope_tables(self, length: int, device: torch.device, dtype: torch.dtype):
+    def rope_tables(self, length: int, device: torch.device, dtype: torch.dtype):
         """cos/sin ``[T, D]`` from the model's own rotary module (its inv_freq and attention scaling)."""
         probe = torch.empty(1, device=device, dtype=dtype)
         positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
         cos, sin = self.model.model.rotary_emb(probe, positions)
         return cos[0].to(dtype), sin[0].to(dtype)  # [T, D]
 
-    def _ops(self, device: torch.device) -> _Ops:
+    def elementwise_ops(self, device: torch.device) -> Ops:
         """The elementwise helpers: compiled (fused kernels) on CUDA unless ``compile=False``, eager elsewhere."""
         want = device.type == "cuda" if self._compile is None else self._compile
         if not want:
-            return _EAGER_OPS
+            return EAGER_OPS
         if self._compiled_ops is None:
-            self._compiled_ops = _Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in _EAGER_OPS))
+            self._compiled_ops = Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in EAGER_OPS))
         return self._compiled_ops
 
-    def _attn_in(self, ops: _Ops, layer, h, cos, sin, dtype):
+    def attn_in(self, ops: Ops, layer, h, cos, sin, dtype):
         """Projections + (Qwen3) q/k RMSNorm + rotary for rows ``h [M, H]`` → q [M, Hq, D], k/v [M, Hkv, D]."""
         attn = layer.self_attn
         M = h.shape[0]
@@ -71,20 +98,20 @@ class _ModelPieces:
         q, k = ops.rope_qk(q, k, cos, sin)
         return q.to(dtype), k.to(dtype), v.to(dtype)
 
-    def _attn_in_rows(self, ops: _Ops, layer, h, cos, sin_signed, work: _Workspace):
-        """:meth:`_attn_in` for the CPU decode step: the q, k, v projections of ``h [S, H]`` side by side in one
-        row-major ``[S, (Hq + 2 Hkv) · D]`` tensor (:meth:`_qkv_rows`), (Qwen3) q/k RMSNorm, and the rotary embedding
+    def attn_in_rows(self, ops: Ops, layer, h, cos, sin_signed, work: Workspace):
+        """:meth:`attn_in` for the CPU decode step: the q, k, v projections of ``h [S, H]`` side by side in one
+        row-major ``[S, (Hq + 2 Hkv) · D]`` tensor (:meth:`qkv_rows`), (Qwen3) q/k RMSNorm, and the rotary embedding
         of q and k in place there; returns the views q ``[S, Hkv, G, D]`` and k/v ``[S, 2, Hkv, D]`` (unit stride
         on D).
 
         Rotary in place, bit for bit Hugging Face's ``x·cos + rotate_half(x)·sin``: ``rotate_half(x) = [−x₂, x₁]``,
         so ``rotate_half(x)·sin = [x₂, x₁]·[−sin₁, sin₂]`` (``sin_signed``, the same products up to the sign):
-        one swap of halves, two products and one sum for q and k together, instead of those for each (17 against
-        26 µs a layer at bench_generation's sizes), and k, v then go to the row cache in one write."""
+        one swap of halves, two products and one sum for q and k together, instead of those for each, and k, v then go
+        to the row cache in one write."""
         attn = layer.self_attn
         S = h.shape[0]
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self._qkv_rows(attn, h, work).view(S, Hq + 2 * Hkv, D)
+        qkv = self.qkv_rows(attn, h, work).view(S, Hq + 2 * Hkv, D)
         qk = qkv[:, : Hq + Hkv]
         if self.qk_norm:
             qk[:, :Hq] = ops.rms_norm(qk[:, :Hq], attn.q_norm.weight, attn.q_norm.variance_epsilon)
@@ -93,13 +120,13 @@ class _ModelPieces:
         qk.mul_(cos).add_(swapped.mul_(sin_signed))
         return qkv[:, :Hq].view(S, Hkv, Hq // Hkv, D), qkv[:, Hq:].unflatten(1, (2, Hkv))
 
-    def _qkv_rows(self, attn, h_SH: torch.Tensor, work: _Workspace) -> torch.Tensor:
+    def qkv_rows(self, attn, h_SH: torch.Tensor, work: Workspace) -> torch.Tensor:
         """``[q | k | v]`` of rows ``h``, row-major ``[S, (Hq + 2 Hkv) · D]``. With q/k/v packed (``work.packed``):
         one product on the three weights stacked (and their biases; a missing one as zeros, which add exactly
-        nothing), packed for MKL (``_packed_linear``; the stacked copy made on the call's first use, kept in
+        nothing), packed for MKL (``packed_linear``; the stacked copy made on the call's first use, kept in
         ``work.packs[attn]``), then each LoRA adapter's ``s · (h Aᵀ) Bᵀ`` added to its projection's columns;
-        otherwise three products and a concatenation. In the step on an Intel Xeon: 0.95x the call's time of the
-        three products (in-process A/B), the same values at bench_generation's sizes (its token hash unchanged)."""
+        otherwise three products and a concatenation (the same values at bench_generation's sizes: its token hash
+        unchanged)."""
         lora, mods = self._lora, (attn.q_proj, attn.k_proj, attn.v_proj)
         if "qkv" not in work.packed:
             return torch.cat([_proj(h_SH, m, lora) for m in mods], 1)
@@ -109,7 +136,7 @@ class _ModelPieces:
             bias = None if all(m.bias is None for m in mods) else torch.cat(biases)
             stacked = work.packs[attn] = (torch.cat([m.weight for m in mods]), bias, {})
         weight, bias, by_rows = stacked
-        qkv = _packed_linear(h_SH, weight, bias, by_rows)
+        qkv = packed_linear(h_SH, weight, bias, by_rows)
         n0 = 0
         for m in mods:
             n1 = n0 + m.weight.shape[0]
@@ -117,16 +144,16 @@ class _ModelPieces:
             n0 = n1
         return qkv
 
-    def _attn_out_mlp(self, ops: _Ops, layer, x, o_MQ, work: _Workspace | None = None):
+    def attn_out_mlp(self, ops: Ops, layer, x, o_MQ, work: Workspace | None = None):
         """``x + o_proj(o)``, then the MLP on its post-attention norm; returns (new residual, MLP output)."""
         attn, ln2 = layer.self_attn, layer.post_attention_layernorm
         o = _proj(o_MQ, attn.o_proj, self._lora)
         x, h = ops.add_rms_norm(x, o, ln2.weight, ln2.variance_epsilon)
-        return x, self._mlp(ops, layer.mlp, h, work)
+        return x, self.mlp(ops, layer.mlp, h, work)
 
-    def _mlp(self, ops: _Ops, mlp, h_MH: torch.Tensor, work: _Workspace | None = None) -> torch.Tensor:
+    def mlp(self, ops: Ops, mlp, h_MH: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
         """``down(act(gate(h)) · up(h))``. With a workspace: the products on the MLP's packed weights
-        (``_packed_linear``, when ``work.packed`` holds it) or into the workspace's buffers, the activation in place
+        (``packed_linear``, when ``work.packed`` holds it) or into the workspace's buffers, the activation in place
         (the same values)."""
         lora = self._lora
         if work is not None and "mlp" in work.packed:  # fresh row-major [M, I], then in place
@@ -144,14 +171,14 @@ class _ModelPieces:
         act = (F.silu(gate, inplace=True) if self.silu else mlp.act_fn(gate)).mul_(up)
         return _proj(act, mlp.down_proj, lora, work.down)
 
-    def _norm_in(self, ops: _Ops, layer, x, delta):
+    def norm_in(self, ops: Ops, layer, x, delta):
         """Input norm of a layer, fused with the previous layer's MLP residual add when there is one."""
         ln1 = layer.input_layernorm
         if delta is None:
             return x, ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
         return ops.add_rms_norm(x, delta, ln1.weight, ln1.variance_epsilon)
 
-    def _prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, cache, slot_N, dtype):
+    def prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, cache, slot_N, dtype):
         """Packed prefill of prompts sorted into equal-length groups; returns the last residual stream ``[N, H]``
         (before the final norm).
 
@@ -174,10 +201,10 @@ class _ModelPieces:
                 out[start:end] = og.transpose(1, 2).reshape(count * length, self.num_heads, self.head_dim)
             return out
 
-        x, delta = self._layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
+        x, delta = self.run_layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
         return x + delta
 
-    def _prefill_onto(self, ops, tokens_N, pos_N, spans, tables, cos_TD, sin_TD, cache, slot_N, dtype):
+    def prefill_onto(self, ops, tokens_N, pos_N, spans, tables, cos_TD, sin_TD, cache, slot_N, dtype):
         """Packed prefill of new tokens of sequences whose earlier K/V are already in their pages (a resumed turn's
         appended tokens: a chunked prefill, nothing before them recomputed); returns the last residual stream
         ``[N, H]`` (before the final norm).
@@ -209,10 +236,10 @@ class _ModelPieces:
                 out[start : start + m] = og[0].transpose(0, 1)  # [m, Hq, D]
             return out
 
-        x, delta = self._layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
+        x, delta = self.run_layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
         return x + delta
 
-    def _layers(self, ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend, work=None):
+    def run_layers(self, ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend, work=None):
         """The layers on ``N`` tokens at positions ``pos_N`` through the pages: per layer the input norm, q/k/v
         and rotary, the K/V written to flat slots ``slot_N``, ``attend(layer index, q [N, Hq, D], k, v [N, Hkv, D])
         -> [N, Hq, D]``, o_proj and the MLP; returns ``(residual, last MLP output)`` (their sum is the last residual
@@ -222,31 +249,31 @@ class _ModelPieces:
         x = self.model.model.embed_tokens(tokens_N)  # [N, H]
         delta = None
         for li, layer in enumerate(self.layers):
-            x, h = self._norm_in(ops, layer, x, delta)
-            q, k, v = self._attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
+            x, h = self.norm_in(ops, layer, x, delta)
+            q, k, v = self.attn_in(ops, layer, h, cos, sin, dtype)  # [N, Hq, D], [N, Hkv, D]
             cache.write(li, slot_N, k, v)
-            x, delta = self._attn_out_mlp(ops, layer, x, attend(li, q, k, v).reshape(N, -1), work)
+            x, delta = self.attn_out_mlp(ops, layer, x, attend(li, q, k, v).reshape(N, -1), work)
         return x, delta
 
-    def _logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
+    def logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
         norm = self.model.model.norm
-        return self._lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
+        return self.lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
 
-    def _lm_head(self, h_MH: torch.Tensor, work: _Workspace | None = None) -> torch.Tensor:
+    def lm_head(self, h_MH: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
         """``logits = h Wᵀ (+ b)`` ``[M, V]``, accumulated and returned in fp32 like the training kernels' (never
         rounded to bf16 before the softmax). bf16/fp16 on CUDA: cuBLAS with an fp32 output (``torch.mm``'s
         ``out_dtype``), the weights read once in their own dtype; elsewhere fp32 products over vocabulary chunks of
         ``LM_HEAD_CHUNK`` rows (one chunk of the weight upcast at a time). With the decode step's workspace (off
-        CUDA, no autocast), fp32: MKL's packed GEMM (``_packed_linear``, row-major logits) when the workspace packs
+        CUDA, no autocast), fp32: MKL's packed GEMM (``packed_linear``, row-major logits) when the workspace packs
         the LM head (``work.packed``), else the product ``W hᵀ`` into the workspace's buffer, the logits its
-        feature-major ``[M, V]`` view (``_linear_t``)."""
+        feature-major ``[M, V]`` view (``linear_t``)."""
         weight_VH, bias_V = self.model.lm_head.weight, self.model.lm_head.bias
         out = None if work is None else work.logits
         with torch.autocast(h_MH.device.type, enabled=False):
             if h_MH.dtype == weight_VH.dtype == torch.float32:
                 if work is not None and "lm_head" in work.packed:
-                    return _packed_linear(h_MH, weight_VH, bias_V, work.packs.setdefault(self.model.lm_head, {}))
-                return F.linear(h_MH, weight_VH, bias_V) if out is None else _linear_t(h_MH, weight_VH, bias_V, out)
+                    return packed_linear(h_MH, weight_VH, bias_V, work.packs.setdefault(self.model.lm_head, {}))
+                return F.linear(h_MH, weight_VH, bias_V) if out is None else linear_t(h_MH, weight_VH, bias_V, out)
             if h_MH.is_cuda:
                 logits_MV = torch.mm(h_MH, weight_VH.to(h_MH.dtype).t(), out_dtype=torch.float32)
                 return logits_MV if bias_V is None else logits_MV + bias_V.float()
@@ -260,17 +287,87 @@ class _ModelPieces:
                 logits_VM += bias_V.float()[:, None]
             return logits_VM.t()
 
+    # ------------------------------------------------------------------ the decode forward
+
+    def decode(self, ops, cache: KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
+        """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
+        logits ``[S, V]`` (fp32; with a workspace whose LM head is not packed, a feature-major view of
+        ``cache.work.logits``: strides (1, S)).
+
+        Static shapes and no host synchronisation, so it can be captured in a CUDA graph. Attention reads the keys
+        ``[0, pos]`` of each row (the query's own key included): without a workspace (``cache.work`` None: the
+        paged kernel runs, CUDA) through its block table ``table_SP`` by the Triton kernel; with one (CPU), from the
+        row cache (:meth:`decode_rows`) when there is one, its first ``P · page_size`` columns (the engine passes
+        only the table columns the longest row uses), else through the pages by the torch path.
+        """
+        work = cache.work  # None: the paged kernel (CUDA)
+        ps = cache.kv.shape[4]
+        if cache.rows is not None:
+            return self.decode_rows(ops, cache, tok_S, pos_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype)
+        page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
+        slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
+        S = tok_S.shape[0]
+        G = self.num_heads // self.num_kv_heads
+        length_S = pos_S + 1  # keys [0, pos] are live, the current one included
+        # the torch path off CUDA: paged_decode_attention would run the kernel under TRITON_INTERPRET=1
+        attention = paged_decode_attention if work is None else paged_decode_attention_torch
+
+        def attend(li, q, k, v):  # the G query heads of one kv head act as G query rows (no K/V repeat)
+            k_pages, v_pages = cache.pages(li)  # [pages, page_size, Hkv, D]
+            q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
+            return attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)  # [S, Hkv, G, D]
+
+        x, delta = self.run_layers(ops, tok_S, pos_S, cos_TD, sin_TD, cache, slot_S, dtype, attend, work)
+        return self.final_logits(ops, x, delta, work)
+
+    def decode_rows(self, ops, cache: KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
+        """The decode step on the CPU row cache: each layer writes the token's K/V to its row
+        (``work.kv_rows[layer, row, :, :, pos]``; the pages get them when the sequence leaves the row keeping them,
+        ``fastgrpo.engine.cache.RowCache.flush``), then attends over the row's first ``T`` keys, those past ``pos``
+        masked (:func:`masked_attention`). Without autocast the projections and the rotary embedding run on q, k, v
+        side by side (:meth:`attn_in_rows`)."""
+        work = cache.work
+        S = tok_S.shape[0]
+        Hkv, G, D = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        rows_S = torch.arange(S, device=tok_S.device)
+        # additive mask, 0 where live, -inf past pos: SDPA turns a boolean one into this at every call (6 ops)
+        dead_S11T = torch.arange(T, device=tok_S.device) > pos_S[:, None]
+        mask_S11T = torch.zeros(S, 1, 1, T, device=tok_S.device).masked_fill_(dead_S11T.view(S, 1, 1, T), -math.inf)
+        cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
+        joint = dtype == self.layers[0].self_attn.q_proj.weight.dtype  # no autocast: q, k, v side by side
+        if joint:
+            sin_signed = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
+        x = self.model.model.embed_tokens(tok_S)  # [S, H]
+        delta = None
+        for li, layer in enumerate(self.layers):
+            x, h = self.norm_in(ops, layer, x, delta)
+            if joint:
+                q4, kv = self.attn_in_rows(ops, layer, h, cos, sin_signed, work)  # [S, Hkv, G, D], [S, 2, Hkv, D]
+            else:
+                q, k, v = self.attn_in(ops, layer, h, cos, sin, dtype)
+                q4, kv = q.view(S, Hkv, G, D), torch.stack((k, v), 1)
+            kv_rows = work.kv_rows[li]  # [R, 2, Hkv, T_max, D]
+            kv_rows[rows_S, :, :, pos_S] = kv
+            o = masked_attention(q4, kv_rows[:S, 0, :, :T], kv_rows[:S, 1, :, :T], mask_S11T, self.scale)
+            x, delta = self.attn_out_mlp(ops, layer, x, o.reshape(S, -1), work)  # o: [S, Hkv, G, D]
+        return self.final_logits(ops, x, delta, work)
+
+    def final_logits(self, ops, x, delta, work) -> torch.Tensor:
+        norm = self.model.model.norm
+        _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+        return self.lm_head(h, work)  # [S, V] fp32
+
 
 def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Tensor | None = None,
           packs: dict | None = None) -> torch.Tensor:
     """A projection of the model on rows ``x [M, K]``: ``x Wᵀ + b`` from the module's own tensors, plus, for a PEFT
     LoRA layer, each live adapter's ``s · (x Aᵀ) Bᵀ`` (never merged: ``W`` stays the loaded base; ``lora``: the
-    call's adapters, ``_ModelPieces._read_adapters``). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched
+    call's adapters, ``ModelForward.read_adapters``). The adapter costs ``x Aᵀ`` ``[M, r]`` then ``· Bᵀ``, batched
     over the rows.
 
     Without ``out``: PEFT's own order (``y + ((x Aᵀ) Bᵀ) · s``, each product rounded to its operands' dtype), the
-    path of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``_linear_t``); with
-    ``packs`` (the CPU workspace's, fp32 with MKL): ``_packed_linear`` of the base weight; either then
+    path of CUDA and its graphs. With ``out`` (the CPU workspace): ``W xᵀ`` into the buffer (``linear_t``); with
+    ``packs`` (the CPU workspace's, fp32 with MKL): ``packed_linear`` of the base weight; either then
     ``+= s · (x Aᵀ) Bᵀ`` in place (:func:`_add_lora`). All differ by rounding only.
 
     An adapter in another dtype than the base (PEFT's default ``autocast_adapter_dtype=True`` keeps fp32 adapters on
@@ -279,9 +376,9 @@ def _proj(x_MK: torch.Tensor, module: torch.nn.Module, lora: dict, out: torch.Te
     terms = lora.get(module, ())
     if packs is not None or out is not None:
         if packs is not None:
-            y_MN = _packed_linear(x_MK, module.weight, module.bias, packs.setdefault(module, {}))
+            y_MN = packed_linear(x_MK, module.weight, module.bias, packs.setdefault(module, {}))
         else:
-            y_MN = _linear_t(x_MK, module.weight, module.bias, out)
+            y_MN = linear_t(x_MK, module.weight, module.bias, out)
         return _add_lora(y_MN, x_MK, terms)
     y = F.linear(x_MK, module.weight, module.bias)
     base_dtype = y.dtype
@@ -302,97 +399,3 @@ def _add_lora(y_MN: torch.Tensor, x_MK: torch.Tensor, terms) -> torch.Tensor:
         else:
             y_MN.add_(torch.mm(xA_MR, B_NR.t()), alpha=s)
     return y_MN
-
-
-def _linear_t(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, out: torch.Tensor):
-    """``F.linear(x, weight, bias)`` for 2-D ``x``, computed as ``W xᵀ`` into the flat buffer ``out`` (``[N, M]``,
-    contiguous) and returned as its ``[M, N]`` view, feature-major (strides (1, M)).
-
-    For a few rows (decode: M = the batch) MKL's product is up to 2x faster with the weight as the long operand
-    (the 16K × 256 LM head of ``bench_generation.py`` at M = 32: 2.1–2.5 ms against 3.4–4.9 ms cache-cold; the MLP's
-    704 × 256 products 95 against 124 µs), and the buffer saves a fresh allocation per step. Elementwise ops and
-    the next product take the view as it is (``x`` may itself be such a view: ``xᵀ`` is then contiguous). MKL's
-    packed GEMM (``_packed_linear``) is faster still in the step; this is the path where the workspace packs
-    nothing."""
-    M, N = x_MK.shape[0], weight_NK.shape[0]
-    y_NM = torch.mm(weight_NK, x_MK.t(), out=out[: N * M].view(N, M))
-    if bias_N is not None:
-        y_NM += bias_N[:, None]
-    return y_NM.t()
-
-
-@functools.cache
-def mkl_packed_gemm() -> bool:
-    """Whether this torch has MKL's packed-weight GEMM ops (``torch.ops.mkl``, those inductor's CPU weight freezing
-    calls): x86 builds with MKL."""
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def _packed_linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, packs: dict):
-    """``F.linear(x, weight, bias)`` (fp32, CPU) by MKL's GEMM on a copy of the weight packed into its kernel's
-    layout for ``M`` rows (``packs[M]``, packed on first use; the two most recent kept), row-major ``[M, N]``.
-
-    For the decode step's LM head, MLP and stacked q/k/v (:meth:`_ModelPieces._qkv_rows`): at bench_generation's
-    sizes (16K × 256, 32 rows) the LM head's product takes 0.80x the time of ``_linear_t``'s ``W xᵀ`` warm,
-    0.55-0.8x at 2-16 rows, and its logits are row-major, so the sampler's reductions over the vocabulary run on
-    contiguous rows; the MLP's 704 × 256 products gain nothing warm but take 0.8x in the step, where their weights
-    come cache-cold (in situ: 270 -> 230 ms a call). o_proj gains nothing measurable (A/B 0.96x, then 1.02x), so
-    it stays unpacked. Values: MKL's products, within fp32 rounding of ``F.linear`` (tested). A pack costs one pass
-    over the weight (~5 ms for 16 MB) and ~its bytes, and is valid only while the weight is unchanged (the
-    workspace's packs live for one ``generate`` call)."""
-    M = x_MK.shape[0]
-    packed = packs.pop(M, None)
-    if packed is None:
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_NK, M)
-        if len(packs) >= 2:
-            del packs[next(iter(packs))]  # the least recently used
-    packs[M] = packed
-    return torch.ops.mkl._mkl_linear(x_MK, packed, weight_NK, bias_N, M)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's RMSNorm: ``weight · (x / sqrt(mean(x²) + eps))``, normalised in fp32, cast back, then scaled.
-
-    fp32 off CUDA: the same products in seven kernels, in place where nothing else reads them (``F.rms_norm`` is a
-    composition on CPU too, of twelve ops with two copies; in the decode step every op comes cache-cold after the
-    weights stream through, ~5-30 µs however small). ``mean`` is ``sum`` then a division by the size, so the
-    result is bit-identical (checked for hidden sizes 8-4096, 1-77 rows, row- and feature-major, 1 and 2 threads)."""
-    if x.dtype == weight.dtype == torch.float32 and not x.is_cuda:
-        inv_rms = x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
-        return torch.mul(x, inv_rms).mul_(weight)
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """Residual add then RMSNorm: returns (x + delta, rms_norm(x + delta))."""
-    x = x + delta
-    return x, _rms_norm(x, weight, eps)
-
-
-def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return _rope(q, cos, sin), _rope(k, cos, sin)
-
-
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-
-class _Ops(NamedTuple):
-    """The elementwise pieces of a layer; torch.compile fuses each into one or two kernels on CUDA."""
-
-    rms_norm: Callable
-    add_rms_norm: Callable
-    rope_qk: Callable
-    silu_mul: Callable
-
-
-_EAGER_OPS = _Ops(_rms_norm, _add_rms_norm, _rope_qk, _silu_mul)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding ``x·cos + rotate_half(x)·sin`` (Hugging Face's convention); x [..., D], cos/sin broadcast."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)

@@ -1,6 +1,6 @@
 """Sampling for the generation engine: the request (``SamplingParams``), the result (``Completion``), the multi-turn
 interface (``TurnHandler``, ``TurnResult``), each sample's random stream and the draw of one token per row
-(``_sample``).
+(``sample_tokens``).
 
 With ``temperature == 0`` the token is ``argmax(logits)`` and its log-prob is ``log_softmax(logits)``.
 Otherwise ``logp = log_softmax(logits / temperature)``; top-k keeps the ``k`` largest (ties with the k-th are
@@ -163,7 +163,7 @@ class TurnHandler(Protocol):
         sample is decoding)."""
 
 
-def _use_fused_sampling(t: torch.Tensor) -> bool:
+def use_fused_sampling(t: torch.Tensor) -> bool:
     """Temperature-only sampling by the Triton kernel on CUDA; torch ops elsewhere (and for top-k/top-p)."""
     return t.is_cuda and use_triton(t)
 
@@ -175,50 +175,50 @@ def _mix31(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _sample_streams(seed: int, sample_S: torch.Tensor) -> torch.Tensor:
+def sample_streams(seed: int, sample_S: torch.Tensor) -> torch.Tensor:
     """The key of each sample's random stream, a hash of (call seed, sample id): computed once when a sample takes
-    its row, so that a decode step hashes only the token index (``_row_seeds``)."""
+    its row, so that a decode step hashes only the token index (``row_seeds``)."""
     return _mix31(_mix31(torch.full_like(sample_S, seed & SEED_MASK)) ^ sample_S)
 
 
-def _row_seeds(stream_S: torch.Tensor, index_S: torch.Tensor) -> torch.Tensor:
+def row_seeds(stream_S: torch.Tensor, index_S: torch.Tensor) -> torch.Tensor:
     """The seed of each row's next draw: a hash of (call seed, sample id, index of the token being drawn), from the
     sample's stream key, on the rows' device (no host sync). A sample's noise is then the same whatever batch or row
     it runs in."""
     return _mix31(stream_S ^ index_S)
 
 
-def _row_uniforms(seeds_S: torch.Tensor) -> torch.Tensor:
-    """One uniform in [0, 1) per row, fp64 with 53 random bits, from the row's stream (``_row_seeds``): the high 31
+def row_uniforms(seeds_S: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, fp64 with 53 random bits, from the row's stream (``row_seeds``): the high 31
     bits are the seed itself, the low 22 a second hash of it. On the rows' device, no host sync."""
     low = _mix31(seeds_S ^ 0x2545F491) >> 9  # 22 bits
     return ((seeds_S << 22) | low).double() * 2.0**-53
 
 
-def _stream_uniforms(stream_A: torch.Tensor, t0_A: torch.Tensor, width: int) -> torch.Tensor:
-    """``[A, width]`` fp64: the uniforms of draws ``t0 .. t0 + width − 1`` of each stream (``_row_uniforms`` of
-    ``_row_seeds``, the same values). The engine's CPU rows keep this table, filled when a sample takes its row, so
+def stream_uniforms(stream_A: torch.Tensor, t0_A: torch.Tensor, width: int) -> torch.Tensor:
+    """``[A, width]`` fp64: the uniforms of draws ``t0 .. t0 + width − 1`` of each stream (``row_uniforms`` of
+    ``row_seeds``, the same values). The engine's CPU rows keep this table, filled when a sample takes its row, so
     that a decode step reads its rows' uniforms in one indexing op instead of ~30 ops of hashing (8 bytes a row and
     token of the response limit)."""
     index_AW = t0_A[:, None] + torch.arange(width, device=t0_A.device)
-    return _row_uniforms(_row_seeds(stream_A[:, None], index_AW))
+    return row_uniforms(row_seeds(stream_A[:, None], index_AW))
 
 
-def _sample(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor | None, u_S=None):
+def sample_tokens(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor | None, u_S=None):
     """Draw one token per row (row r from its stream ``seeds_S[r]``); returns (token [S] int64, log-prob [S] fp32
     before top-p/top-k truncation). ``logits_SV`` is consumed: the unfused path works in place on it.
 
     On CUDA (the Triton kernels) the draw is Gumbel-max over the row's uniforms ``U(seed, v)``; elsewhere it is the
     inverse CDF with one uniform per row (``inverse_cdf_sample``): the same distribution, no ``[S, V]`` noise. That
-    uniform is ``_row_uniforms(seeds_S)``, or ``u_S`` when the caller has it (the engine's table,
-    ``_stream_uniforms``: the same values; ``seeds_S`` may then be None)."""
-    if u_S is None and not params.greedy and not _use_fused_sampling(logits_SV):
-        u_S = _row_uniforms(seeds_S)
+    uniform is ``row_uniforms(seeds_S)``, or ``u_S`` when the caller has it (the engine's table,
+    ``stream_uniforms``: the same values; ``seeds_S`` may then be None)."""
+    if u_S is None and not params.greedy and not use_fused_sampling(logits_SV):
+        u_S = row_uniforms(seeds_S)
     if params.greedy:
         logp = torch.log_softmax(logits_SV, dim=-1)
         tok = logits_SV.argmax(dim=-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
-    fused = _use_fused_sampling(logits_SV)
+    fused = use_fused_sampling(logits_SV)
     plain = not params.top_k and params.top_p == 1.0
     if plain and fused:
         return gumbel_sample(logits_SV, params.temperature, seeds_S)

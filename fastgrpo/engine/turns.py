@@ -1,10 +1,11 @@
-"""The host side of multi-turn rollouts and stop strings (``_TurnSteps``, a mixin of ``fastgrpo.engine.engine._Run``):
-what happens when a sample reaches the end of a turn, the turn handler's answers, and the stop-string match on the
-decoded tail of a turn. The device step knows nothing of turns: a paused sample simply has no row, and a resumed
-one is admitted like a new sample whose context is already (mostly) in its pages (``fastgrpo.engine.scheduler``).
+"""The host side of multi-turn rollouts and stop strings (``Conversations``, a collaborator of the call's host loop,
+``fastgrpo.engine.loop.Run``): what happens when a sample reaches the end of a turn, the turn handler's answers, and
+the stop-string match on the decoded tail of a turn. The device step knows nothing of turns: a paused sample simply
+has no row, and a resumed one is admitted like a new sample whose context is already (mostly) in its pages
+(``fastgrpo.engine.scheduler``).
 
 A trajectory, in order: prompt, turn 1 (sampled), observation 1 (appended), turn 2, ... Its host state besides the
-scheduler's is a ``_Traj``: every token after the prompt with its log-prob and loss-mask bit, how many tokens the
+scheduler's is a ``Trajectory``: every token after the prompt with its log-prob and loss-mask bit, how many tokens the
 policy sampled (the offset of its random stream's index, so a turn's draws do not depend on what was appended), the
 turns it sampled and its stop strings.
 
@@ -17,14 +18,13 @@ handler is not called.
 
 **Stop strings** are matched on the host, on what the device sampled since the last read: every ``sync_every``
 steps the newest ``sync_every`` tokens of each running row come back with the stop flags (one transfer, only while
-some running sample has stop strings). ``_first_stop`` finds the first token whose decoded tail (the
+some running sample has stop strings). ``first_stop`` finds the first token whose decoded tail (the
 ``W = longest stop string + 1`` tokens that end at it) contains a stop string: the same token as the first match in
 the decoded text of the whole turn whenever every token decodes to at least one character and the decoding of a
 token sequence is the concatenation of its tokens' (byte-level BPE, character-level tokenizers; a SentencePiece
 leading space is one character of the first token of a window, outside the ``W - 1`` that matter). One decode of a
-short window per running sample per read (27 µs for 24 ids with a ``PreTrainedTokenizerFast``, the tiny model's,
-on a loaded 2-core host: ~7 ms per read at 256 rows, once per 8 decode steps on CUDA); a sample whose window does
-not contain any stop string costs nothing more. If the stop string ends inside a token, the turn ends with that
+short window per running sample per read (measured by bench/bench_multiturn.py); a sample whose window does not
+contain any stop string costs nothing more. If the stop string ends inside a token, the turn ends with that
 token (its text may run past the match).
 
 **Answers.** ``turns.ready(block=False)`` is polled every ``sync_every`` steps while samples wait on it, and
@@ -38,13 +38,15 @@ appended (log-prob 0, mask 0) and the sample is queued to resume with a turn lim
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastgrpo.engine.sampling import HANDLER_FINISH_REASONS, Completion, TurnResult
+from fastgrpo.engine.sampling import HANDLER_FINISH_REASONS, Completion, SamplingParams, TurnHandler, TurnResult
+from fastgrpo.engine.scheduler import Scheduler, Seq
 
 
 @dataclass(eq=False)
-class _Traj:
+class Trajectory:
     """One trajectory's tokens after the prompt and its turn state (host)."""
 
     stop_strings: tuple[str, ...]
@@ -61,7 +63,7 @@ class _Traj:
     """The current turn's tokens checked for stop strings so far."""
 
 
-def _first_stop(decode, turn_ids: list[int], checked: int, stop_strings: tuple[str, ...]) -> int | None:
+def first_stop(decode, turn_ids: list[int], checked: int, stop_strings: tuple[str, ...]) -> int | None:
     """Index of the first token of ``turn_ids[checked:]`` that completes a stop string in the decoded text (see the
     module docstring), or None."""
     w = max(map(len, stop_strings)) + 1  # tokens whose text a match completing at the last one can span
@@ -75,16 +77,44 @@ def _first_stop(decode, turn_ids: list[int], checked: int, stop_strings: tuple[s
     return None
 
 
-class _TurnSteps:
-    """Turn ends, handler answers and stop strings for ``_Run`` (its attributes: sched, params, trajs, turns, ...)."""
+class Conversations:
+    """Every trajectory of one call on the host: its tokens (``trajectories``, by sample id), the samples paused on
+    the turn handler (``awaiting``, by ``(prompt, sample index)``), and the results (``results[prompt][index]``),
+    each group handed to ``on_group_done`` as soon as it is complete.
 
-    def _stop_matches(self, window: list[list[int]]) -> dict:
+    ``handler``: the call's turn handler, None for single-turn. ``max_context``: a conversation's token budget
+    (multi-turn). ``vocab_size``: the bound on appended ids. ``tokenizer``: decodes turns (stop strings, the
+    handler's ``turn_text``)."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, scheduler: Scheduler,
+                 handler: TurnHandler | None, tokenizer, vocab_size: int, max_context: int | None,
+                 on_group_done: Callable | None):
+        P, n = len(prompts), params.n
+        self.params = params
+        self.scheduler = scheduler
+        self.handler = handler
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.on_group_done = on_group_done
+        self.results: list[list[Completion | None]] = [[None] * n for _ in range(P)]
+        self.unfinished = [n] * P  # samples of each prompt not finished yet
+        self.trajectories = {p * n + j: Trajectory(params.stop_strings) for p in range(P) for j in range(n)}
+        self.awaiting: dict = {}  # (prompt, sample index) -> paused sample waiting on its turn handler
+        self.watch_stops = bool(params.stop_strings)  # some sample may have stop strings
+        self.re_prefill_tokens = 0  # what re-prefilling every resumed conversation in full would have cost
+
+    def context(self, prompts: list[list[int]], seq: Seq) -> list[int]:
+        """The ids before ``seq``'s current turn: prompt, earlier turns, observations."""
+        return prompts[seq.prompt] + self.trajectories[seq.sample].ids
+
+    def stop_matches(self, window: list[list[int]]) -> dict:
         """Read the rows' newest tokens (``window[row]``: the last ``sync_every`` ids up to its count) into their
         trajectories; returns ``{seq: tokens it keeps}`` for the rows whose turn completed a stop string."""
-        decode = self.e.tokenizer.decode
+        decode = self.tokenizer.decode
         cut = {}
-        for row, seq in enumerate(self.sched.rows):
-            traj = self.trajs[seq.sample]
+        for row, seq in enumerate(self.scheduler.rows):
+            traj = self.trajectories[seq.sample]
             if not traj.stop_strings:
                 continue
             new = seq.generated - len(traj.seen)  # at most sync_every tokens since the last read
@@ -95,16 +125,16 @@ class _TurnSteps:
                                    f"{len(window[row])} expected")
             checked = len(traj.seen)
             traj.seen += window[row][len(window[row]) - new :]
-            i = _first_stop(decode, traj.seen, checked, traj.stop_strings)
+            i = first_stop(decode, traj.seen, checked, traj.stop_strings)
             if i is not None:
                 cut[seq] = i + 1
                 del traj.seen[i + 1 :]
         return cut
 
-    def _end_turn(self, seq, boundary: bool) -> None:
+    def end_turn(self, seq: Seq, boundary: bool) -> bool:
         """``seq`` (harvested, its turn's tokens read and trimmed) ended its turn: finish it, or pause it and start
-        its handler."""
-        traj = self.trajs[seq.sample]
+        its handler. Returns whether it paused (its row cache is then stale when it comes back: appended tokens)."""
+        traj = self.trajectories[seq.sample]
         turn_ids = seq.tokens
         traj.ids += turn_ids
         traj.logprobs += seq.logprobs
@@ -114,57 +144,61 @@ class _TurnSteps:
         traj.seen = []
         seq.tokens, seq.logprobs = [], []
         if not boundary:
-            self._finish(seq, "length")
-        elif self.turns is None:
-            self._finish(seq, "stop")
-        else:
-            self.row_owner[seq.row] = None  # its row cache is stale when it comes back (appended tokens)
-            self.sched.pause(seq)
-            key = (seq.prompt, seq.sample % self.params.n)
-            self.awaiting[key] = seq
-            self.turns.start(key, list(turn_ids), self.e.tokenizer.decode(turn_ids))
+            self.finish(seq, "length")
+            return False
+        if self.handler is None:
+            self.finish(seq, "stop")
+            return False
+        self.scheduler.pause(seq)
+        key = (seq.prompt, seq.sample % self.params.n)
+        self.awaiting[key] = seq
+        self.handler.start(key, list(turn_ids), self.tokenizer.decode(turn_ids))
+        return True
 
-    def _finish(self, seq, reason: str) -> None:
-        traj = self.trajs.pop(seq.sample)
+    def finish(self, seq: Seq, reason: str) -> None:
+        """The trajectory of ``seq`` ends with ``reason``: its ``Completion`` is recorded, its pages freed."""
+        traj = self.trajectories.pop(seq.sample)
         p, n = seq.prompt, self.params.n
         self.results[p][seq.sample % n] = Completion(traj.ids, traj.logprobs, reason, traj.mask, traj.turns)
-        self.sched.finish(seq)
+        self.scheduler.finish(seq)
         self.unfinished[p] -= 1
         if self.unfinished[p] == 0 and self.on_group_done is not None:
             self.on_group_done(p, self.results[p])
 
-    def _poll_turns(self) -> None:
+    def poll(self) -> None:
         """Take the handler's answers: blocking only when nothing decodes and nothing waits for admission."""
-        sched = self.sched
+        sched = self.scheduler
         idle = not sched.rows and not sched.waiting and not sched.resuming
-        got = self.turns.ready(block=idle)
+        got = self.handler.ready(block=idle)
         if idle and not got:
             raise RuntimeError(f"turns.ready(block=True) returned no result while {len(self.awaiting)} samples wait")
         for key, result in got:
-            self._take_result(key, result)
+            self.take_result(key, result)
 
-    def _take_result(self, key, result: TurnResult) -> None:
+    def take_result(self, key, result: TurnResult) -> None:
+        """Apply the handler's answer for ``key``: finish the trajectory, or append the tokens and queue the sample
+        to resume (see the module docstring)."""
         seq = self.awaiting.pop(tuple(key), None)
         if seq is None:
             raise ValueError(f"turns.ready returned a result for {key!r}, which is not waiting for one")
         if not isinstance(result, TurnResult):
             raise ValueError(f"turns.ready must return TurnResult answers, got {type(result).__name__} for {key}")
-        traj = self.trajs[seq.sample]
+        traj = self.trajectories[seq.sample]
         if result.finish is not None:
             if result.finish not in HANDLER_FINISH_REASONS:
                 raise ValueError(f"TurnResult.finish for {key} must be one of {HANDLER_FINISH_REASONS} or None, "
                                  f"got {result.finish!r}")
-            self._finish(seq, result.finish)
+            self.finish(seq, result.finish)
             return
         if traj.turns >= self.params.max_turns:
-            self._finish(seq, "max_turns")
+            self.finish(seq, "max_turns")
             return
         ids = list(result.append_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.e.vocab_size for t in ids):
-            raise ValueError(f"TurnResult.append_ids for {key} must be token ids in [0, {self.e.vocab_size})")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"TurnResult.append_ids for {key} must be token ids in [0, {self.vocab_size})")
         total = seq.prompt_len + len(traj.ids) + len(ids)
         if total + 1 > self.max_context:  # no room for one more sampled token
-            self._finish(seq, "length")
+            self.finish(seq, "length")
             return
         if result.stop_strings is not None:
             strings = tuple(result.stop_strings)
@@ -175,5 +209,5 @@ class _TurnSteps:
         traj.ids += ids
         traj.logprobs += [0.0] * len(ids)
         traj.mask += [0] * len(ids)
-        self.stats["re_prefill_tokens"] += total  # what prefilling the whole conversation again would cost
-        self.sched.resume(seq, len(ids), min(self.params.max_new_tokens, self.max_context - total))
+        self.re_prefill_tokens += total  # what prefilling the whole conversation again would cost
+        self.scheduler.resume(seq, len(ids), min(self.params.max_new_tokens, self.max_context - total))
