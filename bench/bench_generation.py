@@ -22,7 +22,7 @@ shrinks either). Figures:
 - GPU: the paged decode-attention kernel alone against a contiguous-cache reference and the memory roofline
   (:func:`paged_attention_rows`), rows in ``bench/results/decode_attention.csv``.
 - CPU: ``--cpu-packed 0,1,auto`` times one engine per setting of its MKL-packed products (plain, packed, the
-  engine's own per-host choice: ``fastgrpo.engine.cache``), alternating in the same run, one row each with the
+  engine's own per-host choice: ``fastgrpo.engine.workspace``), alternating in the same run, one row each with the
   groups it packed (``packed_groups``) and, for auto, the products' timings that chose them (``product_ms``). The
   token hash (CRC-32 of every completion's token ids) is printed per setting: the paths differ by fp32 rounding
   only, so their tokens should be identical. Rows carry the CPU model (``device``) and torch's CPU capability

@@ -25,6 +25,16 @@ from fastgrpo.engine.engine import Completion, GenerationEngine, SamplingParams
 from fastgrpo.engine.scheduler import Scheduler
 from fastgrpo.engine.workspace import PACKED_GROUPS, mkl_packed_gemm
 
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """Each test gets back the thread count it started with (one: ``one_thread``, module-scoped) when it sets
+    another one, so that a later test's timings are keyed by the threads it expects."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 VOCAB = 96
 MAX_POS = 64
 ARCHS = {
@@ -644,7 +654,7 @@ def test_cpu_rms_norm_is_hf_bit_for_bit(H, M, feature_major, threads, scale, see
 
     from fastgrpo.engine.ops import rms_norm
 
-    torch.set_num_threads(threads)  # the autouse fixture restores one thread
+    torch.set_num_threads(threads)  # restore_threads restores one thread
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(H, M, generator=g).t() if feature_major else torch.randn(M, H, generator=g)
     x = x * scale
@@ -679,7 +689,7 @@ def test_packed_lm_head_product_is_linear_within_fp32_rounding(M, N, K, bias, fe
     row-major or feature-major, 1 or 2 threads; the output row-major; the packs the two most recent row counts."""
     from fastgrpo.engine.workspace import packed_linear
 
-    torch.set_num_threads(threads)  # the autouse fixture restores one thread
+    torch.set_num_threads(threads)  # restore_threads restores one thread
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
@@ -795,7 +805,7 @@ def test_auto_timings_are_cached_by_shapes_dtype_threads_and_rows(auto_packed):
     other_rows = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], max_batch_size=3)
     other_rows.generate(prompts, params)
     assert other_rows.last_stats["cpu_packed_by"] == "timed" and len(calls) == timed
-    torch.set_num_threads(2)  # the autouse one_thread fixture restores it
+    torch.set_num_threads(2)  # restore_threads restores it
     engine.generate(prompts, params)
     assert engine.last_stats["cpu_packed_by"] == "timed" and len(calls) == 2 * timed
     qwen3 = GenerationEngine(tiny_model("qwen3"), eos_token_ids=[], max_batch_size=4)  # q/k/v without biases
