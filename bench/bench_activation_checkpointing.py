@@ -17,7 +17,9 @@ from common import append_rows, median_ms, peak_extra_bytes, print_table
 from fastgrpo.kernels import fused_linear_grpo_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fastgrpo.algorithms.grpo import Sample, packed_forward, plan
+from fastgrpo.algorithms.batch import Sample
+from fastgrpo.algorithms.batch import pack_microbatches as plan
+from fastgrpo.algorithms.forward import packed_forward
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.loading import enable_activation_checkpointing
 

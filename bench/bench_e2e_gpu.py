@@ -31,7 +31,10 @@ from pathlib import Path
 import torch
 from common import append_rows, print_table, sync
 
-from fastgrpo.algorithms.grpo import PolicyUpdate, Sample, compute_advantages, packed_forward
+from fastgrpo.algorithms.advantages import compute_advantages
+from fastgrpo.algorithms.batch import Sample
+from fastgrpo.algorithms.forward import packed_forward
+from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import load_config
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.models.loading import enable_activation_checkpointing

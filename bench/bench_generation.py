@@ -217,7 +217,9 @@ def paged_attention_rows(gbps: float) -> list[dict]:
 
 def logprob_gap(initializer_range: float) -> None:
     """Print mean and max |engine log p − trainer log p| for bf16 weights (see the module docstring)."""
-    from fastgrpo.algorithms.grpo import Sample, packed_forward, packed_logprobs, plan
+    from fastgrpo.algorithms.batch import Sample
+    from fastgrpo.algorithms.batch import pack_microbatches as plan
+    from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
     from fastgrpo.distributed import ForwardWrapper
 
     config = dict(CPU_CONFIG, num_hidden_layers=4, max_position_embeddings=512)

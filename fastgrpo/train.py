@@ -17,7 +17,7 @@ Launch (torchrun only; one process needs no flags)::
         data.path=/data/prefs.jsonl data.eval_path=/data/prefs-val.jsonl
     torchrun fastgrpo/train.py --config my.yaml logging.output_dir=runs/mine checkpoint.resume=auto
 
-One GRPO step (see DESIGN.md): each rank takes its share of ``grpo.num_prompts_per_step`` prompts → the generation
+One GRPO step: each rank takes its share of ``grpo.num_prompts_per_step`` prompts → the generation
 engine samples ``grpo.num_generations`` completions per prompt with the policy's own parameters, while the reward
 worker processes score each group as it finishes (``fastgrpo/rewards/pool.py``) → group advantages → packed
 micro-batches → old / reference log-probs when needed → clipped-surrogate update(s) → one metrics row in

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.algorithms.distill import Distill
+from fastgrpo.algorithms.distill import Distill, teacher_recipe_config
 from fastgrpo.algorithms.dpo import DPO
-from fastgrpo.algorithms.grpo import GRPO, packed_forward
+from fastgrpo.algorithms.forward import packed_forward
+from fastgrpo.algorithms.grpo import GRPO
+from fastgrpo.algorithms.prerequisites import RecipeRun
 from fastgrpo.algorithms.sft import SFT, sft_warmup
 from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fastgrpo.config import Config, stage_settings
@@ -40,6 +42,22 @@ from fastgrpo.plan import check_fits
 from fastgrpo.precision import make_optimizer
 
 ALGORITHMS = {"grpo": GRPO, "dpo": DPO, "sft": SFT, "distill": Distill}
+
+
+def run_recipe(run: RecipeRun) -> None:
+    """An algorithm's prerequisite (:mod:`fastgrpo.algorithms.prerequisites`): a whole run of ``run.spec`` into
+    ``run.output_dir``, in this process (every rank together). The caller's RNG states and CPU thread count are
+    restored afterwards, so the run that asked for it does not depend on whether it was done now or earlier."""
+    cfg = teacher_recipe_config(run.spec, f"logging.output_dir={run.output_dir}")
+    print0(f"{run.why}: training the teacher (--recipe {run.spec}) into {run.output_dir}")
+    py, threads = random.getstate(), torch.get_num_threads()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        trainer = Trainer(cfg)
+        trainer.fit()
+    del trainer
+    random.setstate(py)
+    torch.set_num_threads(threads)
 
 
 class TrainingAborted(RuntimeError):
@@ -95,6 +113,8 @@ class Trainer:
             set_cpu_threads(cfg.train.num_threads, st.world_size)
         algorithm = ALGORITHMS[cfg.algorithm]
         algorithm.check_world_size(cfg, st.world_size)
+        for run in algorithm.prerequisites(cfg):
+            run_recipe(run)
         check_fits(cfg, st.world_size, st.device)  # on CUDA: stop before loading weights when the plan does not fit
         random.seed(cfg.train.seed + st.rank)
         torch.manual_seed(cfg.train.seed + st.rank)

@@ -11,7 +11,7 @@ each sequence in token order), ``lengths`` ``[S]`` int32/int64 with ``1 ≤ len[
 reading them would synchronise with the host, and the engine calls this inside a CUDA graph). Returns
 ``[S, Hkv, G, D]`` in q's dtype. Inference only: nothing is saved for a backward.
 
-Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
+Paths: on CUDA and under ``TRITON_INTERPRET=1``, a split-K kernel (each program reads one slice of a
 sequence's live keys through its block table, nothing past ``len[s]``) then a combine kernel; otherwise the pages
 of the table are gathered into a contiguous ``[Hkv, S, P·page_size, D]`` copy and :func:`masked_attention` (SDPA
 with the keys past each length masked) runs on it. The engine's CPU path uses ``masked_attention`` on its row cache.

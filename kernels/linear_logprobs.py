@@ -62,7 +62,7 @@ TORCH_CHUNK_V = 1024
 if HAS_TRITON:
 
     @triton.jit
-    def _tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
+    def tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
                      stride_wk, inv_temp, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                      BLOCK_K: tl.constexpr):
@@ -117,7 +117,7 @@ if HAS_TRITON:
         for v0 in range(v_start, v_end, BLOCK_V):
             offs_v = v0 + tl.arange(0, BLOCK_V)
             mask_v = offs_v < V
-            z = _tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk,
+            z = tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk,
                              stride_wv, stride_wk, inv_temp, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
                              BLOCK_K)  # [BLOCK_N, BLOCK_V]
             z = tl.where(mask_v[None, :], z, float("-inf"))
@@ -175,7 +175,7 @@ if HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_n = offs_n < N
         mask_v = offs_v < V
-        z = _tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
+        z = tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
                          stride_wk, inv_temp, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_N, BLOCK_V,
                          BLOCK_K)  # [BLOCK_N, BLOCK_V]
         y = tl.load(y_ptr + offs_n, mask=mask_n, other=-1).to(tl.int64)
@@ -226,7 +226,7 @@ if HAS_TRITON:
 
 # Launch configurations (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, largest tiles first, tried in
 # order until one fits (``_utils.launch_first_fitting``), keyed by the element size. Shared memory is dominated by
-# the pipelined K loop of ``_tile_logits``: num_stages·(BLOCK_N + BLOCK_V)·BLOCK_K elements (the backward also
+# the pipelined K loop of ``tile_logits``: num_stages·(BLOCK_N + BLOCK_V)·BLOCK_K elements (the backward also
 # stages its dz tile and the grad tiles), so fp32 takes half the tiles of bf16/fp16. The first entries fit sm_80's
 # 163 KiB and sm_90's 227 KiB per block with no register spills in bf16; `pytest -m gpu_compile` checks every entry.
 _FWD_CONFIGS = {
@@ -250,7 +250,7 @@ def _launch_key(name: str, t: torch.Tensor) -> tuple:
     return ("linear_logprobs", name, t.dtype, t.device.index)
 
 
-def _input_precision(t: torch.Tensor) -> str:
+def input_precision(t: torch.Tensor) -> str:
     """fp32 inputs on a GPU: 3xTF32 (≈ fp32 accuracy); bf16/fp16: the setting is moot (tensor cores); the
     interpreter: plain fp32."""
     if dot_in_fp32(t):
@@ -276,7 +276,7 @@ def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
             h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, m_SN, s_SN, t_SN, zy_SN,
             N, V, H, h_NH.stride(0), h_NH.stride(1), w_VH.stride(0), w_VH.stride(1), inv_temp, tiles_per_split,
             HAS_BIAS=b_V is not None, ENTROPY=entropy, DOT_FP32=dot_in_fp32(h_NH),
-            INPUT_PRECISION=_input_precision(h_NH), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k,
+            INPUT_PRECISION=input_precision(h_NH), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k,
             num_warps=warps, num_stages=stages,
         )
         parts[:] = [m_SN, s_SN, t_SN, zy_SN]
@@ -316,7 +316,7 @@ def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_
             filter_eps if filter_eps is not None else 0.0,
             HAS_BIAS=b_V is not None, GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2],
             ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
-            DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=_input_precision(h_NH), GROUP_N=_GROUP_N,
+            DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=input_precision(h_NH), GROUP_N=_GROUP_N,
             BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
 
@@ -327,7 +327,7 @@ def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_
 # ----------------------------------------------------------------------------------------------------------------------
 # Plain-torch path (CPU without the interpreter): chunked, same memory promise
 # ----------------------------------------------------------------------------------------------------------------------
-def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, out_nv, lse_n=None):
+def chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, out_nv, lse_n=None):
     """``z = (h @ W[v0:v1]ᵀ + b[v0:v1]) / T`` in fp32 into ``out_nv`` ``[n, v1 − v0]``, minus ``lse_n`` per row when
     given. One ``addmm`` where it can (bias, temperature and the LSE folded into it): each pass over a chunk costs."""
     w_vH = w_VH[v0:v1].float()
@@ -340,13 +340,14 @@ def _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, out_nv, lse_n=None):
     return z_nv if inv_temp == 1.0 else z_nv.mul_(inv_temp)
 
 
-def _chunk_buffers(count, n, device):
+def chunk_buffers(count, n, device):
     """``count`` flat fp32 buffers of one chunk, reused by every chunk (no allocator churn, no fresh pages)."""
     return [torch.empty(min(n, TORCH_CHUNK_N) * TORCH_CHUNK_V, dtype=torch.float32, device=device)
             for _ in range(count)]
 
 
-def _view(buf, n, v):
+def as_2d_view(buf, n, v):
+    """The first ``n · v`` elements of a flat chunk buffer as an ``[n, v]`` view."""
     return buf[:n * v].view(n, v)
 
 
@@ -370,7 +371,7 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     f32 = dict(dtype=torch.float32, device=h_NH.device)
     lse_N, zy_N = torch.empty(N, **f32), torch.empty(N, **f32)
     ent_N = torch.empty(N, **f32) if entropy else None
-    bufs = _chunk_buffers(3 if entropy else 2, N, h_NH.device)
+    bufs = chunk_buffers(3 if entropy else 2, N, h_NH.device)
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
         n = n1 - n0
@@ -378,12 +379,12 @@ def _forward_torch(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
         zy_N[n0:n1] = _target_logits(h_nH, w_VH, b_V, y_N[n0:n1], inv_temp)
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            z_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, _view(bufs[0], n, v1 - v0))
-            logp_c_nv = torch.log_softmax(z_nv, 1, out=_view(bufs[1], n, v1 - v0))
+            z_nv = chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, as_2d_view(bufs[0], n, v1 - v0))
+            logp_c_nv = torch.log_softmax(z_nv, 1, out=as_2d_view(bufs[1], n, v1 - v0))
             lse_c_n = z_nv.amax(1) - logp_c_nv.amax(1)  # two plain max passes: cheaper than one max with indices
             ent_c_n = None
             if entropy:
-                p_c_nv = torch.exp(logp_c_nv, out=_view(bufs[2], n, v1 - v0))
+                p_c_nv = torch.exp(logp_c_nv, out=as_2d_view(bufs[2], n, v1 - v0))
                 ent_c_n = torch.linalg.vecdot(p_c_nv, logp_c_nv).neg_()
             if v0 == 0:
                 lse_n, ent_n = lse_c_n, ent_c_n
@@ -411,7 +412,7 @@ def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_t
     gh_NH = torch.zeros(N, H, **f32) if needs[0] else None
     gw_VH = torch.zeros(V, H, **f32) if needs[1] else None  # the one fp32 [V, H] accumulator, added to in place
     gb_V = torch.zeros(V, **f32) if needs[2] else None
-    bufs = _chunk_buffers(1 if g_ent_N is None else 2, N, h_NH.device)
+    bufs = chunk_buffers(1 if g_ent_N is None else 2, N, h_NH.device)
     for n0 in range(0, N, TORCH_CHUNK_N):
         n1 = min(n0 + TORCH_CHUNK_N, N)
         n = n1 - n0
@@ -426,14 +427,14 @@ def _backward_torch(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_t
         gh_nH = gh_NH[n0:n1] if gh_NH is not None else None
         for v0 in range(0, V, TORCH_CHUNK_V):
             v1 = min(v0 + TORCH_CHUNK_V, V)
-            logp_nv = _chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, _view(bufs[0], n, v1 - v0), lse_n)
+            logp_nv = chunk_logits(h_nH, w_VH, b_V, v0, v1, inv_temp, as_2d_view(bufs[0], n, v1 - v0), lse_n)
             if filter_eps is not None and not bool(((y_n >= v0) & (y_n < v1)).any()) \
                     and float(logp_nv.max()) < math.log(filter_eps):
                 continue  # host read: CPU tensors, no device sync
             if g_ent_N is None:
                 dz_nv, left_nH = logp_nv.exp_(), hg_nH  # p; the factor −g/T is in left_nH and applied to gh_nH
             else:  # −p (g + e (log p + H)) / T
-                p_nv = torch.exp(logp_nv, out=_view(bufs[1], n, v1 - v0))
+                p_nv = torch.exp(logp_nv, out=as_2d_view(bufs[1], n, v1 - v0))
                 dz_nv, left_nH = logp_nv.add_(ent_n1).mul_(e_n1).sub_(g_n1).mul_(p_nv), h_nH
             if gh_nH is not None:
                 gh_nH.addmm_(dz_nv, w_VH[v0:v1].float())

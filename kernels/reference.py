@@ -1,6 +1,6 @@
 """Plain-torch references for every kernel, optionally upcast to fp32.
 
-These are the specification: tests compare the kernels against them (STYLE.md rule 3: kernel in low precision,
+These are the specification: tests compare the kernels against them (kernel in low precision,
 reference in the same precision, reference in fp32), benchmarks use them as the eager baseline. They favour
 clarity over memory: ``logprobs_ref`` and ``linear_logprobs_ref`` materialise the full logits.
 

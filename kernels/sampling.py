@@ -10,7 +10,7 @@ so ``token_r`` is distributed as ``softmax(x)``. Returns ``(token [S] int64, log
 the row's index or the batch: the generation engine derives the seed from (call seed, sample, position), so a
 sample draws the same noise whatever batch it runs in, and after a preemption.
 
-Paths (DESIGN.md): on CUDA and under ``TRITON_INTERPRET=1``, one kernel per row that draws ``u`` in registers
+Paths: on CUDA and under ``TRITON_INTERPRET=1``, one kernel per row that draws ``u`` in registers
 (philox keyed by ``seeds[r]`` with counter ``v``: ``seeds`` is an int64 device tensor, so no host synchronisation
 happens) and reads the row twice; otherwise torch ops with a ``torch.Generator`` seeded with ``seeds[r]`` per row
 (one host read). Both draw from the same distribution; the draws themselves differ between the paths.

@@ -1,6 +1,6 @@
 """Shared plumbing for the kernels: which path runs, and input validation.
 
-Path choice (see DESIGN.md): Triton on CUDA tensors; the Triton kernel under the interpreter when
+Path choice: Triton on CUDA tensors; the Triton kernel under the interpreter when
 ``TRITON_INTERPRET=1`` was set before triton was imported (CPU tensors); otherwise a plain-torch path with the
 same memory promise. A CUDA failure is raised, never hidden by a fallback.
 
@@ -37,7 +37,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def dot_in_fp32(t: torch.Tensor) -> bool:
-    """Feed ``tl.dot`` fp32 operands under the interpreter: bf16 arithmetic there is wrong (DESIGN.md)."""
+    """Feed ``tl.dot`` fp32 operands under the interpreter: bf16 arithmetic there is wrong."""
     return INTERPRET and not t.is_cuda
 
 

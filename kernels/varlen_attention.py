@@ -7,7 +7,7 @@ For every sequence b (tokens ``[cu[b], cu[b+1])``) and query head h, with key/va
 q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, ``cu_seqlens`` ``[B + 1]`` int32. Tokens of different sequences never see
 each other. Returns ``[T, Hq, D]`` in the input dtype; differentiable in q, k and v.
 
-Paths (DESIGN.md): the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path,
+Paths: the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path,
 how the CPU trainer runs a packed forward: causal, when the padded batch's attention arithmetic (``B · L_max²``) is
 at most ``PAD_FACTOR`` times the per-sequence one (``Σ L_b²``), one ``scaled_dot_product_attention`` over the
 sequences padded into a batch

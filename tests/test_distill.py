@@ -15,7 +15,7 @@ from fastgrpo.kernels.reference import distill_loss_ref, grpo_loss_ref
 from test_grpo import make_samples
 
 from fastgrpo.algorithms.distill import DISTILL_METRICS, DistillUpdate, check_tokenizers, load_teacher, teacher_trained
-from fastgrpo.algorithms.grpo import packed_forward
+from fastgrpo.algorithms.forward import packed_forward
 from fastgrpo.config import load_config, stage_settings
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.metrics import read_jsonl
@@ -146,7 +146,8 @@ def test_sampled_token_advantages_match_hf_forwards(teacher_path, tmp_path):
     reward advantage times distill.reward_weight, and the micro-batch the update packs carries their sum."""
     from transformers import AutoModelForCausalLM
 
-    from fastgrpo.algorithms.grpo import GRPO, make_microbatch
+    from fastgrpo.algorithms.batch import make_microbatch
+    from fastgrpo.algorithms.grpo import GRPO
     from fastgrpo.trainer import Trainer
 
     w = 0.5
@@ -165,7 +166,7 @@ def test_sampled_token_advantages_match_hf_forwards(teacher_path, tmp_path):
     teacher = AutoModelForCausalLM.from_pretrained(teacher_path).float()
     lt = completion_logprobs(teacher, samples, 0.7, V)
     ls = completion_logprobs(trainer.model, samples, 0.7, V)
-    # the student's side is the engine's log-prob, equal to the teacher-forced forward to fp32 rounding (DESIGN.md):
+    # the student's side is the engine's log-prob, equal to the teacher-forced forward to fp32 rounding:
     # measured |diff| <= 1.5e-6 here on log-probs down to -17 nats (fp32 ulp at 16: 1.9e-6); 2e-5 leaves > 10x
     for s, t_lp, s_lp in zip(samples, lt, ls):
         torch.testing.assert_close(torch.tensor(s.token_advantages), t_lp - s_lp, rtol=0, atol=2e-5)
@@ -346,8 +347,8 @@ def _fsdp_worker(out: str, teacher: str) -> None:
     """torchrun entry of test_fsdp2_teacher_matches_ddp: each rank's share under DDP and under FSDP2."""
     import copy
 
+    from fastgrpo.algorithms.batch import pack_microbatches
     from fastgrpo.algorithms.distill import sampled_token_advantages
-    from fastgrpo.algorithms.grpo import plan
     from fastgrpo.distributed import all_reduce, barrier, destroy, fsdp_root
 
     state = init_distributed("cpu")
@@ -357,7 +358,7 @@ def _fsdp_worker(out: str, teacher: str) -> None:
         s.advantage = 0.0
     mine = samples[state.rank * 8 : (state.rank + 1) * 8]
     counts = torch.zeros(2, dtype=torch.long)
-    counts[state.rank] = len(plan(mine, 20, state.device))
+    counts[state.rank] = len(pack_microbatches(mine, 20, state.device))
     result = {"counts": all_reduce(counts).tolist()}
     for strategy in ("ddp", "fsdp2"):
         cfg = distill_config(teacher, f"train.strategy={strategy}", "train.max_tokens_per_microbatch=20",

@@ -14,17 +14,10 @@ from fastgrpo.kernels.reference import grpo_loss_ref
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo.algorithms.grpo import (
-    ADV_EPS,
-    LOO_STD_EPS,
-    PolicyUpdate,
-    Sample,
-    compute_advantages,
-    make_microbatch,
-    overlong_penalty,
-    packed_forward,
-    scale_rewards,
-)
+from fastgrpo.algorithms.advantages import ADV_EPS, LOO_STD_EPS, compute_advantages, overlong_penalty, scale_rewards
+from fastgrpo.algorithms.batch import Sample, make_microbatch
+from fastgrpo.algorithms.forward import packed_forward
+from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.models.loading import enable_activation_checkpointing, load_model
@@ -456,7 +449,7 @@ def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
 
 def _fsdp_worker(out: str) -> None:
     """torchrun entry of test_fsdp2_several_optimizer_steps_match_ddp: the same shares under DDP and FSDP2."""
-    from fastgrpo.algorithms.grpo import plan
+    from fastgrpo.algorithms.batch import pack_microbatches
     from fastgrpo.distributed import all_reduce, barrier, destroy
 
     state = init_distributed("cpu")
@@ -468,7 +461,7 @@ def _fsdp_worker(out: str) -> None:
                      "grpo.num_generations=2", "train.max_tokens_per_microbatch=16"]
     cfg = load_config(overrides=cfg_overrides)
     counts = torch.zeros(2, dtype=torch.long)
-    counts[state.rank] = len(plan(mine[:4], 16, state.device))  # the first optimizer step's micro-batches
+    counts[state.rank] = len(pack_microbatches(mine[:4], 16, state.device))  # the first optimizer step's micro-batches
     result = {"counts": all_reduce(counts).tolist()}
     for strategy in ("ddp", "fsdp2"):
         metrics, delta = run_update(cfg, mine, state, strategy=strategy, lr=0.1)[:2]

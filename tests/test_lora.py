@@ -211,7 +211,9 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_n
 def test_grpo_reference_is_the_base_with_adapters_disabled(tmp_path, monkeypatch):
     """β > 0 with LoRA: no second model; the reference log-probs the loss receives equal those of the base loaded
     separately (from <run dir>/base), while the adapters (non-zero) change the policy's."""
-    import fastgrpo.algorithms.grpo as G
+    import fastgrpo.algorithms.update as U
+    from fastgrpo.algorithms.batch import Sample, pack_microbatches
+    from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
     from fastgrpo.config import ModelConfig, load_config
     from fastgrpo.distributed import ForwardWrapper
     from fastgrpo.models.loading import load_model
@@ -225,17 +227,17 @@ def test_grpo_reference_is_the_base_with_adapters_disabled(tmp_path, monkeypatch
             if p.requires_grad:
                 p.normal_(0, 0.2)
     g = torch.Generator().manual_seed(0)
-    samples = [G.Sample(torch.randint(3, 40, (5 + i,), generator=g).tolist(),
+    samples = [Sample(torch.randint(3, 40, (5 + i,), generator=g).tolist(),
                         torch.randint(3, 40, (4 + i % 3,), generator=g).tolist(), [-1.0] * (4 + i % 3), 0.5 - i % 2)
                for i in range(6)]
     seen = []
-    real = G.fused_linear_grpo_loss
-    monkeypatch.setattr(G, "fused_linear_grpo_loss", lambda *a, **k: seen.append(k["ref_logprobs"]) or real(*a, **k))
-    mbs = G.plan(samples, 4096, torch.device("cpu"))
+    real = U.fused_linear_grpo_loss
+    monkeypatch.setattr(U, "fused_linear_grpo_loss", lambda *a, **k: seen.append(k["ref_logprobs"]) or real(*a, **k))
+    mbs = pack_microbatches(samples, 4096, torch.device("cpu"))
     t.algorithm.update.run(samples, beta=0.1, epsilon_high=None, max_new_tokens=6)
     base, _ = load_model(ModelConfig(path=str(tmp_path / "base")), torch.device("cpu"))
-    want = [G.packed_logprobs(ForwardWrapper(base, G.packed_forward), mb, 1.0) for mb in mbs]
-    policy = [G.packed_logprobs(ForwardWrapper(t.model, G.packed_forward), mb, 1.0) for mb in G.plan(
+    want = [packed_logprobs(ForwardWrapper(base, packed_forward), mb, 1.0) for mb in mbs]
+    policy = [packed_logprobs(ForwardWrapper(t.model, packed_forward), mb, 1.0) for mb in pack_microbatches(
         samples, 4096, torch.device("cpu"))]
     assert len(seen) == len(want) == 1
     torch.testing.assert_close(seen[0], want[0], rtol=0, atol=1e-6)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from fastgrpo.kernels.reference import linear_logprobs_ref
 
-from fastgrpo.algorithms.grpo import Sample, make_microbatch, packed_forward
+from fastgrpo.algorithms.batch import Sample, make_microbatch
+from fastgrpo.algorithms.forward import packed_forward
 from fastgrpo.config import ModelConfig
 from fastgrpo.models.loading import (
     BOXED_TOKEN,

@@ -22,7 +22,7 @@ import torch
 from checks import assert_departure, assert_published
 from test_train import train  # SMALL sizes, one torchrun
 
-from fastgrpo.algorithms.grpo import ADV_EPS
+from fastgrpo.algorithms.advantages import ADV_EPS
 from fastgrpo.config import load_config, stage_settings
 from fastgrpo.metrics import read_jsonl
 from fastgrpo.plan import memory_plan, model_shape

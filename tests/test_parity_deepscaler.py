@@ -256,7 +256,7 @@ def test_loss_and_gradient_equal_nemo_rl(seed, step, packed, torch_path):
     from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref
     from fastgrpo.kernels.utils import pad_packed, unpad_padded
 
-    from fastgrpo.algorithms.grpo import loss_options
+    from fastgrpo.algorithms.update import loss_options
 
     cfg = load_config("deepscaler-1.5b")
     s = stage_settings(cfg, step)

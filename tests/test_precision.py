@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from fastgrpo.algorithms.grpo import PolicyUpdate, Sample, packed_forward
+from fastgrpo.algorithms.batch import Sample
+from fastgrpo.algorithms.forward import packed_forward
+from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.checkpoint import load_checkpoint, save_checkpoint
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model

@@ -360,7 +360,7 @@ def test_a_training_run_scores_while_generating_and_stops_its_workers(user_modul
     """GRPO steps with the real engine (3 waves of 2 groups) and a reward that sleeps per completion: groups are
     scored while later waves decode, so the logged wait is below the reward time; Ctrl-C (in the third update)
     leaves no worker behind."""
-    from fastgrpo.algorithms.grpo import PolicyUpdate
+    from fastgrpo.algorithms.update import PolicyUpdate
     from fastgrpo.config import load_config
     from fastgrpo.metrics import read_jsonl
     from fastgrpo.trainer import Trainer

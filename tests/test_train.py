@@ -120,7 +120,7 @@ def test_batch_sizes_must_split_over_the_processes():
 
 
 def test_non_finite_steps_abort_with_a_checkpoint(tmp_path, monkeypatch):
-    from fastgrpo.algorithms.grpo import PolicyUpdate
+    from fastgrpo.algorithms.update import PolicyUpdate
     from fastgrpo.checkpoint import latest_checkpoint
     from fastgrpo.config import load_config
     from fastgrpo.trainer import Trainer, TrainingAborted
@@ -171,7 +171,7 @@ def test_rollout_shapes_overlong_rewards_and_filters_on_unshaped_ones(tmp_path):
     unshaped rewards too)."""
     import torch
 
-    from fastgrpo.algorithms.grpo import compute_advantages
+    from fastgrpo.algorithms.advantages import compute_advantages
     from fastgrpo.config import load_config
     from fastgrpo.trainer import Trainer
 
@@ -221,7 +221,7 @@ def test_lr_warms_up_per_grpo_step_and_restarts_with_a_stage(tmp_path, monkeypat
     over 2 steps, then 1e-3 × the warm-up again from the stage that restarts it, which also clears AdamW's state."""
     import torch
 
-    from fastgrpo.algorithms.grpo import PolicyUpdate
+    from fastgrpo.algorithms.update import PolicyUpdate
     from fastgrpo.config import load_config
     from fastgrpo.trainer import Trainer
 
@@ -279,7 +279,7 @@ def test_stage_resets_the_kl_reference_and_a_resume_loads_it(tmp_path, monkeypat
     new NeMo-RL run's reference is its starting weights), also after a resume from a later checkpoint."""
     import torch
 
-    from fastgrpo.algorithms.grpo import PolicyUpdate
+    from fastgrpo.algorithms.update import PolicyUpdate
     from fastgrpo.config import load_config
     from fastgrpo.trainer import Trainer
 

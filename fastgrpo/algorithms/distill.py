@@ -12,7 +12,7 @@ Per completion token ``t`` of a sampled sequence (``h`` / ``g`` the student's / 
                    (Thinking Machines' on-policy distillation, NeMo-RL's MOPD with one teacher)
 
 ``agg`` is the token aggregation of ``grpo.loss_type`` (``LOSS_REDUCTION``: dapo's global token mean for the default),
-re-weighted over micro-batches and ranks as the GRPO loss is (``fastgrpo.algorithms.grpo``), so one and W processes
+re-weighted over micro-batches and ranks as the GRPO loss is (``fastgrpo.algorithms.update``), so one and W processes
 give the
 same loss. In sampled-token mode ``logp_student`` is the engine's log-prob of the sampled token (the distribution it
 was drawn from, as Thinking Machines' sampler log-probs) and ``logp_teacher`` the teacher's at the same temperature
@@ -26,8 +26,8 @@ the teacher (2·V·Ht) and the GRPO loss.
 
 The teacher (``distill.teacher_path``: a Hugging Face directory, e.g. a fastgrpo checkpoint, or a fastgrpo run
 directory) is loaded in the compute dtype ``model.dtype``, frozen, and runs the packed no-grad forward to its last
-hidden state (``fastgrpo.algorithms.grpo.packed_forward``): in full mode on each micro-batch right before the student's
-forward, in sampled-token mode on the rollout's micro-batches before the update (every rank the same number of
+hidden state (``fastgrpo.algorithms.forward.packed_forward``): in full mode on each micro-batch right before the
+student's forward, in sampled-token mode on the rollout's micro-batches before the update (every rank the same number of
 forwards). Under ``train.strategy: fsdp2`` it is sharded like the student (each decoder layer, then the root) in its
 own dtype (no fp32 masters: it never steps); otherwise every rank holds a full copy, as GRPO's KL reference.
 A teacher whose tokenizer maps any token to another id than the student's, or has another size, is refused at
@@ -54,16 +54,19 @@ GRPO's ``accuracy`` / ``eval/accuracy`` from the reward functions and the held-o
 from __future__ import annotations
 
 import math
-import random
 import shlex
 from pathlib import Path
 
 import torch
 
-from fastgrpo.algorithms.grpo import GRPO, PolicyUpdate, Sample, _call, make_microbatch, packed_forward
+from fastgrpo.algorithms.batch import Sample, make_microbatch
+from fastgrpo.algorithms.forward import forward_packed, packed_forward
+from fastgrpo.algorithms.grpo import GRPO
+from fastgrpo.algorithms.prerequisites import RecipeRun
+from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.checkpoint import latest_checkpoint
 from fastgrpo.config import Config, ModelConfig
-from fastgrpo.distributed import all_reduce, print0, wrap_model
+from fastgrpo.distributed import all_reduce, wrap_model
 from fastgrpo.kernels.distill_loss import fused_linear_distill_loss
 from fastgrpo.kernels.grpo_options import LOSS_REDUCTION
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
@@ -107,7 +110,7 @@ def teacher_recipe_config(spec: str, *overrides: str) -> Config:
 
 def teacher_trained(spec: str, path: str) -> bool:
     """``path`` holds a model, or the run of ``distill.teacher_recipe`` ``spec`` there reached its last step (a run
-    interrupted earlier is resumed by :func:`train_teacher`, never taken as the teacher)."""
+    interrupted earlier is resumed by the trainer's prerequisite run, never taken as the teacher)."""
     p = Path(path)
     if (p / "config.json").is_file():
         return True
@@ -115,23 +118,13 @@ def teacher_trained(spec: str, path: str) -> bool:
     return ckpt is not None and int(ckpt.name.split("_")[-1]) >= teacher_recipe_config(spec).train.max_steps
 
 
-def train_teacher(spec: str, output_dir: str) -> None:
-    """``distill.teacher_recipe``: run ``spec`` (a shipped recipe name, then optional ``group.field=value``
-    overrides) to its end with ``output_dir`` as its run directory, in this process (every rank together). The
-    caller's RNG states and CPU thread count are restored afterwards, so the student's run does not depend on
-    whether its teacher was trained now or earlier."""
-    from fastgrpo.trainer import Trainer
-
-    cfg = teacher_recipe_config(spec, f"logging.output_dir={output_dir}")
-    print0(f"distill.teacher_recipe: training the teacher (--recipe {spec}) into {output_dir}")
-    py, threads = random.getstate(), torch.get_num_threads()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        trainer = Trainer(cfg)
-        trainer.fit()
-    del trainer
-    random.setstate(py)
-    torch.set_num_threads(threads)
+def teacher_prerequisites(cfg: Config) -> list[RecipeRun]:
+    """``distill.teacher_recipe`` set and its run not complete at ``distill.teacher_path``: the trainer runs it
+    before it builds :class:`Distill` (:mod:`fastgrpo.algorithms.prerequisites`)."""
+    d = cfg.distill
+    if not d.teacher_recipe or teacher_trained(d.teacher_recipe, d.teacher_path):
+        return []
+    return [RecipeRun(d.teacher_recipe, d.teacher_path, "distill.teacher_recipe")]
 
 
 def load_teacher(cfg: Config, state, tokenizer):
@@ -140,8 +133,6 @@ def load_teacher(cfg: Config, state, tokenizer):
     from fastgrpo.models.loading import load_model
 
     d = cfg.distill
-    if d.teacher_recipe and not teacher_trained(d.teacher_recipe, d.teacher_path):
-        train_teacher(d.teacher_recipe, d.teacher_path)
     path = teacher_dir(d.teacher_path)
     if path is None:
         raise ValueError(f"distill.teacher_path {d.teacher_path!r} holds no model (no config.json) and no complete "
@@ -169,7 +160,7 @@ def load_teacher(cfg: Config, state, tokenizer):
 def teacher_logprobs(teacher, mb, temperature: float, vocab_size: int) -> torch.Tensor:
     """``[N]`` the teacher's log-probs of ``mb``'s targets where ``mb.mask`` is nonzero (0 elsewhere), over its first
     ``vocab_size`` head rows (a contiguous view: no copy)."""
-    hidden_NH, weight_VH, bias_V = _call(teacher, mb)
+    hidden_NH, weight_VH, bias_V = forward_packed(teacher, mb)
     return masked_linear_logprobs(hidden_NH, weight_VH[:vocab_size], mb.targets, mb.mask != 0,
                                   bias=None if bias_V is None else bias_V[:vocab_size], temperature=temperature)
 
@@ -185,7 +176,7 @@ def sampled_token_advantages(teacher, samples: list[Sample], *, max_tokens: int,
     maximum of the micro-batch counts, a rank with fewer repeating its last one.
     """
     groups = plan_microbatches([len(s.tokens) for s in samples], max_tokens)
-    mbs = [make_microbatch([samples[j] for j in g], device) for g in groups]  # as grpo.plan packs
+    mbs = [make_microbatch([samples[j] for j in g], device) for g in groups]  # as pack_microbatches packs
     n_mb = int(all_reduce(torch.tensor([len(mbs)], device=coll_device), "max").item())  # sync: the loop count
     sums = torch.zeros(4, dtype=torch.float64)  # Σ teacher logp, Σ student logp, Σ (student − teacher), count
     for i in range(n_mb):
@@ -233,8 +224,8 @@ class DistillUpdate(PolicyUpdate):
         d, T, V = self.cfg.distill, self.cfg.rollout.temperature, self.vocab_size
         reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
         with torch.no_grad():  # first: its working set is gone before the student's activations exist
-            t_hidden_NH, t_weight_VH, t_bias_V = _call(self.teacher, mb)
-        hidden_NH, weight_VH, bias_V = _call(self.model, mb)
+            t_hidden_NH, t_weight_VH, t_bias_V = forward_packed(self.teacher, mb)
+        hidden_NH, weight_VH, bias_V = forward_packed(self.model, mb)
         loss, m = fused_linear_distill_loss(
             hidden_NH, weight_VH, t_hidden_NH, t_weight_VH, mb.mask, beta=d.beta, mixed_kl_weight=d.mixed_kl_weight,
             temperature=T, student_bias=bias_V, teacher_bias=t_bias_V, cu_seqlens=mb.batch.cu_seqlens, vocab_size=V,
@@ -258,6 +249,7 @@ class Distill(GRPO):
     teacher's signal, then :class:`DistillUpdate` (full) or GRPO's update on per-token advantages (sampled_token)."""
 
     progress = {"div": "distill/divergence", "acc": "accuracy"}
+    prerequisites = staticmethod(teacher_prerequisites)
 
     def __init__(self, trainer):
         super().__init__(trainer)

@@ -53,8 +53,10 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.algorithms.grpo import _call, _no_grad_forward, packed_forward
-from fastgrpo.algorithms.sft import LMBatch, clip_and_step, lm_batch, same_count
+from fastgrpo.algorithms.batch import LMBatch, lm_batch, same_count
+from fastgrpo.algorithms.forward import forward_packed, no_grad_forward, packed_forward
+from fastgrpo.algorithms.prerequisites import no_prerequisites
+from fastgrpo.algorithms.update import clip_and_step
 from fastgrpo.data.responses import PreferencePair, SFTExample, load_response_datasets
 from fastgrpo.distributed import (
     ForwardWrapper,
@@ -96,7 +98,7 @@ def sequence_logps(model, mb: LMBatch) -> torch.Tensor:
     """``[2B]`` fp32 sums of the response tokens' log-probs under ``model`` (a packed-forward module), no grad:
     the policy's own path (``fused_linear_dpo_loss``, the same forward and kernel), so that the same weights on
     the same micro-batch give the policy's numbers bit for bit."""
-    hidden_NH, weight_VH, bias_V = _call(model, mb)
+    hidden_NH, weight_VH, bias_V = forward_packed(model, mb)
     zeros_B = torch.zeros(mb.batch.num_seqs // 2, device=hidden_NH.device)  # [B]
     return fused_linear_dpo_loss(hidden_NH, weight_VH, mb.targets, mb.mask, zeros_B, zeros_B, bias=bias_V,
                                  cu_seqlens=mb.batch.cu_seqlens, return_logps=True)[2]
@@ -106,6 +108,7 @@ class DPO:
     """``algorithm: dpo`` on ``train.py``'s loop (module docstring)."""
 
     progress = {"loss": "loss", "acc": "rewards/accuracies"}
+    prerequisites = staticmethod(no_prerequisites)
 
     @staticmethod
     def check_world_size(cfg, world_size: int) -> None:
@@ -187,7 +190,7 @@ class DPO:
         table is summed over ranks."""
         st = self.trainer.state
         table = torch.zeros(len(self._splits()[split]), 2, device=st.device)
-        policy = _no_grad_forward(self.trainer.wrapped)
+        policy = no_grad_forward(self.trainer.wrapped)
         with self._as_reference():
             self._fill_table(table, policy, split)
         return all_reduce(table).cpu()
@@ -276,7 +279,7 @@ class DPO:
             return sequence_logps(self.ref_forward, mb).chunk(2)
         if self.base_reference and not self.cfg.dpo.precompute_ref_logprobs:
             with torch.no_grad(), self._as_reference():
-                return sequence_logps(_no_grad_forward(self.trainer.wrapped), mb).chunk(2)
+                return sequence_logps(no_grad_forward(self.trainer.wrapped), mb).chunk(2)
         table = self.ref_tables[split][idx].to(mb.targets.device)  # [B, 2]
         return table[:, 0], table[:, 1]
 
@@ -285,7 +288,7 @@ class DPO:
     def _loss(self, model, split: str, idx: list[int], mb: LMBatch):
         d = self.cfg.dpo
         ref_c, ref_r = self._reference(split, idx, mb)
-        hidden_NH, weight_VH, bias_V = _call(model, mb)
+        hidden_NH, weight_VH, bias_V = forward_packed(model, mb)
         return fused_linear_dpo_loss(hidden_NH, weight_VH, mb.targets, mb.mask, ref_c, ref_r, bias=bias_V,
                                      beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
                                      cu_seqlens=mb.batch.cu_seqlens, average_logprobs=d.average_logprobs,
@@ -326,7 +329,7 @@ class DPO:
                 sums[-1] += float(mb.batch.num_tokens) * weight
             *totals, tokens = all_reduce(sums).tolist()  # sync: once per step, the loss and the log row
             m = {k: v / len(indices) for k, v in zip(keys, totals)}
-            grad_norm, stepped = clip_and_step(t, m["loss"])
+            grad_norm, stepped = clip_and_step(t.optimizer, t.scheduler, self.cfg.train.max_grad_norm, m["loss"])
         if not stepped:
             m["loss"] = math.nan
         m.update({"grad_norm": grad_norm if stepped else math.nan, "tokens": tokens, "bad_steps": float(not stepped)})
@@ -337,10 +340,10 @@ class DPO:
         t, st = self.trainer, self.trainer.state
         padded = self._eval_microbatches()
         sums = torch.zeros(2, dtype=torch.float64, device=st.device)
-        model = _no_grad_forward(t.wrapped)
+        model = no_grad_forward(t.wrapped)
         for (idx, mb), weight in padded:
             if not idx:  # a stand-in (this rank has no held-out pair): the forward only, for FSDP2's collectives
-                _call(model, mb)
+                forward_packed(model, mb)
                 continue
             loss, metrics = self._loss(model, "eval", idx, mb)
             sums += torch.stack([loss, metrics["rewards/accuracies"]]).double() * (weight * len(idx))

@@ -31,60 +31,18 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.algorithms.grpo import _call, _local, _no_grad_forward
+from fastgrpo.algorithms.batch import lm_batch, same_count
+from fastgrpo.algorithms.forward import forward_packed, no_grad_forward
+from fastgrpo.algorithms.prerequisites import no_prerequisites
+from fastgrpo.algorithms.update import clip_and_step
 from fastgrpo.data.responses import SFTExample, load_response_datasets
 from fastgrpo.distributed import all_reduce, print0
 from fastgrpo.kernels.linear_logprobs import fused_linear_cross_entropy
-from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches
-from fastgrpo.precision import accumulate, make_optimizer, optimizer_params, train_mode
-
-
-@dataclass
-class LMBatch:
-    """Packed sequences with next-token targets and a loss mask (the fields ``grpo.packed_logprobs`` reads)."""
-
-    batch: PackedBatch
-    targets: torch.Tensor  # [N] int64, next token (0 where there is none)
-    mask: torch.Tensor  # [N] bool, the target is a trained token
-    num_loss_tokens: int
-    """Σ mask, counted on the host."""
-
-
-def lm_batch(examples: list[SFTExample], device: torch.device) -> LMBatch:
-    """Pack ``examples``: at packed position ``t`` the target is token ``t + 1`` of the same sequence, trained
-    where that token's ``loss_mask`` is set."""
-    targets, mask = [], []
-    for ex in examples:
-        targets += ex.input_ids[1:] + [0]
-        mask += ex.loss_mask[1:] + [False]
-    return LMBatch(batch=pack([ex.input_ids for ex in examples]).to(device),
-                   targets=torch.tensor(targets, dtype=torch.long, device=device),
-                   mask=torch.tensor(mask, dtype=torch.bool, device=device), num_loss_tokens=sum(mask))
-
-
-def same_count(groups: list, device: torch.device) -> list[tuple[object, float]]:
-    """``groups`` (this rank's micro-batches) padded to the largest count over ranks: ``(item, weight)`` with
-    weight 0 on the repeats of the last item. ``groups`` must not be empty."""
-    n = int(all_reduce(torch.tensor(len(groups), device=device), "max"))  # sync: the loop count
-    return [(groups[min(i, len(groups) - 1)], float(i < len(groups))) for i in range(n)]
-
-
-def clip_and_step(trainer, loss_value: float) -> tuple[float, bool]:
-    """Clip the gradients (``train.max_grad_norm``; 0: only measure), then step the optimizer and scheduler unless
-    the loss or the gradient norm is not finite; returns ``(grad_norm, stepped)``."""
-    max_norm = trainer.cfg.train.max_grad_norm or math.inf
-    params = optimizer_params(trainer.optimizer)  # the fp32 masters under mixed precision
-    grad_norm = float(_local(torch.nn.utils.clip_grad_norm_(params, max_norm)))  # sync: the finiteness check
-    if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, False
-    trainer.optimizer.step()
-    trainer.scheduler.step()
-    return grad_norm, True
+from fastgrpo.models.packing import plan_microbatches
+from fastgrpo.precision import accumulate, make_optimizer, train_mode
 
 
 def sft_backward(model, optimizer, examples: list[SFTExample], max_tokens: int, device: torch.device,
@@ -101,7 +59,7 @@ def sft_backward(model, optimizer, examples: list[SFTExample], max_tokens: int, 
     for i, (mb, weight) in enumerate(padded):
         weight = weight if examples else 0.0
         with train_mode(model), accumulate(model, optimizer, last=i == len(padded) - 1):
-            hidden_NH, weight_VH, bias_V = _call(model, mb)
+            hidden_NH, weight_VH, bias_V = forward_packed(model, mb)
             targets = torch.where(mb.mask, mb.targets, -100)
             loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
             (loss * weight * world_size / max(total, 1.0)).backward()
@@ -117,10 +75,10 @@ def sft_eval_loss(model, examples: list[SFTExample], max_tokens: int, device: to
     groups = plan_microbatches([len(ex.input_ids) for ex in mine], max_tokens) if mine else []
     mbs = [lm_batch([mine[i] for i in g], device) for g in groups] or [lm_batch(examples[:1], device)]
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    forward = _no_grad_forward(model)
+    forward = no_grad_forward(model)
     for mb, weight in same_count(mbs, device):
         weight = weight if mine else 0.0
-        hidden_NH, weight_VH, bias_V = _call(forward, mb)
+        hidden_NH, weight_VH, bias_V = forward_packed(forward, mb)
         targets = torch.where(mb.mask, mb.targets, -100)
         loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
         sums += torch.stack([loss.double(), torch.tensor(float(mb.num_loss_tokens), device=device).double()]) * weight
@@ -167,6 +125,7 @@ class SFT:
 
     progress = {"loss": "loss"}
     check_world_size = staticmethod(check_world_size)
+    prerequisites = staticmethod(no_prerequisites)
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -217,7 +176,7 @@ class SFT:
             t.optimizer.zero_grad(set_to_none=True)
             loss, n_loss = sft_backward(t.wrapped, t.optimizer, mine, self.cfg.train.max_tokens_per_microbatch,
                                         st.device, st.world_size, self.train_data.items[0])
-            grad_norm, stepped = clip_and_step(t, loss)
+            grad_norm, stepped = clip_and_step(t.optimizer, t.scheduler, self.cfg.train.max_grad_norm, loss)
         tokens = float(all_reduce(torch.tensor(float(sum(len(ex.input_ids) for ex in mine)), dtype=torch.float64,
                                                device=t.coll_device())))  # sync: for the log row
         return {"loss": loss if stepped else math.nan, "grad_norm": grad_norm if stepped else math.nan,
