@@ -12,7 +12,8 @@ from fastgrpo.kernels.reference import KL_ESTIMATORS, KL_WEIGHTS, LOSS_TYPES, gr
 from test_grpo import TINY, make_samples, run_update, teacher_forced, teacher_forced_at
 
 from fastgrpo import config
-from fastgrpo.algorithms.grpo import PolicyUpdate, loss_options, packed_forward
+from fastgrpo.algorithms.forward import packed_forward
+from fastgrpo.algorithms.update import PolicyUpdate, loss_options
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.models.loading import load_model

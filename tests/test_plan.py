@@ -87,7 +87,9 @@ def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
 def _policy_step_peak(cfg, seq_len: int) -> int:
     """Peak extra resident bytes of: build the model, its optimizer, and two GRPO updates of two full micro-batches
     each (the second micro-batch runs with the first one's accumulated gradients in place, as in a real step)."""
-    from fastgrpo.algorithms.grpo import PolicyUpdate, Sample, packed_forward
+    from fastgrpo.algorithms.batch import Sample
+    from fastgrpo.algorithms.forward import packed_forward
+    from fastgrpo.algorithms.update import PolicyUpdate
     from fastgrpo.distributed import init_distributed, wrap_model
     from fastgrpo.models.loading import load_model
     from fastgrpo.precision import make_optimizer
