@@ -17,8 +17,7 @@ from common import append_rows, median_ms, peak_extra_bytes, print_table
 from fastgrpo.kernels import fused_linear_grpo_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fastgrpo.algorithms.batch import Sample
-from fastgrpo.algorithms.batch import pack_microbatches as plan
+from fastgrpo.algorithms.batch import Sample, pack_microbatches
 from fastgrpo.algorithms.forward import packed_forward
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.loading import enable_activation_checkpointing
@@ -67,7 +66,7 @@ def main() -> None:
     samples = [Sample(torch.randint(0, config["vocab_size"], (64,), generator=g).tolist(),
                       torch.randint(0, config["vocab_size"], (length - 64,), generator=g).tolist(),
                       [0.0] * (length - 64), 1.0 - 2.0 * (i % 2)) for i in range(seqs)]
-    [mb] = plan(samples, seqs * length, device)
+    [mb] = pack_microbatches(samples, seqs * length, device)
     rows = [measure(config, dtype, device, mb, ac) for ac in (False, True)]
     rows[1]["peak_vs_off"] = rows[1]["peak_MiB"] / rows[0]["peak_MiB"]
     print_table(rows, f"one micro-batch, forward + loss + backward, on {device}")

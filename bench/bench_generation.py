@@ -217,8 +217,7 @@ def paged_attention_rows(gbps: float) -> list[dict]:
 
 def logprob_gap(initializer_range: float) -> None:
     """Print mean and max |engine log p − trainer log p| for bf16 weights (see the module docstring)."""
-    from fastgrpo.algorithms.batch import Sample
-    from fastgrpo.algorithms.batch import pack_microbatches as plan
+    from fastgrpo.algorithms.batch import Sample, pack_microbatches
     from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
     from fastgrpo.distributed import ForwardWrapper
 
@@ -232,7 +231,7 @@ def logprob_gap(initializer_range: float) -> None:
     forward = ForwardWrapper(model, packed_forward)
     gaps = []
     with torch.no_grad():
-        for mb in plan(samples, 4096, torch.device("cpu")):
+        for mb in pack_microbatches(samples, 4096, torch.device("cpu")):
             trained = mb.mask != 0
             gaps.append((packed_logprobs(forward, mb, 1.0)[trained] - mb.sample_logprobs[trained]).abs())
     gap = torch.cat(gaps)
