@@ -74,7 +74,7 @@ def compare(steps: int, workers: list[int], delay_ms: float, warmup: int, max_ba
                     f"sft.warmup_steps={warmup}", "logging.progress_bar=false", f"logging.output_dir={tmp}/{w}",
                     f"reward.num_workers={w}", f"rollout.max_batch_size={max_batch_size}",
                     f"reward.functions=[{'reward_functions:delayed_math' if delay_ms else 'math'}]"]))
-                sft_warmup(trainers[w], *trainers[w].algorithm.warmup_examples())
+                sft_warmup(trainers[w].ctx, *trainers[w].algorithm.warmup_examples())
                 trainers[w].algorithm.begin()
             logger = MetricsLogger(tmp, enabled=False)
             logs = {w: [] for w in workers}

@@ -430,6 +430,26 @@ def is_fsdp(model: nn.Module) -> bool:
     return fsdp_root(model) is not None
 
 
+@contextmanager
+def full_weights(model: nn.Module):
+    """Under FSDP2, gather every sharded module's full parameters for the block (generation reads them); otherwise
+    nothing to do. Memory: the whole model's parameters in their dtype on every rank while the block runs."""
+    root = fsdp_root(model)
+    if root is None:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    shards = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for m in shards:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in shards:
+            m.reshard()
+
+
 def fqn_prefix(root: nn.Module, inner: nn.Module) -> str:
     """The name prefix of ``inner``'s parameters inside ``root`` (``"module."`` under a ForwardWrapper)."""
     for name, m in root.named_modules():

@@ -26,14 +26,14 @@ from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.rewards import math_reward
 
 
-def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
-             max_new_tokens: int = 256, max_sequence_tokens: int = 0, seed: int = 0, num_prompts: int = 0,
+def evaluate(model, tokenizer, dataset: PromptDataset, params: SamplingParams, *, num_prompts: int = 0,
              engine: GenerationEngine | None = None, timeout_s: float = 5.0,
              model_device: str | None = None, sample=None) -> dict[str, float]:
-    """``{"avg@k", "pass@k", "response_length/mean", "num_prompts"}`` over the first ``num_prompts`` prompts of
-    ``dataset`` (0: all), this rank's share sampled here and the counts summed over ranks. ``engine``: a
-    :class:`GenerationEngine` already built on ``model`` (one is built when None); ``model_device``: where the
-    counts are reduced (default: the model's device); ``max_sequence_tokens``: prompt + response budget (0: none).
+    """``{"avg@k", "pass@k", "response_length/mean", "num_prompts"}`` (k = ``params.n``) over the first
+    ``num_prompts`` prompts of ``dataset`` (0: all), this rank's share sampled here with ``params`` (this rank's
+    seed: ``fastgrpo.algorithms.sampling.sampling_params`` builds them from the config) and the counts summed over
+    ranks. ``engine``: a :class:`GenerationEngine` already built on ``model`` (one is built when None);
+    ``model_device``: where the counts are reduced (default: the model's device).
 
     ``sample(indices, params) -> (completions [prompt][sample], trajectories that called a tool, scores)``:
     multi-turn sampling of the dataset rows ``indices`` (``fastgrpo.algorithms.grpo.GRPO.eval_sampler``) instead of the
@@ -44,6 +44,7 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     from fastgrpo.models.loading import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
+    k = params.n
     rank, world = get_rank(), get_world_size()
     mine = list(range(rank, n, world))
     if engine is None:
@@ -51,8 +52,6 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
     device = torch.device(model_device) if model_device else next(model.parameters()).device
     correct = first_correct = length = tool_trajectories = 0.0
     if mine:
-        params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                max_sequence_tokens=max_sequence_tokens or None, seed=seed * 1000 + rank)
         env_scores = None
         if sample is None:
             outs = engine.generate([dataset.prompt_ids[i] for i in mine], params)
@@ -82,7 +81,8 @@ def evaluate(model, tokenizer, dataset: PromptDataset, k: int = 1, *, temperatur
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    from fastgrpo.config import load_config
+    from fastgrpo.algorithms.sampling import sampling_params
+    from fastgrpo.config import load_config, stage_settings
     from fastgrpo.data.prompts import load_datasets
     from fastgrpo.distributed import destroy, init_distributed, print0
     from fastgrpo.models.loading import load_model, set_cpu_threads
@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if held_out is None:
         raise ValueError("no validation prompts: set data.eval_path (or use data.path=synthetic)")
     k = args.k or cfg.eval.k
-    result = evaluate(model, tokenizer, held_out, k, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                      max_sequence_tokens=cfg.rollout.max_sequence_tokens, seed=cfg.train.seed,
-                      num_prompts=cfg.eval.num_prompts, timeout_s=cfg.reward.timeout_s)
+    params = sampling_params(cfg, stage_settings(cfg, 0), n=k, seed=cfg.train.seed * 1000 + state.rank,
+                             validation=True)
+    result = evaluate(model, tokenizer, held_out, params, num_prompts=cfg.eval.num_prompts,
+                      timeout_s=cfg.reward.timeout_s)
     print0(" ".join(f"{key}={value:.4f}" for key, value in result.items()))
     destroy()
     return result

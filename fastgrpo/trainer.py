@@ -5,29 +5,30 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.distill import Distill, teacher_recipe_config
 from fastgrpo.algorithms.dpo import DPO
 from fastgrpo.algorithms.forward import packed_forward
 from fastgrpo.algorithms.grpo import GRPO
 from fastgrpo.algorithms.prerequisites import RecipeRun
+from fastgrpo.algorithms.sampling import sampling_params
 from fastgrpo.algorithms.sft import SFT, sft_warmup
 from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fastgrpo.config import Config, stage_settings
 from fastgrpo.data.prompts import PromptDataset, PromptSampler
 from fastgrpo.distributed import (
     broadcast_object,
-    fsdp_root,
+    full_weights,
     init_distributed,
     print0,
     unwrap_model,
     wrap_model,
 )
-from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+from fastgrpo.engine.engine import GenerationEngine
 from fastgrpo.eval import evaluate
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics
 from fastgrpo.models.loading import (
@@ -60,27 +61,13 @@ def run_recipe(run: RecipeRun) -> None:
     torch.set_num_threads(threads)
 
 
+def component(name: str) -> property:
+    """A read-only :class:`Trainer` attribute that is the algorithms' context's ``name``."""
+    return property(lambda self: getattr(self.ctx, name), doc=f"``self.ctx.{name}``")
+
+
 class TrainingAborted(RuntimeError):
     """Too many non-finite steps in a row (a checkpoint was saved first)."""
-
-
-@contextmanager
-def full_weights(model):
-    """Under FSDP2, gather every sharded module's full parameters for generation; otherwise nothing to do."""
-    root = fsdp_root(model)
-    if root is None:
-        yield
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    shards = [m for m in root.modules() if isinstance(m, FSDPModule)]
-    for m in shards:
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in shards:
-            m.reshard()
 
 
 class Trainer:
@@ -88,8 +75,9 @@ class Trainer:
 
     The loop (data order, steps, validation, metrics, progress, checkpoints, resume, torchrun) is the same for
     every algorithm. The algorithm (``config.algorithm``: ``fastgrpo.algorithms.grpo.GRPO``,
-    ``fastgrpo.algorithms.dpo.DPO``,
-    ``fastgrpo.algorithms.sft.SFT``) is built on the trainer and supplies:
+    ``fastgrpo.algorithms.dpo.DPO``, ``fastgrpo.algorithms.sft.SFT``, ``fastgrpo.algorithms.distill.Distill``) is
+    built on the run's components (:class:`fastgrpo.algorithms.context.AlgorithmContext`, ``self.ctx``), never on
+    the trainer, and supplies:
 
     - ``rows_per_step``: training rows one step draws from the data sampler (all ranks together);
     - ``step(indices, settings) -> metrics``: one training step on those rows, metrics reduced over ranks, with
@@ -97,10 +85,10 @@ class Trainer:
     - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
     - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
     - ``check_world_size(cfg, world_size)`` (static): its batch splits over the processes;
-    - ``warmup_examples()``: the supervised warm-up's examples (``fastgrpo.algorithms.sft.sft_warmup``); ``begin()``:
-    once
-      the warm-up is done, on a fresh run (DPO fixes its reference there); ``describe_data()``; ``progress``: the
-      progress bar's fields;
+    - ``prerequisites(cfg)`` (static): recipe runs to complete before it is built (:func:`run_recipe`);
+    - ``warmup_examples()``: the supervised warm-up's examples (``fastgrpo.algorithms.sft.sft_warmup``);
+      ``begin()``: once the warm-up is done, on a fresh run (DPO fixes its reference there); ``describe_data()``;
+      ``progress``: the progress bar's fields;
     - optionally ``close()``: stop what it runs beside the trainer (GRPO's reward workers); :meth:`fit` calls it
       at the end of the run, also on Ctrl-C and errors.
     """
@@ -119,34 +107,52 @@ class Trainer:
         random.seed(cfg.train.seed + st.rank)
         torch.manual_seed(cfg.train.seed + st.rank)
 
-        self.run_dir = self._run_dir()
+        run_dir = self._run_dir()
         # with model.lora on the tiny model its base is saved once in <run dir>/base (the adapters' base_model_name)
-        self.model, self.tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed,
-                                                base_dir=self.run_dir / BASE_DIR)
-        self.model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
+        model, tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed, base_dir=run_dir / BASE_DIR)
+        model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
         if cfg.train.activation_checkpointing:
-            enable_activation_checkpointing(self.model)
-        self.wrapped = wrap_model(self.model, st, cfg.train.strategy, forward=packed_forward)
-        self.engine = GenerationEngine(unwrap_model(self.wrapped), eos_token_ids=eos_token_ids(self.model,
-                                                                                               self.tokenizer),
-                                       max_batch_size=cfg.rollout.max_batch_size, tokenizer=self.tokenizer,
-                                       max_total_tokens=cfg.rollout.max_total_tokens or None)
+            enable_activation_checkpointing(model)
+        wrapped = wrap_model(model, st, cfg.train.strategy, forward=packed_forward)
+        engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
+                                  max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
+                                  max_total_tokens=cfg.rollout.max_total_tokens or None)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
-        self.optimizer = make_optimizer(self.wrapped, lr=t.lr, weight_decay=t.weight_decay,
-                                        betas=(t.adam_beta1, t.adam_beta2))
+        optimizer = make_optimizer(wrapped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2))
         # The lr is a function of the GRPO step (stage_settings: the stage's lr times the warm-up factor, counted per
         # GRPO step as NeMo-RL's scheduler is), set before each step; the scheduler, stepped per optimizer step,
         # holds it there.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        self.timer = Timer(st.device)
-        self.step = 0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         self.bad_in_a_row = 0
         self.total_bad = 0
-        self.in_update = False
         self.last_saved = -1
-        self.algorithm = algorithm(self)
-        self.sampler = PromptSampler(len(self.algorithm.train_data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+        self.ctx = AlgorithmContext(cfg=cfg, state=st, model=model, wrapped=wrapped, tokenizer=tokenizer,
+                                    optimizer=optimizer, scheduler=scheduler, engine=engine, run_dir=run_dir,
+                                    timer=Timer(st.device), accuracy_eval=self.accuracy_eval)
+        self.algorithm = algorithm(self.ctx)
+        self.ctx.sampler = PromptSampler(len(self.algorithm.train_data), seed=cfg.train.seed,
+                                         shuffle=cfg.data.shuffle)
+
+    # The run's components live on the algorithms' context (one copy: replace one there, ``trainer.ctx.engine =``).
+    model = component("model")
+    wrapped = component("wrapped")
+    tokenizer = component("tokenizer")
+    optimizer = component("optimizer")
+    scheduler = component("scheduler")
+    engine = component("engine")
+    run_dir = component("run_dir")
+    timer = component("timer")
+    sampler = component("sampler")
+
+    @property
+    def step(self) -> int:
+        """Completed steps (held by the algorithms' context, which reads it)."""
+        return self.ctx.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.ctx.step = value
 
     # ------------------------------------------------------------------ set-up
 
@@ -195,34 +201,7 @@ class Trainer:
         if close is not None:
             close()
 
-    # ------------------------------------------------------------------ services for the algorithms
-
-    def coll_device(self) -> torch.device:
-        """Where host values are reduced: the device under NCCL, else the CPU."""
-        return self.state.device if self.state.backend == "nccl" else torch.device("cpu")
-
-    @contextmanager
-    def updating(self):
-        """Marks the weights as mid-update: an interruption inside cannot save a consistent checkpoint."""
-        self.in_update = True
-        try:
-            yield
-        finally:
-            self.in_update = False
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, on_group_done=None, turns=None):
-        """The co-located engine's completions of ``prompts`` with the policy's own (gathered) weights;
-        ``on_group_done(prompt_index, completions)`` as each prompt's samples finish; ``turns``: the multi-turn
-        handler (``fastgrpo.environments.EnvTurns``)."""
-        with full_weights(self.wrapped):
-            return self.engine.generate(prompts, params, on_group_done=on_group_done, turns=turns)
-
-    @torch.no_grad()
-    def copy_policy_into(self, module: torch.nn.Module) -> None:
-        """Copy the policy's full (gathered) weights into ``module``, a plain copy of the same architecture."""
-        with full_weights(self.wrapped):
-            for dst, src in zip(module.parameters(), unwrap_model(self.wrapped).parameters(), strict=True):
-                dst.copy_(src)
+    # ------------------------------------------------------------------ the shared validation
 
     def accuracy_eval(self, prompts: PromptDataset) -> dict[str, float]:
         """avg@k / pass@k (``eval.*`` settings, math reward) on held-out ``prompts``, as ``eval/...`` metrics."""
@@ -230,10 +209,10 @@ class Trainer:
         start = time.perf_counter()
         settings = stage_settings(self.cfg, self.step)  # validation has the stage's length budgets (as NeMo-RL's)
         with full_weights(self.wrapped):
-            res = evaluate(unwrap_model(self.wrapped), self.tokenizer, prompts, e.k, temperature=e.temperature,
-                           top_p=e.top_p, max_new_tokens=e.max_new_tokens or settings["max_new_tokens"],
-                           max_sequence_tokens=settings["max_sequence_tokens"], seed=self.cfg.train.seed + 7,
-                           num_prompts=e.num_prompts, engine=self.engine, timeout_s=self.cfg.reward.timeout_s,
+            seed = (self.cfg.train.seed + 7) * 1000 + self.state.rank
+            params = sampling_params(self.cfg, settings, n=e.k, seed=seed, validation=True)
+            res = evaluate(unwrap_model(self.wrapped), self.tokenizer, prompts, params, num_prompts=e.num_prompts,
+                           engine=self.engine, timeout_s=self.cfg.reward.timeout_s,
                            sample=getattr(self.algorithm, "eval_sampler", lambda: None)())
         acc = res[f"avg@{e.k}"]
         print0(f"step {self.step}: eval/accuracy (avg@{e.k} on {int(res['num_prompts'])} held-out prompts) "
@@ -299,7 +278,7 @@ class Trainer:
         try:
             if resumed is None:
                 if cfg.sft.warmup_steps:
-                    sft_warmup(self, *self.algorithm.warmup_examples())
+                    sft_warmup(self.ctx, *self.algorithm.warmup_examples())
                 self.algorithm.begin()
                 if cfg.eval.at_start:
                     result["start_accuracy"] = self.validate(logger)
@@ -327,7 +306,7 @@ class Trainer:
             # Save only where every rank gets here together (Ctrl-C reaches all of torchrun's processes; another
             # error may hit one rank alone, and a collective save would then hang) and the weights match a
             # completed GRPO step (not in the middle of a rollout's optimizer steps, nor of the warm-up).
-            safe = not self.in_update and self.step > max(self.last_saved, 0) and (
+            safe = not self.ctx.in_update and self.step > max(self.last_saved, 0) and (
                 isinstance(exc, KeyboardInterrupt) or st.world_size == 1)
             if safe and not isinstance(exc, TrainingAborted):
                 print0(f"interrupted ({type(exc).__name__}): saved {self.save()}")

@@ -36,8 +36,8 @@ def trainer(tmp_path, *overrides):
 
 def sgd(t):
     """Plain SGD at lr 1 instead of AdamW, so that a step's weight change is minus the gradient."""
-    t.optimizer = torch.optim.SGD(t.wrapped.parameters(), lr=1.0)
-    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
+    t.ctx.optimizer = torch.optim.SGD(t.wrapped.parameters(), lr=1.0)
+    t.ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
 
 
 def seq_logp(model, prompt, response):

@@ -67,8 +67,8 @@ def test_a_malformed_step_ends_its_trajectory_with_an_error_and_the_others_go_on
     assert bad.messages[-1] == {"role": "assistant", "content": "cd"}  # no observation after the malformed step
     assert (good.finish, dict(good.failures), good.reward, good.turns) == (None, {}, 0.5, 2)
     assert good.messages[-2:] == [{"role": "assistant", "content": "gh"}, {"role": "user", "content": "saw gh"}]
-    m = d.turns.metrics()
-    assert m["env/failures/step/malformed"] == 1 and m["env/finish/error"] == 1
+    m = d.turns.metrics(d.completions({(1, 0): "length"}))
+    assert m["env/failures/step/sum"] == 1 and m["env/finish/error"] == 0.5 and m["env/finish/length"] == 0.5
 
 
 N_TRAJ = 4

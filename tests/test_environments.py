@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.config import RewardConfig
 from fastgrpo.data.puzzle_boards import generate, neighbours, optimal_moves, render, solved
+from fastgrpo.engine.sampling import Completion
 from fastgrpo.environments import EnvironmentPool, EnvTurns, environment_modules
 from fastgrpo.environments.adder import AdderEnvironment, add
 from fastgrpo.environments.chat import ChatTemplate
@@ -258,14 +259,18 @@ class Driver:
         self.turns, self.tok = turns, TOKENIZER
         self.seq = {}
         self.finish = {}
+        self.prompt_len = {}
+        self.num_turns = Counter()
         for i, ids in enumerate(turns.prompt_ids()):
             for j in range(turns.n):
                 self.seq[(i, j)] = list(ids)
+                self.prompt_len[(i, j)] = len(ids)
 
     def turn(self, key, text: str, eos: bool = True):
         ids = self.tok(text, add_special_tokens=False)["input_ids"] + ([EOS] if eos else [])
         self.turns.start(key, ids, self.tok.decode(ids))
         self.seq[key] += ids
+        self.num_turns[key] += 1
         while True:
             got = dict(self.turns.ready(block=True))
             if key in got:
@@ -276,6 +281,19 @@ class Driver:
         else:
             self.seq[key] += result.append_ids
         return result
+
+    def completions(self, engine_reasons: dict | None = None) -> list[list[Completion]]:
+        """The engine's output for these trajectories: the handler's finish, else ``engine_reasons[key]`` (the
+        engine ended it), with the turns this driver sampled."""
+        out = []
+        for i in range(len(self.turns.prompt_ids())):
+            group = []
+            for j in range(self.turns.n):
+                ids = self.seq[(i, j)][self.prompt_len[(i, j)]:]
+                reason = self.finish.get((i, j)) or (engine_reasons or {})[(i, j)]
+                group.append(Completion(ids, [0.0] * len(ids), reason, num_turns=self.num_turns[(i, j)]))
+            out.append(group)
+        return out
 
 
 def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
@@ -309,10 +327,13 @@ def test_trl_environment_factory_keeps_state_on_its_worker(pool, envs_module):
             tr.messages.append({"role": "assistant", "content": ""})  # the engine ended it: close the last turn
             d.seq[key].append(EOS)
         assert d.seq[key] == template.ids(template.render(tr.messages, False)), key  # the same ids, token by token
-    m = turns.metrics({(0, 1): "length"})
-    assert m["env/finish/stop"] == 1 and m["env/finish/length"] == 1 and m["env/finish/engine"] == 2
-    assert m["env/turns_max"] == 3 and m["env/tool_calls"] == 6 and m["env/reward_mean"] == 118 / 4
-    assert not any(k.startswith("env/failures/") for k in m)  # nothing failed here
+    m = turns.metrics(d.completions({(0, 1): "length", (1, 0): "max_turns", (1, 1): "length"}))
+    assert (m["env/finish/stop"], m["env/finish/length"], m["env/finish/max_turns"]) == (0.25, 0.5, 0.25)
+    assert m["env/finish/error"] == m["env/finish/env_done"] == 0
+    assert m["env/turns/max"] == 3 and m["env/turns_mean"] == (3 + 1 + 1 + 0) / 4
+    assert m["env/tool_calls"] == 6 / 4 and m["env/reward_mean"] == 118 / 4 and m["env/truncated/sum"] == 0
+    failures = {k: v for k, v in m.items() if k.startswith(("env/failures/", "env/tool_failures/"))}
+    assert len(failures) == 12 and not any(failures.values())  # every place and tool fault logged; none failed
     assert m["time/env"] > 0 and m["time/env_wait"] > 0
 
 

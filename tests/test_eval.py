@@ -5,6 +5,7 @@ from checks import ScriptedEngine
 
 from fastgrpo.config import DataConfig
 from fastgrpo.data.prompts import build_dataset
+from fastgrpo.engine.engine import SamplingParams
 from fastgrpo.eval import evaluate, main
 from fastgrpo.models.loading import build_tiny_tokenizer
 
@@ -16,9 +17,10 @@ def test_avg_and_pass_at_k_closed_form():
     texts = [["\\boxed{2}", "\\boxed{3}", "\\boxed{2}", "x"],  # 2 of 4 correct
              ["\\boxed{5}", "\\boxed{5}", "\\boxed{5}", "\\boxed{4}"],  # 1 of 4
              ["\\boxed{1}", "\\boxed{1}", "\\boxed{1}", "\\boxed{1}"]]  # 0 of 4
-    res = evaluate(None, tok, ds, 4, engine=ScriptedEngine(tok, texts), model_device="cpu")
+    res = evaluate(None, tok, ds, SamplingParams(n=4), engine=ScriptedEngine(tok, texts), model_device="cpu")
     assert res["avg@4"] == pytest.approx(3 / 12) and res["pass@4"] == pytest.approx(2 / 3)
-    res2 = evaluate(None, tok, ds, 2, engine=ScriptedEngine(tok, texts), num_prompts=2, model_device="cpu")
+    res2 = evaluate(None, tok, ds, SamplingParams(n=2), engine=ScriptedEngine(tok, texts), num_prompts=2,
+                    model_device="cpu")
     assert res2["avg@2"] == pytest.approx(1 / 4) and res2["pass@2"] == pytest.approx(1 / 2)
     assert res2["num_prompts"] == 2
 

@@ -550,7 +550,8 @@ def test_engine_with_the_decode_attention_kernel_matches_hf(monkeypatch):
         ([[]], {}, r"prompt_token_ids\[0\] is empty"),
         ([[1, 2], [VOCAB]], {}, r"prompt_token_ids\[1\].*outside the vocabulary"),
         ([[-1, 2]], {}, r"prompt_token_ids\[0\].*outside the vocabulary"),
-        ([[1] * (MAX_POS - 3)], {"max_new_tokens": 4}, r"exceeds the model's context"),
+        ([[1] * MAX_POS], {"max_new_tokens": 4}, r"no room for a response"),
+        ([[1] * 9], {"max_sequence_tokens": 9}, r"no room for a response"),
         ([[1, 2]], {"stop_token_ids": (VOCAB + 5,)}, r"stop_token_ids"),
         (torch.ones(2, 3, dtype=torch.long), {}, r"prompt_token_ids must be a list"),
     ],
@@ -559,6 +560,21 @@ def test_bad_prompts_raise(prompts, kwargs, match):
     engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[0])
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, SamplingParams(**{"max_new_tokens": 4, **kwargs}))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, MAX_POS - 1), min_size=1, max_size=3), max_new=st.integers(1, 40),
+       budget=st.one_of(st.none(), st.integers(2, MAX_POS + 8)))
+def test_the_model_context_caps_every_completion(lengths, max_new, budget):
+    """One length rule for every prompt: ``min(max_new_tokens, min(max_sequence_tokens, context) - len(prompt))``
+    tokens, then "length" (no stop token is reachable, so every completion runs to its limit)."""
+    lengths = [n for n in lengths if n < min(budget or MAX_POS, MAX_POS)] or [1]
+    engine = GenerationEngine(tiny_model("qwen2"), eos_token_ids=[])
+    prompts = [[(7 * i + j) % VOCAB for j in range(n)] for i, n in enumerate(lengths)]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, max_sequence_tokens=budget, seed=1))
+    for n, (c,) in zip(lengths, outs):
+        assert len(c.token_ids) == min(max_new, min(budget or MAX_POS, MAX_POS) - n)
+        assert c.finish_reason == "length"
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ def scripted_trainer(tmp_path, script, *overrides):
 
     cfg = load_config(overrides=[*MT, f"logging.output_dir={tmp_path}", *overrides])
     trainer = Trainer(cfg)
-    trainer.engine = ScriptedEngine(trainer.tokenizer, script, logprob=-0.5)
+    trainer.ctx.engine = ScriptedEngine(trainer.tokenizer, script, logprob=-0.5)
     return trainer
 
 

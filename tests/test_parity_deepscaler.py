@@ -229,7 +229,7 @@ def test_rollout_uses_the_leave_one_out_std(tmp_path):
     trainer = Trainer(cfg)
     answer = trainer.algorithm.train_data.rows[0]["answer"]
     wrong = str(int(answer) + 1)
-    trainer.engine = ScriptedEngine(trainer.tokenizer, [[f"\\boxed{{{answer}}}"] + [f"\\boxed{{{wrong}}}"] * 3])
+    trainer.ctx.engine = ScriptedEngine(trainer.tokenizer, [[f"\\boxed{{{answer}}}"] + [f"\\boxed{{{wrong}}}"] * 3])
     samples, _ = trainer.algorithm.rollout(trainer.sampler.next(1), stage_settings(cfg, 0))
     other = -(1 / 3) / (3**-0.5 + 1e-6)
     assert [s.advantage for s in samples] == pytest.approx([1.0, other, other, other])

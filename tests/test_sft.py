@@ -43,8 +43,8 @@ def test_packed_step_matches_unpacked_fp32_reference(tmp_path):
                       [False] * 5 + [True, True, False, False, False, True, True, True])
     sft.train_data.items.append(chat)
     indices = [len(sft.train_data) - 1, 0, 11, 50, 42, 7, 30, 12]
-    t.optimizer = torch.optim.SGD(t.wrapped.parameters(), lr=1.0)
-    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
+    t.ctx.optimizer = torch.optim.SGD(t.wrapped.parameters(), lr=1.0)
+    t.ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     m = sft.step(indices, {})
     delta = {k: before[k] - v.detach() for k, v in model.named_parameters()}
@@ -82,8 +82,11 @@ def test_warmup_noise_swaps_responses_only(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "sft_backward", lambda model, opt, batch, *a: (seen.extend(batch), (0.0, 1.0))[1])
     t = Trainer(load_config("tiny", overrides=["sft.warmup_steps=3", "sft.batch_size=16", "sft.answer_noise=0.5",
                                                f"logging.output_dir={tmp_path}", "train.num_threads=1"]))
-    examples, responses = t.algorithm.warmup_examples()
-    S.sft_warmup(t, examples, responses)
+    try:
+        examples, responses = t.algorithm.warmup_examples()
+        S.sft_warmup(t.ctx, examples, responses)
+    finally:
+        t.close()  # the GRPO algorithm's reward workers
     prompts = {tuple(ex.input_ids[: ex.loss_mask.index(True)]) for ex in examples}
     swapped = 0
     assert len(seen) == 48

@@ -150,7 +150,7 @@ def test_rollout_rewards_advantages_and_masks(tmp_path, mask_truncated, mask_zer
     trainer = Trainer(cfg)
     answers = [trainer.algorithm.train_data.rows[i]["answer"] for i in (0, 1)]
     wrong = str(int(answers[0]) + 1)
-    trainer.engine = ScriptedEngine(trainer.tokenizer, [
+    trainer.ctx.engine = ScriptedEngine(trainer.tokenizer, [
         [(f"\\boxed{{{answers[0]}}}", "stop"), (f"\\boxed{{{wrong}}}", "length")],  # rewards 1, 0
         [("x", "stop"), ("yy", "length")],  # rewards 0, 0: zero std
     ], logprob=-0.5)
@@ -181,7 +181,7 @@ def test_rollout_shapes_overlong_rewards_and_filters_on_unshaped_ones(tmp_path):
                                  f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
     script = [[("\\boxed{1}", "stop"), ("abcdefgh", "length")], [("abcd", "stop"), ("abcdefgh", "length")]]
-    trainer.engine = ScriptedEngine(trainer.tokenizer, script)
+    trainer.ctx.engine = ScriptedEngine(trainer.tokenizer, script)
     samples, m = trainer.algorithm.rollout(trainer.sampler.next(2), {"max_new_tokens": 8, "max_sequence_tokens": 0})
     lengths = [len(s.completion_ids) for s in samples]
     assert lengths == [len(trainer.tokenizer(t)["input_ids"]) + (r == "stop") for g in script for t, r in g]
@@ -246,7 +246,7 @@ def test_lr_warms_up_per_grpo_step_and_restarts_with_a_stage(tmp_path, monkeypat
                                  "stages=[{at_step: 4, max_new_tokens: 6, lr: 1e-3, restart_warmup: true, "
                                  "reset_optimizer: true}]", f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
-    trainer.engine = ScriptedEngine(trainer.tokenizer, [["x"] * 4] * 4)
+    trainer.ctx.engine = ScriptedEngine(trainer.tokenizer, [["x"] * 4] * 4)
     trainer.fit()
     expected = [2e-3 * 0.5, 2e-3 * 0.75, 2e-3, 2e-3, 1e-3 * 0.5, 1e-3 * 0.75]
     assert seen == [[pytest.approx(lr)] * 3 for lr in expected]
@@ -302,7 +302,7 @@ def test_stage_resets_the_kl_reference_and_a_resume_loads_it(tmp_path, monkeypat
             "reset_reference: true}]", f"logging.output_dir={tmp_path}"]
     for steps in (3, 4):
         holder["trainer"] = trainer = Trainer(load_config(overrides=[*base, f"train.max_steps={steps}"]))
-        trainer.engine = ScriptedEngine(trainer.tokenizer, [["x"] * 4] * 4)
+        trainer.ctx.engine = ScriptedEngine(trainer.tokenizer, [["x"] * 4] * 4)
         trainer.fit()
     assert [s for s, _, _ in seen] == [0, 1, 2, 3]
     initial = seen[0][1]
@@ -349,7 +349,7 @@ def test_dynamic_sampling_generates_until_the_batch_is_full(tmp_path):
                                  f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
     signal = [[True, False, False, True, False, False], [False] * 5 + [True], [True, True, False, False, True, False]]
-    engine = trainer.engine = CallScriptedEngine(trainer.tokenizer, [ds_script(s, b) for b, s in enumerate(signal)])
+    engine = trainer.ctx.engine = CallScriptedEngine(trainer.tokenizer, [ds_script(s, b) for b, s in enumerate(signal)])
     assert trainer.algorithm.rows_per_step == 6
     samples, m = trainer.algorithm.rollout(trainer.sampler.next(6), stage_settings(cfg, 0))
     prompt_ids = trainer.algorithm.train_data.prompt_ids
@@ -388,7 +388,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal(ds_trainer, data):
     n = g.prompts_per_gen_batch
     signal = data.draw(st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=4, max_size=4),
                        label="signal")
-    ds_trainer.engine = CallScriptedEngine(ds_trainer.tokenizer, [ds_script(s, b) for b, s in enumerate(signal)])
+    ds_trainer.ctx.engine = CallScriptedEngine(ds_trainer.tokenizer, [ds_script(s, b) for b, s in enumerate(signal)])
     P, kept, batches = g.num_prompts_per_step, [], 0
     for b in range(g.dynamic_sampling_max_gen_batches):  # the reference
         batches += 1
@@ -417,7 +417,7 @@ def test_dynamic_sampling_stops_when_the_data_cannot_fill_a_step(tmp_path):
     cfg = load_config(overrides=[*SMALL, *DS, "grpo.num_prompts_per_step=4", "grpo.dynamic_sampling_max_gen_batches=2",
                                  f"logging.output_dir={tmp_path}"])
     trainer = Trainer(cfg)
-    trainer.engine = CallScriptedEngine(trainer.tokenizer, [ds_script([True, False, True, False], 0),
+    trainer.ctx.engine = CallScriptedEngine(trainer.tokenizer, [ds_script([True, False, True, False], 0),
                                                             ds_script([False, False, False, True], 1)])
     with pytest.raises(RuntimeError, match=r"dynamic sampling \(step 0\): 3 of grpo.num_prompts_per_step=4 groups .* "
                        r"grpo.dynamic_sampling_max_gen_batches=2 generation batches of 4 prompts \(5 groups dropped"):
@@ -486,7 +486,7 @@ def _ds_worker(out: str) -> None:
     rank = trainer.state.rank
     signal = {0: [[True, True, False, True], [False, False, True, False]],
               1: [[False] * 4, [False, True, False, False]]}[rank]
-    trainer.engine = CallScriptedEngine(trainer.tokenizer, [ds_script(s, f"r{rank}b{b}p") for b, s in
+    trainer.ctx.engine = CallScriptedEngine(trainer.tokenizer, [ds_script(s, f"r{rank}b{b}p") for b, s in
                                                              enumerate(signal)])
     captured = {}
     rollout = trainer.algorithm.rollout

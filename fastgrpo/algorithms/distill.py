@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.algorithms.batch import Sample, make_microbatch
+from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.forward import forward_packed, packed_forward
 from fastgrpo.algorithms.grpo import GRPO
 from fastgrpo.algorithms.prerequisites import RecipeRun
@@ -251,12 +252,12 @@ class Distill(GRPO):
     progress = {"div": "distill/divergence", "acc": "accuracy"}
     prerequisites = staticmethod(teacher_prerequisites)
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        cfg, st = trainer.cfg, trainer.state
-        self.teacher, self.vocab_size = load_teacher(cfg, st, trainer.tokenizer)
+    def __init__(self, ctx: AlgorithmContext):
+        super().__init__(ctx)
+        cfg, st = ctx.cfg, ctx.state
+        self.teacher, self.vocab_size = load_teacher(cfg, st, ctx.tokenizer)
         if cfg.distill.mode == "full":
-            self.update = DistillUpdate(cfg, trainer.wrapped, trainer.optimizer, trainer.scheduler, self.teacher,
+            self.update = DistillUpdate(cfg, ctx.wrapped, ctx.optimizer, ctx.scheduler, self.teacher,
                                         self.vocab_size, st.device, st.world_size)
 
     def rollout(self, indices: list[int], settings: dict) -> tuple[list[Sample], dict[str, float]]:
@@ -266,7 +267,7 @@ class Distill(GRPO):
         for s in samples:
             s.advantage *= self.cfg.distill.reward_weight
         if self.cfg.distill.mode == "sampled_token":
-            t = self.trainer
+            t = self.ctx
             with t.timer("teacher"):
                 m.update(sampled_token_advantages(
                     self.teacher, samples, max_tokens=self.cfg.train.max_tokens_per_microbatch,

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.algorithms.batch import LMBatch, lm_batch, same_count
+from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.forward import forward_packed, no_grad_forward, packed_forward
 from fastgrpo.algorithms.prerequisites import no_prerequisites
 from fastgrpo.algorithms.update import clip_and_step
@@ -116,15 +117,15 @@ class DPO:
             raise ValueError(f"dpo.batch_size={cfg.dpo.batch_size} must be a multiple of the number of processes "
                              f"({world_size})")
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg
+    def __init__(self, ctx: AlgorithmContext):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.train_data, self.held_out, self.held_out_prompts = load_response_datasets(
-            self.cfg.data, trainer.tokenizer, "dpo")
+            self.cfg.data, ctx.tokenizer, "dpo")
         self.ref_tables: dict[str, torch.Tensor | None] = {}  # split → [n, 2] (chosen, rejected) fp32 sums
         self.ref_forward = None  # the frozen reference model (on the fly), as a packed-forward module
         self.reference_saved = False
-        self.base_reference = is_lora(trainer.model)  # LoRA: the reference is the policy, adapters disabled
+        self.base_reference = is_lora(ctx.model)  # LoRA: the reference is the policy, adapters disabled
 
     @property
     def rows_per_step(self) -> int:
@@ -151,14 +152,14 @@ class DPO:
 
     def _rank_share(self, indices: list[int]) -> list[int]:
         """This rank's pairs of a step's ``indices`` (consecutive equal shares)."""
-        st = self.trainer.state
+        st = self.ctx.state
         per_rank = len(indices) // st.world_size
         return indices[st.rank * per_rank : (st.rank + 1) * per_rank]
 
     def _step_schedule(self) -> list[list[int]]:
-        """The training pairs of the coming steps, replayed on a copy of the trainer's sampler, until every pair
-        has appeared once (one epoch, plus the rest of the step that ends it)."""
-        sampler, seen, steps = copy.deepcopy(self.trainer.sampler), set(), []
+        """The training pairs of the coming steps, replayed on a copy of the run's sampler (``ctx.sampler``), until
+        every pair has appeared once (one epoch, plus the rest of the step that ends it)."""
+        sampler, seen, steps = copy.deepcopy(self.ctx.sampler), set(), []
         while len(seen) < len(self.train_data):
             steps.append(sampler.next(self.rows_per_step))
             seen.update(steps[-1])
@@ -168,7 +169,7 @@ class DPO:
         """``(owner, padded)`` per step that will use pairs of ``split``: this rank's micro-batches of that step
         and, for each pair no earlier step held, the rank whose share holds its first occurrence. Held-out pairs:
         validation's one layout (rank r holds pairs r, r + W, ...)."""
-        st = self.trainer.state
+        st = self.ctx.state
         if split != "train":
             yield {i: i % st.world_size for i in range(len(self.held_out))}, self._eval_microbatches()
             return
@@ -188,19 +189,19 @@ class DPO:
         """``[n, 2]`` reference sums of every pair of ``split``, computed by the current policy on the
         micro-batches that will use them (module docstring). Each entry is written by exactly one rank, then the
         table is summed over ranks."""
-        st = self.trainer.state
+        st = self.ctx.state
         table = torch.zeros(len(self._splits()[split]), 2, device=st.device)
-        policy = no_grad_forward(self.trainer.wrapped)
+        policy = no_grad_forward(self.ctx.wrapped)
         with self._as_reference():
             self._fill_table(table, policy, split)
         return all_reduce(table).cpu()
 
     def _as_reference(self):
         """The policy's forwards compute the reference's log-probs in the block: with LoRA, adapters disabled."""
-        return adapters_disabled(self.trainer.model) if self.base_reference else contextlib.nullcontext()
+        return adapters_disabled(self.ctx.model) if self.base_reference else contextlib.nullcontext()
 
     def _fill_table(self, table: torch.Tensor, policy, split: str) -> None:
-        st = self.trainer.state
+        st = self.ctx.state
         for owner, padded in self._layouts(split):
             for (idx, mb), weight in padded:
                 logps = sequence_logps(policy, mb)  # [2B]; stand-ins (no pair of this rank) too, for FSDP2
@@ -216,14 +217,14 @@ class DPO:
 
         from fastgrpo.models.loading import load_model
 
-        st = self.trainer.state
+        st = self.ctx.state
         if self.base_reference:  # no copy: _reference runs the policy with its adapters disabled
             return
         ref, _ = load_model(self.cfg.model, st.device, seed=self.cfg.train.seed)
         if path is not None:
             load_weights(ref, str(path), device=str(st.device))
         elif self.cfg.sft.warmup_steps:
-            wrapped = self.trainer.wrapped
+            wrapped = self.ctx.wrapped
             sd = (broadcast_object(full_state_dict(wrapped, st)) if is_fsdp(wrapped)
                   else unwrap_model(wrapped).state_dict())
             ref.load_state_dict(sd)
@@ -232,7 +233,7 @@ class DPO:
 
     def begin(self) -> None:
         """As DPO starts (after the warm-up, on a fresh run): fix the reference."""
-        t = self.trainer
+        t = self.ctx
         if self.cfg.dpo.precompute_ref_logprobs:
             start = time.perf_counter()
             self.ref_tables = {name: self._table(name) for name in self._splits()}
@@ -268,7 +269,7 @@ class DPO:
             raise ValueError("the checkpoint was saved with dpo.precompute_ref_logprobs=true: resume with the "
                              "same setting")
         self.reference_saved = bool(state["reference_saved"])
-        path = self.trainer.run_dir / REFERENCE_FILE
+        path = self.ctx.run_dir / REFERENCE_FILE
         if self.reference_saved and not path.is_file():
             raise ValueError(f"{path} (the DPO reference model after the warm-up) is missing: cannot resume")
         self._reference_model(path if self.reference_saved else None)
@@ -279,7 +280,7 @@ class DPO:
             return sequence_logps(self.ref_forward, mb).chunk(2)
         if self.base_reference and not self.cfg.dpo.precompute_ref_logprobs:
             with torch.no_grad(), self._as_reference():
-                return sequence_logps(no_grad_forward(self.trainer.wrapped), mb).chunk(2)
+                return sequence_logps(no_grad_forward(self.ctx.wrapped), mb).chunk(2)
         table = self.ref_tables[split][idx].to(mb.targets.device)  # [B, 2]
         return table[:, 0], table[:, 1]
 
@@ -297,14 +298,14 @@ class DPO:
     def _microbatches(self, pairs: list[PreferencePair], indices: list[int]):
         """``[((pair indices, LMBatch), weight)]``: ``pairs`` (this rank's, numbered ``indices``) packed, padded
         to the same count on every rank (weight 0 on stand-ins; with no pair, a stand-in of the first pair)."""
-        st = self.trainer.state
+        st = self.ctx.state
         groups = plan_pairs(pairs, self.cfg.train.max_tokens_per_microbatch)
         mbs = [([indices[j] for j in g], lm_batch(pair_examples([pairs[j] for j in g]), st.device)) for g in groups]
         return same_count(mbs or [([], lm_batch(pair_examples(self.train_data.items[:1]), st.device))], st.device)
 
     def _eval_microbatches(self):
         """Validation's micro-batches: this rank's share of the held-out pairs (strided)."""
-        st = self.trainer.state
+        st = self.ctx.state
         mine = list(range(st.rank, len(self.held_out), st.world_size))
         return self._microbatches([self.held_out.items[i] for i in mine], mine)
 
@@ -312,7 +313,7 @@ class DPO:
         return ("loss", *METRICS) + (("nll_loss",) if self.cfg.dpo.sft_weight > 0 else ())
 
     def step(self, indices: list[int], settings: dict) -> dict[str, float]:
-        t, st = self.trainer, self.trainer.state
+        t, st = self.ctx, self.ctx.state
         mine = self._rank_share(indices)
         pairs = [self.train_data.items[i] for i in mine]
         keys = self._keys()
@@ -337,7 +338,7 @@ class DPO:
 
     @torch.no_grad()
     def _eval_pairs(self) -> dict[str, float]:
-        t, st = self.trainer, self.trainer.state
+        t, st = self.ctx, self.ctx.state
         padded = self._eval_microbatches()
         sums = torch.zeros(2, dtype=torch.float64, device=st.device)
         model = no_grad_forward(t.wrapped)
@@ -351,7 +352,7 @@ class DPO:
         return {"eval/loss": loss, "eval/preference_accuracy": acc}
 
     def validate(self) -> dict[str, float]:
-        t = self.trainer
+        t = self.ctx
         m = {}
         if self.held_out is not None:
             start = time.perf_counter()

@@ -20,7 +20,9 @@ import torch
 
 from fastgrpo.algorithms.advantages import compute_advantages, overlong_penalty, scale_rewards
 from fastgrpo.algorithms.batch import Group, Sample
+from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.prerequisites import no_prerequisites
+from fastgrpo.algorithms.sampling import sampling_params
 from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import Config
 from fastgrpo.distributed import all_reduce, broadcast_object, print0, reduce_metrics
@@ -68,15 +70,14 @@ def check_world_size(cfg: Config, world_size: int) -> None:
 class GRPO:
     """GRPO on ``train.py``'s loop: one step = rollout (sample, score, advantages) → :class:`PolicyUpdate`.
 
-    ``trainer`` gives the wrapped model, optimizer, scheduler, tokenizer, generation (``trainer.generate``) and the
-    shared avg@k validation (``trainer.accuracy_eval``). The frozen reference model (β > 0 in the config or a
-    stage) is ``model.path`` loaded again: the initial weights (with ``model.lora``: no second model, the policy
-    with its adapters disabled, ``fastgrpo.models.lora.adapters_disabled``); from a stage with ``reset_reference`` on,
-    the
-    policy's weights at that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in
-    :meth:`state_dict`, so a resumed run loads them back). Rewards are scored by a
-    :class:`fastgrpo.rewards.pool.RewardPool` (its workers start here, during the model set-up and warm-up; the
-    trainer calls :meth:`close`).
+    ``ctx`` (:class:`fastgrpo.algorithms.context.AlgorithmContext`) gives the wrapped model, optimizer, scheduler,
+    tokenizer, generation (``ctx.generate``) and the shared avg@k validation (``ctx.accuracy_eval``). The frozen
+    reference model (β > 0 in the config or a stage) is ``model.path`` loaded again: the initial weights (with
+    ``model.lora``: no second model, the policy with its adapters disabled,
+    ``fastgrpo.models.lora.adapters_disabled``); from a stage with ``reset_reference`` on, the policy's weights at
+    that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in :meth:`state_dict`, so
+    a resumed run loads them back). Rewards are scored by a :class:`fastgrpo.rewards.pool.RewardPool` (its workers
+    start here, during the model set-up and warm-up; the trainer calls :meth:`close`).
     """
 
     progress = {"reward": "reward/mean", "acc": "accuracy"}
@@ -84,15 +85,15 @@ class GRPO:
     check_world_size = staticmethod(check_world_size)
     prerequisites = staticmethod(no_prerequisites)
 
-    def __init__(self, trainer):
+    def __init__(self, ctx: AlgorithmContext):
         from fastgrpo.data.prompts import load_datasets
         from fastgrpo.models.loading import load_model
         from fastgrpo.rewards.pool import RewardPool, default_num_workers
 
-        cfg, st = trainer.cfg, trainer.state
-        self.trainer = trainer
+        cfg, st = ctx.cfg, ctx.state
+        self.ctx = ctx
         self.cfg = cfg
-        self.train_data, self.held_out = load_datasets(cfg.data, trainer.tokenizer)
+        self.train_data, self.held_out = load_datasets(cfg.data, ctx.tokenizer)
         workers = cfg.reward.num_workers
         if workers is None:  # a rank keeps its torch threads busy on CPU, one core (its Python thread) on GPU
             busy = torch.get_num_threads() if st.device.type == "cpu" else 1
@@ -110,14 +111,14 @@ class GRPO:
             from fastgrpo.environments.rollout import build_environments, build_templates
 
             self.envs = build_environments(cfg, self.rewards, factory, tools)
-            self.templates = build_templates(self.envs, trainer.tokenizer)
+            self.templates = build_templates(self.envs, ctx.tokenizer)
         self.ref_model = None
-        if not is_lora(trainer.model) and (cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages)):
+        if not is_lora(ctx.model) and (cfg.grpo.beta > 0 or any((s.beta or 0) > 0 for s in cfg.stages)):
             self.ref_model, _ = load_model(cfg.model, st.device, seed=cfg.train.seed)
             self.ref_model.requires_grad_(False).eval()
         self.reference_step: int | None = None
         """The step whose policy weights the reference holds (None: the initial weights)."""
-        self.update = PolicyUpdate(cfg, trainer.wrapped, trainer.optimizer, trainer.scheduler, self.ref_model,
+        self.update = PolicyUpdate(cfg, ctx.wrapped, ctx.optimizer, ctx.scheduler, self.ref_model,
                                    st.device, st.world_size)
 
     @property
@@ -140,7 +141,7 @@ class GRPO:
         from fastgrpo.data.responses import SFTExample
         from fastgrpo.data.synthetic import sft_completion
 
-        tok = self.trainer.tokenizer
+        tok = self.ctx.tokenizer
         if self.cfg.sft.warmup_format == "tool_calls":  # whole tool-calling conversations, as a rollout builds them
             from fastgrpo.data.tool_tiny import tool_tiny_warmup
 
@@ -165,18 +166,18 @@ class GRPO:
         if not path.is_file():
             raise ValueError(f"resuming needs the KL reference saved at step {step} (stages[].reset_reference), but "
                              f"{path} does not exist")
-        self.ref_model.load_state_dict(torch.load(path, map_location=self.trainer.state.device, weights_only=True))
+        self.ref_model.load_state_dict(torch.load(path, map_location=self.ctx.state.device, weights_only=True))
         self.reference_step = step
 
     def _reference_path(self, step: int):
-        return self.trainer.run_dir / "reference" / f"step_{step:08d}.pt"
+        return self.ctx.run_dir / "reference" / f"step_{step:08d}.pt"
 
     @torch.no_grad()
     def _reference_from_policy(self) -> None:
         """The KL reference becomes the policy's current weights (a stage with ``reset_reference``: a NeMo-RL stage is
         a new run from the previous stage's weights, which are its reference); rank 0 saves them once, written to a
         temporary name and then renamed."""
-        t = self.trainer
+        t = self.ctx
         t.copy_policy_into(self.ref_model)
         self.reference_step = t.step
         if t.state.is_main:
@@ -188,7 +189,7 @@ class GRPO:
 
     def validate(self) -> dict[str, float]:
         """avg@k / pass@k on the held-out prompts (none: nothing to validate)."""
-        return self.trainer.accuracy_eval(self.held_out) if self.held_out is not None else {}
+        return self.ctx.accuracy_eval(self.held_out) if self.held_out is not None else {}
 
     def eval_sampler(self):
         """Validation's sampler for ``fastgrpo.eval.evaluate``: multi-turn with the environments (None: the engine
@@ -200,7 +201,7 @@ class GRPO:
 
         def sample(indices: list[int], params: SamplingParams):
             rows = env_rows([self.held_out.rows[i] for i in indices], self.cfg)
-            _, outs, trajs, _ = generate_trajectories(self.trainer.engine.generate, self.envs, self.templates, rows,
+            _, outs, trajs, _ = generate_trajectories(self.ctx.engine.generate, self.envs, self.templates, rows,
                                                       multi_turn_params(params, self.cfg, self.envs))
             scores = None if "math" in self.cfg.reward.functions else [
                 [trajs[(i, j)].reward for j in range(len(group))] for i, group in enumerate(outs)]
@@ -219,16 +220,14 @@ class GRPO:
         Each group goes to the reward pool as soon as the engine finishes it (decoded here, in the engine's
         callback), so scoring overlaps the decoding of the other groups; the scores come back in prompt order.
         """
-        t = self.trainer
+        t = self.ctx
         cfg, st, g = self.cfg, t.state, self.cfg.grpo
         per_rank = len(indices) // st.world_size
         idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
         prompts = [self.train_data.prompt_ids[i] for i in idx]
         G = g.num_generations
-        params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                top_k=cfg.rollout.top_k, max_new_tokens=settings["max_new_tokens"],
-                                max_sequence_tokens=settings["max_sequence_tokens"] or None,
-                                seed=(cfg.train.seed * SEED_STRIDE + t.step + batch * DS_SEED_STRIDE) * 1024 + st.rank)
+        params = sampling_params(cfg, settings, n=G,
+                                 seed=(cfg.train.seed * SEED_STRIDE + t.step + batch * DS_SEED_STRIDE) * 1024 + st.rank)
         columns = self.train_data.columns(idx)  # column -> one value per prompt
         if self.envs is not None:
             from fastgrpo.environments.rollout import env_rows, multi_turn_params
@@ -248,14 +247,13 @@ class GRPO:
                 prompt_texts = [t.tokenizer.decode(p) for p in prompts]
                 outs = t.generate(prompts, params, on_group_done=score)
             else:  # the prompts come from the environments' resets; rewards score the final transcripts
-                from fastgrpo.environments.rollout import generate_trajectories, trajectory_sums
+                from fastgrpo.environments.rollout import generate_trajectories
 
-                prompts, outs, trajs, handler_metrics = generate_trajectories(t.generate, self.envs, self.templates,
-                                                                              rows, params)
+                prompts, outs, trajs, env_sums = generate_trajectories(t.generate, self.envs, self.templates, rows,
+                                                                       params)
                 prompt_texts = [t.tokenizer.decode(p) for p in prompts]
                 for p, group in enumerate(outs):
                     score(p, group)
-                env_sums = trajectory_sums(outs, trajs, handler_metrics)
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
         result, reward_times = self.rewards.gather()
         total = result.total
@@ -300,11 +298,11 @@ class GRPO:
         (k = target / world_size). A group that another rank trains on travels once, by ``broadcast_object`` from
         the rank that generated it: only the unevenness between ranks moves, a few groups in a typical step.
         """
-        st = self.trainer.state
+        st = self.ctx.state
         W, k = st.world_size, target // st.world_size
         counts_WB = torch.zeros(W, len(kept), dtype=torch.long)
         counts_WB[st.rank] = torch.tensor([len(x) for x in kept])
-        counts_WB = all_reduce(counts_WB.to(self.trainer.coll_device())).cpu()  # sync: every rank plans the moves
+        counts_WB = all_reduce(counts_WB.to(self.ctx.coll_device())).cpu()  # sync: every rank plans the moves
         order = [(r, b, i) for b in range(len(kept)) for r in range(W) for i in range(int(counts_WB[r, b]))][:target]
         mine = {pos: kept[b][i] for pos, (r, b, i) in enumerate(order) if r == st.rank and pos // k == r}
         for src in range(W):
@@ -323,7 +321,7 @@ class GRPO:
         ``grpo.dynamic_sampling_max_gen_batches`` batches; the first ``num_prompts_per_step`` of them (by batch,
         rank and prompt) are trained on, the same number on every rank (:meth:`_balance`).
         """
-        t = self.trainer
+        t = self.ctx
         cfg, st, g = self.cfg, t.state, self.cfg.grpo
         G, P = g.num_generations, g.num_prompts_per_step
         kept: list[list[Group]] = []
@@ -385,9 +383,9 @@ class GRPO:
         if cfg.reward_shaping.enabled:
             m["reward_shaping/penalty_mean"] = totals["penalty"] / n
         if self.envs is not None:
-            from fastgrpo.environments.rollout import step_metrics
+            from fastgrpo.environments.turns import env_metrics
 
-            m.update(step_metrics(totals, n))
+            m.update(env_metrics(totals, n))
         if g.use_dynamic_sampling:  # the same on every rank (counted over all of them)
             m.update({"dynamic_sampling/num_gen_batches": float(len(kept)),
                       "dynamic_sampling/dropped_groups": float(dropped),
@@ -398,7 +396,7 @@ class GRPO:
     def step(self, indices: list[int], settings: dict) -> dict[str, float]:
         """One GRPO step on the prompts ``indices`` (all ranks'); returns the step's metrics, reduced over ranks,
         with ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps of this step)."""
-        t = self.trainer
+        t = self.ctx
         if self.ref_model is not None and any(s.reset_reference and s.at_step == t.step for s in self.cfg.stages):
             self._reference_from_policy()
         samples, local = self.rollout(indices, settings)

@@ -35,6 +35,7 @@ import time
 import torch
 
 from fastgrpo.algorithms.batch import lm_batch, same_count
+from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.forward import forward_packed, no_grad_forward
 from fastgrpo.algorithms.prerequisites import no_prerequisites
 from fastgrpo.algorithms.update import clip_and_step
@@ -86,13 +87,13 @@ def sft_eval_loss(model, examples: list[SFTExample], max_tokens: int, device: to
     return loss_sum / max(tokens, 1.0)
 
 
-def sft_warmup(trainer, examples: list[SFTExample], responses: list[list[int]]) -> None:
-    """The supervised warm-up (module docstring) of ``trainer``'s wrapped model: ``examples`` are the
+def sft_warmup(ctx: AlgorithmContext, examples: list[SFTExample], responses: list[list[int]]) -> None:
+    """The supervised warm-up (module docstring) of the run's wrapped policy (``ctx.wrapped``): ``examples`` are the
     algorithm's prompts each followed by its reference response; with probability ``sft.answer_noise`` the
     response is swapped for ``responses[j]`` of a random row ``j``."""
-    s_cfg, st = trainer.cfg.sft, trainer.state
-    opt = make_optimizer(trainer.wrapped, lr=s_cfg.lr, share_masters_with=trainer.optimizer)  # the same fp32 masters
-    rng = random.Random(trainer.cfg.train.seed)  # the same examples on every rank; each takes its share
+    s_cfg, st = ctx.cfg.sft, ctx.state
+    opt = make_optimizer(ctx.wrapped, lr=s_cfg.lr, share_masters_with=ctx.optimizer)  # the same fp32 masters
+    rng = random.Random(ctx.cfg.train.seed)  # the same examples on every rank; each takes its share
     start = time.perf_counter()
     for s in range(s_cfg.warmup_steps):
         picks = [rng.randrange(len(examples)) for _ in range(s_cfg.batch_size)]
@@ -106,7 +107,7 @@ def sft_warmup(trainer, examples: list[SFTExample], responses: list[list[int]]) 
                                 [False] * n_prompt + [True] * len(responses[swap[j]]))
             batch.append(ex)
         opt.zero_grad(set_to_none=True)
-        loss, _ = sft_backward(trainer.wrapped, opt, batch, trainer.cfg.train.max_tokens_per_microbatch, st.device,
+        loss, _ = sft_backward(ctx.wrapped, opt, batch, ctx.cfg.train.max_tokens_per_microbatch, st.device,
                                st.world_size, examples[0])
         opt.step()
         if (s + 1) % max(1, s_cfg.warmup_steps // 4) == 0 or s + 1 == s_cfg.warmup_steps:
@@ -127,11 +128,11 @@ class SFT:
     check_world_size = staticmethod(check_world_size)
     prerequisites = staticmethod(no_prerequisites)
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg
+    def __init__(self, ctx: AlgorithmContext):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.train_data, self.held_out, self.held_out_prompts = load_response_datasets(
-            self.cfg.data, trainer.tokenizer, "sft")
+            self.cfg.data, ctx.tokenizer, "sft")
 
     @property
     def rows_per_step(self) -> int:
@@ -156,7 +157,7 @@ class SFT:
         pass
 
     def validate(self) -> dict[str, float]:
-        t, st = self.trainer, self.trainer.state
+        t, st = self.ctx, self.ctx.state
         m = {}
         if self.held_out is not None:
             start = time.perf_counter()
@@ -169,7 +170,7 @@ class SFT:
         return m
 
     def step(self, indices: list[int], settings: dict) -> dict[str, float]:
-        t, st = self.trainer, self.trainer.state
+        t, st = self.ctx, self.ctx.state
         per_rank = len(indices) // st.world_size
         mine = [self.train_data.items[i] for i in indices[st.rank * per_rank : (st.rank + 1) * per_rank]]
         with t.updating():

@@ -250,7 +250,8 @@ class GenerationEngine:
         in-place update outside inference mode). A completion
         ends at the first token in ``eos_token_ids`` ∪ ``params.stop_token_ids`` (that token is included, reason
         "stop"), at the token that completes the first ``params.stop_strings`` match in its decoded text ("stop";
-        see ``fastgrpo.engine.turns``), or after ``params.response_limit(len(prompt))`` tokens (reason "length").
+        see ``fastgrpo.engine.turns``), or after :meth:`SamplingParams.response_limit` tokens (reason "length": the
+        model's context caps every completion).
 
         ``turns`` (multi-turn, see ``fastgrpo.engine.turns``): a sample whose turn ends at one of those boundaries
         pauses with its KV pages kept while the others go on decoding, and ``turns.start(key, turn_ids, turn_text)``
@@ -275,7 +276,7 @@ class GenerationEngine:
         if self.tokenizer is None and (params.stop_strings or turns is not None):
             what = "params.stop_strings" if params.stop_strings else "a turn handler (its turn_text)"
             raise ValueError(f"{what} needs the engine's tokenizer (GenerationEngine(..., tokenizer=))")
-        prompts = self._check_prompts(prompt_token_ids, params, multi_turn=turns is not None)
+        prompts = self._check_prompts(prompt_token_ids, params)
         if not prompts:
             return []
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -286,8 +287,10 @@ class GenerationEngine:
         param = next(model.parameters())
         device = param.device
         dtype = self._dtype or param.dtype
-        max_context = self._max_context(params) if turns is not None else None  # a conversation's budget
-        max_len = max_context or max(len(p) + params.response_limit(len(p)) for p in prompts)  # T
+        context = params.context(self.max_positions)
+        limits = [params.response_limit(len(p), context) for p in prompts]
+        max_context = context if turns is not None else None  # a conversation's budget
+        max_len = max_context or max(len(p) + limit for p, limit in zip(prompts, limits))  # T
         budget = self._budget_tokens(device, dtype)
 
         if params.seed is None:
@@ -304,7 +307,6 @@ class GenerationEngine:
             row_cache=self._row_cache, cpu_packed=self._cpu_packed,
             stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
         )  # fmt: skip
-        limits = [self._first_limit(params, len(p), turns is not None) for p in prompts]
         forward = self.forward
         was_training = model.training
         model.eval()
@@ -324,16 +326,7 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ validation and planning
 
-    def _max_context(self, params: SamplingParams) -> int:
-        """Multi-turn: most tokens a conversation may reach (max_sequence_tokens, within the model's context)."""
-        return min(params.max_sequence_tokens or self.max_positions, self.max_positions)
-
-    def _first_limit(self, params: SamplingParams, prompt_len: int, multi_turn: bool) -> int:
-        if not multi_turn:
-            return params.response_limit(prompt_len)
-        return min(params.max_new_tokens, self._max_context(params) - prompt_len)
-
-    def _check_prompts(self, prompt_token_ids, params: SamplingParams, multi_turn: bool = False) -> list[list[int]]:
+    def _check_prompts(self, prompt_token_ids, params: SamplingParams) -> list[list[int]]:
         if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, Sequence):
             raise ValueError("prompt_token_ids must be a list of lists of token ids")
         prompts = []
@@ -351,17 +344,11 @@ class GenerationEngine:
                 raise ValueError(
                     f"prompt_token_ids[{i}] has ids in [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})"
                 )
-            limit = self._first_limit(params, len(p), multi_turn)
-            if limit < 1:
+            if params.response_limit(len(p), params.context(self.max_positions)) < 1:
                 raise ValueError(
                     f"prompt_token_ids[{i}] has {len(p)} tokens: no room for a response within "
-                    f"params.max_sequence_tokens={params.max_sequence_tokens}"
-                    + (f" and the model's context of {self.max_positions}" if multi_turn else "")
-                )
-            if len(p) + limit > self.max_positions:
-                raise ValueError(
-                    f"prompt_token_ids[{i}] has {len(p)} tokens; with a response limit of {limit} that "
-                    f"exceeds the model's context of {self.max_positions} positions"
+                    f"params.max_sequence_tokens={params.max_sequence_tokens} and the model's context of "
+                    f"{self.max_positions} positions"
                 )
             prompts.append(list(p))
         return prompts

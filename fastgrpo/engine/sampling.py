@@ -52,10 +52,10 @@ class SamplingParams:
     seed: int | None = None
     """Seed of the sampling generator; None draws one from torch's default generator (torch.manual_seed)."""
     max_sequence_tokens: int | None = None
-    """Prompt + response budget (NeMo-RL's max_total_sequence_length): each prompt's response limit is
-    ``min(max_new_tokens, max_sequence_tokens - len(prompt))``; None = max_new_tokens alone. Multi-turn: the budget
-    of the whole conversation (prompt + every turn + every observation; None = the model's context), and
-    ``max_new_tokens`` is per turn."""
+    """Prompt + response budget (NeMo-RL's max_total_sequence_length; None: the model's context, which also caps it):
+    each prompt's response limit is ``min(max_new_tokens, max_sequence_tokens - len(prompt))``
+    (:meth:`response_limit`). Multi-turn: the budget of the whole conversation (prompt + every turn + every
+    observation), and ``max_new_tokens`` is per turn."""
     stop_strings: tuple[str, ...] = ()
     """A turn (a completion) also ends when its decoded text ends with one of these (needs the engine's tokenizer);
     it ends at the token that completes the first match, included ("stop", or a turn boundary)."""
@@ -99,11 +99,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def response_limit(self, prompt_len: int) -> int:
-        """Most tokens a completion of a ``prompt_len``-token prompt may have (may be < 1: no room)."""
-        if self.max_sequence_tokens is None:
-            return self.max_new_tokens
-        return min(self.max_new_tokens, self.max_sequence_tokens - prompt_len)
+    def context(self, max_positions: int) -> int:
+        """Most tokens one sequence (prompt, every turn, every observation) may reach: ``max_sequence_tokens``
+        within the model's context of ``max_positions`` positions."""
+        return min(self.max_sequence_tokens or max_positions, max_positions)
+
+    def response_limit(self, length: int, context: int) -> int:
+        """The length rule of every turn, first or later, single- or multi-turn: a sequence of ``length`` tokens
+        may sample ``min(max_new_tokens, context - length)`` more in its next turn, ``context`` being
+        :meth:`context` (may be < 1: no room)."""
+        return min(self.max_new_tokens, context - length)
 
 
 FINISH_REASONS = ("stop", "length", "max_turns", "env_done", "error")

@@ -210,4 +210,4 @@ class Conversations:
         traj.logprobs += [0.0] * len(ids)
         traj.mask += [0] * len(ids)
         self.re_prefill_tokens += total  # what prefilling the whole conversation again would cost
-        self.scheduler.resume(seq, len(ids), min(self.params.max_new_tokens, self.max_context - total))
+        self.scheduler.resume(seq, len(ids), self.params.response_limit(total, self.max_context))

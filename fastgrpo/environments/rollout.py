@@ -9,10 +9,12 @@ into its own pages and it decodes on. The trajectory's reward is ``env.reward_we
 plus the reward functions on the final transcript (the decoded completion: turns and observations). Advantages
 are per trajectory over the GRPO group; the loss mask is 1 on exactly the tokens the policy sampled.
 
-Metrics (per step; every rank logs the same keys): ``env/turns_mean`` and ``env/turns/max``, ``env/tool_calls``
-(per trajectory), ``env/tool_failures/<kind>`` (summed, a kind of :data:`fastgrpo.environments.tools.TOOL_FAULTS`),
-``env/failures/<where>`` (reset, step, get_reward, instance_lost, template), ``env/finish/<reason>`` (fractions),
-``env/truncated``, ``env/reward_mean``, ``time/env`` and ``time/env_wait``; from the engine's ``last_stats``,
+Metrics (per step; every rank logs the same keys; computed in one place, ``EnvTurns.sums`` and
+``fastgrpo.environments.turns.env_metrics``): ``env/turns_mean`` and ``env/turns/max``, ``env/tool_calls`` (per
+trajectory), ``env/tool_failures/<kind>/sum`` (a kind of :data:`fastgrpo.environments.tools.TOOL_FAULTS`),
+``env/failures/<where>/sum`` (reset, step, get_reward, instance_lost, template), ``env/finish/<reason>``
+(fractions), ``env/truncated/sum``, ``env/reward_mean``, ``time/env`` and ``time/env_wait``; from the engine's
+``last_stats``,
 ``generation/resume_prefill_tokens/sum`` (the tokens prefilled to resume turns: observations and template suffixes)
 next to ``generation/re_prefill_tokens/sum`` (what re-prefilling the whole conversation before each resumed turn
 would have cost: what a loop that re-sends the conversation every turn pays).
@@ -30,10 +32,6 @@ from dataclasses import replace
 
 from fastgrpo.config import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS, Config
 from fastgrpo.engine.sampling import SamplingParams
-from fastgrpo.environments.tools import TOOL_FAULTS
-
-FINISH_REASONS = ("stop", "length", "max_turns", "env_done", "error")
-FAILURE_PLACES = ("reset", "step", "get_reward", "instance_lost", "template")
 
 
 def _load(spec: str, builtins: dict[str, str], field: str):
@@ -103,8 +101,9 @@ def multi_turn_params(params: SamplingParams, cfg: Config, envs) -> SamplingPara
 
 def generate_trajectories(generate, envs, templates, rows: list[dict], params: SamplingParams):
     """Sample ``params.n`` trajectories per row with ``generate(prompts, params, turns=handler)`` (the trainer's or
-    an engine's): ``(prompt ids per row, completions [row][sample], trajectories by (row, sample), the handler's
-    metrics)``. The handler's instances are freed whatever happens (``results`` frees them; an error, here)."""
+    an engine's): ``(prompt ids per row, completions [row][sample], trajectories by (row, sample), the batch's
+    env/ sums: EnvTurns.sums)``. The handler's instances are freed whatever happens (``results`` frees them; an
+    error, here)."""
     from fastgrpo.environments import EnvTurns
 
     turns = EnvTurns(envs, templates, rows, params.n)
@@ -115,35 +114,4 @@ def generate_trajectories(generate, envs, templates, rows: list[dict], params: S
     except BaseException:
         turns.close()
         raise
-    reasons = {(i, j): c.finish_reason for i, group in enumerate(outs) for j, c in enumerate(group)}
-    return prompts, outs, trajectories, turns.metrics(reasons)
-
-
-def trajectory_sums(outs, trajectories, handler_metrics: dict[str, float]) -> dict[str, float]:
-    """One generation batch's sums for the step's ``env/`` metrics (fixed keys: every rank logs the same ones)."""
-    trajs = [trajectories[(i, j)] for i, group in enumerate(outs) for j in range(len(group))]
-    completions = [c for group in outs for c in group]
-    sums = {"env/turns/sum": float(sum(c.num_turns for c in completions)),
-            "env/turns/max": float(max((c.num_turns for c in completions), default=0)),
-            "env/tool_calls/sum": float(sum(t.tool_calls for t in trajs)),
-            "env/truncated/sum": float(sum(t.truncated for t in trajs)),
-            "env/reward/sum": float(sum(t.reward for t in trajs)),
-            "time/env": handler_metrics["time/env"], "time/env_wait": handler_metrics["time/env_wait"]}
-    for kind in TOOL_FAULTS:
-        sums[f"env/tool_failures/{kind}/sum"] = float(sum(t.failures.get(f"tool/{kind}", 0) for t in trajs))
-    for place in FAILURE_PLACES:
-        sums[f"env/failures/{place}/sum"] = float(sum(n for t in trajs for k, n in t.failures.items()
-                                                      if k == place or k.startswith(place + "/")))
-    for reason in FINISH_REASONS:
-        sums[f"env/finish/{reason}/sum"] = float(sum(c.finish_reason == reason for c in completions))
-    return sums
-
-
-def step_metrics(totals: dict[str, float], n: int) -> dict[str, float]:
-    """The step's ``env/`` metrics from the summed batch ``totals`` of ``n`` trajectories (this rank's)."""
-    out = {"env/turns_mean": totals["env/turns/sum"] / n, "env/turns/max": totals["env/turns/max"],
-           "env/tool_calls": totals["env/tool_calls/sum"] / n, "env/reward_mean": totals["env/reward/sum"] / n,
-           "env/truncated/sum": totals["env/truncated/sum"]}
-    out.update({k: v for k, v in totals.items() if k.startswith(("env/tool_failures/", "env/failures/"))})
-    out.update({f"env/finish/{r}": totals[f"env/finish/{r}/sum"] / n for r in FINISH_REASONS})
-    return out
+    return prompts, outs, trajectories, turns.sums(outs)

@@ -60,11 +60,12 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fastgrpo.engine.sampling import TurnResult
-from fastgrpo.environments.tools import ToolCall, ToolResult, error_content, parse_tool_calls
+from fastgrpo.engine.sampling import FINISH_REASONS, TurnResult
+from fastgrpo.environments.tools import TOOL_FAULTS, ToolCall, ToolResult, error_content, parse_tool_calls
 
 _owners = itertools.count()
 READY_POLL_S = 0.5  # ready(block=True) wakes this often (Ctrl-C is seen while it waits)
+FAILURE_PLACES = ("reset", "step", "get_reward", "instance_lost", "template")  # where a Trajectory's failures occur
 
 
 @dataclass
@@ -407,28 +408,49 @@ class EnvTurns:
 
     # ------------------------------------------------------------------ metrics
 
-    def metrics(self, finish_reasons: dict[tuple[int, int], str] | None = None) -> dict[str, float]:
-        """Issue 19 item 7, this handler's side: ``env/turns_mean``, ``env/turns_max``, ``env/tool_calls``,
-        ``env/failures/<where>/<kind>`` (summed), ``env/truncated``, ``env/finish/<reason>`` (the engine's reasons
-        for the trajectories it ended, from ``finish_reasons``, else "engine"), ``env/reward_mean``,
-        ``time/env`` (first task sent → last answer)
-        and ``time/env_wait`` (time :meth:`ready` blocked)."""
-        trajs = list(self._trajs.items())
-        out = {"env/turns_mean": sum(t.turns for _, t in trajs) / max(len(trajs), 1),
-               "env/turns_max": float(max((t.turns for _, t in trajs), default=0)),
-               "env/tool_calls": float(sum(t.tool_calls for _, t in trajs)),
-               "env/truncated": float(sum(t.truncated for _, t in trajs)),
-               "env/reward_mean": sum(t.reward for _, t in trajs) / max(len(trajs), 1),
-               "time/env": (self._last_answer - self._first_submit) if self._first_submit and self._last_answer
-               else 0.0,
-               "time/env_wait": self._wait_s}
-        failures, finishes = Counter(), Counter()
-        for key, t in trajs:
-            failures.update(t.failures)
-            finishes[t.finish or (finish_reasons or {}).get(key, "engine")] += 1
-        out.update({f"env/failures/{k}": float(v) for k, v in sorted(failures.items())})
-        out.update({f"env/finish/{k}": float(v) for k, v in sorted(finishes.items())})
-        return out
+    def sums(self, completions) -> dict[str, float]:
+        """This call's sums of the ``env/`` metrics (the one place they are computed; :func:`env_metrics` makes
+        them the logged values), from the engine's ``completions`` (``[prompt][sample]``: turns and finish reasons
+        as the engine counts them) and this handler's trajectories (tool calls, truncations, rewards, failures).
+        The keys are fixed (every rank logs the same ones): sums over trajectories, ``env/turns/max``, ``time/env``
+        (first task sent → last answer) and ``time/env_wait`` (time :meth:`ready` blocked)."""
+        trajs = [self._trajs[(i, j)] for i, group in enumerate(completions) for j in range(len(group))]
+        flat = [c for group in completions for c in group]
+        sums = {"env/turns/sum": float(sum(c.num_turns for c in flat)),
+                "env/turns/max": float(max((c.num_turns for c in flat), default=0)),
+                "env/tool_calls/sum": float(sum(t.tool_calls for t in trajs)),
+                "env/truncated/sum": float(sum(t.truncated for t in trajs)),
+                "env/reward/sum": float(sum(t.reward for t in trajs)),
+                "time/env": (self._last_answer - self._first_submit) if self._first_submit and self._last_answer
+                else 0.0,
+                "time/env_wait": self._wait_s}
+        for kind in TOOL_FAULTS:
+            sums[f"env/tool_failures/{kind}/sum"] = float(sum(t.failures.get(f"tool/{kind}", 0) for t in trajs))
+        for place in FAILURE_PLACES:
+            sums[f"env/failures/{place}/sum"] = float(sum(n for t in trajs for k, n in t.failures.items()
+                                                          if k == place or k.startswith(place + "/")))
+        for reason in FINISH_REASONS:
+            sums[f"env/finish/{reason}/sum"] = float(sum(c.finish_reason == reason for c in flat))
+        return sums
+
+    def metrics(self, completions) -> dict[str, float]:
+        """The logged ``env/`` metrics of this call alone: :func:`env_metrics` of :meth:`sums`."""
+        return env_metrics(self.sums(completions), sum(len(group) for group in completions))
+
+
+def env_metrics(totals: dict[str, float], n: int) -> dict[str, float]:
+    """The ``env/`` metrics from :meth:`EnvTurns.sums` (added over a step's generation batches) of ``n``
+    trajectories: ``env/turns_mean``, ``env/turns/max``, ``env/tool_calls`` and ``env/reward_mean`` (per
+    trajectory), ``env/truncated/sum``, ``env/tool_failures/<kind>/sum`` (a kind of
+    :data:`fastgrpo.environments.tools.TOOL_FAULTS`), ``env/failures/<where>/sum`` (a place of
+    :data:`FAILURE_PLACES`), ``env/finish/<reason>`` (fractions of ``n``), ``time/env`` and ``time/env_wait``."""
+    out = {"env/turns_mean": totals["env/turns/sum"] / n, "env/turns/max": totals["env/turns/max"],
+           "env/tool_calls": totals["env/tool_calls/sum"] / n, "env/reward_mean": totals["env/reward/sum"] / n,
+           "env/truncated/sum": totals["env/truncated/sum"], "time/env": totals["time/env"],
+           "time/env_wait": totals["time/env_wait"]}
+    out.update({k: v for k, v in totals.items() if k.startswith(("env/tool_failures/", "env/failures/"))})
+    out.update({f"env/finish/{r}": totals[f"env/finish/{r}/sum"] / n for r in FINISH_REASONS})
+    return out
 
 
 def _kind(fault: str) -> str:
