@@ -23,17 +23,20 @@ from pathlib import Path
 
 import yaml
 
+from fastgrpo.kernels.names import (
+    CLIPPED_LOSS_TYPES,
+    DPO_LOSS_TYPES,
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    KL_WEIGHTS,
+    LOSS_TYPES,
+    ROLLOUT_IS_MODES,
+)
+
 DEFAULT_RECIPE = "tiny"
 DTYPES = ("float32", "bfloat16")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the ones delta and dual_clip_c apply to
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
 BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "group_loo", "none")
-IS_LEVELS = ("token", "sequence")
-ROLLOUT_IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "seq-mask-tis",
-                    "tis", "icepop")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add", "sliding_puzzle")
 ALGORITHMS = ("grpo", "dpo", "sft", "distill")
@@ -41,7 +44,6 @@ DISTILL_MODES = ("full", "sampled_token")
 BUILTIN_ENVIRONMENTS = {"adder": "fastgrpo.environments.adder:AdderEnvironment",
                         "sliding_puzzle": "fastgrpo.environments.sliding_puzzle:SlidingPuzzle"}
 BUILTIN_TOOLS = {"add": "fastgrpo.environments.adder:add", "run_python": "fastgrpo.environments.python_code:run_python"}
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 TRUNCATION = ("drop", "truncate")
 # fields that moved to another group: the old dotted name → the new one
 MOVED = {"train.sft_warmup_steps": "sft.warmup_steps", "train.sft_lr": "sft.lr",

@@ -3,24 +3,51 @@
 Knows nothing of the trainer; other trainers (TRL, hand-written loops) import these functions directly.
 Each function runs Triton on CUDA tensors, the Triton kernel under the interpreter when ``TRITON_INTERPRET=1``
 was set before import, and otherwise a plain-torch path with the same memory promise.
+
+The names below load on first use (PEP 562), so a torch-free module of this package (``names``: the option values'
+names that ``fastgrpo.config`` checks against) imports without torch and Triton.
 """
 
-from .distill_loss import fused_linear_distill_loss
-from .dpo_loss import dpo_loss, fused_linear_dpo_loss
-from .grpo_loss import grpo_loss
-from .linear_grpo_loss import fused_linear_grpo_loss
-from .linear_logprobs import fused_linear_cross_entropy, fused_linear_logprobs
-from .logprobs import logprobs_from_logits
-from .varlen_attention import varlen_attention
+import importlib
+import sys
+import types
 
-__all__ = [
-    "dpo_loss",
-    "fused_linear_cross_entropy",
-    "fused_linear_distill_loss",
-    "fused_linear_dpo_loss",
-    "fused_linear_grpo_loss",
-    "fused_linear_logprobs",
-    "grpo_loss",
-    "logprobs_from_logits",
-    "varlen_attention",
-]
+# public name -> the module of this package that defines it
+EXPORTS = {
+    "GRPOLossOptions": "grpo_options",
+    "dpo_loss": "dpo_loss",
+    "fused_linear_cross_entropy": "linear_logprobs",
+    "fused_linear_distill_loss": "distill_loss",
+    "fused_linear_dpo_loss": "dpo_loss",
+    "fused_linear_grpo_loss": "linear_grpo_loss",
+    "fused_linear_logprobs": "linear_logprobs",
+    "grpo_loss": "grpo_loss",
+    "logprobs_from_logits": "logprobs",
+    "varlen_attention": "varlen_attention",
+}
+
+__all__ = sorted(EXPORTS)
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # The import system binds a submodule it loads to the submodule's name here; grpo_loss, dpo_loss and
+        # varlen_attention are also the names of the functions those submodules define, and stay the functions.
+        if isinstance(value, types.ModuleType) and EXPORTS.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str):
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'fastgrpo.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fastgrpo.kernels.{EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(EXPORTS))

@@ -71,11 +71,12 @@ import numbers
 import torch
 
 from .distill_kernels import Divergence, backward_triton, forward_triton, log_betas
-from .grpo_loss import MASK_DTYPES
 from .grpo_options import check_normaliser
 from .linear_logprobs import as_2d_view, chunk_buffers, chunk_logits
+from .names import REDUCTIONS
 from .utils import (
     FLOAT_DTYPES,
+    MASK_DTYPES,
     check_cu_seqlens,
     check_shape,
     check_tensor,
@@ -83,8 +84,6 @@ from .utils import (
     use_triton,
 )
 
-# The GRPO loss's token aggregations (named as its loss_type; the clipped-objective variants have no meaning here).
-AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 # Plain-torch path: token × vocabulary chunk (as linear_logprobs: a few reused [CHUNK_N, CHUNK_V] fp32 buffers).
 TORCH_CHUNK_N = 2048
 TORCH_CHUNK_V = 1024
@@ -280,8 +279,8 @@ def _validate(hs, ws, ht, wt, mask, bs, bt, beta, mixed_kl_weight, temperature, 
         vocab_size = rows
     elif isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or not 1 <= vocab_size <= rows:
         raise ValueError(f"vocab_size must be an int in [1, {rows}] (the heads' rows), got {vocab_size!r}")
-    if loss_type not in AGGREGATIONS:
-        raise ValueError(f"loss_type must be one of {AGGREGATIONS}, got {loss_type!r}")
+    if loss_type not in REDUCTIONS:  # the GRPO loss's token aggregations, named as its loss_type
+        raise ValueError(f"loss_type must be one of {REDUCTIONS}, got {loss_type!r}")
     check_normaliser(loss_type, max_completion_length, num_items_in_batch, packed)
     return div, int(vocab_size)
 

@@ -35,10 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from .linear_logprobs import masked_linear_logprobs
-from .reference import DPO_LOSS_TYPES
-from .utils import FLOAT_DTYPES, check_cu_seqlens, check_shape, check_tensor, seq_index
-
-MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
+from .names import DPO_LOSS_TYPES
+from .utils import FLOAT_DTYPES, MASK_DTYPES, check_cu_seqlens, check_shape, check_tensor, seq_index
 
 
 def _check_options(beta, loss_type, label_smoothing) -> None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .grpo_options import POLICY_TERMS, REDUCTIONS, Options
-from .reference import KL_ESTIMATORS, KL_WEIGHTS
+from .grpo_options import POLICY_TERMS, LossCall
+from .names import KL_ESTIMATORS, KL_WEIGHTS, REDUCTIONS
 from .utils import HAS_TRITON
 
 N_PARTS = 7  # Σ m ℓ, Σ m, Σ m·kl, Σ m·low, Σ m·high, Σ m·region, S_b
@@ -409,32 +409,33 @@ def _mask_for_kernel(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
-def _common_args(o: Options, ref, samp, isw, logp):
+def _common_args(c: LossCall, ref, samp, isw, logp):
     """Pointers that may be absent (an unused stand-in), the scalars and the constexpr switches of both kernels."""
+    o = c.options
     ptrs = (ref if ref is not None else logp, samp if samp is not None else logp)
-    scalars = (o.eps_low, o.eps_high, o.delta or 0.0, o.dual_c or 0.0, o.beta, o.sapo_temperature_pos,
+    scalars = (o.epsilon_low, o.eps_high, o.delta or 0.0, o.dual_clip_c or 0.0, o.beta, o.sapo_temperature_pos,
                o.sapo_temperature_neg, o.kl_input_clamp or 0.0, o.kl_output_clamp or 0.0)
-    flags = dict(PACKED=o.packed, ADV_PER_TOKEN=o.adv_per_token, SEQ_LEVEL=o.seq_level, HAS_KL=o.beta != 0.0,
-                 HAS_DELTA=o.delta is not None, HAS_DUAL=o.dual_c is not None, HAS_IS=isw is not None,
+    flags = dict(PACKED=c.packed, ADV_PER_TOKEN=c.adv_per_token, SEQ_LEVEL=o.seq_level, HAS_KL=o.beta != 0.0,
+                 HAS_DELTA=o.delta is not None, HAS_DUAL=o.dual_clip_c is not None, HAS_IS=isw is not None,
                  PG=POLICY_TERMS.index(o.policy), KL_EST=KL_ESTIMATORS.index(o.kl_estimator),
                  KL_WEIGHT=KL_WEIGHTS.index(o.kl_weight), HAS_KL_IN=o.kl_input_clamp is not None,
                  HAS_KL_OUT=o.kl_output_clamp is not None)
     return ptrs, scalars, flags
 
 
-def triton_forward(logp, old, ref, samp, adv, mask, isw, cu, o: Options):
+def triton_forward(logp, old, ref, samp, adv, mask, isw, cu, c: LossCall):
     """Loss, metrics ``[4]`` and the backward's per-sequence vectors ``w``, ``g``, ``r`` (``[B]`` each)."""
-    B = o.n_seqs
-    block, chunk, n_chunks, warps = launch_config(o.max_len, o.n_seqs)
-    if o.seq_level:
-        n_chunks, chunk = 1, max(o.max_len, 1)
+    B, seq_level = c.n_seqs, c.options.seq_level
+    block, chunk, n_chunks, warps = launch_config(c.max_len, c.n_seqs)
+    if seq_level:
+        n_chunks, chunk = 1, max(c.max_len, 1)
     n_progs = B * n_chunks
     dev = logp.device
     part = torch.empty((N_PARTS, n_progs), device=dev, dtype=torch.float32)
-    rseq = torch.empty(B, device=dev, dtype=torch.float32) if o.seq_level else part
-    T = 0 if o.packed else logp.shape[1]
-    cu_arg = cu if o.packed else part  # an unused pointer when padded
-    (ref_arg, samp_arg), scalars, flags = _common_args(o, ref, samp, isw, logp)
+    rseq = torch.empty(B, device=dev, dtype=torch.float32) if seq_level else part
+    T = 0 if c.packed else logp.shape[1]
+    cu_arg = cu if c.packed else part  # an unused pointer when padded
+    (ref_arg, samp_arg), scalars, flags = _common_args(c, ref, samp, isw, logp)
     _grpo_loss_fwd_kernel[(B, n_chunks)](
         logp, old, ref_arg, samp_arg, adv, _mask_for_kernel(mask), isw if isw is not None else logp, cu_arg, part,
         rseq, T, n_chunks, chunk, n_progs, *scalars,
@@ -443,28 +444,28 @@ def triton_forward(logp, old, ref, samp, adv, mask, isw, cu, o: Options):
     loss = torch.empty((), device=dev, dtype=torch.float32)
     metrics = torch.empty(N_METRICS, device=dev, dtype=torch.float32)
     wseq = torch.empty(B, device=dev, dtype=torch.float32)
-    gseq = torch.empty(B, device=dev, dtype=torch.float32) if o.seq_level else wseq
-    if isinstance(o.num_items, torch.Tensor):
-        num_mode, num_ptr, num_val = 2, o.num_items, 0.0
+    gseq = torch.empty(B, device=dev, dtype=torch.float32) if seq_level else wseq
+    if isinstance(c.num_items, torch.Tensor):
+        num_mode, num_ptr, num_val = 2, c.num_items, 0.0
     else:
-        num_mode, num_ptr, num_val = (0, part, 0.0) if o.num_items is None else (1, part, float(o.num_items))
+        num_mode, num_ptr, num_val = (0, part, 0.0) if c.num_items is None else (1, part, float(c.num_items))
     _grpo_loss_finalize_kernel[(1,)](
-        part, loss, metrics, wseq, gseq, num_ptr, B, n_chunks, n_progs, num_val, float(B * o.max_completion_length),
-        LOSS_TYPE=REDUCTIONS.index(o.reduction), NUM_ITEMS=num_mode, SEQ_LEVEL=o.seq_level,
-        CLIP_PER_SEQ=o.seq_level and not o.adv_per_token, BLOCK_B=min(FINALIZE_BLOCK_B, triton.next_power_of_2(B)),
+        part, loss, metrics, wseq, gseq, num_ptr, B, n_chunks, n_progs, num_val, float(B * c.completion_length),
+        LOSS_TYPE=REDUCTIONS.index(c.options.reduction), NUM_ITEMS=num_mode, SEQ_LEVEL=seq_level,
+        CLIP_PER_SEQ=seq_level and not c.adv_per_token, BLOCK_B=min(FINALIZE_BLOCK_B, triton.next_power_of_2(B)),
         C_PAD=triton.next_power_of_2(n_chunks), num_warps=4,
     )
-    return loss, metrics, wseq, gseq, rseq if o.seq_level else None
+    return loss, metrics, wseq, gseq, rseq if seq_level else None
 
 
-def triton_backward(grad, logp, old, ref, samp, adv, mask, isw, cu, wseq, gseq, rseq, o: Options):
-    block, chunk, n_chunks, warps = launch_config(o.max_len, o.n_seqs)
+def triton_backward(grad, logp, old, ref, samp, adv, mask, isw, cu, wseq, gseq, rseq, c: LossCall):
+    block, chunk, n_chunks, warps = launch_config(c.max_len, c.n_seqs)
     dlogp = torch.empty_like(logp)
-    (ref_arg, samp_arg), scalars, flags = _common_args(o, ref, samp, isw, logp)
-    _grpo_loss_bwd_kernel[(o.n_seqs, n_chunks)](
+    (ref_arg, samp_arg), scalars, flags = _common_args(c, ref, samp, isw, logp)
+    _grpo_loss_bwd_kernel[(c.n_seqs, n_chunks)](
         grad, logp, old, ref_arg, samp_arg, adv, _mask_for_kernel(mask), isw if isw is not None else logp,
-        cu if o.packed else wseq, wseq, gseq, rseq if rseq is not None else wseq, dlogp,
-        0 if o.packed else logp.shape[1], chunk, *scalars,
+        cu if c.packed else wseq, wseq, gseq, rseq if rseq is not None else wseq, dlogp,
+        0 if c.packed else logp.shape[1], chunk, *scalars,
         **flags, BLOCK=block, num_warps=warps,
     )
     return dlogp

@@ -1,8 +1,9 @@
 """GRPO-family policy loss (grpo, bnpo, dr_grpo, dapo, luspo, sapo, cispo, cispo_clamp; GSPO's sequence level) with the
 KL options of TRL and NeMo-RL, in one Triton pass each way.
 
-Files: this one (the math, the autograd function, the API); ``grpo_options.py`` (input checks); ``grpo_kernels.py``
-(the Triton kernels and launchers); ``grpo_torch.py`` (the plain-torch path); ``rollout_is.py`` (rollout IS weights).
+Files: this one (the math, the autograd function, the API); ``grpo_options.py`` (:class:`GRPOLossOptions`, the
+input checks); ``grpo_kernels.py`` (the Triton kernels and launchers); ``grpo_torch.py`` (the plain-torch path);
+``rollout_is.py`` (rollout IS weights); ``names.py`` (the option values' names).
 ``kernels/reference.py::grpo_loss_ref`` (TRL 1.16 ``GRPOTrainer._compute_loss``) and ``clipped_pg_loss_nemo_ref``
 (NeMo-RL ``ClippedPGLossFn``) are the specs.
 
@@ -64,12 +65,12 @@ from __future__ import annotations
 import torch
 
 from .grpo_kernels import triton_backward, triton_forward
-from .grpo_options import LEVELS, LOSS_TYPES, MASK_DTYPES, POLICY_METRICS, Options, validate
+from .grpo_options import POLICY_METRICS, GRPOLossOptions, LossCall, resolve_options, validate
 from .grpo_torch import torch_backward, torch_forward
 from .rollout_is import needs_sequences, off_policy_mask, rollout_is_weights
 from .utils import seq_index, use_triton
 
-__all__ = ["LEVELS", "LOSS_TYPES", "MASK_DTYPES", "grpo_loss"]
+__all__ = ["grpo_loss"]
 
 
 class _GRPOLossFunction(torch.autograd.Function):
@@ -78,11 +79,11 @@ class _GRPOLossFunction(torch.autograd.Function):
     ``sampling_ratio``). Both paths save only the inputs and three ``[B]`` vectors for backward."""
 
     @staticmethod
-    def forward(ctx, logp, old, ref, samp, adv, mask, isw, seq, o: Options, triton_path: bool):
+    def forward(ctx, logp, old, ref, samp, adv, mask, isw, seq, c: LossCall, triton_path: bool):
         fwd = triton_forward if triton_path else torch_forward
-        loss, metrics, wseq, gseq, rseq = fwd(logp, old, ref, samp, adv, mask, isw, seq, o)
+        loss, metrics, wseq, gseq, rseq = fwd(logp, old, ref, samp, adv, mask, isw, seq, c)
         ctx.save_for_backward(logp, old, ref, samp, adv, mask, isw, seq, wseq, gseq, rseq)
-        ctx.options, ctx.triton_path = o, triton_path
+        ctx.call, ctx.triton_path = c, triton_path
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
@@ -91,11 +92,11 @@ class _GRPOLossFunction(torch.autograd.Function):
         logp, old, ref, samp, adv, mask, isw, seq, wseq, gseq, rseq = ctx.saved_tensors
         grad = grad_loss.to(torch.float32).contiguous()
         bwd = triton_backward if ctx.triton_path else torch_backward
-        dlogp = bwd(grad, logp, old, ref, samp, adv, mask, isw, seq, wseq, gseq, rseq, ctx.options)
+        dlogp = bwd(grad, logp, old, ref, samp, adv, mask, isw, seq, wseq, gseq, rseq, ctx.call)
         return dlogp, None, None, None, None, None, None, None, None, None
 
 
-def _metric_names(o: Options) -> dict[str, int]:
+def _metric_names(o: GRPOLossOptions) -> dict[str, int]:
     """The returned metrics and their rows of the kernels' metrics vector (kl, low, high, region)."""
     names = {"kl": 0} if o.beta != 0.0 else {}
     if o.policy == "cispo":
@@ -134,6 +135,7 @@ def grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     off_policy_mask_threshold: float | None = None,
+    options: GRPOLossOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO-family loss and TRL's metrics; the math is in the module docstring.
 
@@ -161,6 +163,10 @@ def grpo_loss(
     ``sampling_logprobs − logp`` (``old_logprobs − logp`` without them) exceeds δ; ``loss_type="luspo"`` is TRL's
     (the clipped term, ``Σ m ℓ / B``).
 
+    ``options``: a :class:`GRPOLossOptions` instead of the option keywords (its fields: every keyword from ``beta``
+    on but ``num_items_in_batch``, ``cu_seqlens``, ``per_token_advantages`` and the tensors); an option keyword
+    away from its default given with it is a ``ValueError`` that names the keyword.
+
     Returns ``(loss, metrics)``: loss a 0-d fp32 tensor; metrics detached 0-d fp32 tensors ``kl`` (β ≠ 0: the token
     mean of the weighted, clamped per-token KL, as TRL and NeMo-RL log it), ``clip_ratio/low_mean``,
     ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (clipped loss types and cispo_clamp; token means over the
@@ -169,36 +175,37 @@ def grpo_loss(
     ``rollout_is.py``. No host synchronisation beyond input validation (packed input reads the B + 1 offsets once).
     Non-contiguous inputs are copied.
     """
-    o = validate(logprobs, old_logprobs, advantages, mask, ref_logprobs=ref_logprobs, beta=beta,
-                 epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, dual_clip_c=dual_clip_c,
-                 loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-                 max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-                 cu_seqlens=cu_seqlens, per_token_advantages=per_token_advantages,
-                 sampling_logprobs=sampling_logprobs, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
-                 rollout_is_min=rollout_is_min, kl_estimator=kl_estimator, kl_weight=kl_weight,
-                 kl_input_clamp=kl_input_clamp, kl_output_clamp=kl_output_clamp,
-                 sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                 off_policy_mask_threshold=off_policy_mask_threshold)
+    o = resolve_options(options, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                        dual_clip_c=dual_clip_c, loss_type=loss_type,
+                        importance_sampling_level=importance_sampling_level,
+                        max_completion_length=max_completion_length, rollout_is=rollout_is,
+                        rollout_is_cap=rollout_is_cap, rollout_is_min=rollout_is_min, kl_estimator=kl_estimator,
+                        kl_weight=kl_weight, kl_input_clamp=kl_input_clamp, kl_output_clamp=kl_output_clamp,
+                        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                        off_policy_mask_threshold=off_policy_mask_threshold)
+    c = validate(logprobs, old_logprobs, advantages, mask, o, ref_logprobs=ref_logprobs,
+                 num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens,
+                 per_token_advantages=per_token_advantages, sampling_logprobs=sampling_logprobs)
     ref = ref_logprobs.detach().contiguous() if o.beta != 0.0 else None
     samp = sampling_logprobs.detach().contiguous() if o.beta != 0.0 and o.kl_weight == "sampling_ratio" else None
     old = old_logprobs.detach().contiguous()
-    adv = advantages.detach().reshape(-1) if not o.adv_per_token else advantages.detach()
+    adv = advantages.detach().reshape(-1) if not c.adv_per_token else advantages.detach()
     adv = adv.contiguous()
     mask = mask.contiguous()
     logprobs = logprobs.contiguous()
     triton_path = use_triton(logprobs)
     opsm = o.off_policy_mask_threshold is not None
-    need_sid = o.packed and (not triton_path or needs_sequences(o.rollout_is) or opsm)
+    need_sid = c.packed and (not triton_path or needs_sequences(o.rollout_is) or opsm)
     sid_N = seq_index(cu_seqlens, logprobs.shape[0]) if need_sid else None  # [N], no host sync
     isw, is_metrics = None, {}
     if sampling_logprobs is not None:
         isw, is_metrics = rollout_is_weights(old, sampling_logprobs, mask, mode=o.rollout_is, cap=o.rollout_is_cap,
-                                             low=o.rollout_is_min, sid_N=sid_N, n_seqs=o.n_seqs)
+                                             low=o.rollout_is_min, sid_N=sid_N, n_seqs=c.n_seqs)
     if opsm:  # a constant per-token weight on the policy term, like the IS weight: folded into it
         keep = off_policy_mask(logprobs.detach(), old if sampling_logprobs is None else sampling_logprobs, adv, mask,
-                               threshold=o.off_policy_mask_threshold, adv_per_token=o.adv_per_token, sid_N=sid_N,
-                               n_seqs=o.n_seqs)
+                               threshold=o.off_policy_mask_threshold, adv_per_token=c.adv_per_token, sid_N=sid_N,
+                               n_seqs=c.n_seqs)
         isw = keep if isw is None else isw * keep
-    seq = cu_seqlens.contiguous() if triton_path and o.packed else sid_N
-    loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, samp, adv, mask, isw, seq, o, triton_path)
+    seq = cu_seqlens.contiguous() if triton_path and c.packed else sid_N
+    loss, metrics = _GRPOLossFunction.apply(logprobs, old, ref, samp, adv, mask, isw, seq, c, triton_path)
     return loss, {**{name: metrics[i].detach() for name, i in _metric_names(o).items()}, **is_metrics}

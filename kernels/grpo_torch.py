@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from .grpo_kernels import N_PARTS
-from .grpo_options import Options
+from .grpo_options import GRPOLossOptions, LossCall
 
 TORCH_CHUNK = 65536  # tokens per chunk (a few fp32 temporaries of this size)
 
 
-def _clipped_pg(r, a, o: Options, with_grad: bool):
+def _clipped_pg(r, a, o: GRPOLossOptions, with_grad: bool):
     """Clipped policy loss ``ℓ`` and ``∂ℓ/∂r`` (torch's tie rules; None unless ``with_grad``)."""
-    lo, hi = 1.0 - o.eps_low, 1.0 + o.eps_high
+    lo, hi = 1.0 - o.epsilon_low, 1.0 + o.eps_high
     r2 = r.clamp(lo, hi)
     r1 = r if o.delta is None else r.clamp(max=o.delta)
     x1, x2 = r1 * a, r2 * a
@@ -28,8 +28,8 @@ def _clipped_pg(r, a, o: Options, with_grad: bool):
         dr2 = ((r >= lo) & (r <= hi)).float()
         dr1 = torch.ones_like(r) if o.delta is None else (r <= o.delta).float()
         dloss = -a * torch.where(x1 < x2, dr1, torch.where(x1 > x2, dr2, 0.5 * (dr1 + dr2)))
-    if o.dual_c is not None:
-        cap = -o.dual_c * a
+    if o.dual_clip_c is not None:
+        cap = -o.dual_clip_c * a
         neg = a < 0
         if with_grad:
             keep = torch.where(loss < cap, 1.0, torch.where(loss == cap, 0.5, 0.0))
@@ -38,32 +38,32 @@ def _clipped_pg(r, a, o: Options, with_grad: bool):
     return loss, dloss
 
 
-def policy_term(r, lp, a, o: Options, *, with_grad: bool = True):
+def policy_term(r, lp, a, o: GRPOLossOptions, *, with_grad: bool = True):
     """``ℓ`` and ``∂ℓ/∂log r`` (None unless ``with_grad``; CISPO: ``∂ℓ/∂logp``, its ratio being detached)."""
     if o.policy == "clipped":
         loss, dloss = _clipped_pg(r, a, o, with_grad)
         return loss, (dloss * r if with_grad else None)
     if o.policy in ("cispo", "cispo_clamp"):
-        c = r.clamp(max=o.eps_high) if o.policy == "cispo" else r.clamp(1.0 - o.eps_low, 1.0 + o.eps_high)
+        c = r.clamp(max=o.eps_high) if o.policy == "cispo" else r.clamp(1.0 - o.epsilon_low, 1.0 + o.eps_high)
         return -c * a * lp, -c * a
     tau = torch.where(a > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)  # sapo
     s = torch.sigmoid(tau * (r - 1.0))
     return -(s * 4.0 / tau) * a, -4.0 * s * (1.0 - s) * a * r
 
 
-def clip_flags(r, a, o: Options):
+def clip_flags(r, a, o: GRPOLossOptions):
     """The clip-ratio metrics' (low, high) flags (0/1 fp32)."""
     if o.policy == "clipped":
         r1 = r if o.delta is None else r.clamp(max=o.delta)
-        return ((r1 < 1.0 - o.eps_low) & (a < 0)).float(), ((r1 > 1.0 + o.eps_high) & (a > 0)).float()
+        return ((r1 < 1.0 - o.epsilon_low) & (a < 0)).float(), ((r1 > 1.0 + o.eps_high) & (a > 0)).float()
     if o.policy == "cispo":
         return torch.zeros_like(r), ((r > o.eps_high) & (a > 0)).float()
     if o.policy == "cispo_clamp":
-        return (r < 1.0 - o.eps_low).float(), (r > 1.0 + o.eps_high).float()
+        return (r < 1.0 - o.epsilon_low).float(), (r > 1.0 + o.eps_high).float()
     return torch.zeros_like(r), torch.zeros_like(r)
 
 
-def kl_term(lp, rf, sp, r, valid, o: Options, *, with_grad: bool = True, value: bool = True):
+def kl_term(lp, rf, sp, r, valid, o: GRPOLossOptions, *, with_grad: bool = True, value: bool = True):
     """Per-token ``kl`` (None unless ``value`` or the output clamp needs it), ``∂kl/∂logp`` and ``∂kl/∂log r_b``
     (nonzero only for ``kl_weight="ratio"`` at the sequence level; None where 0 or unless ``with_grad``). Factors of
     1 and 0 are skipped and k3's ``k − k'(x)`` is taken as ``−x``: this runs on every chunk of the CPU trainer."""
@@ -113,14 +113,14 @@ def kl_term(lp, rf, sp, r, valid, o: Options, *, with_grad: bool = True, value: 
     return kl, dkl, dkl_seq
 
 
-def _chunks(sid_N, o: Options, n_tok: int):
+def _chunks(sid_N, c: LossCall, n_tok: int):
     """Chunks of about ``TORCH_CHUNK`` tokens: ``(index, seq_add, per_token)`` with ``seq_add(acc_B, x)`` adding the
     chunk's per-sequence sums of ``x`` into ``acc_B`` and ``per_token(x_B)`` spreading per-sequence values over
     the chunk's tokens. Padded ``[B, T]``: chunks of rows; packed ``[N]``: token ranges with their sequence ids."""
     if sid_N is None:
-        rows = max(1, TORCH_CHUNK // max(o.max_len, 1))
-        for b0 in range(0, o.n_seqs, rows):
-            sl = slice(b0, min(b0 + rows, o.n_seqs))
+        rows = max(1, TORCH_CHUNK // max(c.max_len, 1))
+        for b0 in range(0, c.n_seqs, rows):
+            sl = slice(b0, min(b0 + rows, c.n_seqs))
             yield sl, (lambda acc, x, sl=sl: acc[sl].add_(x.sum(-1))), (lambda x_B, sl=sl: x_B[sl, None])
     else:
         for n0 in range(0, n_tok, TORCH_CHUNK):
@@ -129,14 +129,14 @@ def _chunks(sid_N, o: Options, n_tok: int):
             yield sl, (lambda acc, x, sid=sid: acc.index_add_(0, sid, x)), (lambda x_B, sid=sid: x_B[sid])
 
 
-def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, o: Options):
+def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, c: LossCall):
     """The kernels' algorithm in torch, chunk by chunk: per-sequence sums, then the finaliser's formulas.
 
     Temporaries are a few chunk-sized fp32 tensors; what backward needs is three ``[B]`` vectors."""
-    B, dev = o.n_seqs, logp.device
+    o, B, dev = c.options, c.n_seqs, logp.device
     zeros = lambda: torch.zeros(B, dtype=torch.float32, device=dev)  # noqa: E731
     num_B, cnt_B, kl_B, low_B, high_B, reg_B, s_B = (zeros() for _ in range(N_PARTS))
-    chunks = list(_chunks(sid_N, o, logp.shape[0]))
+    chunks = list(_chunks(sid_N, c, logp.shape[0]))
     r_B = None
     if o.seq_level:  # first pass: log r_b = Σ m (logp − old) / max(Σ m, 1), and Σ m·isw for the [B] shortcut
         lr_B = zeros()
@@ -149,7 +149,7 @@ def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, o: Options):
                 seq_add(wm_B, m * isw[sl])
         r_B = torch.exp(lr_B / cnt_B.clamp(min=1.0))  # [B]
     adv_f = adv.float()
-    pg_per_seq = o.seq_level and not o.adv_per_token  # the policy term is one value per sequence: done on [B]
+    pg_per_seq = o.seq_level and not c.adv_per_token  # the policy term is one value per sequence: done on [B]
     for sl, seq_add, per_token in chunks:
         m = mask[sl].float()
         valid = m != 0
@@ -168,7 +168,7 @@ def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, o: Options):
             seq_add(cnt_B, m)
         if pg_per_seq:
             continue
-        a = adv_f[sl] if o.adv_per_token else per_token(adv_f)
+        a = adv_f[sl] if c.adv_per_token else per_token(adv_f)
         loss, dlr = policy_term(r, lp, a, o, with_grad=o.seq_level)
         if isw is not None:
             loss = isw[sl] * loss
@@ -195,11 +195,11 @@ def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, o: Options):
         if o.reduction == "bnpo":
             denom = tok_denom
         elif o.reduction == "dr_grpo":
-            denom = torch.tensor(float(B * o.max_completion_length), device=dev)
-        elif o.num_items is None:
+            denom = torch.tensor(float(B * c.completion_length), device=dev)
+        elif c.num_items is None:
             denom = tok_denom
         else:
-            denom = torch.as_tensor(o.num_items, dtype=torch.float32, device=dev).clamp(min=1.0)
+            denom = torch.as_tensor(c.num_items, dtype=torch.float32, device=dev).clamp(min=1.0)
         loss = num_B.sum() / denom
         w_B = (1.0 / denom).expand(B)
     if pg_per_seq:  # one clip flag per sequence, mean over sequences
@@ -212,11 +212,12 @@ def torch_forward(logp, old, ref, samp, adv, mask, isw, sid_N, o: Options):
     return loss, metrics, w_B.contiguous(), g_B, r_B
 
 
-def torch_backward(grad, logp, old, ref, samp, adv, mask, isw, sid_N, w_B, g_B, r_B, o: Options):
+def torch_backward(grad, logp, old, ref, samp, adv, mask, isw, sid_N, w_B, g_B, r_B, c: LossCall):
     """``dlogp`` chunk by chunk, from the per-sequence coefficients of :func:`torch_forward`."""
+    o = c.options
     dlogp = torch.empty_like(logp)
     adv_f = adv.float()
-    for sl, _, per_token in _chunks(sid_N, o, logp.shape[0]):
+    for sl, _, per_token in _chunks(sid_N, c, logp.shape[0]):
         m = mask[sl].float()
         valid = m != 0
         lp = logp[sl].float()
@@ -225,7 +226,7 @@ def torch_backward(grad, logp, old, ref, samp, adv, mask, isw, sid_N, w_B, g_B, 
             d = m * per_token(g_B)
             r = per_token(r_B).expand(m.shape)
         else:
-            a = adv_f[sl] if o.adv_per_token else per_token(adv_f)
+            a = adv_f[sl] if c.adv_per_token else per_token(adv_f)
             r = torch.exp(torch.where(valid, lp - old[sl].float(), 0.0))
             dlr = policy_term(r, lp, a, o)[1]
             d = w * m * (dlr if isw is None else isw[sl] * dlr)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .grpo_loss import MASK_DTYPES, grpo_loss
+from .grpo_loss import grpo_loss
+from .grpo_options import GRPOLossOptions, resolve_options
 from .linear_logprobs import masked_linear_logprobs
-from .utils import FLOAT_DTYPES, check_shape, check_tensor
+from .utils import FLOAT_DTYPES, MASK_DTYPES, check_shape, check_tensor
 
 
 def fused_linear_grpo_loss(
@@ -51,6 +52,7 @@ def fused_linear_grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     off_policy_mask_threshold: float | None = None,
+    options: GRPOLossOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """:func:`grpo_loss` on ``logp = log_softmax((hidden @ weightᵀ + bias) / temperature)[targets]``, no logits.
 
@@ -59,7 +61,8 @@ def fused_linear_grpo_loss(
     memory, forward or backward); the loss's backward hands ``dlogp`` to its one backward pass over the vocabulary.
     Targets at masked-out positions are not read (``-100`` is fine there). With ``return_entropy`` the metrics also
     hold ``entropy``: the masked token mean ``Σ m H / max(Σ m, 1)`` of the same distribution (as TRL logs it;
-    detached, no gradient). Other keywords as :func:`grpo_loss`; gradients reach ``hidden``, ``weight``, ``bias``.
+    detached, no gradient). Other keywords (``options`` too) as :func:`grpo_loss`; gradients reach ``hidden``,
+    ``weight``, ``bias``.
 
     ``old_logprobs=None`` is the on-policy case (one optimizer step per rollout, as TRL's default): the old
     log-probs are the detached ``logp`` themselves (ratio 1; the gradient is that of the clipped surrogate at 1).
@@ -76,21 +79,22 @@ def fused_linear_grpo_loss(
     check_shape("mask", mask, tuple(hidden.shape[:-1]), "hidden's leading dims")
     check_tensor("targets", targets, device=hidden.device)
     check_shape("targets", targets, tuple(hidden.shape[:-1]), "hidden's leading dims")
+    o = resolve_options(options, beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                        dual_clip_c=dual_clip_c, loss_type=loss_type,
+                        importance_sampling_level=importance_sampling_level,
+                        max_completion_length=max_completion_length, rollout_is=rollout_is,
+                        rollout_is_cap=rollout_is_cap, rollout_is_min=rollout_is_min, kl_estimator=kl_estimator,
+                        kl_weight=kl_weight, kl_input_clamp=kl_input_clamp, kl_output_clamp=kl_output_clamp,
+                        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                        off_policy_mask_threshold=off_policy_mask_threshold)
     keep = mask != 0
     out = masked_linear_logprobs(hidden, weight, targets, keep, bias=bias, temperature=temperature,
                                  return_entropy=return_entropy)
     logp = out[0] if return_entropy else out  # [B, T] or [N] fp32, 0 where masked
     old = logp.detach() if old_logprobs is None else old_logprobs  # None: on-policy, ratio 1
-    loss, metrics = grpo_loss(
-        logp, old, advantages, mask, ref_logprobs=ref_logprobs, beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, dual_clip_c=dual_clip_c, loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens, per_token_advantages=per_token_advantages,
-        sampling_logprobs=sampling_logprobs, rollout_is=rollout_is, rollout_is_cap=rollout_is_cap,
-        rollout_is_min=rollout_is_min, kl_estimator=kl_estimator, kl_weight=kl_weight, kl_input_clamp=kl_input_clamp,
-        kl_output_clamp=kl_output_clamp, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, off_policy_mask_threshold=off_policy_mask_threshold,
-    )
+    loss, metrics = grpo_loss(logp, old, advantages, mask, ref_logprobs=ref_logprobs,
+                              num_items_in_batch=num_items_in_batch, cu_seqlens=cu_seqlens,
+                              per_token_advantages=per_token_advantages, sampling_logprobs=sampling_logprobs, options=o)
     if return_entropy:
         with torch.no_grad():
             m = mask.float()

@@ -13,16 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .names import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_TYPES
 from .utils import pad_packed
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_WEIGHTS = ("none", "ratio", "score", "sampling_ratio")
 # The sources the GRPO references are written from (read, not copied; line numbers at these versions):
 TRL = "trl 1.16.0 (PyPI wheel) trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss"
 NEMO_RL = "NVIDIA-NeMo/RL@7ea279a nemo_rl/algorithms/loss/loss_functions.py ClippedPGLossFn"
 NEMO_RL_KL = "NVIDIA-NeMo/RL@7ea279a nemo_rl/algorithms/utils.py calculate_kl"
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 def _maybe_upcast(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import torch
 
-ALIASES = {"tis": "token_truncate", "icepop": "token_mask"}  # NeMo-RL's names for TRL's modes
-MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "seq-mask-tis", *ALIASES)
+from .names import ROLLOUT_IS_ALIASES
+
 DIFF_NAMES = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
 RATIO_NAMES = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                "sampling/importance_sampling_ratio/max", "sampling/is_clipped_fraction")
@@ -61,7 +61,7 @@ RATIO_NAMES = ("sampling/importance_sampling_ratio/min", "sampling/importance_sa
 
 def canonical_mode(mode: str) -> str:
     """The mode an alias stands for (``tis`` → ``token_truncate``, ``icepop`` → ``token_mask``)."""
-    return ALIASES.get(mode, mode)
+    return ROLLOUT_IS_ALIASES.get(mode, mode)
 
 
 def needs_sequences(mode: str) -> bool:

@@ -24,6 +24,8 @@ except ImportError:  # pragma: no cover - depends on the platform
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes a loss mask may have (float values weigh tokens)
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, *FLOAT_DTYPES)
 # SMs assumed for a launch that is not on a CUDA tensor (the ahead-of-time compile gate, tests/kernels/
 # test_gpu_compile.py, launches with CPU tensors): an H100 / H200.
 DEFAULT_NUM_SMS = 132

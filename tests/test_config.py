@@ -1,9 +1,8 @@
 """Config: recipes, typed overrides, validation errors that name the field, stages."""
 
 import pytest
-from fastgrpo.kernels.rollout_is import MODES
 
-from fastgrpo.config import ROLLOUT_IS_MODES, Config, load_config, parse_override, recipe_names, stage_settings
+from fastgrpo.config import Config, load_config, parse_override, recipe_names, stage_settings
 
 
 def test_default_is_tiny_and_recipes_ship():
@@ -92,8 +91,6 @@ def test_saved_yaml_loads_back_identically(tmp_path):
     assert again == cfg and isinstance(again, Config)
 
 
-def test_rollout_is_modes_are_the_kernels():
-    """config.py keeps its own copy of the mode names (it imports nothing of fastgrpo): the kernels' list."""
-    assert ROLLOUT_IS_MODES == MODES
+def test_rollout_is_settings_load():
     cfg = load_config(overrides=["grpo.rollout_is=sequence_mask", "grpo.rollout_is_cap=2", "grpo.rollout_is_min=0.5"])
     assert (cfg.grpo.rollout_is, cfg.grpo.rollout_is_cap, cfg.grpo.rollout_is_min) == ("sequence_mask", 2.0, 0.5)

@@ -1,14 +1,14 @@
-"""The loss options of the ``grpo`` config group (issue 22): validated at start-up with their dotted names, kept in
-step with the kernels' names, and passed by the trainer's update to the loss
-(``fastgrpo.algorithms.grpo.loss_options``), with
-each loss type's own normalisation across micro-batches (sapo as grpo, cispo as dapo) against the unpacked fp32
-reference (``test_grpo.py``'s setting)."""
+"""The loss options of the ``grpo`` config group (issue 22): validated at start-up with their dotted names against
+the kernels' names, and passed by the trainer's update to the loss as one ``GRPOLossOptions``
+(``fastgrpo.algorithms.update.loss_options``), with each loss type's own normalisation across micro-batches (sapo as
+grpo, cispo as dapo) against the unpacked fp32 reference (``test_grpo.py``'s setting)."""
+
+import dataclasses
 
 import pytest
 import torch
-from fastgrpo.kernels import grpo_loss
-from fastgrpo.kernels.grpo_options import LOSS_POLICY
-from fastgrpo.kernels.reference import KL_ESTIMATORS, KL_WEIGHTS, LOSS_TYPES, grpo_loss_ref
+from fastgrpo.kernels import GRPOLossOptions, grpo_loss, names
+from fastgrpo.kernels.reference import grpo_loss_ref
 from test_grpo import TINY, make_samples, run_update, teacher_forced, teacher_forced_at
 
 from fastgrpo import config
@@ -19,10 +19,11 @@ from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.models.loading import load_model
 
 
-def test_config_names_are_the_kernels():
-    """config.py keeps its own copies of the names (it imports nothing of fastgrpo): the kernels' lists."""
-    assert (config.LOSS_TYPES, config.KL_ESTIMATORS, config.KL_WEIGHTS) == (LOSS_TYPES, KL_ESTIMATORS, KL_WEIGHTS)
-    assert set(config.CLIPPED_LOSS_TYPES) == {t for t, p in LOSS_POLICY.items() if p == "clipped"}
+@pytest.mark.parametrize("name", ["LOSS_TYPES", "CLIPPED_LOSS_TYPES", "IS_LEVELS", "KL_ESTIMATORS", "KL_WEIGHTS",
+                                  "ROLLOUT_IS_MODES", "DPO_LOSS_TYPES"])
+def test_config_checks_against_the_kernels_names(name):
+    """config.py checks its fields against the kernels' lists themselves (``fastgrpo.kernels.names``), not copies."""
+    assert getattr(config, name) is getattr(names, name)
 
 
 @pytest.mark.parametrize("override, field", [
@@ -52,23 +53,26 @@ def test_options_that_do_not_combine_fail_at_start_up(overrides, field):
 
 
 def test_loss_options_carry_every_field_to_the_loss():
-    """Every loss field set away from its default reaches grpo_loss's keyword of the same meaning, and grpo_loss
-    accepts the whole set."""
+    """Every loss field set away from its default reaches the loss option of the same meaning, and grpo_loss
+    accepts the options."""
     cfg = load_config(overrides=["grpo.kl_estimator=k2", "grpo.kl_weight=sampling_ratio", "grpo.kl_input_clamp=5",
                                  "grpo.kl_output_clamp=2", "grpo.loss_type=sapo", "grpo.sapo_temperature_pos=0.9",
                                  "grpo.sapo_temperature_neg=1.2", "grpo.rollout_is=icepop", "grpo.rollout_is_min=0.5",
                                  "grpo.off_policy_mask_threshold=0.1"])
-    kw = loss_options(cfg)
-    assert {k: kw[k] for k in ("kl_estimator", "kl_weight", "kl_input_clamp", "kl_output_clamp", "loss_type",
-                               "sapo_temperature_pos", "sapo_temperature_neg", "rollout_is", "rollout_is_min",
-                               "off_policy_mask_threshold")} == dict(
+    opts = loss_options(cfg)
+    assert isinstance(opts, GRPOLossOptions)
+    assert {k: getattr(opts, k) for k in ("kl_estimator", "kl_weight", "kl_input_clamp", "kl_output_clamp",
+                                          "loss_type", "sapo_temperature_pos", "sapo_temperature_neg", "rollout_is",
+                                          "rollout_is_min", "off_policy_mask_threshold")} == dict(
         kl_estimator="k2", kl_weight="sampling_ratio", kl_input_clamp=5.0, kl_output_clamp=2.0, loss_type="sapo",
         sapo_temperature_pos=0.9, sapo_temperature_neg=1.2, rollout_is="icepop", rollout_is_min=0.5,
         off_policy_mask_threshold=0.1)
+    assert (opts.beta, opts.epsilon_high, opts.max_completion_length) == (
+        cfg.grpo.beta, cfg.grpo.epsilon_high, cfg.rollout.max_new_tokens)  # the base settings
     logp = -torch.rand(2, 5)
     loss, metrics = grpo_loss(logp.requires_grad_(), logp.detach() + 0.1, torch.tensor([1.0, -1.0]),
-                              torch.ones(2, 5, dtype=torch.bool), ref_logprobs=logp.detach() - 0.2, beta=0.1,
-                              sampling_logprobs=logp.detach() - 0.1, **kw)
+                              torch.ones(2, 5, dtype=torch.bool), ref_logprobs=logp.detach() - 0.2,
+                              sampling_logprobs=logp.detach() - 0.1, options=dataclasses.replace(opts, beta=0.1))
     assert torch.isfinite(loss) and "kl" in metrics and "clip_ratio/low_mean" not in metrics  # sapo logs none
 
 
@@ -128,7 +132,7 @@ def test_update_with_kl_options_matches_unpacked_reference(kl):
     samp = torch.stack([torch.nn.functional.pad(torch.tensor(s.sample_logprobs), (0, T - len(s.sample_logprobs)))
                         for s in samples])
     adv = torch.tensor([s.advantage for s in samples])
-    kw = {k: v for k, v in loss_options(cfg).items() if k.startswith("kl_")}
+    kw = {k: v for k, v in dataclasses.asdict(loss_options(cfg)).items() if k.startswith("kl_")}
     ref_loss, ref_metrics = grpo_loss_ref(logp, logp.detach(), adv, mask, ref_logprobs=ref_lp, beta=beta,
                                           sampling_logprobs=samp, max_completion_length=8, **kw)
     ref_loss.backward()

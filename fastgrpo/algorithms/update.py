@@ -17,6 +17,7 @@ A step whose loss or gradient norm is not finite is skipped (no optimizer step) 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -25,7 +26,7 @@ from fastgrpo.algorithms.batch import MicroBatch, Sample, pack_microbatches
 from fastgrpo.algorithms.forward import forward_packed, no_grad_forward, packed_forward, packed_logprobs
 from fastgrpo.config import Config
 from fastgrpo.distributed import ForwardWrapper, all_reduce, unwrap_model
-from fastgrpo.kernels.grpo_options import LOSS_REDUCTION
+from fastgrpo.kernels.grpo_options import GRPOLossOptions
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.models.lora import adapters_disabled
 from fastgrpo.precision import accumulate, optimizer_params, train_mode
@@ -65,6 +66,9 @@ class PolicyUpdate:
         self.world_size = world_size
         self.uses_old_logprobs = True
         """The loss has an importance ratio: several optimizer steps per rollout need the old log-probs."""
+        self.options = loss_options(cfg)
+        """The loss options of the config's base settings (:func:`loss_options`)."""
+        self._stage_options: dict[tuple, GRPOLossOptions] = {}  # by (β, ε_high, max_new_tokens): the stages met
 
     def _normaliser(self, mbs: list[MicroBatch]) -> tuple[float, float]:
         """Global (all ranks) loss-token and sequence counts of one optimizer step."""
@@ -179,20 +183,27 @@ class PolicyUpdate:
     def _policy_loss(self, mb: MicroBatch, hidden_NH, weight_VH, bias_V, tokens: float, beta: float,
                      epsilon_high: float | None, max_new_tokens: int):
         """``fused_linear_grpo_loss`` of one micro-batch from the policy's hidden states (not re-weighted)."""
-        reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
+        options = self._options_at(beta, epsilon_high, max_new_tokens)
         return fused_linear_grpo_loss(
             hidden_NH, weight_VH, mb.targets, mb.old_logprobs, mb.advantages, mb.mask, bias=bias_V,
-            temperature=self.cfg.rollout.temperature, return_entropy=True,
-            ref_logprobs=mb.ref_logprobs, beta=beta, epsilon_high=epsilon_high, max_completion_length=max_new_tokens,
-            num_items_in_batch=tokens if reduction == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
-            per_token_advantages=mb.per_token_advantages, sampling_logprobs=mb.sample_logprobs,
-            **loss_options(self.cfg),
+            temperature=self.cfg.rollout.temperature, return_entropy=True, ref_logprobs=mb.ref_logprobs,
+            num_items_in_batch=tokens if options.reduction == "dapo" else None, cu_seqlens=mb.batch.cu_seqlens,
+            per_token_advantages=mb.per_token_advantages, sampling_logprobs=mb.sample_logprobs, options=options,
         )
+
+    def _options_at(self, beta: float, epsilon_high: float | None, max_new_tokens: int) -> GRPOLossOptions:
+        """:attr:`options` with a stage's β, ε_high and ``max_completion_length = max_new_tokens``, built once per
+        settings."""
+        key = (beta, epsilon_high, max_new_tokens)
+        if key not in self._stage_options:
+            self._stage_options[key] = dataclasses.replace(self.options, beta=beta, epsilon_high=epsilon_high,
+                                                           max_completion_length=max_new_tokens)
+        return self._stage_options[key]
 
     def _reweight(self, loss: torch.Tensor, mb: MicroBatch, tokens: float, seqs: float) -> torch.Tensor:
         """A micro-batch's loss, aggregated over its own tokens or sequences, as its share of the optimizer step's
         (module docstring); dapo's is already normalised by the global token count."""
-        reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
+        reduction = self.options.reduction
         if reduction == "bnpo":
             return loss * mb.num_loss_tokens / tokens
         if reduction in ("grpo", "dr_grpo"):
@@ -200,14 +211,16 @@ class PolicyUpdate:
         return loss
 
 
-def loss_options(cfg: Config) -> dict:
-    """The ``grpo_loss`` keywords the ``grpo`` group sets directly (β and ε_high come from the stage settings)."""
+def loss_options(cfg: Config) -> GRPOLossOptions:
+    """The loss options of ``cfg``: the ``grpo`` group's, with β, ε_high and ``max_completion_length``
+    (``rollout.max_new_tokens``) of the base settings; a stage's settings replace those three."""
     g = cfg.grpo
-    return dict(
-        epsilon_low=g.epsilon_low, delta=g.delta, dual_clip_c=g.dual_clip_c, loss_type=g.loss_type,
-        importance_sampling_level=g.importance_sampling_level, rollout_is=g.rollout_is,
-        rollout_is_cap=g.rollout_is_cap, rollout_is_min=g.rollout_is_min, kl_estimator=g.kl_estimator,
-        kl_weight=g.kl_weight, kl_input_clamp=g.kl_input_clamp, kl_output_clamp=g.kl_output_clamp,
+    return GRPOLossOptions(
+        beta=g.beta, epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high, delta=g.delta, dual_clip_c=g.dual_clip_c,
+        loss_type=g.loss_type, importance_sampling_level=g.importance_sampling_level,
+        max_completion_length=cfg.rollout.max_new_tokens, rollout_is=g.rollout_is, rollout_is_cap=g.rollout_is_cap,
+        rollout_is_min=g.rollout_is_min, kl_estimator=g.kl_estimator, kl_weight=g.kl_weight,
+        kl_input_clamp=g.kl_input_clamp, kl_output_clamp=g.kl_output_clamp,
         sapo_temperature_pos=g.sapo_temperature_pos, sapo_temperature_neg=g.sapo_temperature_neg,
         off_policy_mask_threshold=g.off_policy_mask_threshold,
     )

@@ -18,6 +18,7 @@ import torch
 from checks import assert_is_decisive
 from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
+from fastgrpo.kernels.names import IS_LEVELS
 from fastgrpo.kernels.reference import grpo_loss_ref, linear_logprobs_ref
 from fastgrpo.kernels.utils import pad_packed, unpad_padded
 from hypothesis import given, settings
@@ -77,7 +78,7 @@ def _compare(got, want, what=""):
         _assert_close(m1[k], m2[k], what=f"{what} {k}")
 
 
-@pytest.mark.parametrize("loss_type, level", list(itertools.product(CLIPPED, G.LEVELS)))
+@pytest.mark.parametrize("loss_type, level", list(itertools.product(CLIPPED, IS_LEVELS)))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("option", OPTIONS)
 def test_matches_reference(loss_type, level, beta, option):
@@ -88,7 +89,7 @@ def test_matches_reference(loss_type, level, beta, option):
     _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"{loss_type}/{level}")
 
 
-@pytest.mark.parametrize("level", G.LEVELS)
+@pytest.mark.parametrize("level", IS_LEVELS)
 @pytest.mark.parametrize("per_token_adv", [False, True])
 def test_torch_path_matches_reference(path, level, per_token_adv):
     logp, old, ref, adv, mask = _inputs(4, 29, per_token_adv=per_token_adv, seed=3)
@@ -99,7 +100,7 @@ def test_torch_path_matches_reference(path, level, per_token_adv):
         _compare(_run(grpo_loss, logp, up, **kw), _run(grpo_loss_ref, logp, up, **kw), f"{path} {loss_type}")
 
 
-@pytest.mark.parametrize("level", G.LEVELS)
+@pytest.mark.parametrize("level", IS_LEVELS)
 @pytest.mark.parametrize("per_token_adv", [False, True])
 def test_packed_equals_padded(path, level, per_token_adv):
     lengths = [5, 0, 17, 1, 9, 13]
@@ -143,7 +144,7 @@ def test_ambiguous_packed_advantages_n_equals_b():
                                            mask=packed[2], **kw)[0])
 
 
-@pytest.mark.parametrize("level", G.LEVELS)
+@pytest.mark.parametrize("level", IS_LEVELS)
 def test_bf16_inputs_flash_rule(level):
     logp, old, ref, adv, mask = _inputs(4, 53, seed=11)
     low = [x.to(torch.bfloat16) for x in (logp, old, ref, adv)]
@@ -238,7 +239,7 @@ def test_length_one_completions_use_the_mask():
 @settings(max_examples=10, deadline=None)
 @given(
     B=st.integers(1, 5), T=st.integers(2, 40), seed=st.integers(0, 2**16), per_token=st.booleans(),
-    loss_type=st.sampled_from(CLIPPED), level=st.sampled_from(G.LEVELS), beta=st.sampled_from([0.0, 0.3]),
+    loss_type=st.sampled_from(CLIPPED), level=st.sampled_from(IS_LEVELS), beta=st.sampled_from([0.0, 0.3]),
     option=st.sampled_from(sorted(OPTIONS)), eps=st.floats(0.0, 0.5),
 )
 def test_property_random_shapes(B, T, seed, per_token, loss_type, level, beta, option, eps):
@@ -411,7 +412,7 @@ def test_rollout_is_bf16_flash_rule(mode):
 @settings(max_examples=12, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 30), min_size=1, max_size=5), seed=st.integers(0, 2**16),
-    mode=st.sampled_from(IS_MODES), level=st.sampled_from(G.LEVELS), loss_type=st.sampled_from(CLIPPED),
+    mode=st.sampled_from(IS_MODES), level=st.sampled_from(IS_LEVELS), loss_type=st.sampled_from(CLIPPED),
     cap=st.floats(1.05, 4.0), low=st.floats(0.0, 0.95), packed=st.booleans(), torch_path=st.booleans(),
     per_token=st.booleans(),
 )
@@ -600,7 +601,7 @@ def test_fused_linear_grpo_loss_rollout_is_on_policy(packed, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("level", G.LEVELS)
+@pytest.mark.parametrize("level", IS_LEVELS)
 def test_gpu_matches_reference(dtype, level):
     logp, old, ref, adv, mask = (x.cuda() for x in _inputs(64, 3000, per_token_adv=True, seed=43))
     low = [x.to(dtype) for x in (logp, old, ref, adv)]

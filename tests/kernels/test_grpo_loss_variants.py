@@ -18,6 +18,7 @@ import pytest
 import torch
 from fastgrpo.kernels.grpo_loss import grpo_loss
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
+from fastgrpo.kernels.names import IS_LEVELS, LOSS_TYPES
 from fastgrpo.kernels.reference import clipped_pg_loss_nemo_ref, grpo_loss_ref, linear_logprobs_ref
 from fastgrpo.kernels.utils import pad_packed, unpad_padded
 from hypothesis import given, settings
@@ -31,7 +32,6 @@ KL_OPTIONS = st.fixed_dictionaries({
     "kl_input_clamp": st.sampled_from([None, 0.4, 20.0]),
     "kl_output_clamp": st.sampled_from([None, 0.05, 10.0]),
 })
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo", "cispo", "cispo_clamp")
 
 
 def _case(B, T, seed, per_token_adv, packed):
@@ -88,7 +88,7 @@ def _policy_kw(loss_type, level):
 
 
 @pytest.mark.parametrize("use_bias_correction_kl", [True, False])
-@pytest.mark.parametrize("loss_type, level", [(t, lv) for t in LOSS_TYPES for lv in G.LEVELS
+@pytest.mark.parametrize("loss_type, level", [(t, lv) for t in LOSS_TYPES for lv in IS_LEVELS
                                                if not (t.startswith("cispo") and lv == "sequence")])
 def test_trl_literal_kl_flag_both_ways(path, use_bias_correction_kl, loss_type, level):
     """TRL's KL term with its ``use_bias_correction_kl`` flag both ways, every loss type TRL shares, both paths."""
@@ -152,7 +152,7 @@ def test_kl_clamps_fire_and_stop_the_gradient(path, packed):
 @settings(max_examples=25, deadline=None)
 @given(
     B=st.integers(2, 5), T=st.integers(2, 30), seed=st.integers(0, 2**16), per_token=st.booleans(),
-    loss_type=st.sampled_from(LOSS_TYPES), level=st.sampled_from(G.LEVELS), kl=KL_OPTIONS,
+    loss_type=st.sampled_from(LOSS_TYPES), level=st.sampled_from(IS_LEVELS), kl=KL_OPTIONS,
     beta=st.sampled_from([0.0, 0.2]), packed=st.booleans(), torch_path=st.booleans(),
     rollout_is=st.sampled_from(["none", "tis", "icepop", "seq-mask-tis", "sequence_truncate"]),
     opsm=st.sampled_from([None, 0.0, 0.05]),
