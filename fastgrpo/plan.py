@@ -83,14 +83,17 @@ import torch
 
 from fastgrpo.config import Config, ModelConfig, load_config, stage_settings
 from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
+from fastgrpo.kernels.linear_logprobs import FWD_CONFIGS, TORCH_CHUNK_N, TORCH_CHUNK_V
+from fastgrpo.kernels.utils import DEFAULT_NUM_SMS
+from fastgrpo.kernels.vocab_tiles import PROGRAMS_PER_SM
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
 PER_TOKEN_LOSS_BYTES = 48  # fp32 per-token vectors of the loss: log-probs, LSE, entropy, old log-probs, mask, ...
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
-TORCH_LOSS_CHUNK = (2048, 1024)  # kernels/linear_logprobs.py TORCH_CHUNK_N, TORCH_CHUNK_V
-TRITON_LOSS_BLOCK_N = 128  # kernels/linear_logprobs.py: forward token tile (sets the vocabulary splits)
-SPLIT_PROGRAMS = 2 * 132  # the forward's target program count on an H100 / H200
+# the fused loss's forward tile (tokens, vocabulary) in bf16 / fp16, its largest: it sets the vocabulary splits
+TRITON_LOSS_TILE = FWD_CONFIGS[2][0][:2]
+SPLIT_PROGRAMS = PROGRAMS_PER_SM * DEFAULT_NUM_SMS  # the forward's target program count on an H100 / H200
 
 
 @dataclass(frozen=True)
@@ -196,10 +199,11 @@ def loss_workspace_bytes(s: ModelShape, c: int, tokens: int, kernel: bool, froze
     head = 0 if frozen_head else V
     out = 4 * head * H + 4 * tokens * H + c * tokens * H + (c * (head + tokens) * H if c < 4 else 0)
     if kernel:
-        n_tiles = math.ceil(tokens / TRITON_LOSS_BLOCK_N)
-        splits = min(math.ceil(V / 128), max(1, math.ceil(SPLIT_PROGRAMS / n_tiles)))
+        block_n, block_v = TRITON_LOSS_TILE
+        n_tiles = math.ceil(tokens / block_n)
+        splits = min(math.ceil(V / block_v), max(1, math.ceil(SPLIT_PROGRAMS / n_tiles)))
         return out + 16 * splits * tokens
-    rows, cols = min(tokens, TORCH_LOSS_CHUNK[0]), min(V, TORCH_LOSS_CHUNK[1])
+    rows, cols = min(tokens, TORCH_CHUNK_N), min(V, TORCH_CHUNK_V)
     return out + 4 * (2 * rows * cols + rows * H)  # two reused chunk buffers and the fp32 chunk of h
 
 

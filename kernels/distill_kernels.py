@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .linear_logprobs import input_precision
-from .utils import HAS_TRITON, dot_in_fp32, launch_first_fitting, num_sms
+from .utils import HAS_TRITON, dot_in_fp32, launch_first_fitting
+from .vocab_tiles import GROUP_N, input_precision, launch_configs, split_grid
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .linear_logprobs import tile_logits
+    from .vocab_tiles import accumulate_grads, grouped_tile, tile_logits
 
 
 @dataclass(frozen=True)
@@ -184,15 +184,7 @@ if HAS_TRITON:
         ``2·BN·BV·(Hs + Ht)`` recompute + ``4·BN·BV·Hs`` gradient products; atomically added bytes
         ``4·(BN + BV)·Hs``. ``REV``: the ``cr`` term is on (``cr ≠ 0``); ``JSD``: its ``X`` is ``log m``.
         """
-        pid = tl.program_id(0)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_pid_v = tl.cdiv(V, BLOCK_V)
-        group_size = GROUP_N * num_pid_v
-        first_n = (pid // group_size) * GROUP_N
-        rows = tl.minimum(num_pid_n - first_n, GROUP_N)
-        pid_n = (first_n + (pid % group_size) % rows).to(tl.int64)
-        pid_v = ((pid % group_size) // rows).to(tl.int64)
-
+        pid_n, pid_v = grouped_tile(tl.program_id(0), N, V, BLOCK_N, BLOCK_V, GROUP_N)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_n = offs_n < N
@@ -217,35 +209,13 @@ if HAS_TRITON:
             dd += cr * p * (ls - x - c[:, None])
         dz = tl.where(valid, dd * (g * inv_temp)[:, None], 0.0)
 
-        if GRAD_B:
-            tl.atomic_add(gb_ptr + offs_v, tl.sum(dz, axis=0), mask=mask_v, sem="relaxed")
-        if DOT_FP32:
-            dz_op = dz
-        else:
-            dz_op = dz.to(ws_ptr.dtype.element_ty)  # bf16/fp16 operands for the tensor cores
-        for k0 in range(0, Hs, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < Hs
-            if GRAD_H:
-                w = tl.load(ws_ptr + offs_v[:, None] * stride_wsv + offs_k[None, :] * stride_wsk,
-                            mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-                if DOT_FP32:
-                    w = w.to(tl.float32)
-                gh = tl.dot(dz_op, w, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_K]
-                tl.atomic_add(gh_ptr + offs_n[:, None] * Hs + offs_k[None, :], gh,
-                              mask=mask_n[:, None] & mask_k[None, :], sem="relaxed")
-            if GRAD_W:
-                h = tl.load(hs_ptr + offs_n[:, None] * stride_hsn + offs_k[None, :] * stride_hsk,
-                            mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-                if DOT_FP32:
-                    h = h.to(tl.float32)
-                gw = tl.dot(tl.trans(dz_op), h, input_precision=INPUT_PRECISION)  # [BLOCK_V, BLOCK_K]
-                tl.atomic_add(gw_ptr + offs_v[:, None] * Hs + offs_k[None, :], gw,
-                              mask=mask_v[:, None] & mask_k[None, :], sem="relaxed")
+        accumulate_grads(dz, hs_ptr, ws_ptr, gh_ptr, gw_ptr, gb_ptr, offs_n, mask_n, offs_v, mask_v, Hs, stride_hsn,
+                         stride_hsk, stride_wsv, stride_wsk, GRAD_H, GRAD_W, GRAD_B, DOT_FP32, INPUT_PRECISION,
+                         BLOCK_K)
 
 
 # Launch configurations (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, largest tiles first, tried in
-# order until one fits (``_utils.launch_first_fitting``), keyed by the element size. Two logits tiles are live at
+# order until one fits (``utils.launch_first_fitting``), keyed by the element size. Two logits tiles are live at
 # once (both models'), so the tiles are half linear_logprobs' in the token dimension; `pytest -m gpu_compile`
 # compiles every entry for sm_80 and sm_90 and checks shared memory and spills.
 _FWD_CONFIGS = {
@@ -256,12 +226,6 @@ _BWD_CONFIGS = {
     2: [(64, 128, 64, 8, 2), (64, 64, 64, 4, 2), (32, 64, 32, 4, 1)],
     4: [(64, 64, 32, 8, 2), (32, 64, 32, 4, 2), (32, 64, 32, 4, 1)],
 }
-_INTERPRET_CONFIG = (16, 128, 64, 4, 1)  # under the interpreter: few, large tiles (it runs per operation)
-_GROUP_N = 16  # backward: token tiles per program group (they share W and h tiles in L2)
-
-
-def _configs(t: torch.Tensor, table: dict) -> list[tuple[int, int, int, int, int]]:
-    return [_INTERPRET_CONFIG] if dot_in_fp32(t) else table[t.element_size()]
 
 
 def _launch_key(name: str, t: torch.Tensor) -> tuple:
@@ -273,15 +237,6 @@ def _model_args(hs, ws, bs, ht, wt, bt):
     return ((hs, ws, bs if bs is not None else hs, ht, wt, bt if bt is not None else ht),
             (hs.stride(0), hs.stride(1), ws.stride(0), ws.stride(1), ht.stride(0), ht.stride(1), wt.stride(0),
              wt.stride(1)))
-
-
-def _split_grid(N, V, block_n, block_v, t):
-    """(token tiles, splits, tiles per split): enough programs to fill the GPU, each split at least one tile."""
-    target_programs = 8 if dot_in_fp32(t) else 2 * num_sms(t)
-    n_tiles, v_tiles = triton.cdiv(N, block_n), triton.cdiv(V, block_v)
-    splits = min(v_tiles, max(1, triton.cdiv(target_programs, n_tiles)))
-    tiles_per_split = triton.cdiv(v_tiles, splits)
-    return n_tiles, triton.cdiv(v_tiles, tiles_per_split), tiles_per_split
 
 
 def log_betas(div: Divergence) -> tuple[float, float]:
@@ -300,7 +255,7 @@ def forward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div: Divergence):
 
     def launch(config):
         block_n, block_v, block_k, warps, stages = config
-        n_tiles, splits, tiles_per_split = _split_grid(N, V, block_n, block_v, hs)
+        n_tiles, splits, tiles_per_split = split_grid(N, V, block_n, block_v, hs)
         part_SN = [torch.empty(splits, N, device=hs.device, dtype=torch.float32) for _ in range(6)]
         _distill_fwd_kernel[(n_tiles, splits)](
             *ptrs, *part_SN, N, V, Hs, Ht, *strides, inv_temp, tiles_per_split, **flags, FWD_KL=fwd_kl, REV_KL=rev_kl,
@@ -308,7 +263,7 @@ def forward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div: Divergence):
         )
         parts[:] = part_SN
 
-    launch_first_fitting(_launch_key("fwd", hs), _configs(hs, _FWD_CONFIGS), launch)
+    launch_first_fitting(_launch_key("fwd", hs), launch_configs(hs, _FWD_CONFIGS), launch)
     ms_SN, ss_SN, mt_SN, st_SN, af_SN, ar_SN = parts
     # Combine the splits' partials, O(S·N): sums and the KL accumulators rescale by exp(m_s − m).
     ms_N, mt_N = ms_SN.max(0).values, mt_SN.max(0).values
@@ -336,7 +291,7 @@ def jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N):
 
     def launch(config):
         block_n, block_v, block_k, warps, stages = config
-        n_tiles, splits, tiles_per_split = _split_grid(N, V, block_n, block_v, hs)
+        n_tiles, splits, tiles_per_split = split_grid(N, V, block_n, block_v, hs)
         part_SN = [torch.empty(splits, N, device=hs.device, dtype=torch.float32) for _ in range(2)]
         _distill_jsd_kernel[(n_tiles, splits)](
             *ptrs, stats_4N, *part_SN, N, V, Hs, ht.shape[1], *strides, inv_temp, *log_betas(div),
@@ -346,7 +301,7 @@ def jsd_pass_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N):
         )
         parts[:] = part_SN
 
-    launch_first_fitting(_launch_key("jsd", hs), _configs(hs, _FWD_CONFIGS), launch)
+    launch_first_fitting(_launch_key("jsd", hs), launch_configs(hs, _FWD_CONFIGS), launch)
     return parts[0].sum(0), parts[1].sum(0)
 
 
@@ -368,9 +323,9 @@ def backward_triton(hs, ws, bs, ht, wt, bt, V, inv_temp, div, stats_4N, c_N, g_N
             N, V, Hs, ht.shape[1], *strides, inv_temp, cf, cr, *log_betas(div),
             HAS_BS=bs is not None, HAS_BT=bt is not None, JSD=div.jsd, REV=cr != 0.0,
             GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2], DOT_FP32=dot_in_fp32(hs),
-            INPUT_PRECISION=input_precision(hs), GROUP_N=_GROUP_N, BLOCK_N=block_n, BLOCK_V=block_v,
+            INPUT_PRECISION=input_precision(hs), GROUP_N=GROUP_N, BLOCK_N=block_n, BLOCK_V=block_v,
             BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
 
-    launch_first_fitting(_launch_key("bwd", hs), _configs(hs, _BWD_CONFIGS), launch)
+    launch_first_fitting(_launch_key("bwd", hs), launch_configs(hs, _BWD_CONFIGS), launch)
     return gh_NH, gw_VH, gb_V

@@ -23,6 +23,8 @@ Paths (``kernels/utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRE
 chunked over tokens and vocabulary with the same memory promise (nothing ``[N, V]``; the only ``[V, H]`` buffer is
 the one fp32 gradient accumulator).
 
+The Triton functions and launch choices it shares with the distillation kernels are in ``vocab_tiles.py``.
+
 Shape legend: N tokens, H hidden size, V vocabulary, S vocabulary splits of the forward grid.
 """
 
@@ -40,13 +42,15 @@ from .utils import (
     check_tensor,
     dot_in_fp32,
     launch_first_fitting,
-    num_sms,
     use_triton,
 )
+from .vocab_tiles import GROUP_N, input_precision, launch_configs, split_grid
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from .vocab_tiles import accumulate_grads, grouped_tile, tile_logits
 
 # Plain-torch path: token × vocabulary chunk. The per-chunk temporaries are two or three [TORCH_CHUNK_N, TORCH_CHUNK_V]
 # fp32 tensors (8 MiB each). Smaller chunks stay in cache (faster on an idle machine), but every op over a chunk is
@@ -60,32 +64,6 @@ TORCH_CHUNK_V = 1024
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------------------
 if HAS_TRITON:
-
-    @triton.jit
-    def tile_logits(h_ptr, w_ptr, b_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn, stride_hk, stride_wv,
-                     stride_wk, inv_temp, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """``z = (h[offs_n] @ W[offs_v]ᵀ + b[offs_v]) / T`` for one tile, ``[BLOCK_N, BLOCK_V]`` fp32.
-
-        Reads ``BLOCK_N·H + BLOCK_V·H`` elements; the K loop masks ``H`` that is not a multiple of ``BLOCK_K``.
-        """
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < H
-            h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk,
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wk,
-                        mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-            if DOT_FP32:
-                h = h.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)  # [BLOCK_V]
-            acc += b[None, :]
-        return acc * inv_temp
 
     @triton.jit
     def _linear_logprobs_fwd_kernel(
@@ -162,15 +140,7 @@ if HAS_TRITON:
         With ``FILTER``, a tile whose probabilities are all below ``filter_eps`` and which holds no target skips the
         two gradient matmuls (its ``dz`` entries are each at most ``(|g| + |e|·(|log eps| + H)) · eps / T``).
         """
-        pid = tl.program_id(0)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_pid_v = tl.cdiv(V, BLOCK_V)
-        group_size = GROUP_N * num_pid_v
-        first_n = (pid // group_size) * GROUP_N
-        rows = tl.minimum(num_pid_n - first_n, GROUP_N)
-        pid_n = (first_n + (pid % group_size) % rows).to(tl.int64)
-        pid_v = ((pid % group_size) // rows).to(tl.int64)
-
+        pid_n, pid_v = grouped_tile(tl.program_id(0), N, V, BLOCK_N, BLOCK_V, GROUP_N)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_n = offs_n < N
@@ -197,80 +167,36 @@ if HAS_TRITON:
             keep = (tl.max(tl.max(p, axis=1), axis=0) >= filter_eps) | (tl.max(tl.max(is_y.to(tl.int32), axis=1),
                                                                                axis=0) > 0)
         if keep:
-            if GRAD_B:
-                tl.atomic_add(gb_ptr + offs_v, tl.sum(dz, axis=0), mask=mask_v, sem="relaxed")
-            if DOT_FP32:
-                dz_op = dz
-            else:
-                dz_op = dz.to(w_ptr.dtype.element_ty)  # bf16/fp16 operands for the tensor cores
-            for k0 in range(0, H, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < H
-                if GRAD_H:
-                    w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_k[None, :] * stride_wk,
-                                mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-                    if DOT_FP32:
-                        w = w.to(tl.float32)
-                    gh = tl.dot(dz_op, w, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_K]
-                    tl.atomic_add(gh_ptr + offs_n[:, None] * H + offs_k[None, :], gh,
-                                  mask=mask_n[:, None] & mask_k[None, :], sem="relaxed")
-                if GRAD_W:
-                    h = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk,
-                                mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-                    if DOT_FP32:
-                        h = h.to(tl.float32)
-                    gw = tl.dot(tl.trans(dz_op), h, input_precision=INPUT_PRECISION)  # [BLOCK_V, BLOCK_K]
-                    tl.atomic_add(gw_ptr + offs_v[:, None] * H + offs_k[None, :], gw,
-                                  mask=mask_v[:, None] & mask_k[None, :], sem="relaxed")
+            accumulate_grads(dz, h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, offs_n, mask_n, offs_v, mask_v, H, stride_hn,
+                             stride_hk, stride_wv, stride_wk, GRAD_H, GRAD_W, GRAD_B, DOT_FP32, INPUT_PRECISION,
+                             BLOCK_K)
 
 
 # Launch configurations (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages) on a GPU, largest tiles first, tried in
-# order until one fits (``_utils.launch_first_fitting``), keyed by the element size. Shared memory is dominated by
+# order until one fits (``utils.launch_first_fitting``), keyed by the element size. Shared memory is dominated by
 # the pipelined K loop of ``tile_logits``: num_stages·(BLOCK_N + BLOCK_V)·BLOCK_K elements (the backward also
 # stages its dz tile and the grad tiles), so fp32 takes half the tiles of bf16/fp16. The first entries fit sm_80's
 # 163 KiB and sm_90's 227 KiB per block with no register spills in bf16; `pytest -m gpu_compile` checks every entry.
-_FWD_CONFIGS = {
+FWD_CONFIGS = {
     2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 2), (32, 64, 32, 4, 1)],
     4: [(64, 128, 32, 8, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 1)],
 }
-_BWD_CONFIGS = {
+BWD_CONFIGS = {
     2: [(128, 128, 64, 8, 2), (64, 128, 64, 4, 2), (32, 64, 32, 4, 1)],
     4: [(64, 128, 32, 8, 2), (64, 64, 32, 4, 2), (32, 64, 32, 4, 1)],
 }
-# Under the interpreter: few, large tiles (it runs per operation).
-_INTERPRET_CONFIG = (16, 128, 64, 4, 1)
-_GROUP_N = 16  # backward: token tiles per program group (they share W and h tiles in L2)
-
-
-def _configs(t: torch.Tensor, table: dict) -> list[tuple[int, int, int, int, int]]:
-    return [_INTERPRET_CONFIG] if dot_in_fp32(t) else table[t.element_size()]
-
-
 def _launch_key(name: str, t: torch.Tensor) -> tuple:
     return ("linear_logprobs", name, t.dtype, t.device.index)
-
-
-def input_precision(t: torch.Tensor) -> str:
-    """fp32 inputs on a GPU: 3xTF32 (≈ fp32 accuracy); bf16/fp16: the setting is moot (tensor cores); the
-    interpreter: plain fp32."""
-    if dot_in_fp32(t):
-        return "ieee"
-    return "tf32x3" if t.dtype == torch.float32 else "tf32"
 
 
 def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
     N, H = h_NH.shape
     V = w_VH.shape[0]
-    target_programs = 8 if dot_in_fp32(h_NH) else 2 * num_sms(h_NH)
     parts = []
 
     def launch(config):
         block_n, block_v, block_k, warps, stages = config
-        n_tiles = triton.cdiv(N, block_n)
-        v_tiles = triton.cdiv(V, block_v)
-        splits = min(v_tiles, max(1, triton.cdiv(target_programs, n_tiles)))
-        tiles_per_split = triton.cdiv(v_tiles, splits)
-        splits = triton.cdiv(v_tiles, tiles_per_split)  # every split holds at least one tile
+        n_tiles, splits, tiles_per_split = split_grid(N, V, block_n, block_v, h_NH)
         m_SN, s_SN, t_SN, zy_SN = (torch.empty(splits, N, device=h_NH.device, dtype=torch.float32) for _ in range(4))
         _linear_logprobs_fwd_kernel[(n_tiles, splits)](
             h_NH, w_VH, b_V if b_V is not None else h_NH, y_N, m_SN, s_SN, t_SN, zy_SN,
@@ -281,7 +207,7 @@ def _forward_triton(h_NH, w_VH, b_V, y_N, inv_temp, entropy):
         )
         parts[:] = [m_SN, s_SN, t_SN, zy_SN]
 
-    launch_first_fitting(_launch_key("fwd", h_NH), _configs(h_NH, _FWD_CONFIGS), launch)
+    launch_first_fitting(_launch_key("fwd", h_NH), launch_configs(h_NH, FWD_CONFIGS), launch)
     m_SN, s_SN, t_SN, zy_SN = parts
     # Combine the splits' partials: O(S·N). Re-centred on the global max m_N: s_s → s_s·a_s,
     # t_s → a_s·(t_s + s_s·(m_s − m_N)) with a_s = exp(m_s − m_N).
@@ -316,11 +242,11 @@ def _backward_triton(h_NH, w_VH, b_V, y_N, lse_N, ent_N, g_logp_N, g_ent_N, inv_
             filter_eps if filter_eps is not None else 0.0,
             HAS_BIAS=b_V is not None, GRAD_H=needs[0], GRAD_W=needs[1], GRAD_B=needs[2],
             ENTROPY_GRAD=g_ent_N is not None, FILTER=filter_eps is not None,
-            DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=input_precision(h_NH), GROUP_N=_GROUP_N,
+            DOT_FP32=dot_in_fp32(h_NH), INPUT_PRECISION=input_precision(h_NH), GROUP_N=GROUP_N,
             BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )
 
-    launch_first_fitting(_launch_key("bwd", h_NH), _configs(h_NH, _BWD_CONFIGS), launch)
+    launch_first_fitting(_launch_key("bwd", h_NH), launch_configs(h_NH, BWD_CONFIGS), launch)
     return gh_NH, gw_VH, gb_V
 
 
