@@ -169,10 +169,13 @@ def test_hostile_tools_are_counted_and_the_rollout_finishes(tmp_path):
 def test_tool_tiny_runs_through_the_engine(tmp_path):
     """The tool-tiny recipe, a few steps through the real engine, the chat template and the workers: the run
     finishes, logs the env/ metrics and the held-out tool-call rate, and its trajectories had more than one turn
-    (the warm-up taught the tool call)."""
+    (the warm-up taught the tool call). The recipe's 64-token turns (SMALL's 6 cut nearly every call short), on
+    numbers up to 29 instead of 99: the warm-up renders a demonstration for every training row, 700 rows instead of
+    9800 (its 60 steps draw 480); on train.seed 0-3 every run had 3-turn trajectories and a tool-call rate > 0.4."""
     run_dir = tmp_path / "run"
     train(tmp_path, run_dir, "--recipe", "tool-tiny", "train.max_steps=2", "sft.warmup_steps=60",
-          "grpo.num_prompts_per_step=4", "eval.every_steps=0", "eval.num_prompts=8", "eval.at_start=false")
+          "grpo.num_prompts_per_step=4", "eval.every_steps=0", "eval.num_prompts=8", "eval.at_start=false",
+          "rollout.max_new_tokens=64", "data.synthetic_max_value=29")
     rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
     steps = [r for r in rows if "env/turns_mean" in r]
     assert len(steps) == 2
