@@ -4,6 +4,7 @@ overlong shaping and dynamic sampling (scripted completions, so every count is k
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,9 +77,13 @@ def test_end_to_end_tiny_run(full_run):
 
 
 def test_resume_continues_with_the_same_metrics(full_run, tmp_path):
+    """The uninterrupted run as it stood after its step-2 checkpoint (its directory without the step-4 one; its log
+    still holds the later rows, which a resume drops first): resumed, it logs steps 3 and 4 and the final validation
+    exactly as the run that kept going did. (One torchrun fewer than a separate 2-step run to resume.)"""
     run_dir, _ = full_run
     resumed = tmp_path / "resumed"
-    train(tmp_path, resumed, "train.max_steps=2")
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
     out = train(tmp_path, resumed, "train.max_steps=4", "checkpoint.resume=auto")
     assert f"resumed from {resumed / 'checkpoints' / 'step_00000002'} at step 2" in out
     a, b = training_rows(run_dir), training_rows(resumed)
