@@ -395,12 +395,20 @@ def _torchrun_two_nodes(out, tmp_path):
     return torch.load(out)
 
 
-def test_two_processes_match_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One torchrun of 2 processes for both tests below: the shares of test_two_processes_match_one_process, then
+    those of test_fsdp2_several_optimizer_steps_match_ddp (a process start-up each saved)."""
+    tmp = tmp_path_factory.mktemp("two")
+    return _torchrun(2, tmp / "two.pt", tmp, "both")
+
+
+def test_two_processes_match_one_process(two_processes, tmp_path):
     """The same global batch (8 sequences) on 1 process and split over 2 (on one node, and on two "nodes" of one
     process each): same loss, same gradients; in fp32, with activation checkpointing, and in bf16 with fp32 masters.
     """
-    one = _torchrun(1, tmp_path / "one.pt", tmp_path)
-    two = _torchrun(2, tmp_path / "two.pt", tmp_path)
+    one = _torchrun(1, tmp_path / "one.pt", tmp_path)["ddp"]
+    two = two_processes["ddp"]
     for loss_type in ("dapo", "grpo", "dapo_ac"):
         a, b = one[loss_type], two[loss_type]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
@@ -417,19 +425,19 @@ def test_two_processes_match_one_process(tmp_path):
     for k in a["grads"]:
         scale = float(a["grads"][k].abs().max())
         torch.testing.assert_close(b["grads"][k], a["grads"][k], rtol=2e-2, atol=2e-2 * scale)
-    nodes = _torchrun_two_nodes(tmp_path / "nodes.pt", tmp_path)  # the same ranks and shards: the same numbers
+    nodes = _torchrun_two_nodes(tmp_path / "nodes.pt", tmp_path)["ddp"]  # the same ranks and shards: the same numbers
     for case in ("dapo", "grpo", "bf16"):
         assert nodes[case]["loss"] == two[case]["loss"], case
         got, want = nodes[case].get("delta", nodes[case].get("grads")), two[case].get("delta", two[case].get("grads"))
         assert all(torch.equal(got[k], want[k]) for k in want), case
 
 
-def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
+def test_fsdp2_several_optimizer_steps_match_ddp(two_processes):
     """2 processes, 2 optimizer steps per rollout (old log-probs through the sharded model), micro-batch counts
     that differ between ranks: FSDP2 gives DDP's losses, gradient norms and weights. Both reduce the same fp32
     gradients in a different order (all-reduce vs reduce-scatter), a relative difference near 1e-7 that one more
     step through the updated weights may amplify a little: hence rtol 1e-5 on metrics and 1e-4 on weights."""
-    res = _torchrun(2, tmp_path / "fsdp.pt", tmp_path, "fsdp")
+    res = two_processes["fsdp"]
     ddp, fsdp = res["ddp"], res["fsdp2"]
     assert ddp["metrics"]["optimizer_steps"] == fsdp["metrics"]["optimizer_steps"] == 2
     assert res["counts"][0] != res["counts"][1]  # rank 0 and rank 1 hold different numbers of micro-batches
@@ -447,13 +455,12 @@ def test_fsdp2_several_optimizer_steps_match_ddp(tmp_path):
         torch.testing.assert_close(fsdp["grads"][k], ddp["grads"][k], rtol=1e-4, atol=1e-6)
 
 
-def _fsdp_worker(out: str) -> None:
-    """torchrun entry of test_fsdp2_several_optimizer_steps_match_ddp: the same shares under DDP and FSDP2."""
+def _fsdp_shares(state) -> dict:
+    """test_fsdp2_several_optimizer_steps_match_ddp's part of a torchrun process: the same shares under DDP and
+    FSDP2."""
     from fastgrpo.algorithms.batch import pack_microbatches
-    from fastgrpo.distributed import all_reduce, barrier, destroy
+    from fastgrpo.distributed import all_reduce
 
-    state = init_distributed("cpu")
-    torch.set_num_threads(1)
     samples = make_samples(16)
     share = len(samples) // state.world_size
     mine = samples[state.rank * share : (state.rank + 1) * share]
@@ -473,18 +480,12 @@ def _fsdp_worker(out: str) -> None:
     for strategy in ("ddp", "fsdp2"):
         metrics, grads = run_mixed(bf16, mine, state, strategy=strategy)
         result[f"{strategy}_bf16"] = {"metrics": metrics, "grads": grads}
-    if state.rank == 0:
-        torch.save(result, out)
-    barrier()  # no rank tears the process group down while another still uses it
-    destroy()  # no wrapped model is referenced here any more: destroy() frees FSDP2's cycles, then the group
+    return result
 
 
-def _worker(out: str) -> None:
-    """torchrun entry of test_two_processes_match_one_process: each rank trains on its share of the batch."""
-    from fastgrpo.distributed import barrier, destroy
-
-    state = init_distributed("cpu")
-    torch.set_num_threads(1)
+def _ddp_shares(state) -> dict:
+    """test_two_processes_match_one_process's part of a torchrun process: each rank trains on its share of the
+    batch."""
     samples = make_samples()
     share = len(samples) // state.world_size
     mine = samples[state.rank * share : (state.rank + 1) * share]
@@ -497,6 +498,19 @@ def _worker(out: str) -> None:
     bf16 = load_config(overrides=[*TINY, "model.dtype=bfloat16", "train.max_tokens_per_microbatch=24"])
     metrics, grads = run_mixed(bf16, mine, state)
     result["bf16"] = {"loss": metrics["loss"], "grads": grads}
+    return result
+
+
+def _worker(out: str, mode: str) -> None:
+    """torchrun entry: mode "ddp" runs :func:`_ddp_shares`, "both" then :func:`_fsdp_shares` too (rank 0 saves
+    ``{"ddp": ..., "fsdp": ...}``)."""
+    from fastgrpo.distributed import barrier, destroy
+
+    state = init_distributed("cpu")
+    torch.set_num_threads(1)
+    result = {"ddp": _ddp_shares(state)}
+    if mode == "both":
+        result["fsdp"] = _fsdp_shares(state)
     if state.rank == 0:
         torch.save(result, out)
     barrier()  # no rank tears the process group down while another still uses it
@@ -504,4 +518,4 @@ def _worker(out: str) -> None:
 
 
 if __name__ == "__main__":
-    (_fsdp_worker if sys.argv[2] == "fsdp" else _worker)(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])
