@@ -282,21 +282,25 @@ def test_plan_counts_the_teacher():
     assert teacher_shape(tiny) == model_shape(load_config("tiny"))
 
 
-def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
+def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path, capsys):
     """``torchrun fastgrpo/train.py --recipe distill-tiny`` (made small): the teacher recipe runs first into
     distill.teacher_path, then the distillation steps log the distill/ metrics; a second run (sampled-token mode,
-    one completion per prompt) finds the teacher and does not train it again."""
+    one completion per prompt; the entry point's main in this process, a torchrun start-up saved) finds the teacher
+    and does not train it again."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     teacher = tmp_path / "teacher"
     spec = ("tiny train.max_steps=1 sft.warmup_steps=2 sft.batch_size=8 grpo.num_prompts_per_step=2 "
             "grpo.num_generations=2 rollout.max_new_tokens=4 eval.at_start=false eval.at_end=false "
             "logging.progress_bar=false train.num_threads=1 reward.num_workers=0")
 
+    def args(out, *overrides):
+        return ["--recipe", "distill-tiny", *SMALL, "train.max_steps=2", f"distill.teacher_path={teacher}",
+                f"distill.teacher_recipe={spec}", "eval.at_end=true", "eval.num_prompts=4",
+                f"logging.output_dir={out}", *overrides]
+
     def run(out, *overrides):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               str(REPO / "fastgrpo" / "train.py"), "--recipe", "distill-tiny", *SMALL, "train.max_steps=2",
-               f"distill.teacher_path={teacher}", f"distill.teacher_recipe={spec}", "eval.at_end=true",
-               "eval.num_prompts=4", f"logging.output_dir={out}", *overrides]
+               str(REPO / "fastgrpo" / "train.py"), *args(out, *overrides)]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         return proc.stdout
@@ -309,7 +313,17 @@ def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path):
     for r in rows:
         assert {"distill/divergence", "distill/teacher_logp", "distill/student_logp", "accuracy", "loss"} <= set(r)
         assert r["distill/divergence"] > 0 and r["distill/teacher_logp"] < 0
-    again = run(tmp_path / "run2", "distill.mode=sampled_token", "grpo.num_generations=1")
+    # the second run in this process (the entry point's main, no torchrun start-up): it must find the teacher
+    from fastgrpo.train import main
+
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    try:
+        main(args(tmp_path / "run2", "distill.mode=sampled_token", "grpo.num_generations=1"))
+    finally:
+        torch.set_num_threads(threads)  # train.num_threads=1 set it for this process
+    again = capsys.readouterr().out
+    assert "done: 2 DISTILL steps" in again
     assert "training the teacher" not in again
     assert not teacher_trained(spec.replace("train.max_steps=1", "train.max_steps=2"), str(teacher))  # would resume
     rows = [r for r in read_jsonl(tmp_path / "run2" / "metrics.jsonl") if "eval/accuracy" not in r]
