@@ -278,7 +278,8 @@ def test_loss_and_gradient_equal_nemo_rl(seed, step, packed, torch_path):
     want = clipped_pg_loss_nemo_ref(x, old, adv, mask, generation_logprobs=samp, reference_policy_logprobs=ref,
                                     global_valid_toks=tokens, **_nemo_loss_fn(s))
     (want * up).backward()
-    kw = dict(beta=s["beta"], epsilon_high=s["epsilon_high"], num_items_in_batch=tokens, **loss_options(cfg))
+    kw = dict(num_items_in_batch=tokens,
+              options=replace(loss_options(cfg), beta=s["beta"], epsilon_high=s["epsilon_high"]))
     with pytest.MonkeyPatch.context() as mp:
         if torch_path:
             mp.setattr(importlib.import_module("fastgrpo.kernels.grpo_loss"), "use_triton", lambda t: False)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from checks import assert_departure, assert_published
-from fastgrpo.kernels.grpo_options import LOSS_REDUCTION
+from fastgrpo.kernels.names import LOSS_REDUCTION
 
 from fastgrpo.config import load_config, stage_settings
 from fastgrpo.plan import memory_plan, model_shape, teacher_shape

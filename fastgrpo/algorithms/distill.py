@@ -69,8 +69,8 @@ from fastgrpo.checkpoint import latest_checkpoint
 from fastgrpo.config import Config, ModelConfig
 from fastgrpo.distributed import all_reduce, wrap_model
 from fastgrpo.kernels.distill_loss import fused_linear_distill_loss
-from fastgrpo.kernels.grpo_options import LOSS_REDUCTION
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
+from fastgrpo.kernels.names import LOSS_REDUCTION
 from fastgrpo.models.packing import plan_microbatches
 
 DISTILL_METRICS = ("distill/divergence", "distill/teacher_logp", "distill/student_logp")

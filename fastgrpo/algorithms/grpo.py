@@ -27,7 +27,8 @@ from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import Config
 from fastgrpo.distributed import all_reduce, broadcast_object, print0, reduce_metrics
 from fastgrpo.engine.engine import SamplingParams
-from fastgrpo.kernels.grpo_options import LOSS_POLICY, POLICY_METRICS
+from fastgrpo.kernels.grpo_options import POLICY_METRICS
+from fastgrpo.kernels.names import LOSS_POLICY
 from fastgrpo.kernels.rollout_is import DIFF_NAMES, RATIO_NAMES
 from fastgrpo.models.lora import is_lora
 from fastgrpo.rewards import RewardResult, add_faults
