@@ -12,9 +12,17 @@ with each kernel module's ``use_triton`` switched on, so the configurations are 
 
 Coverage: ``GATE`` below, one row per op (its driver calls the forward and, where there is one, the backward), for
 the shapes in ``SHAPES`` (the tiny demo; DeepSeek-R1-Distill-Qwen-1.5B: H=1536, V=151936, head dim 128, GQA 6) and
-fp32 / bf16 / fp16. Launchers with a fallback list are run again starting at each later entry
-(``_StartAt``), so every fallback compiles too. To add a kernel: write a driver ``f(shape: dict, dtype)`` that
-calls its public op on small CPU tensors and add one ``GATE`` row (and the module to ``MODULES`` when it is new).
+dtypes, in two tiers (:func:`cases`): ``full`` (``-m "gpu_compile and slow"``) compiles every op in each of its
+dtypes (fp32 / bf16 / fp16) at both shapes; the default tier leaves out what repeats a resource check of another
+case: fp16 (bf16's element size, so the same tiles, shared memory and registers) and the tiny shape's fp32 (fp32's
+footprint is checked at the 1.5B shape, the small tiles at the tiny shape's bf16). Launchers with a fallback list
+are run again starting at each later entry (``_StartAt``), so every fallback compiles too.
+
+Scheduling: the compile needs a few minutes of CPU per architecture and no test waits on anything else, so the
+workers start as soon as the suite is collected, at the lowest CPU priority (``nice`` 19: they take the cores the
+other tests leave idle), and these tests run last (``tests/conftest.py``); the fixture waits for what is left.
+To add a kernel: write a driver ``f(shape: dict, dtype)`` that calls its public op on small CPU tensors and add one
+``GATE`` row (and the module to ``MODULES`` when it is new).
 
 Asserted: on both architectures every case launches (some configuration fits) and every launcher's last fallback
 fits; on sm_90 (the H200 the first entries are tuned for) every launch's preferred configuration fits and no bf16
@@ -42,7 +50,7 @@ ARCHS = (80, 90)
 # Dynamic shared memory one block may use (CUDA occupancy tables): A100 163 KiB, H100/H200 227 KiB.
 SHARED_LIMIT_BYTES = {80: 163 * 1024, 90: 227 * 1024}
 REGISTERS_PER_BLOCK = 65536
-WALL_LIMIT_S = 1800  # a hang guard only: the two workers need about a minute of CPU each
+WALL_LIMIT_S = 1800  # a hang guard only: a worker needs two to four minutes of CPU
 SHAPES = {
     # the built-in demo (model.tiny_*): hidden 64, 4 query / 2 kv heads of 16, a 44-token vocabulary
     "tiny": dict(H=64, V=44, Hq=4, Hkv=2, D=16),
@@ -152,6 +160,23 @@ GATE = [
     ("sampling", _drive_sampling, DTYPE_NAMES),
 ]
 MAX_FALLBACKS = 3  # the longest configuration list of a launcher (kernels/*.py)
+TIERS = ("default", "full")
+
+
+def cases(tier: str) -> list[str]:
+    """``op/shape/dtype`` of every case ``tier`` compiles (module docstring). The tiny shape never compiles fp16
+    (bf16 covers it there, fp16 is covered at the 1.5B shape)."""
+    out = []
+    for op, _, dtypes in GATE:
+        for shape_name in SHAPES:
+            for dtype_name in dtypes:
+                if shape_name == "tiny" and dtype_name == "float16":
+                    continue
+                tiny_fp32 = (shape_name, dtype_name) == ("tiny", "float32") and len(dtypes) > 1  # not fp32-only ops
+                if tier == "default" and (dtype_name == "float16" or tiny_fp32):
+                    continue
+                out.append(f"{op}/{shape_name}/{dtype_name}")
+    return out
 
 
 # ------------------------------------------------------------------------------------------ compile-only launches
@@ -220,8 +245,8 @@ def _compile_only(arch: int, records: list, context: dict):
     return run
 
 
-def _worker(arch: int) -> None:
-    """Subprocess body: compile every case for ``arch``; print one JSON list of records."""
+def _worker(arch: int, tier: str) -> None:
+    """Subprocess body: compile every case of ``tier`` for ``arch``; print one JSON list of records."""
     import torch
     import triton.runtime.jit
     from fastgrpo.kernels import utils as _utils
@@ -233,71 +258,96 @@ def _worker(arch: int) -> None:
         module = importlib.import_module(f"fastgrpo.kernels.{name}")
         module.use_triton = lambda t: True  # noqa: B023  (the launchers' own path choice, forced to Triton)
     torch.manual_seed(0)
-    for op, driver, dtypes in GATE:
-        for shape_name, shape in SHAPES.items():
-            for dtype_name in dtypes:
-                if shape_name == "tiny" and dtype_name == "float16":
-                    continue  # compiles as bf16 does; fp16 is covered at the 1.5B shape
-                walk = shape_name == "1.5b" and dtype_name != "float16"
-                for start in range(MAX_FALLBACKS if walk else 1):
-                    _utils._CHOSEN = _StartAt(start)
-                    context.update(case=f"{op}/{shape_name}/{dtype_name}", start=start, dtype=dtype_name,
-                                   launch_no=0, preferred_seen=set())
-                    try:
-                        driver(shape, getattr(torch, dtype_name))
-                    except Exception as exc:  # recorded, asserted by the test
-                        records.append(dict(case=context["case"], start=start, arch=arch, error=repr(exc)))
+    drivers = {op: driver for op, driver, _ in GATE}
+    for case in cases(tier):
+        op, shape_name, dtype_name = case.split("/")
+        walk = shape_name == "1.5b" and dtype_name != "float16"
+        for start in range(MAX_FALLBACKS if walk else 1):
+            _utils._CHOSEN = _StartAt(start)
+            context.update(case=case, start=start, dtype=dtype_name, launch_no=0, preferred_seen=set())
+            try:
+                drivers[op](SHAPES[shape_name], getattr(torch, dtype_name))
+            except Exception as exc:  # recorded, asserted by the test
+                records.append(dict(case=case, start=start, arch=arch, error=repr(exc)))
     print(json.dumps(records))
 
 
 # ------------------------------------------------------------------------------------------------------ the test
-@pytest.fixture(scope="module")
-def compiled() -> dict[int, list[dict]]:
-    """Both architectures' records, compiled in two concurrent subprocesses (one per core)."""
+_WORKERS: dict[str, tuple] = {}  # tier -> (temporary directory, {arch: (process, stdout file, stderr file)})
+
+
+def start_workers(tier: str) -> None:
+    """Start ``tier``'s two compile workers (one per architecture, at ``nice`` 19, each with a fresh Triton cache so
+    that every kernel is compiled and its ptxas report printed in this run); :func:`compiled` collects them. Called
+    by ``tests/conftest.py`` as soon as the suite is collected, else by the fixture."""
+    if tier in _WORKERS:
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_DEFAULT_FP_FUSION="1", OMP_NUM_THREADS="1")
+    root = Path(__file__).resolve().parents[2]
+    tmp = tempfile.TemporaryDirectory()
+    procs = {}
+    for arch in ARCHS:
+        out, err = (open(f"{tmp.name}/{arch}.{name}", "w+") for name in ("out", "err"))
+        procs[arch] = (subprocess.Popen([sys.executable, __file__, str(arch), tier], cwd=root, text=True,
+                                        env=dict(env, TRITON_CACHE_DIR=f"{tmp.name}/cache{arch}"), stdout=out,
+                                        stderr=err, preexec_fn=lambda: os.nice(19)), out, err)
+    _WORKERS[tier] = (tmp, procs)
+
+
+def stop_workers() -> None:
+    """Kill the workers no fixture collected (the run stopped early) and remove their files."""
+    for tier in list(_WORKERS):
+        tmp, procs = _WORKERS.pop(tier)
+        for proc, out, err in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            out.close()
+            err.close()
+        tmp.cleanup()
+
+
+@pytest.fixture(scope="module", params=[TIERS[0], pytest.param(TIERS[1], marks=pytest.mark.slow)])
+def compiled(request) -> tuple[str, dict[int, list[dict]]]:
+    """``(tier, {arch: records})``: both architectures' records of the tier (see :func:`start_workers`)."""
     from triton.backends.nvidia import compiler
 
     ptxas = compiler.get_ptxas(90).path
     assert os.path.isfile(ptxas), f"triton's bundled ptxas is missing ({ptxas}): cannot compile for the GPU here"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_DEFAULT_FP_FUSION="1", OMP_NUM_THREADS="1")
-    root = Path(__file__).resolve().parents[2]
-    procs = {}
-    with tempfile.TemporaryDirectory() as cache:
-        for arch in ARCHS:  # a fresh cache: every kernel is compiled (and its ptxas report printed) in this run
-            procs[arch] = subprocess.Popen([sys.executable, __file__, str(arch)], cwd=root, text=True,
-                                           env=dict(env, TRITON_CACHE_DIR=f"{cache}/{arch}"),
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out = {}
-        try:
-            for arch, proc in procs.items():
-                stdout, stderr = proc.communicate(timeout=WALL_LIMIT_S)
-                assert proc.returncode == 0, f"sm_{arch} compile worker failed:\n{stderr[-4000:]}"
-                out[arch] = json.loads(stdout.strip().splitlines()[-1])
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+    tier = request.param
+    start_workers(tier)
+    tmp, procs = _WORKERS[tier]
+    out = {}
+    try:
+        deadline = time.monotonic() + WALL_LIMIT_S
+        for arch, (proc, stdout, stderr) in procs.items():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            stdout.seek(0)
+            stderr.seek(0)
+            assert proc.returncode == 0, f"sm_{arch} compile worker failed:\n{stderr.read()[-4000:]}"
+            out[arch] = json.loads(stdout.read().strip().splitlines()[-1])
+    finally:
+        stop_workers()
     for arch, recs in out.items():
-        print(f"\nsm_{arch}: case / start / kernel / blocks / warps / stages / shared KiB / registers / spill bytes")
+        print(f"\nsm_{arch} ({tier}): case / start / kernel / blocks / warps / stages / shared KiB / registers / "
+              "spill bytes")
         for r in recs:
             if "error" not in r:
                 print(f"  {r['case']:32s} {r['start']} {r['kernel']:34s} {r['consts']} {r['num_warps']} "
                       f"{r['num_stages']} {r['shared'] / 1024:6.1f} {r['registers']:4d} {r['spill_bytes']}"
                       + ("" if r["fits"] else "  (does not fit: falls back)"))
-    return out
+    return tier, out
 
 
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_case_launches(compiled, arch):
     """Some configuration of every launch fits: no case raised (a launcher without a fitting fallback would)."""
-    errors = [f"{r['case']} (start {r['start']}): {r['error']}" for r in compiled[arch] if "error" in r]
+    tier, records = compiled
+    errors = [f"{r['case']} (start {r['start']}): {r['error']}" for r in records[arch] if "error" in r]
     assert not errors, "\n".join(errors)
-    cases = {r["case"] for r in compiled[arch]}
-    expected = {f"{op}/{s}/{d}" for op, _, dtypes in GATE for s in SHAPES for d in dtypes
-                if (s, d) != ("tiny", "float16")}
-    assert cases == expected
+    assert {r["case"] for r in records[arch]} == set(cases(tier))
 
 
 @pytest.mark.gpu_compile
@@ -305,7 +355,7 @@ def test_every_case_launches(compiled, arch):
 def test_shared_memory_and_fallbacks_fit(compiled, arch):
     """sm_90: every launch's preferred configuration fits. Both: every launcher's last fallback fits (so some entry
     always does; the worker's ``OutOfResources`` makes each launch end on one that fits)."""
-    recs = [r for r in compiled[arch] if "error" not in r]
+    recs = [r for r in compiled[1][arch] if "error" not in r]
     bad = []
     for r in recs:
         if r["shared"] <= SHARED_LIMIT_BYTES[arch]:
@@ -323,10 +373,10 @@ def test_no_register_spills_in_bf16_on_sm90(compiled):
     spills are printed, not asserted: its ptxas spills 40-80 B in the bf16 linear_logprobs backward and varlen
     forward tiles, which a capability-aware choice would need a GPU to tune."""
     spills = [f"{r['case']} start {r['start']}: {r['kernel']} {r['consts']} spills {r['spill_bytes']} B"
-              for r in compiled[90] if "error" not in r and r["dtype"] == "bfloat16" and r["fits"]
+              for r in compiled[1][90] if "error" not in r and r["dtype"] == "bfloat16" and r["fits"]
               and r["spill_bytes"]]
     assert not spills, "\n".join(spills)
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]))
+    _worker(int(sys.argv[1]), sys.argv[2])
