@@ -741,6 +741,18 @@ class LoggingConfig:
     """W&B project name."""
     progress_bar: bool = True
     """Show a progress bar on rank 0."""
+    log_rollouts: bool = True
+    """Write each GRPO step's completions to <run dir>/rollouts/step_<N>.jsonl (N: the step of metrics.jsonl, 8 digits;
+    several processes: each writes step_<N>.rank<R>.jsonl), one JSON object per completion trained on: texts, token
+    counts, finish reason, each reward function's score, the reward and the advantage (python -m fastgrpo.rollouts)."""
+    rollouts_keep: int = 100
+    """Step files of rollouts/ kept per process, the oldest steps deleted first (0: keep all)."""
+    completions_to_print: int = 0
+    """Print this many of each GRPO step's completions on rank 0 as a table (0: none)."""
+
+    def __post_init__(self):
+        _check_min("logging.rollouts_keep", self.rollouts_keep, 0)
+        _check_min("logging.completions_to_print", self.completions_to_print, 0)
 
 
 @dataclass

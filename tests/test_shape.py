@@ -36,6 +36,7 @@ RANKS = {
     "plan": 8,
     "eval": 8,
     "export_merged": 8,
+    "rollouts": 8,
     "algorithms": 7,
     "environments": 6,
     "engine": 5,

@@ -22,6 +22,7 @@ from fastgrpo.algorithms.advantages import compute_advantages, overlong_penalty,
 from fastgrpo.algorithms.batch import Group, Sample
 from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.prerequisites import no_prerequisites
+from fastgrpo.algorithms.rollout_log import RolloutLog, with_scores
 from fastgrpo.algorithms.sampling import sampling_params
 from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import Config
@@ -121,6 +122,7 @@ class GRPO:
         """The step whose policy weights the reference holds (None: the initial weights)."""
         self.update = PolicyUpdate(cfg, ctx.wrapped, ctx.optimizer, ctx.scheduler, self.ref_model,
                                    st.device, st.world_size)
+        self.rollout_log = RolloutLog(cfg.logging, ctx.run_dir, ctx.tokenizer, st.rank, st.world_size)
 
     @property
     def rows_per_step(self) -> int:
@@ -271,6 +273,8 @@ class GRPO:
         rewards = [r + x for r, x in zip(raw, penalties)]
         groups = [Group(prompts[p], outs[p], rewards[p * G : (p + 1) * G], max(raw[p * G : (p + 1) * G]) >
                         min(raw[p * G : (p + 1) * G])) for p in range(len(prompts))]
+        if self.rollout_log.enabled:  # each completion's scores travel with its group (to the rollout log)
+            groups = with_scores(groups, result.per_function, trajs if self.envs is not None else None)
         lengths = [len(c.token_ids) for c in completions]
         correct = result.per_function.get("math", [float(x > 0) for x in total])
         sums = {"reward/sum": sum(rewards), "reward_sq/sum": sum(r * r for r in rewards),
@@ -373,6 +377,8 @@ class GRPO:
                 keep = keep and not (g.mask_zero_std_groups and not grp.signal)
                 samples.append(Sample(grp.prompt_ids, list(c.token_ids), list(c.logprobs), adv[p * G + j], keep,
                                       loss_mask=list(c.loss_mask) if self.envs is not None else None))
+        if self.rollout_log.enabled:  # rollouts/step_<N>.jsonl, N the step metrics.jsonl logs (fastgrpo.trainer)
+            self.rollout_log.record(t.step + 1, groups, adv)
         n = totals["completions/sum"]
         m = {key: totals[key] for key in ("reward/sum", "reward_sq/sum", "completions/sum", "tokens/sum")}
         m.update({
