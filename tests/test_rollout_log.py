@@ -170,3 +170,32 @@ def test_logging_fields_validate():
     with pytest.raises(ValueError, match="logging.rollouts_keep must be >= 0"):
         load_config(overrides=["logging.rollouts_keep=-1"])
     assert LoggingConfig().rollouts_keep == 100 and LoggingConfig().log_rollouts
+
+
+def test_multi_turn_rows_have_turns_tool_calls_and_the_environment_reward(tmp_path):
+    """tests/test_multiturn.py's adder case (env.reward_weight 0.5): the rows add the turns, the tool calls and the
+    environment's reward next to the math score; ``reward`` is their weighted sum (grpo.scale none: the advantage is
+    reward - the group mean)."""
+    from test_multiturn import call, scripted_trainer
+
+    trainer = scripted_trainer(tmp_path, [], "env.environment_factory=adder", "env.reward_weight=0.5",
+                               "grpo.num_generations=4", "grpo.scale=none", "data.synthetic_num_terms=2",
+                               "data.synthetic_max_value=99")
+    try:
+        row = trainer.algorithm.train_data.rows[0]
+        a, b = (int(x) for x in row["prompt"].removesuffix("=").split("+"))
+        boxed = f"\\boxed{{{row['answer']}}}"
+        trainer.engine.script = [[[call("add", a=a, b=b), boxed], [call("add", a=a, b=b + 1), boxed], [boxed],
+                                  [call("add", a=a, b=b), "\\boxed{x}"]], [["\\boxed{x}"]] * 4]
+        trainer.algorithm.rollout(trainer.sampler.next(2), {"max_new_tokens": 64, "max_sequence_tokens": 0})
+    finally:
+        trainer.close()
+    rows = read_jsonl(tmp_path / "rollouts" / "step_00000001.jsonl")
+    assert [(r["group"], r["sample"]) for r in rows] == [(g, s) for g in range(2) for s in range(4)]
+    assert [(r["turns"], r["tool_calls"]) for r in rows[:4]] == [(2, 1), (2, 1), (1, 0), (2, 1)]
+    assert [r["rewards"] for r in rows[:4]] == [{"math": 1.0, "env": 1.0}, {"math": 1.0, "env": 0.0},
+                                                {"math": 1.0, "env": 0.0}, {"math": 0.0, "env": 1.0}]
+    assert [r["reward"] for r in rows[:4]] == [1.5, 1.0, 1.0, 0.5]
+    assert [r["advantage"] for r in rows[:4]] == pytest.approx([0.5, 0.0, 0.0, -0.5])
+    eos = trainer.tokenizer.eos_token
+    assert "<tool_response>" in rows[0]["completion"] and rows[0]["completion"].endswith(boxed + eos)
