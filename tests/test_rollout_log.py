@@ -120,7 +120,7 @@ def test_selections_and_table():
     assert select(rows, truncated=True) == [rows[1], rows[2]]
     assert select(rows, worst=1, truncated=True) == [rows[1]]
     table = format_table(rows).splitlines()
-    assert len(table) == 5 and table[2].endswith("x\\ny")  # one line a row
+    assert len(table) == 5 and table[2].endswith("x↵y")  # one line a row
     assert one_line("z" * 500) == "z" * 199 + "…" and len(table[3].split()[-1]) == 200
 
 

@@ -91,8 +91,9 @@ def prune(directory: Path, keep: int, rank: int | None) -> list[Path]:
 
 
 def one_line(text: str, limit: int = TEXT_CHARS) -> str:
-    """``text`` on one line (newlines as ``\\n``), cut to ``limit`` characters with an ellipsis."""
-    text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    """``text`` on one line (each line break as ``↵``, a tab as a space), cut to ``limit`` characters with an
+    ellipsis."""
+    text = text.replace("\r\n", "↵").replace("\n", "↵").replace("\r", "↵").replace("\t", " ")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
