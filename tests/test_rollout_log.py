@@ -9,6 +9,7 @@ import statistics
 import pytest
 from checks import ScriptedEngine, one_thread  # noqa: F401  (one_thread: a module fixture)
 
+from fastgrpo.algorithms.batch import Sample
 from fastgrpo.algorithms.rollout_log import RolloutLog, ScoredGroup, format_table, one_line, prune
 from fastgrpo.config import LoggingConfig
 from fastgrpo.engine.engine import Completion
@@ -18,7 +19,8 @@ from fastgrpo.rollouts import main, read_step, select, step_files
 SMALL = ["grpo.num_prompts_per_step=2", "grpo.num_generations=3", "rollout.max_new_tokens=6", "sft.warmup_steps=0",
          "eval.at_start=false", "eval.at_end=false", "eval.every_steps=0", "checkpoint.every_steps=0",
          "checkpoint.save_final=false", "logging.progress_bar=false", "train.num_threads=1", "data.shuffle=false",
-         "reward.functions=[math, format]", "reward.weights=[1.0, 0.5]", "reward.num_workers=0"]
+         "reward.functions=[math, format]", "reward.weights=[1.0, 0.5]", "reward.num_workers=0",
+         "grpo.mask_truncated_completions=true"]
 LONG = "no box " + "a" * 300
 ADV_EPS = 1e-4
 
@@ -86,6 +88,7 @@ def test_every_row_matches_the_scripted_rollout(run, capsys):
                 assert r["completion_tokens"] == n and r["finish_reason"] == reason
                 assert r["rewards"] == {"math": right, "format": boxed}
                 assert r["reward"] == pytest.approx(right + 0.5 * boxed)
+                assert r["trained"] == (reason == "stop")  # grpo.mask_truncated_completions
                 assert "turns" not in r and "tool_calls" not in r  # single-turn
                 rewards.append(r["reward"])
             mean, std = statistics.mean(rewards), statistics.stdev(rewards)
@@ -134,16 +137,20 @@ def groups(n=2, G=2):
                         [float(j) for j in range(G)], True, [{"math": float(j)} for j in range(G)]) for p in range(n)]
 
 
+def samples(advantages, train=None):
+    return [Sample([1], [2], [0.0], a, True if train is None else train[i]) for i, a in enumerate(advantages)]
+
+
 def test_the_cap_deletes_the_oldest_steps_first(tmp_path):
     log = RolloutLog(LoggingConfig(rollouts_keep=3), tmp_path, Tok(), 0, 1)
     for step in (3, 1, 2, 5, 4):
-        log.record(step, groups(), [0.0] * 4)
+        log.record(step, groups(), samples([0.0] * 4))
     names = sorted(p.name for p in (tmp_path / "rollouts").iterdir())
     assert names == ["step_00000003.jsonl", "step_00000004.jsonl", "step_00000005.jsonl"]  # and no .tmp
     assert prune(tmp_path / "rollouts", 1, None) == [tmp_path / "rollouts" / f"step_0000000{s}.jsonl" for s in (3, 4)]
-    RolloutLog(LoggingConfig(rollouts_keep=0), tmp_path, Tok(), 0, 1).record(9, groups(), [0.0] * 4)
+    RolloutLog(LoggingConfig(rollouts_keep=0), tmp_path, Tok(), 0, 1).record(9, groups(), samples([0.0] * 4))
     assert len(list((tmp_path / "rollouts").iterdir())) == 2  # 0 keeps all
-    RolloutLog(LoggingConfig(log_rollouts=False), tmp_path / "off", Tok(), 0, 1).record(1, groups(), [0.0] * 4)
+    RolloutLog(LoggingConfig(log_rollouts=False), tmp_path / "off", Tok(), 0, 1).record(1, groups(), samples([0.0] * 4))
     assert not (tmp_path / "off").exists()
 
 
@@ -151,11 +158,12 @@ def test_several_ranks_write_their_own_files_read_back_as_one_step(tmp_path):
     for rank in (1, 0):
         log = RolloutLog(LoggingConfig(rollouts_keep=1), tmp_path, Tok(), rank, 2)
         for step in (1, 2):
-            rows = log.record(step, groups(), [0.5, -0.5, 0.25, -0.25])
+            rows = log.record(step, groups(), samples([0.5, -0.5, 0.25, -0.25], [True, False] * 2))
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_00000002.rank0.jsonl",
                                                                          "step_00000002.rank1.jsonl"]
     assert [r["group"] for r in rows] == [0, 0, 1, 1] and rows[1]["completion"] == "0 1 9 <eos>"
     assert rows[2]["rewards"] == {"math": 0.0} and rows[3]["advantage"] == -0.25 and rows[2]["prompt_tokens"] == 3
+    assert [r["trained"] for r in rows] == [True, False] * 2
     merged = read_step(step_files(tmp_path)[2])
     assert [(r["group"], r["sample"]) for r in merged] == [(g, s) for g in range(4) for s in range(2)]
     assert [r["prompt"] for r in merged[4:6]] == ["1 2 0 <eos>"] * 2  # rank 1's first group is the step's third

@@ -12,7 +12,8 @@ rank r's groups follow rank r-1's), ``sample`` (its index in the group), ``promp
 with the special tokens, so stop tokens show), ``prompt_tokens``, ``completion_tokens``, ``finish_reason``,
 ``turns`` and ``tool_calls`` (multi-turn only), ``rewards`` (each reward function's raw score, and ``env``: the
 environment's reward, multi-turn), ``reward`` (after ``reward_scaling`` and ``reward_shaping``: what the advantage
-is computed from) and ``advantage`` (GRPO's; distillation rescales it by ``distill.reward_weight`` afterwards).
+is computed from), ``advantage`` (GRPO's; distillation rescales it by ``distill.reward_weight`` afterwards) and
+``trained`` (false: the completion gets no loss, ``grpo.mask_truncated_completions`` / ``mask_zero_std_groups``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastgrpo.algorithms.batch import Group
+from fastgrpo.algorithms.batch import Group, Sample
 from fastgrpo.config import LoggingConfig
 from fastgrpo.distributed import print0
 
@@ -121,8 +122,9 @@ class RolloutLog:
         """Anything to write or print (the rollout then keeps each completion's scores: :func:`with_scores`)."""
         return self.cfg.log_rollouts or self.cfg.completions_to_print > 0
 
-    def rows(self, step: int, groups: list[ScoredGroup], advantages: list[float]) -> list[dict]:
-        """One row per completion of this rank's ``groups`` (``advantages``: [groups x G], prompt-major)."""
+    def rows(self, step: int, groups: list[ScoredGroup], samples: list[Sample]) -> list[dict]:
+        """One row per completion of this rank's ``groups`` (``samples``: the rollout's, one per completion in the
+        same order: their advantages and whether they train)."""
         decode = self.tokenizer.decode
         first, out, i = self.rank * len(groups), [], 0
         for p, grp in enumerate(groups):
@@ -134,14 +136,15 @@ class RolloutLog:
                        "finish_reason": c.finish_reason}
                 if grp.tool_calls is not None:
                     row.update(turns=int(c.num_turns), tool_calls=grp.tool_calls[j])
-                row.update(rewards=dict(grp.scores[j]), reward=float(grp.rewards[j]), advantage=float(advantages[i]))
+                row.update(rewards=dict(grp.scores[j]), reward=float(grp.rewards[j]),
+                           advantage=float(samples[i].advantage), trained=bool(samples[i].train))
                 out.append(row)
                 i += 1
         return out
 
-    def record(self, step: int, groups: list[ScoredGroup], advantages: list[float]) -> list[dict]:
+    def record(self, step: int, groups: list[ScoredGroup], samples: list[Sample]) -> list[dict]:
         """Write (and print) step ``step``'s rows; returns them."""
-        rows = self.rows(step, groups, advantages)
+        rows = self.rows(step, groups, samples)
         if self.cfg.log_rollouts:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_jsonl(self.directory / step_file_name(step, self.rank, self.world_size), rows)
