@@ -743,8 +743,9 @@ class LoggingConfig:
     """Show a progress bar on rank 0."""
     log_rollouts: bool = True
     """Write each GRPO step's completions to <run dir>/rollouts/step_<N>.jsonl (N: the step of metrics.jsonl, 8 digits;
-    several processes: each writes step_<N>.rank<R>.jsonl), one JSON object per completion trained on: texts, token
-    counts, finish reason, each reward function's score, the reward and the advantage (python -m fastgrpo.rollouts)."""
+    several processes: each writes step_<N>.rank<R>.jsonl), one JSON object per completion of the step's batch: texts,
+    token counts, finish reason, each reward function's score, the reward, the advantage, whether it is trained on
+    (python -m fastgrpo.rollouts reads them)."""
     rollouts_keep: int = 100
     """Step files of rollouts/ kept per process, the oldest steps deleted first (0: keep all)."""
     completions_to_print: int = 0
