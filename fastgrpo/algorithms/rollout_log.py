@@ -1,4 +1,4 @@
-"""The completion log of GRPO's rollouts: per step, one JSON object per completion trained on, in
+"""The completion log of GRPO's rollouts: per step, one JSON object per completion of the batch (masked ones too), in
 ``<run dir>/rollouts/step_<N>.jsonl``, and an optional table of a few completions on the console.
 
 ``N`` is the step as ``metrics.jsonl`` logs it (the trainer's completed steps + 1), 8 digits. One process writes
