@@ -204,7 +204,8 @@ class Trainer:
     # ------------------------------------------------------------------ the shared validation
 
     def accuracy_eval(self, prompts: PromptDataset) -> dict[str, float]:
-        """avg@k / pass@k (``eval.*`` settings, math reward) on held-out ``prompts``, as ``eval/...`` metrics."""
+        """avg@k / pass@k, and maj@k / cons@k with the math verifier (``eval.*`` settings), on held-out ``prompts``, as
+        ``eval/...`` metrics."""
         e = self.cfg.eval
         start = time.perf_counter()
         settings = stage_settings(self.cfg, self.step)  # validation has the stage's length budgets (as NeMo-RL's)
@@ -220,6 +221,9 @@ class Trainer:
         out = {"eval/accuracy": acc, f"eval/pass@{e.k}": res[f"pass@{e.k}"],
                "eval/response_length": res["response_length/mean"], "eval/num_prompts": int(res["num_prompts"]),
                "time/eval": time.perf_counter() - start}
+        if f"maj@{e.k}" in res:  # the math verifier's votes (an environment's scores have none)
+            print0(f"step {self.step}: eval/maj@{e.k} {res[f'maj@{e.k}']:.3f}, eval/cons@{e.k} {res[f'cons@{e.k}']:.3f}")
+            out.update({f"eval/maj@{e.k}": res[f"maj@{e.k}"], f"eval/cons@{e.k}": res[f"cons@{e.k}"]})
         if "tool_call_rate" in res:
             print0(f"step {self.step}: eval/tool_call_rate {res['tool_call_rate']:.3f}")
             out["eval/tool_call_rate"] = res["tool_call_rate"]

@@ -60,6 +60,9 @@ def test_end_to_end_tiny_run(full_run):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 4] and all(0 <= r["eval/accuracy"] <= 1 for r in evals)
+    for r in evals:  # the votes pick one completion of each prompt: right at most where some completion is
+        k = next(key.split("@")[1] for key in r if key.startswith("eval/pass@"))
+        assert 0 <= r[f"eval/maj@{k}"] <= r[f"eval/pass@{k}"] and 0 <= r[f"eval/cons@{k}"] <= r[f"eval/pass@{k}"]
     train_rows = [r for r in rows if "eval/accuracy" not in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     expected = {"reward/mean", "reward/std", "reward/math/mean", "reward/math/failures", "accuracy",
