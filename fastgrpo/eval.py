@@ -29,6 +29,10 @@ Launch (a checkpoint directory, or any local HF model; the data settings come fr
     python -m fastgrpo.eval /models/my-model --recipe deepscaler-1.5b data.eval_path=/data/aime24.jsonl --k 16
 
 Under torchrun every rank scores its share of the prompts and the counts (maj@k's and cons@k's included) are summed.
+``--samples DIR`` writes every sample (:func:`sample_row`: prompt, completion, extracted answer, score) to
+``DIR/step_00000000.jsonl`` (a file per rank under torchrun), and the trainer's validation writes its own to
+``<run dir>/rollouts/eval/step_<N>.jsonl`` with ``logging.log_rollouts``; ``python -m fastgrpo.rollouts DIR`` reads
+either.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import argparse
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -93,9 +98,34 @@ def consensus_index(answers: Sequence[str | None]) -> int:
     return answers.index(top)
 
 
+def sample_row(tokenizer, dataset: PromptDataset, index: int, j: int, completion, text: str, score: float) -> dict:
+    """The eval sample log's row of completion ``j`` of dataset row ``index``: ``group`` (the prompt's index in the
+    dataset), ``sample``, ``prompt`` and ``completion`` (decoded with the special tokens, as the rollout log has
+    them), their token counts, ``finish_reason``, ``answer`` (the ground truth), ``extracted`` (the answer the
+    verifier reads in ``text``, the completion without special tokens; None: none) and ``reward`` (``c_pj``)."""
+    return {"group": index, "sample": j, "prompt": tokenizer.decode(dataset.prompt_ids[index], skip_special_tokens=False),
+            "completion": tokenizer.decode(list(completion.token_ids), skip_special_tokens=False),
+            "prompt_tokens": len(dataset.prompt_ids[index]), "completion_tokens": len(completion.token_ids),
+            "finish_reason": completion.finish_reason, "answer": dataset.rows[index].get("answer"),
+            "extracted": extracted_answer(text), "reward": score}
+
+
+def write_eval_samples(directory: Path, step: int, rows: list[dict], rank: int, world_size: int, keep: int) -> Path:
+    """``rows`` (:func:`sample_row`, ``step`` added to each) as ``directory/step_<step>.jsonl`` (``.rank<R>`` with
+    several processes), written atomically, keeping the ``keep`` latest steps (0: all), as the rollout log does;
+    ``python -m fastgrpo.rollouts <directory>`` reads them. Returns the file."""
+    from fastgrpo.algorithms.rollout_log import prune, step_file_name, write_jsonl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / step_file_name(step, rank, world_size)
+    write_jsonl(path, [{"step": step, **r} for r in rows])
+    prune(directory, keep, None if world_size == 1 else rank)
+    return path
+
+
 def evaluate(model, tokenizer, dataset: PromptDataset, params: SamplingParams, *, num_prompts: int = 0,
              engine: GenerationEngine | None = None, timeout_s: float = 5.0,
-             model_device: str | None = None, sample=None) -> dict[str, float]:
+             model_device: str | None = None, sample=None, rows: list[dict] | None = None) -> dict[str, float]:
     """``{"avg@k", "pass@k", "maj@k", "cons@k", "response_length/mean", "num_prompts"}`` (k = ``params.n``; the
     module docstring has the formulas) over the first
     ``num_prompts`` prompts of ``dataset`` (0: all), this rank's share sampled here with ``params`` (this rank's
@@ -109,7 +139,9 @@ def evaluate(model, tokenizer, dataset: PromptDataset, params: SamplingParams, *
     on ``dataset.prompt_ids``; the result then has ``tool_call_rate`` (trajectories with a tool call / P·k).
     ``scores`` (``[prompt][sample]``, or None for the math verifier): the environment's reward of each trajectory,
     which then stands for ``c_pj`` (a game's solve rate: avg@k its mean, pass@k the mean of each prompt's best);
-    such scores come without answers to vote on, so the result then has no maj@k / cons@k."""
+    such scores come without answers to vote on, so the result then has no maj@k / cons@k.
+
+    ``rows``: when given, one row per completion of this rank's share is appended to it (:func:`sample_row`)."""
     from fastgrpo.models.loading import eos_token_ids
 
     n = len(dataset) if num_prompts == 0 else min(num_prompts, len(dataset))
@@ -147,6 +179,10 @@ def evaluate(model, tokenizer, dataset: PromptDataset, params: SamplingParams, *
                 m = majority_index(group, timeout_s)
                 majority += 0.0 if m is None else float(scores[p, m])
                 consensus += float(scores[p, consensus_index(group)])
+        if rows is not None:
+            for p, (i, group) in enumerate(zip(mine, outs)):
+                rows += [sample_row(tokenizer, dataset, i, j, c, texts[p * k + j], float(scores[p, j]))
+                         for j, c in enumerate(group)]
     totals = all_reduce(torch.tensor([correct, first_correct, length, tool_trajectories, majority, consensus,
                                       verified], dtype=torch.float64,
                                      device=device if device.type == "cuda" and world > 1 else "cpu")).tolist()
@@ -172,6 +208,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--recipe", default=None, help="recipe whose data settings to use (default: tiny)")
     parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
     parser.add_argument("--k", type=int, default=None, help="samples per prompt (default: eval.k)")
+    parser.add_argument("--samples", default=None, metavar="DIR",
+                        help="write every sample (prompt, completion, extracted answer, score) to DIR/step_00000000.jsonl "
+                        "(one file per rank under torchrun); read it with python -m fastgrpo.rollouts DIR")
     parser.add_argument("overrides", nargs="*", help="group.field=value overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.recipe, args.config, [*args.overrides, f"model.path={args.model}"])
@@ -185,8 +224,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     k = args.k or cfg.eval.k
     params = sampling_params(cfg, stage_settings(cfg, 0), n=k, seed=cfg.train.seed * 1000 + state.rank,
                              validation=True)
+    rows = [] if args.samples else None
     result = evaluate(model, tokenizer, held_out, params, num_prompts=cfg.eval.num_prompts,
-                      timeout_s=cfg.reward.timeout_s)
+                      timeout_s=cfg.reward.timeout_s, rows=rows)
+    if rows is not None:
+        path = write_eval_samples(Path(args.samples), 0, rows, state.rank, state.world_size, keep=0)
+        print0(f"samples: {path if state.world_size == 1 else path.parent}")
     print0(" ".join(f"{key}={value:.4f}" for key, value in result.items()))
     destroy()
     return result

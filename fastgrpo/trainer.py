@@ -29,7 +29,7 @@ from fastgrpo.distributed import (
     wrap_model,
 )
 from fastgrpo.engine.engine import GenerationEngine
-from fastgrpo.eval import evaluate
+from fastgrpo.eval import evaluate, write_eval_samples
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics
 from fastgrpo.models.loading import (
     DTYPES,
@@ -205,16 +205,21 @@ class Trainer:
 
     def accuracy_eval(self, prompts: PromptDataset) -> dict[str, float]:
         """avg@k / pass@k, and maj@k / cons@k with the math verifier (``eval.*`` settings), on held-out ``prompts``, as
-        ``eval/...`` metrics."""
+        ``eval/...`` metrics; with ``logging.log_rollouts``, every sample in ``<run dir>/rollouts/eval/step_<N>.jsonl``
+        (N: the completed steps, as the metrics row has it)."""
         e = self.cfg.eval
         start = time.perf_counter()
         settings = stage_settings(self.cfg, self.step)  # validation has the stage's length budgets (as NeMo-RL's)
         with full_weights(self.wrapped):
             seed = (self.cfg.train.seed + 7) * 1000 + self.state.rank
             params = sampling_params(self.cfg, settings, n=e.k, seed=seed, validation=True)
+            rows = [] if self.cfg.logging.log_rollouts else None
             res = evaluate(unwrap_model(self.wrapped), self.tokenizer, prompts, params, num_prompts=e.num_prompts,
                            engine=self.engine, timeout_s=self.cfg.reward.timeout_s,
-                           sample=getattr(self.algorithm, "eval_sampler", lambda: None)())
+                           sample=getattr(self.algorithm, "eval_sampler", lambda: None)(), rows=rows)
+        if rows is not None:
+            write_eval_samples(self.run_dir / "rollouts" / "eval", self.step, rows, self.state.rank,
+                               self.state.world_size, self.cfg.logging.rollouts_keep)
         acc = res[f"avg@{e.k}"]
         print0(f"step {self.step}: eval/accuracy (avg@{e.k} on {int(res['num_prompts'])} held-out prompts) "
                f"{acc:.3f}, pass@{e.k} {res[f'pass@{e.k}']:.3f}")

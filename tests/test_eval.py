@@ -11,6 +11,7 @@ from fastgrpo.data.prompts import build_dataset
 from fastgrpo.engine.engine import SamplingParams
 from fastgrpo.eval import evaluate, main
 from fastgrpo.models.loading import build_tiny_tokenizer
+from fastgrpo.rollouts import read_step, step_files
 
 
 def test_avg_and_pass_at_k_closed_form():
@@ -20,8 +21,14 @@ def test_avg_and_pass_at_k_closed_form():
     texts = [["\\boxed{2}", "\\boxed{3}", "\\boxed{2}", "x"],  # 2 of 4 correct
              ["\\boxed{5}", "\\boxed{5}", "\\boxed{5}", "\\boxed{4}"],  # 1 of 4
              ["\\boxed{1}", "\\boxed{1}", "\\boxed{1}", "\\boxed{1}"]]  # 0 of 4
-    res = evaluate(None, tok, ds, SamplingParams(n=4), engine=ScriptedEngine(tok, texts), model_device="cpu")
+    rows = []
+    res = evaluate(None, tok, ds, SamplingParams(n=4), engine=ScriptedEngine(tok, texts), model_device="cpu",
+                   rows=rows)
     assert res["avg@4"] == pytest.approx(3 / 12) and res["pass@4"] == pytest.approx(2 / 3)
+    assert [(r["group"], r["sample"]) for r in rows] == [(p, j) for p in range(3) for j in range(4)]
+    assert [r["reward"] for r in rows] == [1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert [r["extracted"] for r in rows[:4]] == ["2", "3", "2", None] and rows[4]["answer"] == "4"
+    assert all(texts[r["group"]][r["sample"]] in r["completion"] and r["completion_tokens"] > 0 for r in rows)
     res2 = evaluate(None, tok, ds, SamplingParams(n=2), engine=ScriptedEngine(tok, texts), num_prompts=2,
                     model_device="cpu")
     assert res2["avg@2"] == pytest.approx(1 / 4) and res2["pass@2"] == pytest.approx(1 / 2)
@@ -35,7 +42,10 @@ def test_command_line_on_a_saved_model(tmp_path, capsys):
     model, tok = load_model(ModelConfig(), "cpu")
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    res = main([str(tmp_path), "--k", "2", "eval.num_prompts=6", "rollout.max_new_tokens=4", "train.num_threads=1"])
+    res = main([str(tmp_path), "--k", "2", "eval.num_prompts=6", "rollout.max_new_tokens=4", "train.num_threads=1",
+                "--samples", str(tmp_path / "samples")])
+    rows = read_step(step_files(tmp_path / "samples")[0])
+    assert len(rows) == 12 and sum(r["reward"] for r in rows) / 12 == pytest.approx(res["avg@2"], abs=1e-12)
     assert set(res) == {"avg@2", "pass@2", "maj@2", "cons@2", "response_length/mean", "num_prompts"}
     assert res["num_prompts"] == 6
     assert 0 <= res["avg@2"] <= res["pass@2"] <= 1 and 1 <= res["response_length/mean"] <= 4

@@ -63,6 +63,9 @@ def test_end_to_end_tiny_run(full_run):
     for r in evals:  # the votes pick one completion of each prompt: right at most where some completion is
         k = next(key.split("@")[1] for key in r if key.startswith("eval/pass@"))
         assert 0 <= r[f"eval/maj@{k}"] <= r[f"eval/pass@{k}"] and 0 <= r[f"eval/cons@{k}"] <= r[f"eval/pass@{k}"]
+        samples = read_jsonl(run_dir / "rollouts" / "eval" / f"step_{r['step']:08d}.jsonl")  # the eval's own samples
+        assert len(samples) == r["eval/num_prompts"] * int(k) and {s["step"] for s in samples} == {r["step"]}
+        assert sum(s["reward"] for s in samples) / len(samples) == pytest.approx(r["eval/accuracy"], abs=1e-12)
     train_rows = [r for r in rows if "eval/accuracy" not in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     expected = {"reward/mean", "reward/std", "reward/math/mean", "reward/math/failures", "accuracy",
