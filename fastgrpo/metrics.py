@@ -48,6 +48,12 @@ def _to_number(key: str, value) -> int | float | str:
     return value
 
 
+def _markdown_cell(value) -> str:
+    """``value`` in a markdown table cell: backslashes and ``|`` escaped, line breaks as ``<br>``."""
+    text = str(value).replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", "<br>").replace("\n", "<br>").replace("\r", "<br>")
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """All rows of a metrics JSONL file; ``"nan"`` / ``"inf"`` / ``"-inf"`` strings come back as floats.
 
@@ -150,6 +156,26 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         return row
+
+    def log_table(self, step: int, name: str, rows: list[Mapping[str, object]]) -> None:
+        """Mirror ``rows`` (dicts with the same keys: the columns) as one table per step to the writers that are on:
+        a ``wandb.Table`` logged under ``name``, and TensorBoard text ``name`` (a markdown table: ``|`` escaped, line
+        breaks as ``<br>``). Nothing goes to ``metrics.jsonl`` (the rows have files of their own); a no-op without
+        writers or rows. A value that is neither a number nor a string is written as its JSON text."""
+        if not self.enabled or not rows or (self._tb is None and self._wandb is None):
+            return
+        columns = list(rows[0])
+        data = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v, ensure_ascii=False)
+                 for v in (r.get(c) for c in columns)] for r in rows]
+        if self._tb is not None:
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in data]
+            self._tb.add_text(name, "\n".join(lines), global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb as wandb_mod
+
+            self._wandb.log({name: wandb_mod.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         """Close the file and the writers (idempotent)."""

@@ -165,3 +165,49 @@ def test_peak_memory_and_timer_cuda():
     del block
     out = timers.pop()
     assert list(out) == ["matmul"] and out["matmul"] > 0
+
+
+class _Recorder:
+    """Stands in for a SummaryWriter / a W&B run: keeps what it is given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add_text(self, tag, text, global_step):
+        self.calls.append(("text", tag, text, global_step))
+
+    def log(self, data, step):
+        self.calls.append(("log", data, step))
+
+    def flush(self):
+        pass
+
+
+def test_log_table_mirrors_rows_to_tensorboard_and_wandb(tmp_path, monkeypatch):
+    """One markdown table per step in TensorBoard (cells escaped so the table keeps its shape) and one wandb.Table;
+    nothing in metrics.jsonl."""
+    import sys
+    import types
+
+    fake = types.ModuleType("wandb")
+    fake.Table = lambda columns, data: ("table", columns, data)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    rows = [{"step": 3, "completion": "a|b\n\\boxed{1}", "reward": 1.0, "rewards": {"math": 1.0}},
+            {"step": 3, "completion": "x", "reward": 0.0, "rewards": {"math": 0.0}}]
+    with M.MetricsLogger(tmp_path) as logger:
+        logger._tb, logger._wandb = _Recorder(), _Recorder()
+        tb, wb = logger._tb, logger._wandb
+        logger.log_table(3, "rollouts", rows)
+        logger.log_table(4, "rollouts", [])  # nothing to show: nothing sent
+        logger._tb = logger._wandb = None  # the recorders have no close()
+    ((kind, tag, text, step),) = tb.calls
+    lines = text.split("\n")
+    assert (kind, tag, step) == ("text", "rollouts", 3) and len(lines) == 4
+    assert lines[0] == "| step | completion | reward | rewards |"
+    assert lines[2] == '| 3 | a\\|b<br>\\\\boxed{1} | 1.0 | {"math": 1.0} |'
+    assert all(line.replace("\\|", "").count("|") == 5 for line in lines[2:])  # 4 cells a row, escapes kept inside
+    ((kind, data, step),) = wb.calls
+    assert kind == "log" and step == 3 and data == {"rollouts": (
+        "table", ["step", "completion", "reward", "rewards"],
+        [[3, "a|b\n\\boxed{1}", 1.0, '{"math": 1.0}'], [3, "x", 0.0, '{"math": 0.0}']])}
+    assert not (tmp_path / "metrics.jsonl").read_text()
