@@ -750,10 +750,14 @@ class LoggingConfig:
     """Step files of rollouts/ kept per process, the oldest steps deleted first (0: keep all)."""
     completions_to_print: int = 0
     """Print this many of each GRPO step's completions on rank 0 as a table (0: none)."""
+    completions_to_log: int = 16
+    """With logging.tensorboard or logging.wandb on: the first this many of each GRPO step's completions on rank 0 (the
+    rollout log's rows) go there as a table, "rollouts" (a wandb.Table; TensorBoard text); 0: none."""
 
     def __post_init__(self):
         _check_min("logging.rollouts_keep", self.rollouts_keep, 0)
         _check_min("logging.completions_to_print", self.completions_to_print, 0)
+        _check_min("logging.completions_to_log", self.completions_to_log, 0)
 
 
 @dataclass

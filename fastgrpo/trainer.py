@@ -266,6 +266,9 @@ class Trainer:
         m["bad_steps"] = self.total_bad
         self.step += 1
         logger.log(self.step, m)
+        for name, rows in self.ctx.tables.items():  # e.g. the step's completions, for TensorBoard / W&B
+            logger.log_table(self.step, name, rows)
+        self.ctx.tables.clear()
         return m
 
     # ------------------------------------------------------------------ the run

@@ -207,3 +207,27 @@ def test_multi_turn_rows_have_turns_tool_calls_and_the_environment_reward(tmp_pa
     assert [r["advantage"] for r in rows[:4]] == pytest.approx([0.5, 0.0, 0.0, -0.5])
     eos = trainer.tokenizer.eos_token
     assert "<tool_response>" in rows[0]["completion"] and rows[0]["completion"].endswith(boxed + eos)
+
+
+def test_the_first_rows_of_each_step_go_to_the_metrics_writers(tmp_path, monkeypatch):
+    """logging.tensorboard on: each step's first logging.completions_to_log rollout rows reach
+    MetricsLogger.log_table as "rollouts", at that step, equal to the step file's first rows."""
+    from fastgrpo.config import load_config
+    from fastgrpo.metrics import MetricsLogger
+    from fastgrpo.trainer import Trainer
+
+    sent = []
+    monkeypatch.setattr(MetricsLogger, "log_table", lambda self, step, name, rows: sent.append((step, name, rows)))
+    cfg = load_config(overrides=[*SMALL, "train.max_steps=2", "logging.tensorboard=true",
+                                 "logging.completions_to_log=4", f"logging.output_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    try:
+        rows = trainer.algorithm.train_data.rows
+        trainer.ctx.engine = StepEngine(trainer.tokenizer, [
+            script_for([rows[i]["answer"] for i in (2 * s, 2 * s + 1)]) for s in range(2)])
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert [(step, name, len(r)) for step, name, r in sent] == [(1, "rollouts", 4), (2, "rollouts", 4)]
+    for step, _, r in sent:
+        assert r == read_step(step_files(tmp_path)[step])[:4]

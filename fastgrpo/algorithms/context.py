@@ -9,14 +9,15 @@ validation. It never sees the trainer, so an algorithm cannot drive the loop abo
 Two fields change during the run, and only the trainer writes them: ``step`` (completed steps, read by the
 algorithms for seeds, stage boundaries and log lines) and ``sampler`` (the data order, set once the algorithm has
 loaded its training rows, since its length is theirs). ``in_update`` is written by :meth:`updating` and read by the
-trainer: an interruption inside an update cannot save a consistent checkpoint.
+trainer: an interruption inside an update cannot save a consistent checkpoint. ``tables`` is filled by an algorithm's
+step and emptied by the trainer once it has sent them to the metrics writers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,9 @@ class AlgorithmContext:
     sampler: PromptSampler | None = None
     step: int = 0
     in_update: bool = False
+    tables: dict[str, list[dict]] = field(default_factory=dict)
+    """Rows an algorithm's step hands to the metrics writers as tables (name -> rows with the same keys; the trainer
+    sends them to TensorBoard / W&B after the step's metrics row, then clears them)."""
 
     def coll_device(self) -> torch.device:
         """Where host values are reduced: the device under NCCL, else the CPU."""

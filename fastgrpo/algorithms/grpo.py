@@ -378,7 +378,9 @@ class GRPO:
                 samples.append(Sample(grp.prompt_ids, list(c.token_ids), list(c.logprobs), adv[p * G + j], keep,
                                       loss_mask=list(c.loss_mask) if self.envs is not None else None))
         if self.rollout_log.enabled:  # rollouts/step_<N>.jsonl, N the step metrics.jsonl logs (fastgrpo.trainer)
-            self.rollout_log.record(t.step + 1, groups, samples)
+            rows = self.rollout_log.record(t.step + 1, groups, samples)
+            if self.rollout_log.to_log:
+                t.tables["rollouts"] = rows[: self.rollout_log.to_log]
         n = totals["completions/sum"]
         m = {key: totals[key] for key in ("reward/sum", "reward_sq/sum", "completions/sum", "tokens/sum")}
         m.update({

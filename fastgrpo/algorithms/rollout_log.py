@@ -119,8 +119,14 @@ class RolloutLog:
 
     @property
     def enabled(self) -> bool:
-        """Anything to write or print (the rollout then keeps each completion's scores: :func:`with_scores`)."""
-        return self.cfg.log_rollouts or self.cfg.completions_to_print > 0
+        """Anything to write, print or send to the metrics writers (the rollout then keeps each completion's scores:
+        :func:`with_scores`)."""
+        return self.cfg.log_rollouts or self.cfg.completions_to_print > 0 or self.to_log > 0
+
+    @property
+    def to_log(self) -> int:
+        """Rows of each step for TensorBoard / W&B (``logging.completions_to_log`` when either is on, else 0)."""
+        return self.cfg.completions_to_log if self.cfg.tensorboard or self.cfg.wandb else 0
 
     def rows(self, step: int, groups: list[ScoredGroup], samples: list[Sample]) -> list[dict]:
         """One row per completion of this rank's ``groups`` (``samples``: the rollout's, one per completion in the
