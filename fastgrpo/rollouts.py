@@ -6,7 +6,8 @@ there).
 (finish reason ``length``); ``--sort`` orders them (``reward`` and ``advantage``: lowest first, ``length``: longest
 first); ``--worst K`` shows the first K of that order (by lowest reward unless ``--sort`` says otherwise);
 ``--full`` prints each chosen completion's prompt and whole text after the table. A step written by several
-processes (``step_<N>.rank<R>.jsonl``) is read as one, its rows in group order.
+processes (``step_<N>.rank<R>.jsonl``) is read as one, its rows in group order. The eval's samples
+(``<run dir>/rollouts/eval``, or ``python -m fastgrpo.eval --samples DIR``) read the same way, without advantages.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def full_text(rows: list[dict]) -> str:
     """Each row's prompt and whole completion, with its scores."""
     parts = []
     for r in rows:
+        scores = (f" {r['rewards']}, advantage {r['advantage']:.4f}" if "advantage" in r  # a training step's row
+                  else f", answer {r['answer']!r}, extracted {r['extracted']!r}")  # an eval sample's row
         extra = f", turns {r['turns']}, tool calls {r['tool_calls']}" if r.get("turns") is not None else ""
-        parts.append(f"--- step {r['step']} group {r['group']} sample {r['sample']}: reward {r['reward']:.4f} "
-                     f"{r['rewards']}, advantage {r['advantage']:.4f}, {r['finish_reason']}, "
-                     f"{r['prompt_tokens']} + {r['completion_tokens']} tokens{extra}\n"
+        parts.append(f"--- step {r['step']} group {r['group']} sample {r['sample']}: reward {r['reward']:.4f}"
+                     f"{scores}, {r['finish_reason']}, {r['prompt_tokens']} + {r['completion_tokens']} tokens{extra}\n"
                      f"[prompt]\n{r['prompt']}\n[completion]\n{r['completion']}")
     return "\n".join(parts)
 
@@ -90,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step} has no rollout file; logged steps: {sorted(steps)}", file=sys.stderr)
         return 1
     rows = read_step(steps[step])
+    if args.sort == "advantage" and rows and "advantage" not in rows[0]:
+        print("--sort advantage: these rows have no advantage (eval samples); sort by reward or length",
+              file=sys.stderr)
+        return 1
     chosen = select(rows, worst=args.worst, sort=args.sort, truncated=args.truncated)
     print(f"step {step}: {len(chosen)} of {len(rows)} completions"
           + (f" ({len(steps)} steps logged, {min(steps)} to {max(steps)})" if len(steps) > 1 else ""))

@@ -11,6 +11,7 @@ from fastgrpo.data.prompts import build_dataset
 from fastgrpo.engine.engine import SamplingParams
 from fastgrpo.eval import evaluate, main
 from fastgrpo.models.loading import build_tiny_tokenizer
+from fastgrpo.rollouts import main as rollouts_main
 from fastgrpo.rollouts import read_step, step_files
 
 
@@ -46,11 +47,16 @@ def test_command_line_on_a_saved_model(tmp_path, capsys):
                 "--samples", str(tmp_path / "samples")])
     rows = read_step(step_files(tmp_path / "samples")[0])
     assert len(rows) == 12 and sum(r["reward"] for r in rows) / 12 == pytest.approx(res["avg@2"], abs=1e-12)
+    printed = capsys.readouterr().out  # the eval's own lines (checked below)
+    assert rollouts_main([str(tmp_path / "samples"), "--sort", "length", "--full"]) == 0  # the browser reads them
+    shown = capsys.readouterr().out
+    assert shown.startswith("step 0: 12 of 12 completions") and shown.count("--- step 0 group") == 12
+    assert all(f"extracted {r['extracted']!r}" in shown for r in rows)
+    assert rollouts_main([str(tmp_path / "samples"), "--sort", "advantage"]) == 1
     assert set(res) == {"avg@2", "pass@2", "maj@2", "cons@2", "response_length/mean", "num_prompts"}
     assert res["num_prompts"] == 6
     assert 0 <= res["avg@2"] <= res["pass@2"] <= 1 and 1 <= res["response_length/mean"] <= 4
     assert 0 <= res["maj@2"] <= res["pass@2"] and 0 <= res["cons@2"] <= res["pass@2"]
-    printed = capsys.readouterr().out
     assert all(f"{key}=" in printed for key in res)  # every key of the result is printed
 
 

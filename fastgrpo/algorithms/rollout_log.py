@@ -99,12 +99,14 @@ def one_line(text: str, limit: int = TEXT_CHARS) -> str:
 
 
 def format_table(rows: list[dict], limit: int = TEXT_CHARS) -> str:
-    """``rows`` (rollout log rows) as a plain-text table: step, group, sample, reward, advantage, finish reason,
-    completion tokens and the completion on one line, cut to ``limit`` characters."""
+    """``rows`` (rollout log rows, or the eval's sample rows, which have no advantage: ``-``) as a plain-text table:
+    step, group, sample, reward, advantage, finish reason, completion tokens and the completion on one line, cut to
+    ``limit`` characters."""
     lines = [f"{'step':>6} {'group':>5} {'sample':>6} {'reward':>8} {'advantage':>9} {'finish':<9} {'tokens':>6}"
              "  completion"]
     for r in rows:
-        lines.append(f"{r['step']:>6} {r['group']:>5} {r['sample']:>6} {r['reward']:>8.3f} {r['advantage']:>9.3f} "
+        lines.append(f"{r['step']:>6} {r['group']:>5} {r['sample']:>6} {r['reward']:>8.3f} "
+                     f"{'-' if r.get('advantage') is None else format(r['advantage'], '.3f'):>9} "
                      f"{r['finish_reason']:<9} {r['completion_tokens']:>6}  {one_line(r['completion'], limit)}")
     return "\n".join(lines)
 
