@@ -745,7 +745,8 @@ class LoggingConfig:
     """Write each GRPO step's completions to <run dir>/rollouts/step_<N>.jsonl (N: the step of metrics.jsonl, 8 digits;
     several processes: each writes step_<N>.rank<R>.jsonl), one JSON object per completion of the step's batch: texts,
     token counts, finish reason, each reward function's score, the reward, the advantage, whether it is trained on
-    (python -m fastgrpo.rollouts reads them)."""
+    (python -m fastgrpo.rollouts reads them); and each validation's samples to rollouts/eval/step_<N>.jsonl (N: the
+    completed steps, as its metrics row has it)."""
     rollouts_keep: int = 100
     """Step files of rollouts/ kept per process, the oldest steps deleted first (0: keep all)."""
     completions_to_print: int = 0
