@@ -6,9 +6,9 @@ any file given with ``--config FILE``) and then by ``group.field=value`` overrid
 type; an unknown group or field is an error that names it. Every group validates itself at construction, so a bad
 value fails at start-up with the field's dotted name in the message (``grpo.epsilon_low must be >= 0, got -1``).
 
-``algorithm`` (grpo, dpo, sft or distill) picks what one training step does. Groups: ``model``, ``data``,
-``reward``, ``grpo``, ``reward_scaling``, ``reward_shaping``, ``dpo``, ``sft``, ``distill``, ``rollout``, ``train``,
-``stages`` (a list), ``checkpoint``, ``logging``, ``eval``.
+``algorithm`` (grpo, dpo, sft, distill or rm) picks what one training step does. Groups: ``model``, ``data``,
+``reward``, ``grpo``, ``reward_scaling``, ``reward_shaping``, ``dpo``, ``rm``, ``sft``, ``distill``, ``rollout``,
+``train``, ``stages`` (a list), ``checkpoint``, ``logging``, ``eval``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "group_loo", "none")
 STRATEGIES = ("ddp", "fsdp2", "none")
 SYNTHETIC_TASKS = ("add", "sliding_puzzle")
-ALGORITHMS = ("grpo", "dpo", "sft", "distill")
+ALGORITHMS = ("grpo", "dpo", "sft", "distill", "rm")
 DISTILL_MODES = ("full", "sampled_token")
 BUILTIN_ENVIRONMENTS = {"adder": "fastgrpo.environments.adder:AdderEnvironment",
                         "sliding_puzzle": "fastgrpo.environments.sliding_puzzle:SlidingPuzzle"}
@@ -222,11 +222,40 @@ class DataConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """One reward model of ``reward.models``: a sequence classifier with one label, scored on the GPU in the trainer
+    process (fastgrpo.algorithms.reward_models)."""
+
+    path: str = ""
+    """Local directory that AutoModelForSequenceClassification loads (an algorithm rm checkpoint is one), or a
+    fastgrpo run directory (its latest complete checkpoint)."""
+    weight: float = 1.0
+    """Weight of its score in the reward: total = sum of the functions' weighted scores + sum of weight x score."""
+    chat_template: str | None = None
+    """null: the model reads the policy's prompt and completion tokens as they are (re-tokenised as text when its
+    tokenizer differs); "tokenizer": its own tokenizer's chat template over [user: the prompt column's question,
+    assistant: the completion]; any other string: that Jinja template over the same messages."""
+    name: str | None = None
+    """Its metric name, reward/<name>/mean (null: "rm", or "rm<i>" when there are several)."""
+
+    def __post_init__(self):
+        if not self.path:
+            _fail("reward.models[].path", "must name a reward model directory", self.path)
+        if not Path(self.path).is_dir():
+            _fail("reward.models[].path", "is not a directory (a reward model saved by AutoModelForSequence"
+                  "Classification.save_pretrained, e.g. an algorithm rm checkpoint, or its run directory)", self.path)
+        if not math.isfinite(self.weight):
+            _fail("reward.models[].weight", "must be finite", self.weight)
+        if self.name is not None and (not self.name or "/" in self.name):
+            _fail("reward.models[].name", "must be a non-empty name without '/'", self.name)
+
+
+@dataclass
 class RewardConfig:
-    """Reward functions ``f(prompts, completions, **columns) -> list[float]`` and their weights."""
+    """Reward functions ``f(prompts, completions, **columns) -> list[float]`` and reward models, with weights."""
 
     functions: list[str] = field(default_factory=lambda: ["math"])
-    """Built-in names ("math", "format") or "module:function" for your own."""
+    """Built-in names ("math", "format") or "module:function" for your own ([]: reward models only)."""
     weights: list[float] = field(default_factory=list)
     """One weight per function (empty: all 1.0); the reward is the weighted sum."""
     timeout_s: float = 5.0
@@ -238,10 +267,20 @@ class RewardConfig:
     worker_init: str = ""
     """"module:function" called once in each reward worker before scoring (a sandbox, a verifier client); empty:
     none. With num_workers=0 it is called once in the training process."""
+    models: list[RewardModelConfig] = field(default_factory=list)
+    """Reward models, e.g. [{path: runs/rm-tiny, weight: 1.0}]: sequence classifiers scored in the trainer process
+    (compute dtype, packed, frozen, FSDP2-sharded like the reference) after generation."""
+
+    def model_names(self) -> list[str]:
+        """The reward models' metric names (``reward/<name>/mean``)."""
+        if len(self.models) == 1:
+            return [self.models[0].name or "rm"]
+        return [m.name or f"rm{i}" for i, m in enumerate(self.models)]
 
     def __post_init__(self):
-        if not self.functions:
-            _fail("reward.functions", "must name at least one reward function", self.functions)
+        if not self.functions and not self.models:
+            _fail("reward.functions", "must name at least one reward function when reward.models is empty",
+                  self.functions)
         if self.weights and len(self.weights) != len(self.functions):
             _fail("reward.weights", f"must have one weight per function ({len(self.functions)})", self.weights)
         if any(not math.isfinite(w) for w in self.weights):
@@ -255,6 +294,11 @@ class RewardConfig:
         if len(set(metric_names)) != len(metric_names):
             _fail("reward.functions", "must have distinct function names (they name the reward/<name>/ metrics)",
                   self.functions)
+        clash = sorted(set(self.model_names()) & set(metric_names)) or sorted(
+            {n for n in self.model_names() if self.model_names().count(n) > 1})
+        if clash:
+            _fail("reward.models", f"must have names distinct from each other and from the functions' ({clash} "
+                  "twice; they name the reward/<name>/ metrics)", [m.name for m in self.models])
 
 
 @dataclass
@@ -559,6 +603,22 @@ class DPOConfig:
 
 
 @dataclass
+class RMConfig:
+    """Reward-model training (``algorithm: rm``, fastgrpo.algorithms.rm): Bradley-Terry on preference pairs, TRL
+    RewardTrainer's loss."""
+
+    batch_size: int = 64
+    """Preference pairs per optimizer step, all ranks together (each pair is two sequences)."""
+    center_rewards_coefficient: float | None = None
+    """TRL's center_rewards_coefficient: adds coef x mean((r_chosen + r_rejected)^2) to the loss (null: no term)."""
+
+    def __post_init__(self):
+        _check_min("rm.batch_size", self.batch_size, 1)
+        if self.center_rewards_coefficient is not None:
+            _check_min("rm.center_rewards_coefficient", self.center_rewards_coefficient, 0)
+
+
+@dataclass
 class SFTConfig:
     """Supervised fine-tuning: ``algorithm: sft``, and the supervised warm-up before GRPO or DPO."""
 
@@ -799,8 +859,8 @@ class Config:
     name: str = "tiny"
     """Run name (the recipe's name by default); used in the run directory's name."""
     algorithm: str = "grpo"
-    """What a training step does: grpo (rollout and policy update), dpo (preference pairs), sft, or distill (GRPO's
-    rollout, a teacher's loss)."""
+    """What a training step does: grpo (rollout and policy update), dpo (preference pairs), sft, distill (GRPO's
+    rollout, a teacher's loss), or rm (a reward model on preference pairs)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -808,6 +868,7 @@ class Config:
     reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
     reward_shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -834,7 +895,8 @@ class Config:
             # GRPO's reference model is model.path's weights as loaded, not the warmed-up policy GRPO starts from
             _fail("sft.warmup_steps", "must be 0 when grpo.beta or a stage's beta is > 0 (the KL reference "
                   "would be the weights before the warm-up)", self.sft.warmup_steps)
-        seqs = {"dpo": 2, "sft": 1}.get(self.algorithm, 0)  # sequences of data.max_length that must fit together
+        # sequences of data.max_length that must fit together
+        seqs = {"dpo": 2, "rm": 2, "sft": 1}.get(self.algorithm, 0)
         if seqs * self.data.max_length > self.train.max_tokens_per_microbatch:
             _fail("train.max_tokens_per_microbatch", f"must hold {seqs} sequence(s) of data.max_length="
                   f"{self.data.max_length} tokens (algorithm {self.algorithm})", self.train.max_tokens_per_microbatch)
@@ -877,6 +939,13 @@ class Config:
                 if s.reset_reference:
                     _fail(f"stages[{i}].reset_reference", "must be false with model.lora (the reference is the "
                           "base with the adapters disabled, not a copy)", s.reset_reference)
+        if self.algorithm == "rm":
+            if self.sft.warmup_steps:
+                _fail("sft.warmup_steps", "must be 0 with algorithm rm (a reward model has no LM head to warm up)",
+                      self.sft.warmup_steps)
+            if self.model.lora is not None:
+                _fail("model.lora", "must be null with algorithm rm (the reward model trains in full)",
+                      "set")
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)

@@ -15,6 +15,7 @@ from fastgrpo.algorithms.dpo import DPO
 from fastgrpo.algorithms.forward import packed_forward
 from fastgrpo.algorithms.grpo import GRPO
 from fastgrpo.algorithms.prerequisites import RecipeRun
+from fastgrpo.algorithms.rm import RM
 from fastgrpo.algorithms.sampling import sampling_params
 from fastgrpo.algorithms.sft import SFT, sft_warmup
 from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -42,7 +43,7 @@ from fastgrpo.models.lora import BASE_DIR
 from fastgrpo.plan import check_fits
 from fastgrpo.precision import make_optimizer
 
-ALGORITHMS = {"grpo": GRPO, "dpo": DPO, "sft": SFT, "distill": Distill}
+ALGORITHMS = {"grpo": GRPO, "dpo": DPO, "sft": SFT, "distill": Distill, "rm": RM}
 
 
 def run_recipe(run: RecipeRun) -> None:
@@ -75,7 +76,8 @@ class Trainer:
 
     The loop (data order, steps, validation, metrics, progress, checkpoints, resume, torchrun) is the same for
     every algorithm. The algorithm (``config.algorithm``: ``fastgrpo.algorithms.grpo.GRPO``,
-    ``fastgrpo.algorithms.dpo.DPO``, ``fastgrpo.algorithms.sft.SFT``, ``fastgrpo.algorithms.distill.Distill``) is
+    ``fastgrpo.algorithms.dpo.DPO``, ``fastgrpo.algorithms.sft.SFT``, ``fastgrpo.algorithms.distill.Distill``,
+    ``fastgrpo.algorithms.rm.RM``) is
     built on the run's components (:class:`fastgrpo.algorithms.context.AlgorithmContext`, ``self.ctx``), never on
     the trainer, and supplies:
 
@@ -90,7 +92,10 @@ class Trainer:
       ``begin()``: once the warm-up is done, on a fresh run (DPO fixes its reference there); ``describe_data()``;
       ``progress``: the progress bar's fields;
     - optionally ``close()``: stop what it runs beside the trainer (GRPO's reward workers); :meth:`fit` calls it
-      at the end of the run, also on Ctrl-C and errors.
+      at the end of the run, also on Ctrl-C and errors;
+    - optionally ``load_model(model_cfg, device, seed=)`` (static) -> ``(model, tokenizer)`` and ``forward`` (the
+      wrapped model's forward) in place of the causal LM and :func:`fastgrpo.algorithms.forward.packed_forward`, and
+      ``generates = False``: no generation engine is built (``ctx.engine`` is None). The reward model's (``RM``).
     """
 
     def __init__(self, cfg: Config):
@@ -109,14 +114,19 @@ class Trainer:
 
         run_dir = self._run_dir()
         # with model.lora on the tiny model its base is saved once in <run dir>/base (the adapters' base_model_name)
-        model, tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed, base_dir=run_dir / BASE_DIR)
+        if hasattr(algorithm, "load_model"):
+            model, tokenizer = algorithm.load_model(cfg.model, st.device, seed=cfg.train.seed)
+        else:
+            model, tokenizer = load_model(cfg.model, st.device, seed=cfg.train.seed, base_dir=run_dir / BASE_DIR)
         model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
         if cfg.train.activation_checkpointing:
             enable_activation_checkpointing(model)
-        wrapped = wrap_model(model, st, cfg.train.strategy, forward=packed_forward)
-        engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
-                                  max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
-                                  max_total_tokens=cfg.rollout.max_total_tokens or None)
+        wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward))
+        engine = None
+        if getattr(algorithm, "generates", True):
+            engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
+                                      max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
+                                      max_total_tokens=cfg.rollout.max_total_tokens or None)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
         optimizer = make_optimizer(wrapped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2))

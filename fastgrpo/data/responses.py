@@ -8,7 +8,9 @@ Preference rows, one of::
     NeMo-RL:               {"context": P, "completions": [{"rank": 0, "completion": R}, {"rank": 1, ...}, ...]}
                            the lowest rank is chosen, the highest rejected (a tie between them is a bad row)
 
-R: a string, or a list of messages (the assistant turns that answer the prompt). SFT rows: ``{"messages": [...]}``
+A preference row may also hold ``margin``, a number (TRL's RewardTrainer column: how far the chosen reward must
+lead the rejected one in algorithm rm's loss; 0 without it). R: a string, or a list of messages (the assistant turns
+that answer the prompt). SFT rows: ``{"messages": [...]}``
 (the loss covers the assistant turns only) or ``{"prompt": P, "completion": R}`` (the loss covers the completion).
 A message is ``{"role": str, "content": str}``. String prompts become prompt text exactly as GRPO's do
 (``data.prompt_template``, then the chat template with ``data.system_prompt``:
@@ -18,6 +20,7 @@ conversation's last assistant turn) ends with the EOS token: appended when its t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fastgrpo.config import DataConfig
@@ -41,6 +44,8 @@ class PreferencePair:
     prompt_ids: list[int]
     chosen_ids: list[int]
     rejected_ids: list[int]
+    margin: float = 0.0
+    """The row's optional ``margin`` column (TRL's RewardTrainer: how far the chosen reward must lead; algorithm rm)."""
 
 
 @dataclass
@@ -243,7 +248,10 @@ def preference_pair(row: dict, renderer: Renderer, cfg: DataConfig) -> Preferenc
     if c == r:
         raise BadRow("rejected", f"'chosen' and 'rejected' are the same once truncated to data.max_length="
                      f"{cfg.max_length}", "chosen == rejected")
-    return PreferencePair(p, c, r)
+    margin = row.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise BadRow("margin", f"'margin' must be a finite number, got {margin!r}", "bad margin")
+    return PreferencePair(p, c, r, float(margin))
 
 
 def sft_example(row: dict, renderer: Renderer, cfg: DataConfig) -> SFTExample:

@@ -1,0 +1,236 @@
+"""Reward-model training (fastgrpo/algorithms/rm.py) and the reward model's packed scoring
+(fastgrpo/models/reward_model.py): the loss and metrics against TRL's formula (and TRL's own compute_loss when trl
+imports), the packed score against Hugging Face's padded AutoModelForSequenceClassification forward, a short run
+whose checkpoint AutoModelForSequenceClassification loads and scores identically."""
+
+import json
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from checks import EPS32, assert_flash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastgrpo.algorithms.rm import reward_loss
+from fastgrpo.config import ModelConfig, load_config
+from fastgrpo.metrics import read_jsonl
+from fastgrpo.models.packing import pack
+from fastgrpo.models.reward_model import build_reward_model, packed_scores, pooled_positions
+
+SMALL = ["model.tiny_hidden_size=32", "model.tiny_intermediate_size=64", "data.synthetic_num_terms=2",
+         "data.synthetic_eval_size=16", "data.max_length=24", "train.max_tokens_per_microbatch=64", "rm.batch_size=8",
+         "logging.progress_bar=false", "train.num_threads=1", "eval.every_steps=0"]
+
+
+def trl_formula(chosen, rejected, margin, coef):
+    """TRL RewardTrainer.compute_loss's loss and metrics, written out in plain float64 torch."""
+    c, r = chosen.double(), rejected.double()
+    d = c - r - (margin.double() if margin is not None else 0.0)
+    loss = -torch.nn.functional.logsigmoid(d).mean()
+    if coef is not None:
+        loss = loss + coef * ((c + r) ** 2).mean()
+    both = torch.cat([c, r])
+    return loss, {"accuracy": (c > r).double().mean(), "margin": (c - r).mean(), "rewards/chosen": c.mean(),
+                  "rewards/rejected": r.mean(), "mean_reward": both.mean(), "min_reward": both.min(),
+                  "max_reward": both.max()}
+
+
+@given(b=st.integers(1, 9), scale=st.sampled_from([0.1, 1.0, 30.0]), with_margin=st.booleans(),
+       coef=st.sampled_from([None, 0.0, 0.01, 1.0]), seed=st.integers(0, 2**16))
+def test_loss_and_metrics_match_trl_formula(b, scale, with_margin, coef, seed):
+    g = torch.Generator().manual_seed(seed)
+    chosen, rejected = (torch.randn(b, generator=g) * scale for _ in range(2))
+    margin = torch.rand(b, generator=g) * scale if with_margin else None
+    loss, m = reward_loss(chosen, rejected, margin, coef)
+    ref, ref_m = trl_formula(chosen, rejected, margin, coef)
+    # fp32 inputs: the loss rounds at the scale of its terms (log σ of differences up to ~4·scale, and coef·(2 scale)²)
+    tol = 16 * EPS32 * (1 + 4 * scale + (coef or 0) * 4 * scale**2)
+    assert abs(loss.item() - ref.item()) <= tol
+    for key, value in ref_m.items():
+        assert abs(m[key].item() - value.item()) <= 16 * EPS32 * (1 + 4 * scale), key
+
+
+@pytest.mark.parametrize("with_margin", [False, True])
+@pytest.mark.parametrize("coef", [None, 0.05])
+def test_loss_equals_trl_compute_loss(with_margin, coef):
+    """TRL's own RewardTrainer.compute_loss (unbound, on a stand-in trainer whose model returns the given rewards)."""
+    trl = pytest.importorskip("trl")
+    g = torch.Generator().manual_seed(3)
+    chosen, rejected = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    margin = torch.rand(6, generator=g) if with_margin else None
+    logits = torch.cat([chosen, rejected])[:, None]  # [2B, 1]: the chosen rows, then the rejected (TRL's collator)
+
+    def model(**inputs):
+        return SimpleNamespace(logits=logits)
+
+    model.training = True
+    acc = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x)
+    stub = SimpleNamespace(model=model, args=SimpleNamespace(center_rewards_coefficient=coef), accelerator=acc,
+                           _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": torch.zeros(12, 3, dtype=torch.long), "attention_mask": torch.ones(12, 3)}
+    if with_margin:
+        inputs["margin"] = margin
+    trl_loss = trl.RewardTrainer.compute_loss(stub, model, inputs)
+    loss, m = reward_loss(chosen, rejected, margin, coef)
+    assert abs(loss.item() - trl_loss.item()) <= 8 * EPS32 * max(1.0, abs(trl_loss.item()))
+    got = stub._metrics["train"]
+    for ours, theirs in [("accuracy", "accuracy"), ("margin", "margin"), ("mean_reward", "mean_reward"),
+                         ("min_reward", "min_reward"), ("max_reward", "max_reward")]:
+        assert abs(m[ours].item() - got[theirs][0]) <= 8 * EPS32 * 4, ours
+
+
+@given(lengths=st.lists(st.integers(1, 7), min_size=1, max_size=6), seed=st.integers(0, 2**16),
+       pad=st.sampled_from([None, 0, 1]))
+def test_pooled_positions_are_hf_rule(lengths, seed, pad):
+    """The packed pooling index equals HF's rule on the padded rows: the rightmost token != pad_token_id (argmax of
+    index · mask: 0 when every token is padding), the last token without a pad id."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 3, (n,), generator=g) for n in lengths]  # ids 0..2: padding ids occur, runs of them too
+    batch = pack(seqs)
+    got = pooled_positions(batch.input_ids, batch.cu_seqlens, pad)
+    starts = batch.cu_seqlens[:-1].long()
+    for b, s in enumerate(seqs):
+        if pad is None:
+            want = len(s) - 1
+        else:
+            want = int((torch.arange(len(s)) * (s != pad)).argmax())
+        assert int(got[b] - starts[b]) == want
+
+
+def tiny_rm(tmp_path, seed=0):
+    cfg = ModelConfig(path="tiny", tiny_hidden_size=32, tiny_intermediate_size=64, tiny_initializer_range=0.3)
+    model, tok = build_reward_model(cfg, torch.device("cpu"), seed=seed)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    return model, tok
+
+
+def hf_padded_scores(path, seqs, pad_id, dtype):
+    """AutoModelForSequenceClassification's padded forward (eager attention, right padding, attention mask)."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager", dtype=dtype).eval()
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.as_tensor(s)
+        mask[b, : len(s)] = 1
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask).logits.squeeze(-1)  # [B]
+
+
+def packed(model, seqs):
+    b = pack(seqs)
+    with torch.no_grad():
+        return packed_scores(model, b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+
+
+def score_floor(seqs, ref64):
+    """What fp32 cannot resolve here: the scores' scale times eps, times the sums in a row (a layer's matmuls of H
+    terms, the attention over the sequence, the head), with 64 for the layers' roundings compounding."""
+    return 64 * EPS32 * max(1.0, ref64.abs().max().item()) * (1 + math.log2(max(len(s) for s in seqs)))
+
+
+def test_packed_scores_match_hf_padded_forward(tmp_path):
+    """fp32 packed scores against HF's padded forward, both against the fp64 padded forward (flash-attn's rule):
+    sequences of varied lengths, some ending with EOS (= the pad token: HF pools the token before it), one made
+    only of it."""
+    model, tok = tiny_rm(tmp_path)
+    pad = tok.pad_token_id
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in (1, 7, 13, 30, 4, 19)]
+    seqs[1] = seqs[1] + [pad]  # a response ending with EOS
+    seqs[3] = seqs[3][:10] + [pad, pad] + seqs[3][10:] + [pad]  # EOS inside and at the end
+    seqs.append([pad, pad])  # only padding: HF pools token 0
+    got = packed(model, seqs)
+    ref32 = hf_padded_scores(tmp_path, seqs, pad, torch.float32)
+    ref64 = hf_padded_scores(tmp_path, seqs, pad, torch.float64)
+    assert got.dtype == torch.float32 and got.shape == (len(seqs),)
+    assert_flash("packed scores", got.double(), ref64, ref32.double(), score_floor(seqs, ref64))
+    assert ref64.std() > 1e-3  # the head separates the sequences: the comparison is not between constants
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="rm.batch_size"):
+        load_config("rm-tiny", overrides=["rm.batch_size=0"])
+    with pytest.raises(ValueError, match="rm.center_rewards_coefficient"):
+        load_config("rm-tiny", overrides=["rm.center_rewards_coefficient=-1"])
+    with pytest.raises(ValueError, match="sft.warmup_steps"):
+        load_config("rm-tiny", overrides=["sft.warmup_steps=10"])
+    missing = tmp_path / "no_such_rm"
+    with pytest.raises(ValueError, match=rf"reward.models\[0\].path .*{missing}"):
+        load_config("tiny", overrides=[f"reward.models=[{{path: {missing}}}]"])
+    with pytest.raises(ValueError, match="reward.functions"):
+        load_config("tiny", overrides=["reward.functions=[]"])
+    with pytest.raises(ValueError, match="reward.models"):
+        load_config("tiny", overrides=[f"reward.models=[{{path: {tmp_path}, name: math}}]"])
+    cfg = load_config("tiny", overrides=["reward.functions=[]", f"reward.models=[{{path: {tmp_path}}}, "
+                                                                 f"{{path: {tmp_path}, weight: 0.5}}]"])
+    assert cfg.reward.model_names() == ["rm0", "rm1"] and cfg.reward.models[1].weight == 0.5
+
+
+def test_short_run_saves_a_checkpoint_hf_loads_and_scores_identically(tmp_path):
+    """A 40-step rm run: its metrics rows, then the final checkpoint loaded by AutoModelForSequenceClassification
+    scores held-out pairs as the trained model's packed forward does (fp32, flash-attn's rule against fp64)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fastgrpo.trainer import Trainer
+
+    cfg = load_config("rm-tiny", overrides=[*SMALL, f"logging.output_dir={tmp_path}", "train.max_steps=40",
+                                           "checkpoint.every_steps=0", "rm.center_rewards_coefficient=0.01"])
+    trainer = Trainer(cfg)
+    assert trainer.engine is None
+    trainer.fit()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "eval/preference_accuracy" in r]
+    assert len(train_rows) == 40 and len(eval_rows) == 2  # at the start and at the end
+    for key in ("accuracy", "margin", "rewards/chosen", "rewards/rejected", "mean_reward", "min_reward",
+                "max_reward", "grad_norm"):
+        assert math.isfinite(train_rows[-1][key]), key
+    r = train_rows[-1]
+    assert r["min_reward"] <= r["rewards/rejected"] <= r["max_reward"]
+    mid = (r["rewards/chosen"] + r["rewards/rejected"]) / 2
+    assert abs(r["mean_reward"] - mid) <= 1e-5 * (1 + abs(r["max_reward"]))
+
+    ckpt = tmp_path / "checkpoints" / "step_00000040"
+    conf = json.loads((ckpt / "config.json").read_text())
+    assert conf["architectures"] == ["Qwen2ForSequenceClassification"] and len(conf["id2label"]) == 1
+    assert conf["pad_token_id"] == trainer.tokenizer.pad_token_id
+    hf = AutoModelForSequenceClassification.from_pretrained(ckpt)
+    assert hf.config.num_labels == 1
+    pairs = trainer.algorithm.held_out.items[:6]
+    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
+    trained = trainer.model
+    got = packed(trained, seqs)
+    for name, ours in hf.state_dict().items():  # the same weights, bit for bit
+        assert torch.equal(ours, trained.state_dict()[name]), name
+    ref32 = hf_padded_scores(ckpt, seqs, hf.config.pad_token_id, torch.float32)
+    ref64 = hf_padded_scores(ckpt, seqs, hf.config.pad_token_id, torch.float64)
+    assert_flash("checkpoint scores", got.double(), ref64, ref32.double(), score_floor(seqs, ref64))
+
+
+def test_margin_column_is_read_and_shifts_the_loss(tmp_path):
+    """TRL's optional margin column: read per pair (0 without it), a bad value skips the row as "bad margin"; the
+    loss subtracts it inside the log-sigmoid."""
+    from transformers import AutoTokenizer
+
+    from fastgrpo.data.responses import load_response_datasets
+
+    model, tok = tiny_rm(tmp_path)
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": 1.5}, {"prompt": "1+2=", "chosen": "3",
+                                                                               "rejected": "4"},
+            {"prompt": "2+2=", "chosen": "4", "rejected": "5", "margin": "big"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config("rm-tiny", overrides=[f"data.path={path}"]).data
+    train, _, _ = load_response_datasets(cfg, AutoTokenizer.from_pretrained(tmp_path), "dpo")
+    assert [p.margin for p in train.items] == [1.5, 0.0] and train.skipped == {"bad margin": 1}
+    chosen, rejected = torch.tensor([0.5, 0.0]), torch.tensor([0.0, 0.0])
+    loss, _ = reward_loss(chosen, rejected, torch.tensor([1.5, 0.0]))
+    want = (math.log1p(math.exp(1.0)) + math.log(2.0)) / 2  # −log σ(0.5 − 1.5), −log σ(0)
+    assert abs(loss.item() - want) <= 8 * EPS32
