@@ -22,7 +22,11 @@ EXPORTS = {
     "fused_linear_grpo_loss": "linear_grpo_loss",
     "fused_linear_logprobs": "linear_logprobs",
     "grpo_loss": "grpo_loss",
+    "load_balancing_loss": "moe",
     "logprobs_from_logits": "logprobs",
+    "moe_experts": "moe",
+    "moe_router": "moe",
+    "sparse_moe_block": "moe",
     "varlen_attention": "varlen_attention",
 }
 
