@@ -1,4 +1,5 @@
-"""Rewards: math correctness (fast path and math-verify), format, weights, and faults that score 0 and count."""
+"""Rewards: math correctness (fast path and math-verify), format, weights, and faults that score 0 and count (the
+faulty completions only: a failed call's completions are scored again alone)."""
 
 import math
 import random
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from fastgrpo.config import RewardConfig
-from fastgrpo.rewards import FAULTS, RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
+from fastgrpo.rewards import COUNTERS, RewardSet, format_reward, last_boxed, math_reward, resolve, time_limit
 from fastgrpo.rewards import functions as rewards
 
 
@@ -101,6 +102,13 @@ def user_rewards(tmp_path, monkeypatch):
         def wrong_length(prompts, completions, **kw):
             return [1.0]
 
+        def per_completion(prompts, completions, **kw):  # "slow" hangs, "boom" raises, "skip" drops a score
+            if "boom" in completions:
+                raise RuntimeError("boom")
+            if "slow" in completions:
+                time.sleep(30)
+            return [len(c) / 8 for c in completions if c != "skip"]
+
         def uses_columns(prompts, completions, answer, level, **kw):
             return [float(len(c) == int(a) and lv == "easy") for c, a, lv in zip(completions, answer, level)]
     """))
@@ -111,15 +119,34 @@ def test_faults_score_zero_and_are_counted(user_rewards):
     names = ["my_rewards:raises", "my_rewards:nan_second", "my_rewards:slow", "my_rewards:wrong_length", "math"]
     rs = RewardSet(RewardConfig(functions=names, timeout_s=0.1))
     res = rs.score(["p"] * 3, ["\\boxed{1}", "x", "y"], {"answer": ["1", "1", "1"]})
-    assert res.per_function["raises"] == [0.0, 0.0, 0.0] and res.faults["raises"]["failures"] == 3
-    assert res.per_function["nan_second"] == [1.0, 0.0, 2.0] and res.faults["nan_second"]["nonfinite"] == 1
-    assert res.per_function["slow"] == [0.0, 0.0, 0.0] and res.faults["slow"]["timeouts"] == 3
-    assert res.faults["wrong_length"]["failures"] == 3 and res.faults["math"] == dict.fromkeys(FAULTS, 0)
-    assert res.total == [1.0 + 1.0, 0.0, 2.0]
+    # raises() and slow() fail on each completion alone too; wrong_length()'s one score is right for one completion
+    assert res.per_function["raises"] == [0.0, 0.0, 0.0]
+    assert res.faults["raises"] == {"failures": 3, "timeouts": 0, "nonfinite": 0, "isolated": 3}
+    assert res.per_function["nan_second"] == [1.0, 0.0, 2.0]
+    assert res.faults["nan_second"] == {"failures": 0, "timeouts": 0, "nonfinite": 1, "isolated": 0}
+    assert res.per_function["slow"] == [0.0, 0.0, 0.0]
+    assert res.faults["slow"] == {"failures": 0, "timeouts": 3, "nonfinite": 0, "isolated": 3}
+    assert res.per_function["wrong_length"] == [1.0, 1.0, 1.0]
+    assert res.faults["wrong_length"] == {"failures": 0, "timeouts": 0, "nonfinite": 0, "isolated": 3}
+    assert res.faults["math"] == dict.fromkeys(COUNTERS, 0)
+    assert res.total == [1.0 + 1.0 + 1.0, 0.0 + 1.0, 2.0 + 1.0]
     assert all(math.isfinite(t) for t in res.total)
     m = res.metrics()
     assert (m["reward/slow/timeouts"], m["reward/slow/failures"], m["reward/nan_second/nonfinite"]) == (3.0, 0.0, 1.0)
-    assert "reward/slow/failures/sum" not in m
+    assert m["reward/slow/isolated"] == 3.0 and "reward/slow/failures/sum" not in m
+
+
+def test_in_process_only_the_faulty_completions_score_zero(user_rewards):
+    """A call that hangs (SIGALRM), raises or returns too few scores is re-run one completion at a time: the innocent
+    completions of its chunk get their own scores; a chunk of one is final; a chunk that answers is kept."""
+    rs = RewardSet(RewardConfig(functions=["my_rewards:per_completion"], timeout_s=0.1))
+    texts = ["a", "slow", "abc", "ab", "boom", "abcd", "skip", "abcdef", "slow"]  # chunks [0:4] [4:8] [8:9]
+    res = rs.score(["p"] * len(texts), texts, {})
+    assert res.per_function["per_completion"] == [1 / 8, 0.0, 3 / 8, 2 / 8, 0.0, 4 / 8, 0.0, 6 / 8, 0.0]
+    assert res.faults["per_completion"] == {"failures": 2, "timeouts": 2, "nonfinite": 0, "isolated": 8}
+    clean = rs.score(["p"] * 4, ["a", "ab", "abc", "abcd"], {})
+    assert clean.per_function["per_completion"] == [1 / 8, 2 / 8, 3 / 8, 4 / 8]
+    assert clean.faults["per_completion"] == dict.fromkeys(COUNTERS, 0)
 
 
 def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
@@ -133,7 +160,7 @@ def test_math_verify_timeout_counts_for_that_completion(monkeypatch):
     rs = RewardSet(RewardConfig(functions=["math"], timeout_s=0.1))
     res = rs.score(["p", "p"], ["\\boxed{2}", "\\boxed{2*1}"], {"answer": ["2", "2"]})
     assert res.per_function["math"] == [1.0, 0.0]  # the exact match never reaches math-verify
-    assert res.faults["math"] == {"failures": 0, "timeouts": 1, "nonfinite": 0}
+    assert res.faults["math"] == {"failures": 0, "timeouts": 1, "nonfinite": 0, "isolated": 0}
 
 
 def test_dataset_columns_reach_user_functions(user_rewards):

@@ -46,7 +46,7 @@ def merge_results(a: RewardResult, b: RewardResult) -> RewardResult:
 
 # ---------------------------------------------------------------------------------------------- the algorithm
 
-REWARD_COUNTS = ("/failures", "/timeouts", "/nonfinite", "/workers_respawned")  # summed over ranks
+REWARD_COUNTS = ("/failures", "/timeouts", "/nonfinite", "/isolated", "/workers_respawned")  # summed over ranks
 SEED_STRIDE = 1_000_003  # separates the per-(step, rank) sampling seeds
 # Generation batch b of step s samples with the seed of batch 0 of step s + b * DS_SEED_STRIDE (the engine keeps 31 bits
 # of a seed: the step is taken modulo 2^21), a step no run reaches

@@ -2,8 +2,8 @@
 
 - :mod:`fastgrpo.rewards.functions`: the TRL-convention functions ``f(prompts, completions, **columns)``
   (``math_reward``, ``format_reward``) and their helpers.
-- :mod:`fastgrpo.rewards.scoring`: names resolved to functions, chunked calls with faults counted, the weighted sum
-  (:class:`RewardSet`, in the training process).
+- :mod:`fastgrpo.rewards.scoring`: names resolved to functions, chunked calls with faults counted (a failed call's
+  completions scored again alone), the weighted sum (:class:`RewardSet`, in the training process).
 - :mod:`fastgrpo.rewards.pool`: :class:`~fastgrpo.rewards.pool.RewardPool`, the same scoring in worker processes,
   with :mod:`fastgrpo.rewards.processes` (the trainer's handles on the server and workers) and
   :mod:`fastgrpo.rewards.worker` (the code that runs in them).
@@ -28,22 +28,26 @@ from fastgrpo.rewards.functions import (
 )
 from fastgrpo.rewards.scoring import (
     CHUNK_SIZE,
+    COUNTERS,
     FAULTS,
     RewardResult,
     RewardSet,
     add_faults,
+    call_budget,
     chunk_bounds,
+    chunks,
     combine,
     function_name,
     load_functions,
     no_scores,
     resolve,
     score_chunk,
+    score_isolated,
 )
 
 __all__ = [
-    "BOXED", "BUILTINS", "CHUNK_SIZE", "FAULTS", "VERDICT_CACHE_SIZE", "RewardResult", "RewardSet", "RewardTimeout",
-    "add_faults", "chunk_bounds", "clear_caches", "combine", "fast_verdict", "format_reward", "function_name",
-    "last_boxed", "load_functions", "math_reward", "math_score", "no_scores", "parsed_gold", "resolve",
-    "score_chunk", "time_limit",
+    "BOXED", "BUILTINS", "CHUNK_SIZE", "COUNTERS", "FAULTS", "VERDICT_CACHE_SIZE", "RewardResult", "RewardSet",
+    "RewardTimeout", "add_faults", "call_budget", "chunk_bounds", "chunks", "clear_caches", "combine", "fast_verdict",
+    "format_reward", "function_name", "last_boxed", "load_functions", "math_reward", "math_score", "no_scores",
+    "parsed_gold", "resolve", "score_chunk", "score_isolated", "time_limit",
 ]

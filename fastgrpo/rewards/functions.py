@@ -13,12 +13,14 @@ Built-ins:
 
 User functions are named ``"package.module:function"``. Every function is called on chunks of at most
 :data:`CHUNK_SIZE` completions, the chunks of each scored batch (a GRPO group) cut at fixed positions, so a score
-never depends on how the batches were scheduled. A fault scores 0 for the affected completions and is counted,
-never stopping the run: ``reward/<name>/failures`` (the function raised, returned the wrong number of values, or
-its module or ``reward.worker_init`` failed), ``reward/<name>/timeouts`` (past ``reward.timeout_s`` per
-completion) and ``reward/<name>/nonfinite`` (NaN or ±inf). In the training process (:class:`RewardSet`,
-``reward.num_workers=0``) the time limit is a SIGALRM timer on the main thread, which code that never returns to
-the interpreter escapes; :class:`fastgrpo.rewards.pool.RewardPool` kills the worker instead.
+never depends on how the batches were scheduled. A call gets ``reward.timeout_s`` in all (``math`` times each
+completion itself, ``reward.timeout_s`` each); when it fails as a whole, each of its completions is scored again
+alone, with ``reward.timeout_s`` of its own (``reward/<name>/isolated``). A completion's own fault scores 0 for it
+and is counted, never stopping the run: ``reward/<name>/failures`` (the function raised or returned the wrong
+number of values on it alone, or its module or ``reward.worker_init`` failed), ``reward/<name>/timeouts`` (past
+``reward.timeout_s`` alone) and ``reward/<name>/nonfinite`` (NaN or ±inf). In the training process
+(:class:`RewardSet`, ``reward.num_workers=0``) the time limit is a SIGALRM timer on the main thread, which code that
+never returns to the interpreter escapes; :class:`fastgrpo.rewards.pool.RewardPool` kills the worker instead.
 """
 
 from __future__ import annotations

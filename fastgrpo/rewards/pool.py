@@ -16,23 +16,42 @@ work with a hard time limit runs in the same workers the same way through :meth:
 and tool calls, :mod:`fastgrpo.environments`), which may pin a task to one worker (where its state lives): each
 worker takes its own pinned tasks before the shared queue's. A parent-side supervisor thread per worker keeps
 ``PIPELINE_DEPTH`` = 2 tasks at its worker (the next waits in the pipe, so the worker never idles waiting for the
-thread, which shares the GIL with the generation loop). The worker runs them one at a time; a
-task's budget, ``k × reward.timeout_s`` for k completions, starts when the worker starts it (when the task before it
-answered). Past it, the worker is killed: the k completions score 0 and count in ``reward/<name>/timeouts``, the task
-waiting behind it goes back to the queue, and a new worker is started at once. A worker that dies during a task
-(segfault, ``os._exit``, OOM kill) counts the task's completions in ``reward/<name>/failures`` and is replaced the
-same way. ``reward/workers_respawned`` counts both.
+thread, which shares the GIL with the generation loop). The worker runs them one at a time; a task's budget starts
+when the worker starts it (when the task before it answered). Past it, the worker is killed, the task waiting
+behind it goes back to the queue, and a new worker is started at once; a worker that dies during a task (segfault,
+``os._exit``, OOM kill) is replaced the same way. ``reward/workers_respawned`` counts both.
 
-**Longest wait.** Let ``B = 4 × timeout_s`` (the largest budget), T the step's tasks (reward functions × chunks of
-every group) and W the workers. A task runs at most once (a task sent back to the queue never started) and holds its
-worker at most B; it waits in the queue only while every worker holds two tasks, so the queue drains by W tasks per
-B at least, and once sent it waits at most one budget behind the task ahead of it. Hence
+**Fault isolation.** A reward call's budget is ``reward.timeout_s`` for the whole chunk (the ``math`` built-in,
+which times each completion itself, gets ``k × timeout_s`` for k completions, a limit only code that escapes its
+alarm reaches). When the call on several completions fails as a whole (past its budget, the function raised or
+returned the wrong number of scores, or its worker died), each of its completions is queued again as a task of its
+own, with a budget of ``timeout_s``, at the front of the queue (they hold up :meth:`gather`), and counted in
+``reward/<name>/isolated``; a task of one completion that fails scores 0 and counts in ``reward/<name>/timeouts``
+(past its budget) or ``reward/<name>/failures`` (raised, wrong length, worker died or could not start). So only a
+faulty completion scores 0, and an innocent one that shared its chunk gets the score it gets alone; a NaN or ±inf
+score is its own completion's fault already (``reward/<name>/nonfinite``). The supervisor threads run the re-runs:
+:meth:`submit` still returns at once. A re-run, or a task sent back to the queue, never waits in a worker's pipe
+behind another task: it is sent only to a worker with nothing in flight.
 
-    time/reward_wait ≤ (⌈T/W⌉ + 2) · 4 · timeout_s + time/reward_worker_start + milliseconds per task of dispatch,
+**Longest wait.** Let t = ``reward.timeout_s``, W the workers and, for one step's reward tasks: S the summed time of
+the calls that answered (the innocent completions of a failed call are scored twice: in it, and alone), C the calls
+on several completions killed at their budget (each holds a completion that then times out alone, or takes longer
+than t in all), H the completions that time out alone. A killed task holds its worker for its budget, t, so the
+workers are busy S + (C + H)·t in all, plus the start-ups. A worker idles only while the queue is empty (one with
+nothing in flight takes a task at once), so at each such moment the step's last task, or the chunk a re-run comes
+from, is running or waits in a pipe behind a running task. A task waits in a pipe only at its first dispatch, and
+before that it was in the queue from :meth:`submit` on, since before the wait began. So the idle moments lie within
+at most three tasks of at most t each (the one the chunk waited behind, the chunk, its re-run), and Graham's
+list-scheduling argument gives
 
-the middle term being the summed waits for workers to become ready (the first step's start-up, then each respawn:
+    time/reward_wait ≤ (S + (C + H)·t) / W + 3·t·(1 − 1/W) + time/reward_worker_start + milliseconds per task,
+
+the third term being the summed waits for workers to become ready (the first step's start-up, then each respawn:
 a fork and ``reward.worker_init``; at most :data:`fastgrpo.rewards.processes.WORKER_START_TIMEOUT_S` each, after
-which the task fails). With the demo's math reward (timeout_s = 5 s) and no hang the wait is the scoring time itself.
+which the task fails). With no fault (C = H = 0) that is S/W plus at most three calls. With fast functions (S ≈ 0)
+and one hang per failed chunk (C = H), a step waits at most 2·H·t / W + 3·t: each hang costs its chunk's budget
+once, then its own (with ``k × t`` for a chunk, as before isolation, it would cost (k + 1)·t). A ``math`` call
+killed past its ``k × t`` counts k·t in C's term and in the tail.
 
 **Processes, isolation and memory.** The pool starts one server per pool, a fresh interpreter (``python -c``, with
 the trainer's ``sys.path``, working directory and environment as they are when the pool is built) that imports only
@@ -75,11 +94,13 @@ from fastgrpo.config import RewardConfig
 from fastgrpo.rewards.processes import WORKER_START_TIMEOUT_S, WORKER_STOP_TIMEOUT_S, ServerProcess, WorkerProcess
 from fastgrpo.rewards.scoring import (
     CHUNK_SIZE,
-    FAULTS,
+    COUNTERS,
     RewardResult,
     RewardSet,
+    Scores,
     add_faults,
-    chunk_bounds,
+    call_budget,
+    chunks,
     combine,
     function_name,
     no_scores,
@@ -108,6 +129,8 @@ class _Task:
     done: Callable[[object, str | None], None]  # called (on a supervisor thread) with the worker's answer and None,
     # or None and the fault ("timeouts": past its budget, "failures": the worker died or could not start)
     worker: int | None = None  # the worker it must run on (its state lives there); None: any
+    pipe: bool = True  # whether it may wait in a worker's pipe behind another task: not a re-run nor a task sent
+    # back (the wait bound in the module docstring)
 
 
 class _TaskQueue:
@@ -126,15 +149,16 @@ class _TaskQueue:
             q.appendleft(task) if front else q.append(task)
             self.cond.notify_all()
 
-    def get(self, worker: int, block: bool) -> _Task | None:
-        """The next task for ``worker``: its own first, then a shared one; None when closed, or empty and not
-        ``block``."""
+    def get(self, worker: int, *, pipe: bool) -> _Task | None:
+        """The next task for ``worker``: its own first, then a shared one; None when closed. ``pipe``: to wait in
+        the worker's pipe behind the task it runs: None at once when there is none or the next one may not
+        (:attr:`_Task.pipe`); else it waits for one."""
         with self.cond:
             while not self.closed:
                 for q in (self.pinned[worker], self.shared):
                     if q:
-                        return q.popleft()
-                if not block:
+                        return q.popleft() if q[0].pipe or not pipe else None
+                if pipe:
                     return None
                 self.cond.wait()
             return None
@@ -164,7 +188,7 @@ class RewardPool:
         self.weights = list(cfg.weights) or [1.0] * len(self.names)
         self._batches: dict[int, tuple[list[str], list[str], dict[str, list]]] = {}
         self._in_process = RewardSet(cfg) if num_workers == 0 else None
-        self._results: dict[tuple[int, int, int], tuple[list[float], dict[str, int]]] = {}
+        self._results: dict[tuple[int, int, int], Scores] = {}  # (batch, function, first completion) -> scores
         self._expected = 0
         self._first_submit = self._last_result = None
         self._respawned = 0
@@ -211,11 +235,9 @@ class RewardPool:
             if self._in_process is not None:
                 return
             for f in range(len(self.names)):
-                for a, b in chunk_bounds(len(completions)):
+                for a, *chunk in chunks(prompts, completions, columns):
                     self._expected += 1
-                    args = (f, prompts[a:b], completions[a:b], {k: v[a:b] for k, v in columns.items()})
-                    self._queue.put(_Task(score_task, args, (b - a) * self.cfg.timeout_s,
-                                          functools.partial(self._store, (index, f, a), b - a)))
+                    self._queue.put(self._reward_task((index, f, a), (f, *chunk), alone=False))
 
     def run(self, fn: Callable, args: tuple, budget_s: float, done: Callable[[object, str | None], None], *,
             worker: int | None = None) -> None:
@@ -256,7 +278,7 @@ class RewardPool:
                     raise RuntimeError("RewardPool.gather after close()")
                 self._lock.wait(GATHER_POLL_S)
             results, self._results = self._results, {}
-            batches, self._batches = self._batches, {}
+            self._batches = {}
             first, last = self._first_submit or start, self._last_result or start
             times = {"time/reward_worker_start": self._start_wait_s, "reward/workers_respawned": float(self._respawned)}
             self._expected, self._first_submit, self._last_result = 0, None, None
@@ -267,14 +289,10 @@ class RewardPool:
             warnings.warn(f"{error}; its completions score 0 and count in reward/<name>/failures", RuntimeWarning,
                           stacklevel=2)
         per_function = {name: [] for name in self.names}
-        faults = {name: dict.fromkeys(FAULTS, 0) for name in self.names}
-        for index in sorted(batches):
-            n = len(batches[index][1])
-            for f, name in enumerate(self.names):
-                for a, _ in chunk_bounds(n):
-                    scores, counts = results[(index, f, a)]
-                    per_function[name] += scores
-                    add_faults(faults[name], counts)
+        faults = {name: dict.fromkeys(COUNTERS, 0) for name in self.names}
+        for (_, f, _), (scores, counts) in sorted(results.items()):  # batch, then function, then completion order
+            per_function[self.names[f]] += scores
+            add_faults(faults[self.names[f]], counts)
         end = time.perf_counter()
         times.update({"time/reward": max(last, start) - first, "time/reward_wait": end - start})
         return combine(self.names, self.weights, per_function, faults), times
@@ -282,7 +300,7 @@ class RewardPool:
     def _score_in_process(self) -> RewardResult:
         parts = [self._in_process.score(*self._batches[i]) for i in sorted(self._batches)]
         per_function = {name: [s for p in parts for s in p.per_function[name]] for name in self.names}
-        faults = {name: dict.fromkeys(FAULTS, 0) for name in self.names}
+        faults = {name: dict.fromkeys(COUNTERS, 0) for name in self.names}
         for p in parts:
             for name in self.names:
                 add_faults(faults[name], p.faults[name])
@@ -328,7 +346,7 @@ class RewardPool:
                 # PIPELINE_DEPTH tasks at the worker: it never waits for this thread (and the GIL it shares with the
                 # generation loop) between two tasks
                 while len(inflight) < PIPELINE_DEPTH:
-                    task = self._queue.get(index, block=not inflight)
+                    task = self._queue.get(index, pipe=bool(inflight))
                     if task is None:
                         if self._closed:
                             return
@@ -341,6 +359,7 @@ class RewardPool:
                     try:
                         worker.conn.send((task.fn, task.args))
                     except OSError:  # it died since its last answer: the poll below, or the next _ready, sees it
+                        task.pipe = False
                         self._queue.put(task, front=True)
                         break
                     if not inflight:
@@ -399,18 +418,40 @@ class RewardPool:
 
     def _lose(self, worker: WorkerProcess, inflight: deque[_Task], fault: str) -> str:
         """The worker hung or died in the head task: respawn it; the head fails as ``fault`` (returned), the tasks
-        waiting behind it (never started) go back to the front of the queue, in order."""
+        waiting behind it (never started) go back to the front of the queue, in order, never to wait in a pipe
+        again."""
         inflight.popleft()
         while inflight:
-            self._queue.put(inflight.pop(), front=True)
+            task = inflight.pop()
+            task.pipe = False
+            self._queue.put(task, front=True)
         self._respawn(worker)
         return fault
 
-    def _store(self, key: tuple[int, int, int], size: int, result: tuple[list[float], dict[str, int]] | None,
+    def _reward_task(self, key: tuple[int, int, int], args: tuple, *, alone: bool) -> _Task:
+        """The task of reward function ``args[0]`` on the completions of ``args`` (``alone``: one completion of a
+        failed call, re-run); its answer is kept under ``key``, (batch, function, first completion)."""
+        budget = call_budget(self.cfg.functions[args[0]], len(args[2]), self.cfg.timeout_s)
+        return _Task(score_task, args, budget, functools.partial(self._store, key, args, alone), pipe=not alone)
+
+    def _store(self, key: tuple[int, int, int], args: tuple, alone: bool, answer: Scores | str | None,
                fault: str | None) -> None:
-        """A reward chunk's answer (``size`` completions; a lost chunk scores 0 as ``fault``), kept for gather()."""
+        """A reward task's answer, kept for gather(). A call that failed as a whole (``fault``, or the worker's answer
+        naming one) on several completions queues each of them again alone, first; on one, it scores 0 as that
+        fault."""
+        fault = fault or (answer if isinstance(answer, str) else None)
+        n = len(args[2])
+        if fault and n > 1:
+            index, f, a = key
+            singles = [self._reward_task((index, f, a + j), (f, *one), alone=True) for j, *one in chunks(*args[1:], 1)]
+            with self._lock:
+                self._expected += n - 1  # the call's one result becomes n
+            for task in reversed(singles):
+                self._queue.put(task, front=True)
+            return
+        scores, counts = no_scores(n, fault) if fault else answer
         with self._lock:
-            self._results[key] = no_scores(size, fault) if fault else result
+            self._results[key] = (scores, {**counts, "isolated": 1} if alone else counts)
             self._last_result = time.perf_counter()
             self._lock.notify_all()
 

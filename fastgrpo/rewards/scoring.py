@@ -2,8 +2,12 @@
 weighted sum (:class:`RewardSet` in the training process; :class:`fastgrpo.rewards.pool.RewardPool` in workers).
 
 Every function is called on chunks of at most :data:`CHUNK_SIZE` completions, cut at fixed positions of each
-scored batch, so a score never depends on how the batches were scheduled (the fault rules:
-:mod:`fastgrpo.rewards.functions`).
+scored batch, so a score never depends on how the batches were scheduled. A call gets ``reward.timeout_s`` in all
+(:func:`call_budget`). When the call as a whole fails (it raised, returned the wrong number of scores, ran past its
+limit, or its worker died), each of its completions is scored again alone, with ``reward.timeout_s`` of its own:
+only a completion that is faulty by itself scores 0 and is counted (the fault rules:
+:mod:`fastgrpo.rewards.functions`), so a function that scores each completion independently of the others gives
+every completion, faulty neighbours or not, the score it gives it alone.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from dataclasses import dataclass, field
 from fastgrpo.config import RewardConfig
 from fastgrpo.rewards.functions import BUILTINS, RewardTimeout, math_reward, math_score, parsed_gold, time_limit
 
-CHUNK_SIZE = 4  # completions per reward call: a hang costs at most CHUNK_SIZE x reward.timeout_s
+CHUNK_SIZE = 4  # completions per reward call, which gets reward.timeout_s in all (then each alone, if it failed)
 FAULTS = ("failures", "timeouts", "nonfinite")  # the counters of reward/<name>/<fault>; each such completion scores 0
+COUNTERS = (*FAULTS, "isolated")  # reward/<name>/<counter>; isolated: completions scored again alone
+
+Scores = tuple[list[float], dict[str, int]]  # one score per completion (0 where faulty), and {counter: completions}
 
 
 def resolve(name: str) -> Callable[..., list[float]]:
@@ -72,23 +79,39 @@ def load_functions(functions: Sequence[str], worker_init: str) -> tuple[list[Cal
     return fns, errors
 
 
-def chunk_bounds(n: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of the reward calls over a batch of ``n`` completions: fixed chunks of :data:`CHUNK_SIZE`."""
-    return [(i, min(i + CHUNK_SIZE, n)) for i in range(0, n, CHUNK_SIZE)]
+def chunk_bounds(n: int, size: int = CHUNK_SIZE) -> list[tuple[int, int]]:
+    """``[start, end)`` of the reward calls over a batch of ``n`` completions: fixed chunks of ``size``."""
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def no_scores(n: int, fault: str) -> tuple[list[float], dict[str, int]]:
+def chunks(prompts: list[str], completions: list[str], columns: dict[str, list],
+           size: int = CHUNK_SIZE) -> list[tuple[int, list[str], list[str], dict[str, list]]]:
+    """The reward calls over a batch: ``(start, prompts, completions, columns)`` of each chunk of ``size``."""
+    return [(a, prompts[a:b], completions[a:b], {k: v[a:b] for k, v in columns.items()})
+            for a, b in chunk_bounds(len(completions), size)]
+
+
+def call_budget(name: str, n: int, timeout_s: float) -> float:
+    """Seconds one call of function ``name`` on ``n`` completions may take: ``timeout_s`` in all, but ``n ×
+    timeout_s`` for the ``math`` built-in, which :func:`score_chunk` times per completion itself (its budget stops
+    only code that escapes that alarm)."""
+    return n * timeout_s if BUILTINS.get(name) is math_reward else timeout_s
+
+
+def no_scores(n: int, fault: str) -> Scores:
     """``n`` zero scores, all counted as ``fault``."""
     return [0.0] * n, {f: n if f == fault else 0 for f in FAULTS}
 
 
 def score_chunk(fn: Callable | None, prompts: list[str], completions: list[str], columns: dict[str, list],
-                timeout_s: float, *, soft_limit: bool = True) -> tuple[list[float], dict[str, int]]:
-    """One reward call on a chunk: ``(scores, {fault: count})``, every fault scored 0 (see the module docstring).
+                timeout_s: float, *, soft_limit: bool = True) -> Scores | str:
+    """One reward call on a chunk: ``(scores, {fault: count})`` with each completion's own faults scored 0, or the
+    fault of the call as a whole, to be isolated by scoring its completions alone: "failures" (the function raised
+    or returned the wrong number of scores) or "timeouts" (past the SIGALRM limit).
 
-    ``fn`` None: a function that could not be loaded (all failures). The ``math`` built-in is timed and counted
-    per completion. Other functions get ``len(completions) × timeout_s`` as one SIGALRM limit when ``soft_limit``
-    (in the training process); in a worker the pool enforces that budget by killing the process.
+    ``fn`` None: a function that could not be loaded (all failures, no call). The ``math`` built-in is timed and
+    counted per completion, ``timeout_s`` each. Other functions get ``timeout_s`` for the whole call as a SIGALRM
+    limit when ``soft_limit`` (in the training process); in a worker the pool enforces it by killing the process.
     """
     n = len(completions)
     if fn is None:
@@ -108,35 +131,53 @@ def score_chunk(fn: Callable | None, prompts: list[str], completions: list[str],
                 counts["failures"] += 1
                 scores.append(0.0)
         return scores, counts
-    with time_limit(timeout_s * max(n, 1)) if soft_limit else nullcontext({"fired": False}) as status:
+    with time_limit(timeout_s) if soft_limit else nullcontext({"fired": False}) as status:
         try:
             scores = [float(s) for s in fn(prompts, completions, **columns)]
         except Exception:  # noqa: BLE001 - a reward function's fault scores 0 and is counted, never crashes the run
             scores = None
     if status["fired"]:
-        return no_scores(n, "timeouts")
+        return "timeouts"
     if scores is None or len(scores) != n:
-        return no_scores(n, "failures")
+        return "failures"
     counts["nonfinite"] = sum(not math.isfinite(s) for s in scores)
     return [s if math.isfinite(s) else 0.0 for s in scores], counts
 
 
+def score_isolated(fn: Callable | None, prompts: list[str], completions: list[str], columns: dict[str, list],
+                   timeout_s: float) -> Scores:
+    """:func:`score_chunk` in this process; when the call as a whole failed, each completion again alone (counted in
+    "isolated"), so that only the faulty ones score 0. A single completion's fault is final."""
+    result = score_chunk(fn, prompts, completions, columns, timeout_s)
+    if not isinstance(result, str):
+        return result
+    if len(completions) == 1:
+        return no_scores(1, result)
+    scores, counts = [], {"isolated": len(completions)}
+    for _, *one in chunks(prompts, completions, columns, 1):
+        s, c = score_isolated(fn, *one, timeout_s)
+        scores += s
+        add_faults(counts, c)
+    return scores, counts
+
+
 @dataclass
 class RewardResult:
-    """Weighted total per completion, each function's raw scores (0 where faulty), and its fault counts."""
+    """Weighted total per completion, each function's raw scores (0 where faulty), and its counters."""
 
     total: list[float]
     per_function: dict[str, list[float]]
     faults: dict[str, dict[str, int]] = field(default_factory=dict)
-    """name → {"failures", "timeouts", "nonfinite"} → completions."""
+    """name → :data:`COUNTERS` → completions: scored 0 as "failures", "timeouts" or "nonfinite"; "isolated": scored
+    again alone after their chunk's call failed."""
 
     def metrics(self) -> dict[str, float]:
-        """``reward/<name>/mean`` and the fault counts ``reward/<name>/<fault>`` (sum them across ranks)."""
+        """``reward/<name>/mean`` and the counts ``reward/<name>/<counter>`` (sum them across ranks)."""
         out = {}
         for name, scores in self.per_function.items():
             out[f"reward/{name}/mean"] = sum(scores) / max(len(scores), 1)
-            for fault in FAULTS:
-                out[f"reward/{name}/{fault}"] = float(self.faults.get(name, {}).get(fault, 0))
+            for counter in COUNTERS:
+                out[f"reward/{name}/{counter}"] = float(self.faults.get(name, {}).get(counter, 0))
         return out
 
 
@@ -149,8 +190,9 @@ def combine(names: list[str], weights: list[float], per_function: dict[str, list
 
 
 def add_faults(into: dict[str, int], counts: dict[str, int]) -> None:
-    for fault in FAULTS:
-        into[fault] = into.get(fault, 0) + counts.get(fault, 0)
+    """Add the :data:`COUNTERS` of ``counts`` into ``into``."""
+    for counter in COUNTERS:
+        into[counter] = into.get(counter, 0) + counts.get(counter, 0)
 
 
 class RewardSet:
@@ -170,11 +212,10 @@ class RewardSet:
         """Score every completion with every function; ``columns`` holds one value per completion."""
         prompts, completions = list(prompts), list(completions)
         per_function = {name: [] for name in self.names}
-        faults = {name: dict.fromkeys(FAULTS, 0) for name in self.names}
+        faults = {name: dict.fromkeys(COUNTERS, 0) for name in self.names}
         for name, fn in zip(self.names, self.functions):
-            for a, b in chunk_bounds(len(completions)):
-                scores, counts = score_chunk(fn, prompts[a:b], completions[a:b],
-                                             {k: v[a:b] for k, v in columns.items()}, self.timeout_s)
+            for _, *chunk in chunks(prompts, completions, columns):
+                scores, counts = score_isolated(fn, *chunk, self.timeout_s)
                 per_function[name] += scores
                 add_faults(faults[name], counts)
         return combine(self.names, self.weights, per_function, faults)

@@ -111,5 +111,6 @@ def _worker_main(conn: Connection, functions: list[str], worker_init: str, timeo
 
 
 def score_task(f: int, prompts: list[str], completions: list[str], columns: dict[str, list]):
-    """A task in a worker: reward function ``f`` on one chunk (the pool enforces the budget by killing)."""
+    """A task in a worker: reward function ``f`` on one chunk, :func:`score_chunk`'s answer (the pool enforces the
+    budget by killing, and isolates a call that failed as a whole)."""
     return score_chunk(_functions[f], prompts, completions, columns, _timeout_s, soft_limit=False)
