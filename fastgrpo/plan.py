@@ -22,6 +22,8 @@ the masters)::
     reference model     c·P when GRPO has a β > 0 at any stage, and for DPO (a frozen full copy)
     teacher (distill)   c·P_t                       c·(P_t / W + root_t + 2 layers_t): its shards, its root (gathered
                                                     from its first forward on) and two layers while it runs
+    reward models       Σ c·P_m                     Σ c·(P_m / W + root_m + 2 layers_m), as the teacher
+    (reward.models)
 
 The distillation teacher (``algorithm: distill``, P_t parameters, the shape of ``distill.teacher_path``'s config.json
 or of ``distill.teacher_recipe``'s model) is frozen in the compute dtype: no masters, optimizer state or gradients.
@@ -30,6 +32,12 @@ divergence kernel recomputes the teacher's logits from it; its workspace is the 
 forward itself runs before the student's, so its one-layer working set never meets the student's activations. In
 sampled-token mode the teacher's forwards run between generation and the update (nothing of it at the peaks but its
 weights).
+
+The reward models (``reward.models``, :mod:`fastgrpo.algorithms.reward_models`; P_m parameters, the shape of each
+one's config.json) are frozen in the compute dtype like the teacher. They score after generation, before the update:
+the KV cache is freed by then and no training activation exists yet, so that phase peaks at the static part, the
+policy's weights and one packed no-grad forward of the largest model over T tokens: one layer's working set
+``c·T·(3·h + (n_q + 2·n_kv)·d + 3·I)`` and its final hidden state ``c·T·h`` (the head reads B pooled rows only).
 
 With ``model.lora`` (:mod:`fastgrpo.models.lora`; p adapter parameters, ``r · (in + out)`` per targeted projection and
 layer) the base is frozen in the compute dtype and only the adapters train: weights ``c·(P + p)``; masters,
@@ -112,6 +120,16 @@ class ModelShape:
     layer_params: int
     """Parameters of one decoder layer."""
 
+    def frozen_bytes(self, c: int, nproc: int, fsdp: bool) -> int:
+        """A frozen copy in the compute dtype per GPU: whole, or (fsdp2) its shard, its root and two layers."""
+        root = self.params - self.layers * self.layer_params
+        return c * (self.params // nproc + root + 2 * self.layer_params) if fsdp else c * self.params
+
+    def forward_bytes(self, c: int, tokens: int) -> int:
+        """One packed no-grad forward over ``tokens`` tokens: one layer's working set and the final hidden state."""
+        qk = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return tokens * c * (3 * self.hidden + qk + 3 * self.intermediate) + c * tokens * self.hidden
+
 
 def model_shape(cfg: Config) -> ModelShape:
     """Build ``cfg.model`` on the meta device (no weights) and read its shape."""
@@ -142,8 +160,23 @@ def teacher_shape(cfg: Config) -> ModelShape:
     return model_shape(dataclasses.replace(cfg, model=model))
 
 
+def reward_model_shapes(cfg: Config) -> list[ModelShape]:
+    """The :class:`ModelShape` of each of ``reward.models`` (built on the meta device from its config.json)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from fastgrpo.algorithms.reward_models import reward_model_dir
+
+    out = []
+    for spec in cfg.reward.models:
+        hf = AutoConfig.from_pretrained(reward_model_dir(spec.path), trust_remote_code=cfg.model.trust_remote_code)
+        with torch.device("meta"):
+            out.append(shape_of(AutoModelForSequenceClassification.from_config(
+                hf, trust_remote_code=cfg.model.trust_remote_code)))
+    return out
+
+
 def shape_of(model) -> ModelShape:
-    """The :class:`ModelShape` of a Hugging Face causal LM (any device, meta included)."""
+    """The :class:`ModelShape` of a Hugging Face causal LM or sequence classifier (any device, meta included)."""
     c = model.config
     layer = model.get_decoder().layers[0]
     heads = c.num_attention_heads
@@ -227,6 +260,10 @@ class MemoryPlan:
     reference: int
     teacher: int
     teacher_hidden: int
+    reward_models: int
+    """reward.models' weights (frozen, compute dtype)."""
+    reward_pass: int
+    """The largest reward model's packed no-grad forward over one micro-batch."""
     train_extra: int
     activations: int
     activations_other: int
@@ -242,7 +279,8 @@ class MemoryPlan:
 
     @property
     def static(self) -> int:
-        return self.base_shard + self.masters + self.optimizer + self.gradients + self.reference + self.teacher
+        return (self.base_shard + self.masters + self.optimizer + self.gradients + self.reference + self.teacher
+                + self.reward_models)
 
     @property
     def generation_base(self) -> int:
@@ -269,8 +307,14 @@ class MemoryPlan:
         return self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
 
     @property
+    def scoring_peak(self) -> int:
+        """The reward models' pass, between generation (its KV cache freed) and the update."""
+        return self.static + self.weights + self.reward_pass
+
+    @property
     def fits(self) -> bool:
-        return self.training_peak <= self.usable and self.kv_sequences >= self.batch
+        return (self.training_peak <= self.usable and self.scoring_peak <= self.usable
+                and self.kv_sequences >= self.batch)
 
     def verdict(self) -> str:
         """``fits: ...`` or ``does not fit: ...`` with the cure."""
@@ -283,6 +327,10 @@ class MemoryPlan:
         t = self.cfg.train
         if self.training_peak > self.usable:
             cures.append(self._training_cure())
+        if self.scoring_peak > self.usable:
+            cures.append(f"a smaller train.max_tokens_per_microbatch (the reward models' pass peaks at "
+                         f"{self.scoring_peak / GIB:.1f} GiB)" + ("" if self.cfg.train.strategy == "fsdp2" or
+                                                                 self.nproc == 1 else " or train.strategy=fsdp2"))
         if self.kv_sequences < self.batch:
             cures.append(f"rollout.max_batch_size<={max(self.kv_sequences, 0)} (the KV cache holds "
                          f"{self.kv_sequences} sequences of {self.seq_len} tokens, the batch is {self.batch})"
@@ -331,6 +379,11 @@ class MemoryPlan:
                    "shards + gathered root + 2 layers" if t.strategy == "fsdp2" else "a full frozen copy"),
                row("teacher hidden state (full mode)", self.teacher_hidden, f"one micro-batch of {self.tokens} tokens")]
               if self.cfg.algorithm == "distill" else []),
+            *([row("reward models (compute dtype)", self.reward_models,
+                   f"{len(self.cfg.reward.models)} frozen, " + ("shards + gathered root + 2 layers"
+                                                               if t.strategy == "fsdp2" else "full copies")),
+               row("reward models' scoring peak", self.scoring_peak, f"one packed pass of {self.tokens} tokens")]
+              if self.reward_models else []),
             row("training: gathered weights, grads", self.train_extra,
                 "gathered root + 2 layers, unsharded fp32 grads" if t.strategy == "fsdp2" else "weights, compute-dtype "
                 "grads of a backward"),
@@ -354,12 +407,12 @@ class MemoryPlan:
 
 def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_checkpointing: bool | None = None,
                 kernel_loss: bool = True, shape: ModelShape | None = None,
-                teacher: ModelShape | None = None) -> MemoryPlan:
+                teacher: ModelShape | None = None, reward_models: list[ModelShape] | None = None) -> MemoryPlan:
     """The plan of ``cfg`` on ``nproc`` GPUs of ``gpu_memory_gib`` GiB each (see the module docstring).
 
     ``activation_checkpointing``: None reads ``train.activation_checkpointing``. ``kernel_loss``: the Triton loss
-    (GPU); False models the plain-torch path (CPU). ``shape`` / ``teacher``: the student's / distillation teacher's
-    shape (None: read from the config).
+    (GPU); False models the plain-torch path (CPU). ``shape`` / ``teacher`` / ``reward_models``: the student's /
+    distillation teacher's / reward models' shapes (None: read from the config).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be a positive integer, got {nproc!r}")
@@ -400,9 +453,9 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     teacher_bytes = teacher_hidden = 0
     if cfg.algorithm == "distill":
         ts = teacher or teacher_shape(cfg)
-        root_t = ts.params - ts.layers * ts.layer_params
-        teacher_bytes = c * (ts.params // nproc + root_t + 2 * ts.layer_params if fsdp else ts.params)
+        teacher_bytes = ts.frozen_bytes(c, nproc, fsdp)
         teacher_hidden = c * tokens * ts.hidden if cfg.distill.mode == "full" else 0
+    rms = (reward_models if reward_models is not None else reward_model_shapes(cfg)) if generates else []
     needs_ref = needs_ref and not p  # LoRA: the reference is the base, the adapters disabled
     # per token and layer: the adapters' x·A, minus the frozen norms' normalised rows (module docstring)
     lora_act = c * cfg.model.lora.r * len(cfg.model.lora.target_modules) - 2 * c * s.hidden if p else 0
@@ -410,7 +463,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
         weights=c * P, base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
         gradients=gradients, reference=c * P if needs_ref else 0, teacher=teacher_bytes, teacher_hidden=teacher_hidden,
-        train_extra=train_extra,
+        reward_models=sum(m.frozen_bytes(c, nproc, fsdp) for m in rms),
+        reward_pass=max((m.forward_bytes(c, tokens) for m in rms), default=0), train_extra=train_extra,
         activations=activation_bytes(s, c, tokens, ckpt, lora_act),
         activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act),
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss, frozen_head=bool(p)),

@@ -3,6 +3,7 @@
 imports), the packed score against Hugging Face's padded AutoModelForSequenceClassification forward, a short run
 whose checkpoint AutoModelForSequenceClassification loads and scores identically."""
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from fastgrpo.algorithms.rm import reward_loss
 from fastgrpo.config import ModelConfig, load_config
 from fastgrpo.metrics import read_jsonl
+from fastgrpo.models.loading import build_tiny_tokenizer
 from fastgrpo.models.packing import pack
 from fastgrpo.models.reward_model import build_reward_model, packed_scores, pooled_positions
 
@@ -234,3 +236,98 @@ def test_margin_column_is_read_and_shifts_the_loss(tmp_path):
     loss, _ = reward_loss(chosen, rejected, torch.tensor([1.5, 0.0]))
     want = (math.log1p(math.exp(1.0)) + math.log(2.0)) / 2  # −log σ(0.5 − 1.5), −log σ(0)
     assert abs(loss.item() - want) <= 8 * EPS32
+
+
+# ---------------------------------------------------------------------------------------------- reward.models in GRPO
+
+
+def reward_models(tmp_path, *overrides):
+    from fastgrpo.algorithms.reward_models import RewardModels
+    from fastgrpo.distributed import init_distributed
+
+    model, tok = tiny_rm(tmp_path / "rm")
+    cfg = load_config("tiny", overrides=[f"reward.models=[{{path: {tmp_path / 'rm'}, weight: 0.5}}]", *overrides])
+    return RewardModels(cfg, init_distributed("cpu"), tok), tok
+
+
+def test_reward_models_score_as_hf_padded_forward_and_join(tmp_path):
+    """RewardModels.score over several packed micro-batches (a 40-token budget) equals HF's padded forward of each
+    prompt + completion (fp32, flash-attn's rule against fp64), in order; join adds weight · score to the functions'
+    totals and logs the raw scores under the model's name."""
+    from fastgrpo.rewards import RewardResult
+
+    rms, tok = reward_models(tmp_path, "train.max_tokens_per_microbatch=40")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in (9, 3, 14, 9, 6)]
+    completions = [torch.randint(5, len(tok), (n,), generator=g).tolist() + [tok.eos_token_id] for n in (2, 20, 5,
+                                                                                                        11, 1)]
+    scores = rms.score(prompts, completions, ["q"] * 5)
+    assert list(scores) == ["rm"]
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    ref32 = hf_padded_scores(tmp_path / "rm", seqs, tok.pad_token_id, torch.float32)
+    ref64 = hf_padded_scores(tmp_path / "rm", seqs, tok.pad_token_id, torch.float64)
+    assert_flash("reward model scores", torch.tensor(scores["rm"], dtype=torch.float64), ref64, ref32.double(),
+                 score_floor(seqs, ref64))
+    joined = rms.join(RewardResult(total=[1.0] * 5, per_function={"math": [1.0] * 5}), scores)
+    assert joined.total == [1.0 + 0.5 * s for s in scores["rm"]]
+    assert joined.per_function == {"math": [1.0] * 5, "rm": scores["rm"]}
+
+
+def test_chat_template_reward_model_reads_the_rendered_conversation(tmp_path):
+    """chat_template "tokenizer": the reward model reads [user: question, assistant: completion] rendered by its
+    tokenizer's template (the tiny one: <|user|>q<|assistant|>a<|endoftext|>), not the policy's tokens."""
+    rms, tok = reward_models(tmp_path)
+    rms.specs[0] = dataclasses.replace(rms.specs[0], chat_template="tokenizer")
+    completion = tok("\\boxed{12}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    (seq,) = rms._sequences(0, [[7, 8, 9]], [completion], ["4+8="])
+    assert seq == tok("<|user|>4+8=<|assistant|>\\boxed{12}<|endoftext|>", add_special_tokens=False)["input_ids"]
+
+
+def test_grpo_with_a_reward_model_as_its_only_reward(tmp_path):
+    """A 2-step GRPO run with reward.functions=[] and one reward model: the rollout log's per-completion score is
+    the HF model's score of that prompt + completion, reward/rm/mean their mean, and the reward is weight · score."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fastgrpo.trainer import Trainer
+
+    tiny_rm(tmp_path / "rm")
+    run = tmp_path / "run"
+    cfg = load_config("tiny", overrides=[
+        "reward.functions=[]", f"reward.models=[{{path: {tmp_path / 'rm'}, weight: 2.0}}]",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6", "sft.warmup_steps=0",
+        "eval.num_prompts=8", "eval.every_steps=0", "checkpoint.every_steps=0", "logging.progress_bar=false",
+        "train.num_threads=1", "train.max_steps=2", "logging.log_rollouts=true", "grpo.mask_zero_std_groups=false",
+        f"logging.output_dir={run}"])
+    Trainer(cfg).fit()
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and "reward/rm/mean" in rows[0] and not any(
+        k.startswith("reward/rm/") and k != "reward/rm/mean" for k in rows[0])
+    logged = read_jsonl(run / "rollouts" / "step_00000001.jsonl")
+    assert len(logged) == 16
+    policy_tok = build_tiny_tokenizer()  # the tiny policy's: the text the log shows, back to the sampled ids
+    seqs = [policy_tok(r["prompt"] + r["completion"], add_special_tokens=False)["input_ids"] for r in logged]
+    got = torch.tensor([r["rewards"]["rm"] for r in logged], dtype=torch.float64)
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    ref32 = hf_padded_scores(tmp_path / "rm", seqs, hf.config.pad_token_id, torch.float32)
+    ref64 = hf_padded_scores(tmp_path / "rm", seqs, hf.config.pad_token_id, torch.float64)
+    assert_flash("logged scores", got, ref64, ref32.double(), score_floor(seqs, ref64))
+    assert abs(rows[0]["reward/rm/mean"] - got.mean().item()) <= 1e-6 * (1 + got.abs().max().item())
+    assert all(abs(r["reward"] - 2.0 * r["rewards"]["rm"]) <= 1e-6 * (1 + abs(r["reward"])) for r in logged)
+
+
+def test_memory_plan_counts_the_reward_models(tmp_path):
+    """fastgrpo.plan: each reward model's weights (its parameters counted on the loaded model, in the compute dtype)
+    join the static part, and the scoring peak holds one packed pass over a micro-batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    from fastgrpo.plan import memory_plan
+
+    tiny_rm(tmp_path / "rm")
+    params = sum(p.numel() for p in AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").parameters())
+    base = load_config("tiny", overrides=["model.dtype=bfloat16"])
+    with_rm = load_config("tiny", overrides=["model.dtype=bfloat16", f"reward.models=[{{path: {tmp_path / 'rm'}}}, "
+                                                                     f"{{path: {tmp_path / 'rm'}}}]"])
+    a, b = memory_plan(base, 1, 80.0), memory_plan(with_rm, 1, 80.0)
+    assert b.reward_models == 2 * 2 * params and b.static - a.static == b.reward_models
+    assert a.reward_pass == 0 and b.reward_pass > 0 and b.scoring_peak == b.static + b.weights + b.reward_pass
+    assert any("reward models" in line for line in b.lines())

@@ -2,10 +2,11 @@
 engine, score, group advantages: :mod:`fastgrpo.algorithms.advantages`), then :class:`PolicyUpdate`
 (:mod:`fastgrpo.algorithms.update`) on the packed micro-batches (:mod:`fastgrpo.algorithms.batch`).
 
-Rewards, per completion: the reward functions' weighted sum, then ``reward_scaling`` (:func:`scale_rewards`), then
-``reward_shaping``'s overlong penalty (:func:`overlong_penalty`); a group has signal when its rewards before shaping
-are not all equal. With ``grpo.use_dynamic_sampling`` (DAPO) a step generates batches until
-``num_prompts_per_step`` groups with signal exist over all ranks and trains on exactly that many
+Rewards, per completion: the reward functions' weighted sum plus the reward models' (``reward.models``,
+:mod:`fastgrpo.algorithms.reward_models`: scored in this process after generation), then ``reward_scaling``
+(:func:`scale_rewards`), then ``reward_shaping``'s overlong penalty (:func:`overlong_penalty`); a group has signal
+when its rewards before shaping are not all equal. With ``grpo.use_dynamic_sampling`` (DAPO) a step generates
+batches until ``num_prompts_per_step`` groups with signal exist over all ranks and trains on exactly that many
 (:meth:`GRPO.rollout`). Memory: the kept groups of up to ``dynamic_sampling_max_gen_batches`` batches wait on the host
 (token ids and log-probs as lists, about 70 bytes a token: 16 completions of 16K tokens are ~18 MB a group); a
 group moves between ranks once, pickled (``broadcast_object``). Time: each further batch is a whole generation.
@@ -22,6 +23,7 @@ from fastgrpo.algorithms.advantages import compute_advantages, overlong_penalty,
 from fastgrpo.algorithms.batch import Group, Sample
 from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.prerequisites import no_prerequisites
+from fastgrpo.algorithms.reward_models import RewardModels
 from fastgrpo.algorithms.rollout_log import RolloutLog, with_scores
 from fastgrpo.algorithms.sampling import sampling_params
 from fastgrpo.algorithms.update import PolicyUpdate
@@ -79,7 +81,8 @@ class GRPO:
     ``fastgrpo.models.lora.adapters_disabled``); from a stage with ``reset_reference`` on, the policy's weights at
     that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in :meth:`state_dict`, so
     a resumed run loads them back). Rewards are scored by a :class:`fastgrpo.rewards.pool.RewardPool` (its workers
-    start here, during the model set-up and warm-up; the trainer calls :meth:`close`).
+    start here, during the model set-up and warm-up; the trainer calls :meth:`close`; none without reward functions
+    and environments) and the reward models (``reward.models``: :class:`RewardModels`, loaded here).
     """
 
     progress = {"reward": "reward/mean", "acc": "accuracy"}
@@ -108,7 +111,9 @@ class GRPO:
 
             factory, tools = env_objects(cfg)
             preload = environment_modules(factory, tools)
-        self.rewards = RewardPool(cfg.reward, workers, preload=preload)
+        self.rewards = RewardPool(cfg.reward, workers, preload=preload) if cfg.reward.functions or cfg.env.enabled \
+            else None
+        self.reward_models = RewardModels(cfg, st, ctx.tokenizer) if cfg.reward.models else None
         if cfg.env.enabled:
             from fastgrpo.environments.rollout import build_environments, build_templates
 
@@ -214,7 +219,8 @@ class GRPO:
 
     def close(self) -> None:
         """Stop the reward workers."""
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
 
     def _generate(self, indices: list[int], settings: dict, batch: int) -> tuple[list[Group], dict]:
         """One generation batch: this rank's share of the prompts ``indices`` sampled, scored, rescaled and shaped;
@@ -240,6 +246,8 @@ class GRPO:
         prompt_texts = None
 
         def score(p: int, group: list) -> None:
+            if self.rewards is None:  # reward models only: they score after generation
+                return
             texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
             self.rewards.submit(p, [prompt_texts[p]] * len(group), texts,
                                 {k: [vals[p]] * len(group) for k, vals in columns.items()})
@@ -258,7 +266,17 @@ class GRPO:
                 for p, group in enumerate(outs):
                     score(p, group)
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
-        result, reward_times = self.rewards.gather()
+        if self.rewards is not None:
+            result, reward_times = self.rewards.gather()
+        else:
+            result, reward_times = RewardResult(total=[0.0] * len(completions), per_function={}), {}
+        if self.reward_models is not None:
+            with t.timer("reward_models"):
+                questions = [self.train_data.rows[i]["prompt"] for i in idx]
+                scores = self.reward_models.score([prompts[j // G] for j in range(len(completions))],
+                                                  [list(c.token_ids) for c in completions],
+                                                  [questions[j // G] for j in range(len(completions))])
+            result = self.reward_models.join(result, scores)
         total = result.total
         if self.envs is not None:  # the environment's reward next to the reward functions'
             w = cfg.env.reward_weight
@@ -383,10 +401,14 @@ class GRPO:
                 t.tables["rollouts"] = rows[: self.rollout_log.to_log]
         n = totals["completions/sum"]
         m = {key: totals[key] for key in ("reward/sum", "reward_sq/sum", "completions/sum", "tokens/sum")}
+        # a reward model has no faults to count (it runs in this process): its mean only
+        models = tuple(f"reward/{name}/" for name in cfg.reward.model_names())
         m.update({
             "accuracy": totals["correct"] / n, "response_length/mean": totals["length"] / n,
             "response_length/max": float(totals["length_max"]), "truncated_fraction": totals["truncated"] / n,
-            "frac_reward_zero_std": totals["zero_std"] / totals["groups"], **totals["result"].metrics(),
+            "frac_reward_zero_std": totals["zero_std"] / totals["groups"],
+            **{k: v for k, v in totals["result"].metrics().items() if not k.startswith(models) or
+               k.endswith("/mean")},
             **{k: v for k, v in totals.items() if k.startswith(("time/", "reward/workers", "generation/"))},
         })
         if cfg.reward_shaping.enabled:

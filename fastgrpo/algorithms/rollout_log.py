@@ -10,10 +10,11 @@ bounds the files a rank keeps (its oldest steps deleted first).
 A row's fields: ``step``, ``group`` (the group's position among the step's trained groups, all ranks together:
 rank r's groups follow rank r-1's), ``sample`` (its index in the group), ``prompt`` and ``completion`` (decoded
 with the special tokens, so stop tokens show), ``prompt_tokens``, ``completion_tokens``, ``finish_reason``,
-``turns`` and ``tool_calls`` (multi-turn only), ``rewards`` (each reward function's raw score, and ``env``: the
-environment's reward, multi-turn), ``reward`` (after ``reward_scaling`` and ``reward_shaping``: what the advantage
-is computed from), ``advantage`` (GRPO's; distillation rescales it by ``distill.reward_weight`` afterwards) and
-``trained`` (false: the completion gets no loss, ``grpo.mask_truncated_completions`` / ``mask_zero_std_groups``).
+``turns`` and ``tool_calls`` (multi-turn only), ``rewards`` (each reward function's and reward model's raw score,
+under its metric name, and ``env``: the environment's reward, multi-turn), ``reward`` (after ``reward_scaling`` and
+``reward_shaping``: what the advantage is computed from), ``advantage`` (GRPO's; distillation rescales it by
+``distill.reward_weight`` afterwards) and ``trained`` (false: the completion gets no loss,
+``grpo.mask_truncated_completions`` / ``mask_zero_std_groups``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class ScoredGroup(Group):
     when dynamic sampling moves groups between ranks)."""
 
     scores: list[dict[str, float]] = field(default_factory=list)
-    """[G] reward function name (and ``env``, multi-turn) -> the completion's raw score."""
+    """[G] reward function or reward model name (and ``env``, multi-turn) -> the completion's raw score."""
     tool_calls: list[int] | None = None
     """[G] tool calls of each trajectory (multi-turn; None: single-turn)."""
 
