@@ -180,8 +180,8 @@ def run(pool, groups, order=None):
 
 
 def wait_bound(killed_calls, timeouts, num_workers, times, timeout_s=TIMEOUT_S):
-    """The pool docstring's bound on time/reward_wait for calls killed at their budget timeout_s (on several
-    completions; on one, the timeouts) and fast functions: 0.5 s for their scoring time and the dispatch."""
+    """The pool docstring's bound on time/reward_wait, C = ``killed_calls`` (on several completions, killed at their
+    budget) and H = ``timeouts``, with 0.5 s for S (the functions are fast) and the dispatch."""
     return ((killed_calls + timeouts) * timeout_s / num_workers + 3 * timeout_s * (1 - 1 / num_workers)
             + times["time/reward_worker_start"] + 0.5)
 
@@ -205,9 +205,9 @@ def expectation(groups, behaviour, score) -> tuple[list[float], dict[str, int], 
                 kills += first in ("hang", "exit")
                 killed_calls += first == "hang"
             for c, d in zip(completions[a:b], does):
-                scores.append(0.0 if d in faults else score(c))
                 if d in faults:
                     counts[faults[d]] += 1
+                scores.append(0.0 if d in faults else score(c))
                 kills += d in ("hang", "exit")
     return scores, counts, kills, killed_calls
 
