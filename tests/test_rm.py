@@ -6,7 +6,11 @@ whose checkpoint AutoModelForSequenceClassification loads and scores identically
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -283,26 +287,23 @@ def test_chat_template_reward_model_reads_the_rendered_conversation(tmp_path):
     assert seq == tok("<|user|>4+8=<|assistant|>\\boxed{12}<|endoftext|>", add_special_tokens=False)["input_ids"]
 
 
-def test_grpo_with_a_reward_model_as_its_only_reward(tmp_path):
-    """A 2-step GRPO run with reward.functions=[] and one reward model: the rollout log's per-completion score is
-    the HF model's score of that prompt + completion, reward/rm/mean their mean, and the reward is weight · score."""
+def grpo_rm_overrides(rm_dir, run):
+    return ["reward.functions=[]", f"reward.models=[{{path: {rm_dir}, weight: 2.0}}]", "grpo.num_prompts_per_step=4",
+            "grpo.num_generations=4", "rollout.max_new_tokens=6", "sft.warmup_steps=0", "eval.num_prompts=8",
+            "eval.every_steps=0", "checkpoint.every_steps=0", "logging.progress_bar=false", "train.num_threads=1",
+            "train.max_steps=2", "logging.log_rollouts=true", "grpo.mask_zero_std_groups=false",
+            f"logging.output_dir={run}"]
+
+
+def check_logged_scores(tmp_path, run, files):
+    """The rollout log's per-completion reward-model scores against HF's padded forward of the logged text, the step's
+    reward/rm/mean against their mean, and each reward against 2 · score."""
     from transformers import AutoModelForSequenceClassification
 
-    from fastgrpo.trainer import Trainer
-
-    tiny_rm(tmp_path / "rm")
-    run = tmp_path / "run"
-    cfg = load_config("tiny", overrides=[
-        "reward.functions=[]", f"reward.models=[{{path: {tmp_path / 'rm'}, weight: 2.0}}]",
-        "grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6", "sft.warmup_steps=0",
-        "eval.num_prompts=8", "eval.every_steps=0", "checkpoint.every_steps=0", "logging.progress_bar=false",
-        "train.num_threads=1", "train.max_steps=2", "logging.log_rollouts=true", "grpo.mask_zero_std_groups=false",
-        f"logging.output_dir={run}"])
-    Trainer(cfg).fit()
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and "reward/rm/mean" in rows[0] and not any(
         k.startswith("reward/rm/") and k != "reward/rm/mean" for k in rows[0])
-    logged = read_jsonl(run / "rollouts" / "step_00000001.jsonl")
+    logged = [r for f in files for r in read_jsonl(run / "rollouts" / f)]
     assert len(logged) == 16
     policy_tok = build_tiny_tokenizer()  # the tiny policy's: the text the log shows, back to the sampled ids
     seqs = [policy_tok(r["prompt"] + r["completion"], add_special_tokens=False)["input_ids"] for r in logged]
@@ -313,6 +314,29 @@ def test_grpo_with_a_reward_model_as_its_only_reward(tmp_path):
     assert_flash("logged scores", got, ref64, ref32.double(), score_floor(seqs, ref64))
     assert abs(rows[0]["reward/rm/mean"] - got.mean().item()) <= 1e-6 * (1 + got.abs().max().item())
     assert all(abs(r["reward"] - 2.0 * r["rewards"]["rm"]) <= 1e-6 * (1 + abs(r["reward"])) for r in logged)
+
+
+def test_grpo_with_a_reward_model_as_its_only_reward(tmp_path):
+    """A 2-step GRPO run with reward.functions=[] and one reward model (weight 2): :func:`check_logged_scores`."""
+    from fastgrpo.trainer import Trainer
+
+    tiny_rm(tmp_path / "rm")
+    Trainer(load_config("tiny", overrides=grpo_rm_overrides(tmp_path / "rm", tmp_path / "run"))).fit()
+    check_logged_scores(tmp_path, tmp_path / "run", ["step_00000001.jsonl"])
+
+
+@pytest.mark.slow
+def test_grpo_with_an_fsdp2_sharded_reward_model(tmp_path):
+    """The same run on 2 processes with train.strategy=fsdp2: the reward model sharded over them scores each rank's
+    completions as HF's unsharded model does."""
+    tiny_rm(tmp_path / "rm")
+    train = Path(__file__).resolve().parents[1] / "fastgrpo" / "train.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(train),
+           "--recipe", "tiny", *grpo_rm_overrides(tmp_path / "rm", tmp_path / "run"), "train.strategy=fsdp2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    check_logged_scores(tmp_path, tmp_path / "run", [f"step_00000001.rank{r}.jsonl" for r in (0, 1)])
 
 
 def test_memory_plan_counts_the_reward_models(tmp_path):
@@ -331,3 +355,61 @@ def test_memory_plan_counts_the_reward_models(tmp_path):
     assert b.reward_models == 2 * 2 * params and b.static - a.static == b.reward_models
     assert a.reward_pass == 0 and b.reward_pass > 0 and b.scoring_peak == b.static + b.weights + b.reward_pass
     assert any("reward models" in line for line in b.lines())
+
+
+# ---------------------------------------------------------------------------------------------- processes and resume
+
+RM_RUN = [*SMALL, "train.max_steps=4", "checkpoint.every_steps=2", "rm.center_rewards_coefficient=0.01"]
+CONTINUOUS = ("loss", "margin", "rewards/chosen", "rewards/rejected", "mean_reward", "min_reward", "max_reward",
+              "grad_norm", "tokens")
+
+
+def rm_rows(run_dir):
+    """The training rows' continuous metrics (``accuracy`` thresholds margins that rounding may move across 0: it is
+    checked against the reference formula above)."""
+    return [{k: r[k] for k in ("step", *CONTINUOUS)} for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def assert_close_rows(a, b, rel):
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        diff = {k: (ra[k], rb[k]) for k in ra if not math.isclose(ra[k], rb[k], rel_tol=rel, abs_tol=1e-6)}
+        assert not diff, f"step {ra['step']}: {diff}"
+
+
+@pytest.fixture(scope="module")
+def rm_one_process(tmp_path_factory):
+    from fastgrpo.trainer import Trainer
+
+    run = tmp_path_factory.mktemp("rm") / "one"
+    Trainer(load_config("rm-tiny", overrides=[*RM_RUN, f"logging.output_dir={run}"])).fit()
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_equal_one(rm_one_process, tmp_path, strategy):
+    """torchrun with 2 processes (each half of every batch of pairs): the rows of one process (fp32 sums in another
+    order: rel 1e-5), under DDP and FSDP2."""
+    train = Path(__file__).resolve().parents[1] / "fastgrpo" / "train.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(train),
+           "--recipe", "rm-tiny", *RM_RUN, f"train.strategy={strategy}", f"logging.output_dir={run}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_close_rows(rm_rows(rm_one_process), rm_rows(run), rel=1e-5)
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(run / "checkpoints" / "step_00000004")  # gathered shards
+    assert hf.config.num_labels == 1 and hf.score.weight.shape == (1, 32)
+
+
+def test_resume_is_exact(rm_one_process, tmp_path, capsys):
+    """2 steps, then a new trainer resumes from the step-2 checkpoint to 4: the rows of the uninterrupted run."""
+    from fastgrpo.trainer import Trainer
+
+    Trainer(load_config("rm-tiny", overrides=[*RM_RUN, "train.max_steps=2", f"logging.output_dir={tmp_path}"])).fit()
+    Trainer(load_config("rm-tiny", overrides=[*RM_RUN, f"logging.output_dir={tmp_path}"])).fit()
+    assert "resumed from" in capsys.readouterr().out
+    assert_close_rows(rm_rows(rm_one_process), rm_rows(tmp_path), rel=1e-6)
