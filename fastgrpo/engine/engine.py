@@ -66,7 +66,10 @@ MKL-packed weights and how that was chosen (cpu_packed, cpu_packed_by, cpu_produ
 Where it lives (``fastgrpo.engine.engine`` is the entry module; it re-exports the public names; the object model,
 who owns what and one call as a data flow: ``docs/architecture.md``, "The engine"):
 
-- ``engine.py``: ``GenerationEngine`` (validation, ``generate``, the KV budget, the call's ``CallSettings``).
+- ``engine.py``: ``GenerationEngine`` (validation, ``generate``, ``session``, the KV budget, the call's
+  ``CallSettings``).
+- ``session.py``: ``GenerationSession``, prompts added over time and decoded across in-place weight updates (the
+  engine side of asynchronous RL: a ``Run`` kept open between optimizer steps).
 - ``loop.py``: ``Run``, the host loop of one call, top-down (harvest, reschedule, admit, prepare the batch,
   ``sync_every`` decode steps); the scheduler decides, the runner computes.
 - ``scheduler.py``: ``Scheduler``, the host bookkeeping, the one place that knows which sample is where.
@@ -94,6 +97,7 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -264,6 +268,72 @@ class GenerationEngine:
         finished (in finishing order, each prompt exactly once, before ``generate`` returns), so a caller can score
         a group while the others still decode. ``completions`` is the same list the return value holds.
         """
+        self._check_call(params, on_group_done, turns)
+        prompts = self._check_prompts(prompt_token_ids, params)
+        if not prompts:
+            return []
+
+        model = self.model
+        param = next(model.parameters())
+        device = param.device
+        dtype = self._dtype or param.dtype
+        context = params.context(self.max_positions)
+        limits = [params.response_limit(len(p), context) for p in prompts]
+        max_context = context if turns is not None else None  # a conversation's budget
+        max_len = max_context or max(len(p) + limit for p, limit in zip(prompts, limits))  # T
+        settings = self._call_settings(params, device, dtype, max_context)
+        forward = self.forward
+        with self.calling(device, dtype, param.dtype):
+            cos_TD, sin_TD = forward.rope_tables(max_len, device, dtype)
+            run = Run(forward, settings, prompts, params, limits, turns, self.tokenizer, cos_TD, sin_TD)
+            try:
+                return run.run(on_group_done)
+            finally:
+                if run.last_stats is not None:
+                    self.last_stats = run.last_stats
+
+    def session(self, params: SamplingParams, *, max_prompt_tokens: int,
+                on_group_done: Callable[[int, list[Completion]], None] | None = None,
+                turns: TurnHandler | None = None):
+        """A :class:`fastgrpo.engine.session.GenerationSession`: prompts added over time, decoded across weight
+        updates (asynchronous RL: generation that never drains); ``max_prompt_tokens`` bounds the prompts it will
+        take."""
+        from fastgrpo.engine.session import GenerationSession
+
+        return GenerationSession(self, params, max_prompt_tokens=max_prompt_tokens, on_group_done=on_group_done,
+                                 turns=turns)
+
+    @contextmanager
+    def calling(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
+        """What the engine's device work runs under: the model in eval mode (its mode restored after), its LoRA
+        adapters read, ``inference_mode`` and, for another dtype than the weights', autocast."""
+        model, forward = self.model, self.forward
+        was_training = model.training
+        model.eval()
+        forward.read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
+        try:
+            with torch.inference_mode(), forward.autocast(device, dtype, param_dtype):
+                yield
+        finally:
+            model.train(was_training)
+            forward.clear_adapters()  # the adapters are read afresh by the next call
+
+    def _call_settings(self, params: SamplingParams, device: torch.device, dtype: torch.dtype,
+                       max_context: int | None) -> CallSettings:
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if params.seed is None else params.seed
+        cuda = device.type == "cuda"
+        return CallSettings(
+            device=device, dtype=dtype, seed=seed, budget=self._budget_tokens(device, dtype),
+            sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
+            cuda_graphs=cuda and self._cuda_graphs is not False,
+            page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
+            row_cache=self._row_cache, cpu_packed=self._cpu_packed,
+            stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ validation and planning
+
+    def _check_call(self, params: SamplingParams, on_group_done, turns) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if on_group_done is not None and not callable(on_group_done):
@@ -276,55 +346,9 @@ class GenerationEngine:
         if self.tokenizer is None and (params.stop_strings or turns is not None):
             what = "params.stop_strings" if params.stop_strings else "a turn handler (its turn_text)"
             raise ValueError(f"{what} needs the engine's tokenizer (GenerationEngine(..., tokenizer=))")
-        prompts = self._check_prompts(prompt_token_ids, params)
-        if not prompts:
-            return []
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"params.stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")
-
-        model = self.model
-        param = next(model.parameters())
-        device = param.device
-        dtype = self._dtype or param.dtype
-        context = params.context(self.max_positions)
-        limits = [params.response_limit(len(p), context) for p in prompts]
-        max_context = context if turns is not None else None  # a conversation's budget
-        max_len = max_context or max(len(p) + limit for p, limit in zip(prompts, limits))  # T
-        budget = self._budget_tokens(device, dtype)
-
-        if params.seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        else:
-            seed = params.seed
-
-        cuda = device.type == "cuda"
-        settings = CallSettings(
-            device=device, dtype=dtype, seed=seed, budget=budget,
-            sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
-            cuda_graphs=cuda and self._cuda_graphs is not False,
-            page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
-            row_cache=self._row_cache, cpu_packed=self._cpu_packed,
-            stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
-        )  # fmt: skip
-        forward = self.forward
-        was_training = model.training
-        model.eval()
-        forward.read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
-        try:
-            with torch.inference_mode(), forward.autocast(device, dtype, param.dtype):
-                cos_TD, sin_TD = forward.rope_tables(max_len, device, dtype)
-                run = Run(forward, settings, prompts, params, limits, turns, self.tokenizer, cos_TD, sin_TD)
-                try:
-                    return run.run(on_group_done)
-                finally:
-                    if run.last_stats is not None:
-                        self.last_stats = run.last_stats
-        finally:
-            model.train(was_training)
-            forward.clear_adapters()  # the adapters are read afresh by the next call
-
-    # ------------------------------------------------------------------ validation and planning
 
     def _check_prompts(self, prompt_token_ids, params: SamplingParams) -> list[list[int]]:
         if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, Sequence):

@@ -58,11 +58,15 @@ def bucket(n: int, cap: int) -> int:
 
 class Run:
     """One ``generate`` call: ``prompts`` (checked), ``params`` and each prompt's response limit ``limits``, run
-    as one wave by a :class:`Scheduler` with a :class:`ModelRunner` (see the module docstring)."""
+    as one wave by a :class:`Scheduler` with a :class:`ModelRunner` (see the module docstring).
+
+    ``max_end`` given: a generation session's run (``fastgrpo.engine.session``), sized for sequences of up to
+    ``max_end`` tokens and ``max_batch_size`` rows, with no prompt at first (:meth:`add` queues them); its rounds
+    (:meth:`steps`) wait for more prompts instead of ending when every sample has finished."""
 
     def __init__(self, forward: ModelForward, settings: CallSettings, prompts: list[list[int]],
                  params: SamplingParams, limits: list[int], handler: TurnHandler | None, tokenizer,
-                 cos_TD: torch.Tensor, sin_TD: torch.Tensor):
+                 cos_TD: torch.Tensor, sin_TD: torch.Tensor, max_end: int | None = None):
         self.forward = forward
         self.settings = settings
         self.prompts = prompts
@@ -78,7 +82,11 @@ class Run:
         # the pool never needs more than every sample's full length at once (+ prompt pages, the scratch page)
         ends = [max_context or a + b for a, b in zip(lengths, limits)]  # a sequence's last position + 1
         worst = sum(n * -(-end // ps) - (-a // ps) for a, end in zip(lengths, ends)) + 1
-        self.max_end = max(ends)
+        self.session = max_end is not None
+        if self.session:  # prompts come later: the whole budget, the widest block tables
+            worst, self.max_end = budget // ps, max_end
+        else:
+            self.max_end = max(ends)
         try:
             self.scheduler = Scheduler(
                 lengths, n, limits, ps, min(budget // ps, worst), settings.max_batch_size, max_context,
@@ -89,12 +97,20 @@ class Run:
     # ------------------------------------------------------------------ the call
 
     def run(self, on_group_done: Callable | None) -> list[list[Completion]]:
-        """Set up the device state, the runner and the conversations, run the rounds, and record
-        ``self.last_stats`` (:meth:`stats`) however they end."""
+        """Set up (:meth:`open`), run the rounds, and record ``self.last_stats`` (:meth:`close`) however they end."""
+        self.open(on_group_done)
+        try:
+            return self.rounds()
+        finally:
+            self.close()
+
+    def open(self, on_group_done: Callable | None) -> None:
+        """Set up the device state, the runner and the conversations."""
         settings, sched, dev = self.settings, self.scheduler, self.settings.device
-        self.R = R = min(settings.max_batch_size, len(self.prompts) * self.params.n)  # rows
+        rows = settings.max_batch_size if self.session else len(self.prompts) * self.params.n
+        self.R = R = min(settings.max_batch_size, rows)
         max_pages = sched.pages_for(self.max_end)
-        max_new = max(self.limits)
+        max_new = min(self.params.max_new_tokens, self.max_end) if self.session else max(self.limits)
         fused = use_fused_sampling(torch.empty(0, device=dev))
         # CPU draws read a table of uniforms (the kernels draw their own on CUDA)
         self.state: RowState = new_row_state(R, max_new, max_pages, not (self.params.greedy or fused), dev)
@@ -107,11 +123,44 @@ class Run:
         self.conversations = Conversations(self.prompts, self.params, sched, self.handler, self.tokenizer,
                                            self.forward.vocab_size, settings.max_context, on_group_done)
         self.counts = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0)
-        try:
-            return self.rounds()
-        finally:
-            self.runner.close()
-            self.last_stats = self.stats()
+        self.last_hidden: dict[int, torch.Tensor] = {}  # [H] of each prompt whose pages are held
+        self.table_rows, self.table_layout = 0, []  # the block tables in state.table: rows written, their layout
+
+    def close(self) -> None:
+        """Free the runner's memory and record ``self.last_stats``."""
+        self.runner.close()
+        self.last_stats = self.stats()
+
+    def add(self, prompts: list[list[int]], limits: list[int]) -> None:
+        """A session's new prompts (checked) and their response limits, queued behind the waiting samples."""
+        for i, (p, limit) in enumerate(zip(prompts, limits)):
+            end = self.settings.max_context or len(p) + limit
+            if end > self.max_end:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) and its {limit}-token response do not fit the "
+                                 f"session's {self.max_end} tokens per sequence (max_prompt_tokens)")
+        self.prompts += prompts
+        self.limits += limits
+        self.scheduler.add_prompts([len(p) for p in prompts], limits)
+        self.conversations.add(len(prompts))
+
+    def new_version(self, version: int) -> None:
+        """The weights changed: every unfinished sample's next token is sampled with ``version`` (call at a pause of
+        :meth:`steps`)."""
+        sched = self.scheduler
+        mid_turn = {s.sample: s.generated for s in [*sched.rows, *sched.waiting] if s is not None and s.generated}
+        self.conversations.new_version(version, mid_turn)
+
+    def drop_caches(self) -> None:
+        """Forget every cached K/V (call at a pause of :meth:`steps`): running samples are preempted (recomputed
+        from their tokens at admission), paused ones evicted, prompt pages released
+        (:meth:`Scheduler.drop_caches`)."""
+        left = self.scheduler.drop_caches(before_leave=lambda seqs: read_tokens(self.state, seqs))
+        if left:
+            self.state.done[[row for _, row in left]] = True
+            for _, row in left:  # its row cache is stale when it comes back (recomputed)
+                self.runner.rows.forget(row)
+        self.scheduler.compact()  # every row left: nothing moves
+        self.table_layout = []  # the block tables are rebuilt before the next decode step
 
     def stats(self) -> dict:
         """The call's ``engine.last_stats`` (the keys and their meaning: ``fastgrpo.engine.engine``)."""
@@ -133,13 +182,22 @@ class Run:
 
     def rounds(self) -> list[list[Completion]]:
         """Rounds until every sample has finished; returns ``results[prompt][sample]``."""
+        for _ in self.steps():
+            pass
+        return self.conversations.results
+
+    def steps(self):
+        """The rounds as a generator. It pauses (yields True) after each harvest, where the finished groups have
+        been handed to ``on_group_done`` and nothing is left on the device that the host has not read: a session
+        may change the weights there (:meth:`new_version`, :meth:`drop_caches`) or stop, and the next round goes on
+        as it would have. When every sample has finished it returns, or, in a session, yields False (idle until
+        :meth:`add`)."""
         sched, conv, steps = self.scheduler, self.conversations, self.settings.sync_every
-        self.last_hidden: dict[int, torch.Tensor] = {}  # [H] of each prompt whose pages are held
-        self.table_rows, self.table_layout = 0, []  # the block tables in state.table: rows written, their layout
         while True:
             moved = False
             if sched.rows:
                 self.harvest()
+                yield True
                 moved = self.reschedule()
             if conv.awaiting:
                 conv.poll()
@@ -154,14 +212,16 @@ class Run:
             if started:
                 continue  # a sample can finish at its first token (stop token or a limit of 1): harvest it first
             if sched.done:
-                break
+                if not self.session:
+                    return
+                yield False
+                continue
             if not sched.rows:
                 if not conv.awaiting:
                     raise RuntimeError("nothing runs, waits or is paused, yet the call is not done")
                 continue  # every sample left is paused on its handler: the next round waits for an answer
             S_b, n_pages = self.prepare_batch()
             self.decode_steps(S_b, n_pages)
-        return conv.results
 
     # ------------------------------------------------------------------ the steps of a round
 

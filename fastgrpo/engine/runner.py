@@ -60,6 +60,14 @@ class ModelRunner:
         """Drop the graphs: they hold the cache's addresses."""
         self.graphs = None
 
+    def weights_changed(self) -> None:
+        """The model's weights were updated in place (a generation session, between optimizer steps): drop the CPU
+        step's MKL packs and stacked q/k/v copies, made again from the new weights on their next use. The CUDA
+        graphs read the parameters' own storage, which an in-place update keeps."""
+        work = self.cache.work
+        if work is not None and work.packs is not None:
+            work.packs.clear()
+
     # ------------------------------------------------------------------ prefill
 
     def _slots(self, pages: list[int], positions) -> list[int]:

@@ -135,6 +135,9 @@ class Completion:
     every token, a single sampled turn)."""
     num_turns: int = 1
     """Sampled turns (1 for single-turn)."""
+    versions: list[int] | None = field(default=None, repr=False)
+    """Aligned with token_ids, from a generation session (``GenerationEngine.session``): the version of the weights
+    each token was sampled with (an appended token: its last sampled token's); None from ``generate``."""
 
     def __post_init__(self):
         if self.loss_mask is None:

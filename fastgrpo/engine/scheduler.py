@@ -139,18 +139,56 @@ class Scheduler:
         self.evictions = 0
         self.peak_paused = 0
         self._paused_counter = 0
+        self.n = n
+        self.max_context = max_context
         if max_context is not None:
             need = self.pages_for(max_context) + 1
             if need > num_pages - 1:
                 raise ValueError(f"cannot hold a {max_context}-token conversation: that needs {need + 1} pages")
-            return
-        longest = max(range(len(prompt_lens)), key=lambda p: prompt_lens[p] + limits[p])
-        need = self.pages_for(prompt_lens[longest] + limits[longest]) + 1
-        if need > num_pages - 1:  # the sequence's pages, one more for its prompt's partial page, the scratch page
+        elif prompt_lens:
+            self._check_fits(max(range(len(prompt_lens)), key=lambda p: prompt_lens[p] + limits[p]), limits)
+
+    def _check_fits(self, p: int, limits: list[int]) -> None:
+        """Prompt ``p`` plus its response fits the pool: its pages, one more for its prompt's partial page, the
+        scratch page."""
+        need = self.pages_for(self.prompt_lens[p] + limits[p]) + 1
+        if need > self.num_pages - 1:
             raise ValueError(
-                f"cannot hold prompt {longest} ({prompt_lens[longest]} tokens) plus its {limits[longest]}-token "
+                f"cannot hold prompt {p} ({self.prompt_lens[p]} tokens) plus its {limits[p]}-token "
                 f"response: that needs {need + 1} pages"
             )
+
+    def add_prompts(self, prompt_lens: list[int], limits: list[int]) -> None:
+        """Queue ``n`` samples of each of these prompts behind the waiting ones (a generation session's refill);
+        they are numbered after the prompts already known."""
+        first = len(self.prompt_lens)
+        self.prompt_lens += prompt_lens
+        for i, (length, limit) in enumerate(zip(prompt_lens, limits)):
+            p = first + i
+            if self.max_context is None:
+                self._check_fits(p, {p: limit})
+            self.waiting.extend(Seq(p, p * self.n + j, length, limit) for j in range(self.n))
+        self.unadmitted += [self.n] * len(prompt_lens)
+
+    def drop_caches(self, before_leave=None) -> list[tuple[Seq, int]]:
+        """Free every cached K/V (the weights changed and the caller wants them recomputed): each running sample is
+        preempted (``before_leave`` as in :meth:`grow`; requeued at the front in admission order, with its tokens,
+        recomputed at admission), each paused one evicted (its conversation prefilled again when it resumes) and
+        every prompt holder released. Returns ``(sample, row it left)`` per preempted sample."""
+        running = sorted((s for s in self.rows if s is not None), key=lambda s: s.admitted)
+        if running and before_leave is not None:
+            before_leave(running)
+        left = [(s, s.row) for s in running]
+        for s in reversed(running):  # the earliest admitted ends up first in the queue
+            self._release(s.pages)
+            s.pages, s.shared, s.admitted = [], 0, -1
+            self._leave(s)
+            self.waiting.appendleft(s)
+        self.preemptions += len(running)
+        while self._evict_paused():
+            pass
+        self._drop_prompts()
+        return left
 
     # ------------------------------------------------------------------ pages
 

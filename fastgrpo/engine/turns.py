@@ -61,6 +61,21 @@ class Trajectory:
     """Finished (sampled) turns."""
     seen: list[int] = field(default_factory=list)
     """The current turn's tokens checked for stop strings so far."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """A generation session's weight versions: ``(s, v)``, the policy's version became ``v`` when the trajectory
+    had sampled ``s`` tokens (empty outside a session)."""
+
+    def token_versions(self) -> list[int]:
+        """The version of the weights each of ``ids`` was sampled with (an appended token: the version its K/V were
+        computed with when its trajectory resumed, the next sampled token's)."""
+        out, sampled, v, k = [], 0, self.versions[0][1], 0
+        for bit in self.mask:
+            while k < len(self.versions) and self.versions[k][0] <= sampled:
+                v = self.versions[k][1]
+                k += 1
+            out.append(v)
+            sampled += bit
+        return out
 
 
 def first_stop(decode, turn_ids: list[int], checked: int, stop_strings: tuple[str, ...]) -> int | None:
@@ -103,6 +118,24 @@ class Conversations:
         self.awaiting: dict = {}  # (prompt, sample index) -> paused sample waiting on its turn handler
         self.watch_stops = bool(params.stop_strings)  # some sample may have stop strings
         self.re_prefill_tokens = 0  # what re-prefilling every resumed conversation in full would have cost
+        self.version: int | None = None  # a generation session's weight version (None: not tracked)
+
+    def add(self, count: int) -> None:
+        """A session's ``count`` new prompts (numbered after the known ones), at the current version."""
+        n, first = self.params.n, len(self.results)
+        self.results += [[None] * n for _ in range(count)]
+        self.unfinished += [n] * count
+        for p in range(first, first + count):
+            for j in range(n):
+                self.trajectories[p * n + j] = t = Trajectory(self.params.stop_strings)
+                t.versions.append((0, self.version))
+
+    def new_version(self, version: int, turn_tokens: dict[int, int]) -> None:
+        """The weights became ``version``: every unfinished trajectory's next token is sampled with it
+        (``turn_tokens``: sample id -> tokens its current turn has sampled so far, for those mid-turn)."""
+        self.version = version
+        for sample, t in self.trajectories.items():
+            t.versions.append((t.sampled + turn_tokens.get(sample, 0), version))
 
     def context(self, prompts: list[list[int]], seq: Seq) -> list[int]:
         """The ids before ``seq``'s current turn: prompt, earlier turns, observations."""
@@ -159,7 +192,8 @@ class Conversations:
         """The trajectory of ``seq`` ends with ``reason``: its ``Completion`` is recorded, its pages freed."""
         traj = self.trajectories.pop(seq.sample)
         p, n = seq.prompt, self.params.n
-        self.results[p][seq.sample % n] = Completion(traj.ids, traj.logprobs, reason, traj.mask, traj.turns)
+        self.results[p][seq.sample % n] = Completion(traj.ids, traj.logprobs, reason, traj.mask, traj.turns,
+                                                     traj.token_versions() if traj.versions else None)
         self.scheduler.finish(seq)
         self.unfinished[p] -= 1
         if self.unfinished[p] == 0 and self.on_group_done is not None:

@@ -1,0 +1,166 @@
+"""A generation session: the engine's decode batch kept alive across optimizer steps (asynchronous RL on the same
+GPUs, generation that never drains).
+
+``GenerationEngine.generate`` runs one wave of prompts to the end: its batch drains, and at long, long-tailed response
+lengths the last rows decode alone. A session instead keeps its sequences in flight between calls::
+
+    session = engine.session(params, max_prompt_tokens=1024, on_group_done=score)
+    session.add(prompts)             # queued behind the waiting samples; returns their keys
+    groups = session.run(8)          # decode until at least 8 more groups (all n samples of a prompt) finished
+    ... optimizer step on the model's own tensors ...
+    session.update()                 # the next tokens are sampled with the new weights (version + 1)
+    session.add(more_prompts)        # refill: the decode batch stays full
+    groups = session.run(8)          # the unfinished sequences resume where they paused
+    session.close()
+
+**What a pause keeps.** :meth:`GenerationSession.run` returns at a round boundary of the engine's host loop
+(``fastgrpo.engine.loop.Run.steps``: right after a harvest, where the host has read everything the device did): the
+running samples keep their rows, device state and KV pages, the queued ones their places, the paused turns (multi-
+turn) their handlers. With no weight change in between, the rounds go on exactly as if the session had not
+paused: a session run in pieces returns bit for bit what the same session returns run at once
+(tests/test_generation_session.py). Against ``generate`` of the same prompts its completions agree as two schedules
+of the engine do (each sample's own random stream; log-probs within fp32 rounding: the batch buckets differ).
+
+**Weight updates are free.** The engine reads the trainer's parameter tensors, so an in-place optimizer step is
+already what the next decode step reads: :meth:`~GenerationSession.update` only records the version and drops the
+CPU step's packed weight copies. The K/V already in the pages were computed with the old weights; NeMo-RL's
+``recompute_kv_cache_after_weight_updates`` is :meth:`update(recompute_kv=True) <GenerationSession.update>`:
+every running sample is preempted and recomputed from its tokens on the new weights at its next admission (one
+prefill of prompt + tokens each), every paused one evicted (its conversation prefilled again when it resumes), every
+held prompt page released. Each completion records, per token, the version that sampled it
+(:attr:`Completion.versions <fastgrpo.engine.sampling.Completion.versions>`; its ``logprobs`` are the behaviour
+log-probs under that version), so a trainer can bound staleness and correct by importance sampling.
+
+**Memory.** The page pool is held for the session's life, through the optimizer steps between runs: it is sized
+once (``max_total_tokens``, else 80% of the free GPU memory at the session's start, which leaves the update nothing:
+set ``max_total_tokens`` to the plan's KV share) and the CPU row cache, the block tables and the output buffers for
+``max_batch_size`` rows of ``max_prompt_tokens + max_new_tokens`` tokens (single-turn; multi-turn: the conversation
+budget). At the DeepScaleR scale (DeepSeek-R1-Distill-Qwen-1.5B, bf16, 28 KiB of K/V per token) a 40 GiB pool
+holds ~1.5M tokens, 128 sequences at 12K on average; the update's activations (the memory plan's
+``python -m fastgrpo.plan``) must fit next to it, and paused sequences keep their pages meanwhile. Host state: the
+samples' tokens, O(tokens of the in-flight samples).
+
+**Limits.** The weights must be updated in place (one process, DDP): under FSDP2 the engine reads gathered full
+weights that do not outlive one ``full_weights`` block, so a session there would read freed storage (not supported).
+Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
+``generate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+
+from fastgrpo.engine.loop import Run
+from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler
+
+
+class GenerationSession:
+    """Prompts added over time and decoded across weight updates (see the module docstring).
+
+    Made by :meth:`fastgrpo.engine.engine.GenerationEngine.session`. ``max_prompt_tokens``: the longest prompt it
+    will take (it sizes the block tables and buffers). ``on_group_done(key, completions)``: called as each group
+    finishes, inside :meth:`run` (a reward pool can score it while the rest decode). ``turns``: a multi-turn handler,
+    as for ``generate``.
+    """
+
+    def __init__(self, engine, params: SamplingParams, *, max_prompt_tokens: int,
+                 on_group_done: Callable[[int, list[Completion]], None] | None = None,
+                 turns: TurnHandler | None = None):
+        engine._check_call(params, on_group_done, turns)
+        if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
+        context = params.context(engine.max_positions)
+        if params.response_limit(max_prompt_tokens, context) < 1:
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for a response within the "
+                             f"sequence budget of {context} tokens")
+        self.engine, self.params, self.turns = engine, params, turns
+        self._user_done = on_group_done
+        self._finished: list[tuple[int, list[Completion]]] = []
+        self._added = 0
+        self._returned = 0
+        self.version = 0
+        param = next(engine.model.parameters())
+        self._device, self._dtype, self._param_dtype = param.device, engine._dtype or param.dtype, param.dtype
+        max_context = context if turns is not None else None
+        max_end = max_context or min(context, max_prompt_tokens + params.max_new_tokens)
+        settings = engine._call_settings(params, self._device, self._dtype, max_context)
+        with self._calling():
+            cos_TD, sin_TD = engine.forward.rope_tables(max_end, self._device, self._dtype)
+            self._run = Run(engine.forward, settings, [], params, [], turns, engine.tokenizer, cos_TD, sin_TD,
+                            max_end=max_end)
+            self._run.open(self._group_done)
+            self._run.conversations.version = self.version
+        self._steps = self._run.steps()
+        self._closed = False
+
+    @contextmanager
+    def _calling(self):
+        with self.engine.calling(self._device, self._dtype, self._param_dtype):
+            yield
+
+    def _group_done(self, key: int, completions: list[Completion]) -> None:
+        self._finished.append((key, completions))
+        if self._user_done is not None:
+            self._user_done(key, completions)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"GenerationSession.{what} after close()")
+
+    @property
+    def in_flight(self) -> int:
+        """Groups added and not yet returned by :meth:`run`."""
+        return self._added - self._returned
+
+    def add(self, prompt_token_ids: Sequence[Sequence[int]]) -> list[int]:
+        """Queue ``params.n`` samples of each prompt behind the waiting ones; returns their keys (consecutive, from
+        the number of prompts added before)."""
+        self._check_open("add")
+        prompts = self.engine._check_prompts(prompt_token_ids, self.params)
+        context = self.params.context(self.engine.max_positions)
+        self._run.add(prompts, [self.params.response_limit(len(p), context) for p in prompts])
+        first, self._added = self._added, self._added + len(prompts)
+        return list(range(first, self._added))
+
+    def run(self, groups: int) -> list[tuple[int, list[Completion]]]:
+        """Decode until at least ``groups`` more groups have finished (or every added sample has); returns every
+        group finished since the last call as ``(key, completions)``, in finishing order. The unfinished samples
+        stay in flight."""
+        self._check_open("run")
+        if not isinstance(groups, int) or groups < 0:
+            raise ValueError(f"groups must be an integer >= 0, got {groups!r}")
+        with self._calling():
+            while len(self._finished) < groups and next(self._steps):
+                pass
+        out, self._finished = self._finished, []
+        self._returned += len(out)
+        self.engine.last_stats = self._run.stats()
+        return out
+
+    def update(self, *, recompute_kv: bool = False) -> int:
+        """The model's weights changed in place (an optimizer step): the next tokens are sampled with version + 1
+        (returned). ``recompute_kv``: recompute every in-flight sample's K/V on the new weights (module docstring)."""
+        self._check_open("update")
+        self.version += 1
+        with self._calling():
+            self._run.new_version(self.version)
+            self._run.runner.weights_changed()
+            if recompute_kv:
+                self._run.drop_caches()
+        return self.version
+
+    def close(self) -> None:
+        """Free the page pool and the buffers (idempotent); the unfinished samples are dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._steps.close()
+        self._run.close()
+        self.engine.last_stats = self._run.last_stats
+
+    def __enter__(self) -> GenerationSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
