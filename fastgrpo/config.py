@@ -259,8 +259,9 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)
     """One weight per function (empty: all 1.0); the reward is the weighted sum."""
     timeout_s: float = 5.0
-    """Seconds one completion's score may take (a reward call on k completions gets k x timeout_s); past it the
-    completion scores 0 and counts in reward/<name>/timeouts."""
+    """Seconds one completion's score may take alone: a reward call (up to 4 completions) gets timeout_s in all, and
+    when it fails as a whole its completions are scored again one per call, timeout_s each (the math built-in times
+    each completion itself); past it the completion scores 0 and counts in reward/<name>/timeouts."""
     num_workers: int | None = None
     """Reward worker processes per rank, scoring while generation runs (None: the CPU cores the trainer leaves
     free, divided among the node's ranks, at least 1; 0: score in the training process after generation)."""
