@@ -89,43 +89,47 @@ def _swiglu_parts(gu_nI2):
     return g, u, sig, g * sig
 
 
+def _gather_sum_torch(src_SH, r, T):
+    """``out[t] = Σ_j src[pos[t, j]]`` in fp32, in ``src``'s dtype (the Triton path's ``gather_sum``)."""
+    pos_TK = r.pos.long().view(T, r.top_k)
+    out_TH = src_SH[pos_TK[:, 0]].float()
+    for j in range(1, r.top_k):
+        out_TH += src_SH[pos_TK[:, j]]
+    return out_TH.to(src_SH.dtype)
+
+
 def _forward_torch(x_TH, gate_up_EIH, down_EHI, r, w_S, save):
     T, H = x_TH.shape
     ys_SH = torch.empty(r.S, H, dtype=x_TH.dtype, device=x_TH.device)
     gu_SI2 = torch.empty(r.S, gate_up_EIH.shape[1], dtype=x_TH.dtype, device=x_TH.device) if save else None
     tok = r.tok.long()
     for e, lo, hi in _segments(r):
-        gu_nI2 = x_TH[tok[lo:hi]] @ gate_up_EIH[e].t()  # [n, 2I]
-        if save:
-            gu_SI2[lo:hi] = gu_nI2
+        gu_nI2 = torch.mm(x_TH[tok[lo:hi]], gate_up_EIH[e].t(), out=gu_SI2[lo:hi] if save else None)  # [n, 2I]
         _, u, _, silu = _swiglu_parts(gu_nI2)
-        y_nH = (silu * u).to(x_TH.dtype) @ down_EHI[e].t()  # [n, H]
-        ys_SH[lo:hi] = y_nH.float() * w_S[lo:hi, None]
-    pos_TK = r.pos.long().view(T, r.top_k)
-    out_TH = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
-    for j in range(r.top_k):
-        out_TH += ys_SH[pos_TK[:, j]].float()
-    return out_TH.to(x_TH.dtype), gu_SI2
+        torch.mm(silu.mul_(u).to(x_TH.dtype), down_EHI[e].t(), out=ys_SH[lo:hi])  # [n, H]
+        ys_SH[lo:hi].mul_(w_S[lo:hi, None])
+    return _gather_sum_torch(ys_SH, r, T), gu_SI2
 
 
 def _backward_torch(g_TH, x_TH, gate_up_EIH, down_EHI, r, w_S, gu_SI2):
     dt = x_TH.dtype
-    dx_TH = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    dx_SH = torch.empty(r.S, x_TH.shape[1], dtype=dt, device=x_TH.device)
     d_gate_up, d_down = torch.zeros_like(gate_up_EIH), torch.zeros_like(down_EHI)
-    dw_S = torch.zeros(r.S, dtype=torch.float32, device=x_TH.device)
+    dw_S = torch.empty(r.S, dtype=torch.float32, device=x_TH.device)
     tok = r.tok.long()
     for e, lo, hi in _segments(r):
-        t_n = tok[lo:hi]
+        t_n, w_n1 = tok[lo:hi], w_S[lo:hi, None]
         g_nH, x_nH = g_TH[t_n], x_TH[t_n]
         dact = (g_nH @ down_EHI[e]).float()  # [n, I] = δ D_e
         g, u, sig, silu = _swiglu_parts(gu_SI2[lo:hi])
-        dw_S[lo:hi] = (dact * silu * u).sum(1)
-        da = dact * w_S[lo:hi, None]
+        act = silu * u
+        torch.linalg.vecdot(dact, act, out=dw_S[lo:hi])
+        da = dact.mul_(w_n1)
         dgu_nI2 = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * silu], dim=1).to(dt)
-        d_down[e] = (g_nH.float() * w_S[lo:hi, None]).to(dt).t() @ (silu * u).to(dt)
-        d_gate_up[e] = dgu_nI2.t() @ x_nH
-        dx_TH.index_add_(0, t_n, (dgu_nI2 @ gate_up_EIH[e]).float())
-    return dx_TH.to(dt), d_gate_up, d_down, dw_S
+        torch.mm((g_nH * w_n1).to(dt).t(), act.to(dt), out=d_down[e])
+        torch.mm(dgu_nI2.t(), x_nH, out=d_gate_up[e])
+        torch.mm(dgu_nI2, gate_up_EIH[e], out=dx_SH[lo:hi])
+    return _gather_sum_torch(dx_SH, r, x_TH.shape[0]), d_gate_up, d_down, dw_S
 
 
 class _MoEExperts(torch.autograd.Function):
