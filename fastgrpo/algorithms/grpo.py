@@ -265,11 +265,22 @@ class GRPO:
                 prompt_texts = [t.tokenizer.decode(p) for p in prompts]
                 for p, group in enumerate(outs):
                     score(p, group)
-        completions = [c for group in outs for c in group]  # [P * G], prompt-major
         if self.rewards is not None:
             result, reward_times = self.rewards.gather()
         else:
-            result, reward_times = RewardResult(total=[0.0] * len(completions), per_function={}), {}
+            result, reward_times = RewardResult(total=[0.0] * (len(prompts) * G), per_function={}), {}
+        return self.score_groups(idx, prompts, outs, result, reward_times, settings,
+                                 trajs if self.envs is not None else None, env_sums)
+
+    def score_groups(self, idx: list[int], prompts: list[list[int]], outs: list, result: RewardResult,
+                     reward_times: dict, settings: dict, trajs=None, env_sums=None) -> tuple[list[Group], dict]:
+        """The groups of ``outs`` (``[prompt][sample]`` completions of the dataset rows ``idx``, whose prompts are
+        ``prompts``) with their rewards: the reward functions' ``result`` joined with the reward models' scores
+        and, multi-turn, the environment's reward (``trajs``), then rescaled and shaped; and their sums for the
+        step's metrics (``reward_times`` and ``env_sums`` added to them)."""
+        t = self.ctx
+        cfg, G = self.cfg, self.cfg.grpo.num_generations
+        completions = [c for group in outs for c in group]  # [P * G], prompt-major
         if self.reward_models is not None:
             with t.timer("reward_models"):
                 questions = [self.train_data.rows[i]["prompt"] for i in idx]
@@ -278,7 +289,7 @@ class GRPO:
                                                   [questions[j // G] for j in range(len(completions))])
             result = self.reward_models.join(result, scores)
         total = result.total
-        if self.envs is not None:  # the environment's reward next to the reward functions'
+        if trajs is not None:  # the environment's reward next to the reward functions'
             w = cfg.env.reward_weight
             total = [r + w * trajs[(i // G, i % G)].reward for i, r in enumerate(total)]
         raw = scale_rewards(total, cfg.reward_scaling)
@@ -292,7 +303,7 @@ class GRPO:
         groups = [Group(prompts[p], outs[p], rewards[p * G : (p + 1) * G], max(raw[p * G : (p + 1) * G]) >
                         min(raw[p * G : (p + 1) * G])) for p in range(len(prompts))]
         if self.rollout_log.enabled:  # each completion's scores travel with its group (to the rollout log)
-            groups = with_scores(groups, result.per_function, trajs if self.envs is not None else None)
+            groups = with_scores(groups, result.per_function, trajs)
         lengths = [len(c.token_ids) for c in completions]
         correct = result.per_function.get("math", [float(x > 0) for x in total])
         sums = {"reward/sum": sum(rewards), "reward_sq/sum": sum(r * r for r in rewards),
@@ -301,14 +312,14 @@ class GRPO:
                 "truncated": sum(c.finish_reason == "length" for c in completions),
                 "zero_std": sum(not grp.signal for grp in groups), "groups": len(groups),
                 "tokens/sum": float(sum(lengths) + G * sum(len(p) for p in prompts)), "penalty": sum(penalties),
-                "result": result, **reward_times, **env_sums}
+                "result": result, **reward_times, **(env_sums or {})}
         stats = getattr(t.engine, "last_stats", None) or {}  # the engine's scheduling of this batch
         if stats:
             sums.update({"generation/peak_running/max": float(stats["peak_running"]),
                          "generation/preemptions/sum": float(stats["preemptions"]),
                          "generation/decode_steps/max": float(stats["decode_steps"]),
                          "generation/kv_usage/max": stats["peak_kv_tokens"] / stats["kv_capacity_tokens"]})
-            if self.envs is not None:
+            if trajs is not None:
                 sums.update({"generation/resume_prefill_tokens/sum": float(stats["resume_prefill_tokens"]),
                              "generation/re_prefill_tokens/sum": float(stats["re_prefill_tokens"])})
         return groups, sums
