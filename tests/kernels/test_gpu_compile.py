@@ -58,6 +58,7 @@ SHAPES = {
     "1.5b": dict(H=1536, V=151936, Hq=12, Hkv=2, D=128),
 }
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MOE_INTERMEDIATE, MOE_EXPERTS = 768, 8  # the MoE driver's expert size (Qwen3-30B-A3B's I) and a small expert count
 TOKENS = 48  # packed tokens of a case: two sequences (the kernels' code does not depend on the count)
 
 
@@ -146,9 +147,21 @@ def _drive_sampling(shape, dtype):
     uniform_rows(seeds, shape["V"])
 
 
+def _drive_moe(shape, dtype):
+    import torch
+    from fastgrpo.kernels import sparse_moe_block
+
+    H, I, E = shape["H"], MOE_INTERMEDIATE, MOE_EXPERTS  # the launchers' choices depend on the dtype only
+    x = torch.randn(TOKENS, H, dtype=dtype, requires_grad=True)
+    router = torch.randn(E, H, dtype=dtype, requires_grad=True)
+    gate_up, down = (torch.empty(*dims, dtype=dtype).requires_grad_() for dims in ((E, 2 * I, H), (E, H, I)))
+    out, _ = sparse_moe_block(x, router, gate_up, down, top_k=2, norm_topk_prob=True)
+    out.sum().backward()  # gate/up + SiLU·mul, down, gather-sum; their backward GEMMs and weight gradients
+
+
 # Kernel modules whose ops the gate drives (their use_triton is switched on in the subprocess).
 MODULES = ("linear_logprobs", "distill_loss", "varlen_attention", "logprobs", "grpo_loss", "decode_attention",
-           "sampling")
+           "sampling", "moe")
 # One row per op: (name, driver, dtypes). grpo_loss's inputs are fp32 log-probs whatever the model's dtype.
 GATE = [
     ("linear_logprobs", _drive_linear_logprobs, DTYPE_NAMES),
@@ -158,6 +171,7 @@ GATE = [
     ("grpo_loss", _drive_grpo_loss, ("float32",)),
     ("decode_attention", _drive_decode_attention, DTYPE_NAMES),
     ("sampling", _drive_sampling, DTYPE_NAMES),
+    ("moe", _drive_moe, ("bfloat16",)),  # bf16 only: its fp32 configurations add a minute of compile per architecture
 ]
 MAX_FALLBACKS = 3  # the longest configuration list of a launcher (kernels/*.py)
 TIERS = ("default", "full")
