@@ -111,7 +111,14 @@ def test_experts_match_reference(path, T, H, I, E, K, allowed, dtype):
     _experts_case(T, H, I, E, K, allowed, dtype, seed=T + H)
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_larger(path, dtype):
+    """Several row tiles per expert, several N and K tiles (the interpreter's tiles are 16 × 64 × 64)."""
+    _experts_case(150, 130, 100, 16, 4, 16, dtype, seed=11)
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the
 # fixture only patches the path choice, the same for every example
 @given(T=st.sampled_from([1, 2, 5, 9, 17, 31]), H=st.sampled_from([8, 16, 19, 32, 45]),
        I=st.sampled_from([4, 16, 23, 32, 37]), E=st.integers(1, 7), K=st.integers(1, 3), dtype_bf16=st.booleans(),
@@ -131,7 +138,7 @@ def _same_top_k(x, wr, K):
     return torch.equal(ids32.sort(-1).values, idslo.sort(-1).values)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(T=st.sampled_from([1, 6, 15]), H=st.sampled_from([16, 21]), I=st.sampled_from([12, 32]),
        E=st.integers(2, 6), K=st.integers(1, 3), norm=st.booleans(), dtype_bf16=st.booleans(),
        seed=st.integers(0, 2**16))
