@@ -79,13 +79,13 @@ def _compare(fn, ref, leaves, upstream, dtype, L, names):
         assert_flash(name, a, r, lo, _atol(r, dtype, L))
 
 
-def _experts_case(T, H, I, E, K, allowed, dtype, seed):
+def _experts_case(T, H, I, E, K, allowed, dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed + 2)
-    x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
-    _, gu, dn = _weights(E, H, I, dtype, seed)
-    ids, w = _routing(T, E, K, allowed, seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype).requires_grad_()
+    gu, dn = (t.detach().to(device).requires_grad_() for t in _weights(E, H, I, dtype, seed)[1:])
+    ids, w = (t.to(device) for t in _routing(T, E, K, allowed, seed))
     w = w.to(dtype).requires_grad_()
-    upstream = torch.randn(T, H, generator=g)
+    upstream = torch.randn(T, H, generator=g).to(device)
 
     def fn():
         return moe.moe_experts(x, gu, dn, ids, w)
@@ -116,6 +116,31 @@ def test_experts_match_reference(path, T, H, I, E, K, allowed, dtype):
 def test_experts_larger(path, dtype):
     """Several row tiles per expert, several N and K tiles (the interpreter's tiles are 16 × 64 × 64)."""
     _experts_case(150, 130, 100, 16, 4, 16, dtype, seed=11)
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_30b_a3b_layer():
+    """The compiled kernels at Qwen3-30B-A3B's layer (H 2048, I 768, 128 experts, top 8), 1024 tokens in bf16, against
+    the fp32 and bf16 references; then the peak memory of one forward + backward stays within the stated buffers:
+    ``[S, 2I]`` twice (saved, its gradient), ``[S, I]``, ``[S, H]`` twice, ``[T, H]`` outputs and O(S) routing state
+    (S = T·K), with a factor 1.5 for the allocator's rounding, plus the weights' gradients: nothing of size
+    ``[T, E, ·]`` and no weight copy per pair. One case, to bound the GPU tier's time."""
+    T, H, I, E, K = 1024, 2048, 768, 128, 8
+    _experts_case(T, H, I, E, K, E, torch.bfloat16, seed=3, device="cuda")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gu, dn = (t.detach().cuda().requires_grad_() for t in _weights(E, H, I, torch.bfloat16, seed=3)[1:])
+    ids, w = (t.cuda() for t in _routing(T, E, K, E, seed=3))
+    S, elem = T * K, 2
+    buffers = elem * S * (2 * 2 * I + I + 2 * H) + 4 * 3 * T * H + 128 * S  # + fp32 [T, H]s, routing and dw parts
+    weight_grads = elem * 3 * E * I * H  # allocated once, exactly
+    stated = 1.5 * buffers + weight_grads  # a [T, E, H] temporary (512 MiB here) would exceed it twice over
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    moe.moe_experts(x, gu, dn, ids, w.bfloat16()).float().sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= stated, f"peak extra {peak / 2**20:.0f} MiB > the stated {stated / 2**20:.0f} MiB"
 
 
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the
