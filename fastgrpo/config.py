@@ -250,6 +250,53 @@ class RewardModelConfig:
             _fail("reward.models[].name", "must be a non-empty name without '/'", self.name)
 
 
+DEFAULT_JUDGE_TEMPLATE = ("Question: {question}\nAnswer: {completion}\nIs the answer correct? Reply with a score from "
+                          "0 to 10.")
+
+
+@dataclass
+class JudgeConfig:
+    """One generative judge of ``reward.judges``: a causal LM that reads each completion and writes a verdict, sampled
+    greedily by its own engine in the trainer process (fastgrpo.algorithms.reward_models)."""
+
+    path: str = ""
+    """Local directory of the judge, a Hugging Face causal LM with its tokenizer."""
+    weight: float = 1.0
+    """Weight of its verdict's score in the reward."""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's user message: {question} (the prompt column's question) and {completion} (the completion's text);
+    rendered by the judge tokenizer's chat template when it has one."""
+    verdict_pattern: str = r"(-?\d+(?:\.\d+)?)"
+    """Regular expression over the judge's reply: the score is its last match (group 1, else the whole match) as a
+    float; no match scores 0 and counts in reward/<name>/failures."""
+    max_new_tokens: int = 32
+    """Longest verdict in tokens."""
+    name: str | None = None
+    """Its metric name (null: "judge", or "judge<i>" when there are several)."""
+
+    def __post_init__(self):
+        import re
+
+        if not self.path or not Path(self.path).is_dir():
+            _fail("reward.judges[].path", "must be a directory holding a Hugging Face causal LM", self.path)
+        if not math.isfinite(self.weight):
+            _fail("reward.judges[].weight", "must be finite", self.weight)
+        if "{completion}" not in self.prompt_template:
+            _fail("reward.judges[].prompt_template", "must contain {completion}", self.prompt_template)
+        try:
+            self.prompt_template.format(question="", completion="")
+        except (KeyError, IndexError, ValueError) as e:
+            _fail("reward.judges[].prompt_template", f"must format with question and completion only ({e!r})",
+                  self.prompt_template)
+        try:
+            re.compile(self.verdict_pattern)
+        except re.error as e:
+            _fail("reward.judges[].verdict_pattern", f"must be a regular expression ({e})", self.verdict_pattern)
+        _check_min("reward.judges[].max_new_tokens", self.max_new_tokens, 1)
+        if self.name is not None and (not self.name or "/" in self.name):
+            _fail("reward.judges[].name", "must be a non-empty name without '/'", self.name)
+
+
 @dataclass
 class RewardConfig:
     """Reward functions ``f(prompts, completions, **columns) -> list[float]`` and reward models, with weights."""
@@ -271,6 +318,9 @@ class RewardConfig:
     models: list[RewardModelConfig] = field(default_factory=list)
     """Reward models, e.g. [{path: runs/rm-tiny, weight: 1.0}]: sequence classifiers scored in the trainer process
     (compute dtype, packed, frozen, FSDP2-sharded like the reference) after generation."""
+    judges: list[JudgeConfig] = field(default_factory=list)
+    """Generative judges, e.g. [{path: /models/judge, weight: 0.1}]: causal LMs prompted with each completion, their
+    greedy verdicts parsed into scores, in the trainer process after generation."""
 
     def model_names(self) -> list[str]:
         """The reward models' metric names (``reward/<name>/mean``)."""
@@ -278,10 +328,16 @@ class RewardConfig:
             return [self.models[0].name or "rm"]
         return [m.name or f"rm{i}" for i, m in enumerate(self.models)]
 
+    def judge_names(self) -> list[str]:
+        """The generative judges' metric names (``reward/<name>/mean``, ``reward/<name>/failures``)."""
+        if len(self.judges) == 1:
+            return [self.judges[0].name or "judge"]
+        return [j.name or f"judge{i}" for i, j in enumerate(self.judges)]
+
     def __post_init__(self):
-        if not self.functions and not self.models:
-            _fail("reward.functions", "must name at least one reward function when reward.models is empty",
-                  self.functions)
+        if not self.functions and not self.models and not self.judges:
+            _fail("reward.functions", "must name at least one reward function when reward.models and reward.judges "
+                  "are empty", self.functions)
         if self.weights and len(self.weights) != len(self.functions):
             _fail("reward.weights", f"must have one weight per function ({len(self.functions)})", self.weights)
         if any(not math.isfinite(w) for w in self.weights):
@@ -295,11 +351,12 @@ class RewardConfig:
         if len(set(metric_names)) != len(metric_names):
             _fail("reward.functions", "must have distinct function names (they name the reward/<name>/ metrics)",
                   self.functions)
-        clash = sorted(set(self.model_names()) & set(metric_names)) or sorted(
-            {n for n in self.model_names() if self.model_names().count(n) > 1})
+        names = metric_names + self.model_names() + self.judge_names()
+        clash = sorted({n for n in names if names.count(n) > 1})
         if clash:
-            _fail("reward.models", f"must have names distinct from each other and from the functions' ({clash} "
-                  "twice; they name the reward/<name>/ metrics)", [m.name for m in self.models])
+            _fail("reward.models", f"and reward.judges must have names distinct from each other and from the "
+                  f"functions' ({clash} twice; they name the reward/<name>/ metrics)",
+                  [m.name for m in self.models] + [j.name for j in self.judges])
 
 
 @dataclass

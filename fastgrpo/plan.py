@@ -24,6 +24,8 @@ the masters)::
                                                     from its first forward on) and two layers while it runs
     reward models       Σ c·P_m                     Σ c·(P_m / W + root_m + 2 layers_m), as the teacher
     (reward.models)
+    judges              Σ c·P_j                     Σ c·P_j (each judge's engine reads whole weights: not sharded)
+    (reward.judges)
 
 The distillation teacher (``algorithm: distill``, P_t parameters, the shape of ``distill.teacher_path``'s config.json
 or of ``distill.teacher_recipe``'s model) is frozen in the compute dtype: no masters, optimizer state or gradients.
@@ -38,6 +40,8 @@ one's config.json) are frozen in the compute dtype like the teacher. They score 
 the KV cache is freed by then and no training activation exists yet, so that phase peaks at the static part, the
 policy's weights and one packed no-grad forward of the largest model over T tokens: one layer's working set
 ``c·T·(3·h + (n_q + 2·n_kv)·d + 3·I)`` and its final hidden state ``c·T·h`` (the head reads B pooled rows only).
+A generative judge's own KV cache and decoding working set are not counted: its engine runs in that phase too, after
+the policy's cache is freed, and sizes its cache from what is left (``rollout.max_batch_size`` rows).
 
 With ``model.lora`` (:mod:`fastgrpo.models.lora`; p adapter parameters, ``r · (in + out)`` per targeted projection and
 layer) the base is frozen in the compute dtype and only the adapters train: weights ``c·(P + p)``; masters,
@@ -160,6 +164,12 @@ def teacher_shape(cfg: Config) -> ModelShape:
     return model_shape(dataclasses.replace(cfg, model=model))
 
 
+def judge_shapes(cfg: Config) -> list[ModelShape]:
+    """The :class:`ModelShape` of each of ``reward.judges`` (causal LMs, from their config.json)."""
+    return [model_shape(dataclasses.replace(cfg, model=ModelConfig(
+        path=j.path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code))) for j in cfg.reward.judges]
+
+
 def reward_model_shapes(cfg: Config) -> list[ModelShape]:
     """The :class:`ModelShape` of each of ``reward.models`` (built on the meta device from its config.json)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -261,7 +271,7 @@ class MemoryPlan:
     teacher: int
     teacher_hidden: int
     reward_models: int
-    """reward.models' weights (frozen, compute dtype)."""
+    """reward.models' and reward.judges' weights (frozen, compute dtype)."""
     reward_pass: int
     """The largest reward model's packed no-grad forward over one micro-batch."""
     train_extra: int
@@ -379,9 +389,9 @@ class MemoryPlan:
                    "shards + gathered root + 2 layers" if t.strategy == "fsdp2" else "a full frozen copy"),
                row("teacher hidden state (full mode)", self.teacher_hidden, f"one micro-batch of {self.tokens} tokens")]
               if self.cfg.algorithm == "distill" else []),
-            *([row("reward models (compute dtype)", self.reward_models,
-                   f"{len(self.cfg.reward.models)} frozen, " + ("shards + gathered root + 2 layers"
-                                                               if t.strategy == "fsdp2" else "full copies")),
+            *([row("reward models, judges (compute dtype)", self.reward_models,
+                   f"{len(self.cfg.reward.models)} + {len(self.cfg.reward.judges)} frozen" + (
+                       ", the models: shards + gathered root + 2 layers" if t.strategy == "fsdp2" else "")),
                row("reward models' scoring peak", self.scoring_peak, f"one packed pass of {self.tokens} tokens")]
               if self.reward_models else []),
             row("training: gathered weights, grads", self.train_extra,
@@ -407,12 +417,13 @@ class MemoryPlan:
 
 def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_checkpointing: bool | None = None,
                 kernel_loss: bool = True, shape: ModelShape | None = None,
-                teacher: ModelShape | None = None, reward_models: list[ModelShape] | None = None) -> MemoryPlan:
+                teacher: ModelShape | None = None, reward_models: list[ModelShape] | None = None,
+                judges: list[ModelShape] | None = None) -> MemoryPlan:
     """The plan of ``cfg`` on ``nproc`` GPUs of ``gpu_memory_gib`` GiB each (see the module docstring).
 
     ``activation_checkpointing``: None reads ``train.activation_checkpointing``. ``kernel_loss``: the Triton loss
-    (GPU); False models the plain-torch path (CPU). ``shape`` / ``teacher`` / ``reward_models``: the student's /
-    distillation teacher's / reward models' shapes (None: read from the config).
+    (GPU); False models the plain-torch path (CPU). ``shape`` / ``teacher`` / ``reward_models`` / ``judges``: the
+    student's / distillation teacher's / reward models' / judges' shapes (None: read from the config).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be a positive integer, got {nproc!r}")
@@ -456,6 +467,7 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         teacher_bytes = ts.frozen_bytes(c, nproc, fsdp)
         teacher_hidden = c * tokens * ts.hidden if cfg.distill.mode == "full" else 0
     rms = (reward_models if reward_models is not None else reward_model_shapes(cfg)) if generates else []
+    js = (judges if judges is not None else judge_shapes(cfg)) if generates else []
     needs_ref = needs_ref and not p  # LoRA: the reference is the base, the adapters disabled
     # per token and layer: the adapters' x·A, minus the frozen norms' normalised rows (module docstring)
     lora_act = c * cfg.model.lora.r * len(cfg.model.lora.target_modules) - 2 * c * s.hidden if p else 0
@@ -463,7 +475,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
         weights=c * P, base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
         gradients=gradients, reference=c * P if needs_ref else 0, teacher=teacher_bytes, teacher_hidden=teacher_hidden,
-        reward_models=sum(m.frozen_bytes(c, nproc, fsdp) for m in rms),
+        reward_models=sum(m.frozen_bytes(c, nproc, fsdp) for m in rms) + sum(j.frozen_bytes(c, nproc, False)
+                                                                             for j in js),
         reward_pass=max((m.forward_bytes(c, tokens) for m in rms), default=0), train_extra=train_extra,
         activations=activation_bytes(s, c, tokens, ckpt, lora_act),
         activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act),

@@ -247,12 +247,13 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def validate(self, logger: MetricsLogger) -> float | None:
-        """The algorithm's validation, logged; returns ``eval/accuracy`` when it has one."""
+        """The algorithm's validation, logged; returns ``eval/accuracy`` when it has one, else the held-out pairs'
+        ``eval/preference_accuracy`` (a reward model's)."""
         m = self.algorithm.validate()
         if not m:
             return None
         logger.log(self.step, m)
-        return m.get("eval/accuracy")
+        return m.get("eval/accuracy", m.get("eval/preference_accuracy"))
 
     def train_step(self, logger: MetricsLogger) -> dict[str, float]:
         cfg = self.cfg

@@ -174,6 +174,15 @@ def test_config_errors_name_the_field(tmp_path):
         load_config("tiny", overrides=["reward.functions=[]"])
     with pytest.raises(ValueError, match="reward.models"):
         load_config("tiny", overrides=[f"reward.models=[{{path: {tmp_path}, name: math}}]"])
+    with pytest.raises(ValueError, match=rf"reward.judges\[0\].path .*{missing}"):
+        load_config("tiny", overrides=[f"reward.judges=[{{path: {missing}}}]"])
+    with pytest.raises(ValueError, match=r"reward.judges\[0\].prompt_template must contain \{completion\}"):
+        load_config("tiny", overrides=[f"reward.judges=[{{path: {tmp_path}, prompt_template: 'Q: {{question}}'}}]"])
+    with pytest.raises(ValueError, match=r"reward.judges\[0\].verdict_pattern"):
+        load_config("tiny", overrides=[f"reward.judges=[{{path: {tmp_path}, verdict_pattern: '(\\d'}}]"])
+    with pytest.raises(ValueError, match="reward.models"):
+        load_config("tiny", overrides=[f"reward.judges=[{{path: {tmp_path}, name: rm}}]",
+                                       f"reward.models=[{{path: {tmp_path}}}]"])
     cfg = load_config("tiny", overrides=["reward.functions=[]", f"reward.models=[{{path: {tmp_path}}}, "
                                                                  f"{{path: {tmp_path}, weight: 0.5}}]"])
     assert cfg.reward.model_names() == ["rm0", "rm1"] and cfg.reward.models[1].weight == 0.5
@@ -190,11 +199,12 @@ def test_short_run_saves_a_checkpoint_hf_loads_and_scores_identically(tmp_path):
                                            "checkpoint.every_steps=0", "rm.center_rewards_coefficient=0.01"])
     trainer = Trainer(cfg)
     assert trainer.engine is None
-    trainer.fit()
+    result = trainer.fit()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     eval_rows = [r for r in rows if "eval/preference_accuracy" in r]
     assert len(train_rows) == 40 and len(eval_rows) == 2  # at the start and at the end
+    assert [result["start_accuracy"], result["end_accuracy"]] == [r["eval/preference_accuracy"] for r in eval_rows]
     for key in ("accuracy", "margin", "rewards/chosen", "rewards/rejected", "mean_reward", "min_reward",
                 "max_reward", "grad_norm"):
         assert math.isfinite(train_rows[-1][key]), key
@@ -413,3 +423,79 @@ def test_resume_is_exact(rm_one_process, tmp_path, capsys):
     Trainer(load_config("rm-tiny", overrides=[*RM_RUN, f"logging.output_dir={tmp_path}"])).fit()
     assert "resumed from" in capsys.readouterr().out
     assert_close_rows(rm_rows(rm_one_process), rm_rows(tmp_path), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- generative judges
+
+
+@pytest.mark.parametrize("text, pattern, want", [
+    ("7", r"(-?\d+(?:\.\d+)?)", 7.0), ("first 3, then 8.5", r"(-?\d+(?:\.\d+)?)", 8.5),
+    ("score: -2", r"(-?\d+(?:\.\d+)?)", -2.0), ("no digits", r"(-?\d+(?:\.\d+)?)", None),
+    ("verdict yes", r"(yes|no)", None), ("a 4 b", r"\d", 4.0), ("x=inf", r"=(\w+)", None)])
+def test_parse_verdict(text, pattern, want):
+    from fastgrpo.algorithms.reward_models import parse_verdict
+
+    assert parse_verdict(text, pattern) == want
+
+
+def tiny_judge(path):
+    from fastgrpo.models.loading import build_tiny_model
+
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(ModelConfig(tiny_hidden_size=32, tiny_intermediate_size=64, tiny_initializer_range=0.3),
+                             tok, seed=5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def test_judge_scores_are_hf_greedy_verdicts(tmp_path):
+    """A judge's scores: its prompt rendered by its chat template (the tiny one: <|user|>...<|assistant|>), HF's
+    greedy generate of it, the last match of the verdict pattern; failures count the answers without a number."""
+    from transformers import AutoTokenizer
+
+    from fastgrpo.algorithms.reward_models import GenerativeJudges
+    from fastgrpo.distributed import init_distributed
+
+    model, _ = tiny_judge(tmp_path / "judge")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "judge")  # the judge's own tokenizer, as loaded from its directory
+    cfg = load_config("tiny", overrides=[f"reward.judges=[{{path: {tmp_path / 'judge'}, max_new_tokens: 16, "
+                                         "verdict_pattern: '(\\d)', prompt_template: '{question} {completion}?'}]"])
+    judges = GenerativeJudges(cfg, init_distributed("cpu"))
+    questions = [f"{a}+{b}=" for a in range(4) for b in range(4)]
+    completions = [f"{a + b + (a % 2)}" for a in range(4) for b in range(4)]
+    scores, faults = judges.score(questions, completions)
+    want = []
+    for q, c in zip(questions, completions):
+        ids = tok(f"<|user|>{q} {c}?<|assistant|>", add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        digits = [ch for ch in answer if ch in "0123456789"]
+        want.append(float(digits[-1]) if digits else None)
+    assert scores["judge"] == [0.0 if w is None else w for w in want]
+    assert faults == {"judge": {"failures": sum(w is None for w in want)}}
+    assert 0 < faults["judge"]["failures"] < len(want)  # both outcomes occur: the comparison covers each
+
+
+def test_grpo_with_a_judge_as_its_only_reward(tmp_path):
+    """A 2-step GRPO run whose only reward is a judge (weight 0.5): its scores in the rollout log, reward/judge/mean
+    their mean, reward/judge/failures its unparsed verdicts (summed over the step), the reward 0.5 · score; the
+    memory plan holds its weights."""
+    from fastgrpo.plan import memory_plan
+    from fastgrpo.trainer import Trainer
+
+    judge, _ = tiny_judge(tmp_path / "judge")
+    run = tmp_path / "run"
+    over = [o for o in grpo_rm_overrides(tmp_path, run) if not o.startswith("reward.models")]
+    judges = f"reward.judges=[{{path: {tmp_path / 'judge'}, weight: 0.5, max_new_tokens: 8, verdict_pattern: '(\\d)'}}]"
+    cfg = load_config("tiny", overrides=[*over, judges])
+    Trainer(cfg).fit()
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
+    logged = read_jsonl(run / "rollouts" / "step_00000001.jsonl")
+    scores = [r["rewards"]["judge"] for r in logged]
+    assert len(logged) == 16 and rows[0]["reward/judge/mean"] == pytest.approx(sum(scores) / 16, abs=1e-9)
+    assert 0 <= rows[0]["reward/judge/failures"] <= 16 and all(s == int(s) and 0 <= s <= 9 for s in scores)
+    assert all(r["reward"] == pytest.approx(0.5 * r["rewards"]["judge"], abs=1e-9) for r in logged)
+    plan, base = memory_plan(cfg, 1, 80.0), memory_plan(load_config("tiny"), 1, 80.0)
+    assert plan.reward_models == 4 * sum(p.numel() for p in judge.parameters()) == plan.static - base.static

@@ -2,14 +2,15 @@
 engine, score, group advantages: :mod:`fastgrpo.algorithms.advantages`), then :class:`PolicyUpdate`
 (:mod:`fastgrpo.algorithms.update`) on the packed micro-batches (:mod:`fastgrpo.algorithms.batch`).
 
-Rewards, per completion: the reward functions' weighted sum plus the reward models' (``reward.models``,
-:mod:`fastgrpo.algorithms.reward_models`: scored in this process after generation), then ``reward_scaling``
-(:func:`scale_rewards`), then ``reward_shaping``'s overlong penalty (:func:`overlong_penalty`); a group has signal
-when its rewards before shaping are not all equal. With ``grpo.use_dynamic_sampling`` (DAPO) a step generates
-batches until ``num_prompts_per_step`` groups with signal exist over all ranks and trains on exactly that many
-(:meth:`GRPO.rollout`). Memory: the kept groups of up to ``dynamic_sampling_max_gen_batches`` batches wait on the host
-(token ids and log-probs as lists, about 70 bytes a token: 16 completions of 16K tokens are ~18 MB a group); a
-group moves between ranks once, pickled (``broadcast_object``). Time: each further batch is a whole generation.
+Rewards, per completion: the reward functions' weighted sum plus the reward models' and generative judges'
+(``reward.models``, ``reward.judges``, :mod:`fastgrpo.algorithms.reward_models`: scored in this process after
+generation), then ``reward_scaling`` (:func:`scale_rewards`), then ``reward_shaping``'s overlong penalty
+(:func:`overlong_penalty`); a group has signal when its rewards before shaping are not all equal. With
+``grpo.use_dynamic_sampling`` (DAPO) a step generates batches until ``num_prompts_per_step`` groups with signal exist
+over all ranks and trains on exactly that many (:meth:`GRPO.rollout`). Memory: the kept groups of up to
+``dynamic_sampling_max_gen_batches`` batches wait on the host (token ids and log-probs as lists, about 70 bytes a
+token: 16 completions of 16K tokens are ~18 MB a group); a group moves between ranks once, pickled
+(``broadcast_object``). Time: each further batch is a whole generation.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastgrpo.algorithms.advantages import compute_advantages, overlong_penalty,
 from fastgrpo.algorithms.batch import Group, Sample
 from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.prerequisites import no_prerequisites
-from fastgrpo.algorithms.reward_models import RewardModels
+from fastgrpo.algorithms.reward_models import GenerativeJudges, RewardModels, join_scores
 from fastgrpo.algorithms.rollout_log import RolloutLog, with_scores
 from fastgrpo.algorithms.sampling import sampling_params
 from fastgrpo.algorithms.update import PolicyUpdate
@@ -82,7 +83,8 @@ class GRPO:
     that stage's first step, saved once as ``<run dir>/reference/step_N.pt`` (its step is in :meth:`state_dict`, so
     a resumed run loads them back). Rewards are scored by a :class:`fastgrpo.rewards.pool.RewardPool` (its workers
     start here, during the model set-up and warm-up; the trainer calls :meth:`close`; none without reward functions
-    and environments) and the reward models (``reward.models``: :class:`RewardModels`, loaded here).
+    and environments), the reward models (``reward.models``: :class:`RewardModels`) and the generative judges
+    (``reward.judges``: :class:`GenerativeJudges`), both loaded here.
     """
 
     progress = {"reward": "reward/mean", "acc": "accuracy"}
@@ -114,6 +116,7 @@ class GRPO:
         self.rewards = RewardPool(cfg.reward, workers, preload=preload) if cfg.reward.functions or cfg.env.enabled \
             else None
         self.reward_models = RewardModels(cfg, st, ctx.tokenizer) if cfg.reward.models else None
+        self.judges = GenerativeJudges(cfg, st) if cfg.reward.judges else None
         if cfg.env.enabled:
             from fastgrpo.environments.rollout import build_environments, build_templates
 
@@ -281,13 +284,18 @@ class GRPO:
         t = self.ctx
         cfg, G = self.cfg, self.cfg.grpo.num_generations
         completions = [c for group in outs for c in group]  # [P * G], prompt-major
+        if self.reward_models is not None or self.judges is not None:  # the question of each completion
+            questions = [self.train_data.rows[idx[j // G]]["prompt"] for j in range(len(completions))]
         if self.reward_models is not None:
             with t.timer("reward_models"):
-                questions = [self.train_data.rows[i]["prompt"] for i in idx]
                 scores = self.reward_models.score([prompts[j // G] for j in range(len(completions))],
-                                                  [list(c.token_ids) for c in completions],
-                                                  [questions[j // G] for j in range(len(completions))])
+                                                  [list(c.token_ids) for c in completions], questions)
             result = self.reward_models.join(result, scores)
+        if self.judges is not None:
+            with t.timer("reward_judges"):
+                texts = [t.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+                scores, faults = self.judges.score(questions, texts)
+            result = join_scores(result, scores, self.judges.weights, faults)
         total = result.total
         if trajs is not None:  # the environment's reward next to the reward functions'
             w = cfg.env.reward_weight

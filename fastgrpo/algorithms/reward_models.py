@@ -1,4 +1,5 @@
-"""Model rewards (``reward.models``): sequence classifiers scored on the GPU in the trainer process, next to the policy.
+"""Model rewards: sequence classifiers (``reward.models``) and generative judges (``reward.judges``), run on the GPU in
+the trainer process, next to the policy.
 
 Each reward model (a directory ``AutoModelForSequenceClassification`` loads with one label, e.g. an ``algorithm: rm``
 checkpoint, or a fastgrpo run directory: its latest complete checkpoint) is loaded in the compute dtype
@@ -21,24 +22,40 @@ rendered by its tokenizer's chat template or by that template, then tokenised.
 A completion's reward is the reward functions' weighted sum plus ``Σ_i weight_i · score_i`` over the models; each
 model's raw scores are logged as ``reward/<name>/mean`` and in the rollout log's per-completion ``rewards``.
 
-Scheduling: the models score a step's completions **after** generation, in one packed pass per model (the engine
-and the models share the GPU and its stream; the reward workers' functions keep scoring each group as the engine
-finishes it, in other processes). Scoring finished groups while the engine decodes the rest (the issue's overlap) is
-not done: on one stream a model forward between two decode steps would delay those steps by as much as it saves.
+A generative judge (``reward.judges``: a Hugging Face causal LM) is loaded in the compute dtype, frozen, with a
+generation engine of its own (:class:`fastgrpo.engine.GenerationEngine` on its weights, a full copy on every rank:
+the engine reads whole weight tensors, so a judge is never sharded). Per completion it gets one user message,
+``prompt_template`` formatted with the question and the completion's text (special tokens dropped), rendered by its
+tokenizer's chat template (with the generation prompt) when it has one; it answers greedily (temperature 0, at most
+``max_new_tokens``); the score is the last match of ``verdict_pattern`` in the answer (its group 1, else the whole
+match) as a float. An answer without a match, or whose match is not a number, scores 0 and counts in
+``reward/<name>/failures``.
+
+Scheduling: the models and judges score a step's completions **after** generation, in one packed pass per model and
+one generation call per judge (the engines and the models share the GPU and its stream; the reward workers'
+functions keep scoring each group as the engine finishes it, in other processes). Scoring finished groups while the
+engine decodes the rest (the issue's overlap) is not done: on one stream a model forward between two decode steps
+would delay those steps by as much as it saves.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import torch
 
 from fastgrpo.checkpoint import latest_checkpoint
-from fastgrpo.config import Config, RewardModelConfig
+from fastgrpo.config import Config, JudgeConfig, ModelConfig, RewardModelConfig
 from fastgrpo.distributed import all_reduce, wrap_model
+from fastgrpo.engine import GenerationEngine, SamplingParams
+from fastgrpo.models.loading import eos_token_ids, load_model
 from fastgrpo.models.packing import pack, plan_microbatches
 from fastgrpo.models.reward_model import load_reward_model, packed_scores
 from fastgrpo.rewards import RewardResult
+
+JUDGE_SEED = 0  # greedy decoding draws nothing; the engine still takes a seed
 
 
 def reward_model_dir(path: str) -> Path:
@@ -123,9 +140,73 @@ class RewardModels:
         return out
 
     def join(self, result: RewardResult, scores: dict[str, list[float]]) -> RewardResult:
-        """``result`` (the reward functions') with the models' scores: their raw scores next to the functions' and
-        ``Σ weight · score`` added to every completion's total."""
-        total = list(result.total)
-        for spec, name in zip(self.specs, self.names):
-            total = [t + spec.weight * s for t, s in zip(total, scores[name], strict=True)]
-        return RewardResult(total=total, per_function={**result.per_function, **scores}, faults=result.faults)
+        """``result`` with the models' scores (:func:`join_scores`)."""
+        return join_scores(result, scores, {n: s.weight for n, s in zip(self.names, self.specs)})
+
+
+def join_scores(result: RewardResult, scores: dict[str, list[float]], weights: dict[str, float],
+                faults: dict[str, dict[str, int]] | None = None) -> RewardResult:
+    """``result`` (the reward functions') with more scores: name -> one raw score per completion, next to the
+    functions' (and their fault counts), and ``Σ weight · score`` added to every completion's total."""
+    total = list(result.total)
+    for name, values in scores.items():
+        total = [t + weights[name] * s for t, s in zip(total, values, strict=True)]
+    return RewardResult(total=total, per_function={**result.per_function, **scores},
+                        faults={**result.faults, **(faults or {})})
+
+
+def parse_verdict(text: str, pattern: str) -> float | None:
+    """The score in a judge's answer: the last match of ``pattern`` (group 1, else the whole match) as a finite
+    float; None when nothing matches or the match is not a number."""
+    matches = list(re.finditer(pattern, text))
+    if not matches:
+        return None
+    last = matches[-1]
+    try:
+        value = float(last.group(1) if last.re.groups else last.group(0))
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class GenerativeJudges:
+    """The configured generative judges of one run (module docstring): :meth:`score` the completions' texts."""
+
+    def __init__(self, cfg: Config, state):
+        self.cfg = cfg
+        self.names = cfg.reward.judge_names()
+        self.specs: list[JudgeConfig] = list(cfg.reward.judges)
+        self.weights = {n: j.weight for n, j in zip(self.names, self.specs)}
+        self.tokenizers, self.engines = [], []
+        for spec in self.specs:
+            mcfg = ModelConfig(path=spec.path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+            model, tok = load_model(mcfg, state.device, seed=cfg.train.seed)
+            model.requires_grad_(False).eval()
+            self.tokenizers.append(tok)
+            self.engines.append(GenerationEngine(model, eos_token_ids=eos_token_ids(model, tok),
+                                                 max_batch_size=cfg.rollout.max_batch_size, tokenizer=tok))
+
+    def prompt_ids(self, i: int, question: str, completion: str) -> list[int]:
+        """Judge ``i``'s prompt tokens for one completion's text (module docstring)."""
+        tok = self.tokenizers[i]
+        text = self.specs[i].prompt_template.format(question=question, completion=completion)
+        if tok.chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def score(self, questions: list[str], completions: list[str]
+              ) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
+        """Each judge's score of every completion text (``questions[j]``: its question), and the failures counted per
+        judge (``{"failures": n}``)."""
+        scores, faults = {}, {}
+        for i, (name, spec, engine) in enumerate(zip(self.names, self.specs, self.engines)):
+            prompts = [self.prompt_ids(i, q, c) for q, c in zip(questions, completions)]
+            params = SamplingParams(temperature=0.0, max_new_tokens=spec.max_new_tokens, seed=JUDGE_SEED)
+            outs = engine.generate(prompts, params) if prompts else []
+            verdicts = [parse_verdict(self.tokenizers[i].decode(group[0].token_ids, skip_special_tokens=True),
+                                      spec.verdict_pattern) for group in outs]
+            scores[name] = [0.0 if v is None else v for v in verdicts]
+            faults[name] = {"failures": sum(v is None for v in verdicts)}
+        return scores, faults
