@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from fastgrpo.algorithms.batch import same_count
 from fastgrpo.algorithms.context import AlgorithmContext
-from fastgrpo.algorithms.dpo import pair_examples, plan_pairs
+from fastgrpo.algorithms.dpo import DPO, pair_examples, plan_pairs
 from fastgrpo.algorithms.forward import no_grad_forward
 from fastgrpo.algorithms.prerequisites import no_prerequisites
 from fastgrpo.algorithms.update import clip_and_step
@@ -105,11 +105,7 @@ class RM:
     def rows_per_step(self) -> int:
         return self.cfg.rm.batch_size
 
-    def describe_data(self) -> str:
-        out = f"{len(self.train_data)} preference pairs{self.train_data.describe()}"
-        if self.held_out is not None:
-            out += f", {len(self.held_out)} held-out{self.held_out.describe()}"
-        return out
+    describe_data = DPO.describe_data  # the same pairs, the same start-up line
 
     def begin(self) -> None:
         """Nothing to prepare: the reward model trains from its initial weights."""
