@@ -360,6 +360,33 @@ class RewardConfig:
 
 
 @dataclass
+class AsyncGRPOConfig:
+    """Asynchronous GRPO on the co-located engine (NeMo-RL's grpo.async_grpo; fastgrpo.algorithms.async_rollout):
+    generation that never drains. The engine keeps sequences in flight across optimizer steps (a generation
+    session), each step trains on the first num_prompts_per_step groups to finish, and the free rows are refilled
+    with the step's new prompts."""
+
+    enabled: bool = False
+    """Turn it on (needs grpo.rollout_is: the tokens of an older policy are corrected by importance sampling)."""
+    max_trajectory_age_steps: int = 1
+    """Most optimizer steps between the oldest token of a trained group and the policy it trains (>= 1); a group
+    older than that is dropped and counted (async/stale_groups), never trained. It also sizes the buffer: a rank
+    keeps (max_trajectory_age_steps + 1) x its share of num_prompts_per_step groups in flight."""
+    in_flight_weight_updates: bool = True
+    """Sequences in flight continue on the updated weights (NeMo-RL's name). Always true here: the engine reads the
+    trainer's own tensors, so there are no older weights to continue on."""
+    recompute_kv_cache_after_weight_updates: bool = False
+    """After each update, recompute the in-flight sequences' K/V on the new weights (one prefill of prompt + tokens
+    each); false keeps the K/V the older weights wrote, as NeMo-RL allows."""
+
+    def __post_init__(self):
+        _check_min("grpo.async_grpo.max_trajectory_age_steps", self.max_trajectory_age_steps, 1)
+        if not self.in_flight_weight_updates:
+            _fail("grpo.async_grpo.in_flight_weight_updates", "must be true: the co-located engine reads the trainer's "
+                  "weights, so in-flight sequences always continue on the updated ones", False)
+
+
+@dataclass
 class GRPOConfig:
     """The algorithm: group size, advantages, the clipped surrogate loss."""
 
@@ -426,6 +453,8 @@ class GRPOConfig:
     """Upper bound of the rollout IS ratio: truncated to it, or masked above it."""
     rollout_is_min: float = 0.0
     """Lower bound of the rollout IS ratio: truncated to it, or masked below it (0: none)."""
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
+    """Asynchronous GRPO: generation across optimizer steps, in-flight weight updates, a staleness bound."""
 
     def __post_init__(self):
         _check_min("grpo.num_prompts_per_step", self.num_prompts_per_step, 1)
@@ -970,6 +999,8 @@ class Config:
         elif self.grpo.num_generations < 2:
             _fail("grpo.num_generations", "must be >= 2 (the group baseline; 1 only for algorithm distill with "
                   "distill.reward_weight=0)", self.grpo.num_generations)
+        if self.grpo.async_grpo.enabled:
+            self._check_async()
         if self.rollout.max_turns > 1 and not self.env.enabled:
             _fail("rollout.max_turns", "must be 1 without an environment (env.environment_factory, "
                   "env.environments or env.tools)", self.rollout.max_turns)
@@ -1007,6 +1038,22 @@ class Config:
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)
+
+    def _check_async(self) -> None:
+        """What grpo.async_grpo needs of the other groups (fastgrpo.algorithms.async_rollout)."""
+        checks = [
+            ("algorithm", self.algorithm, self.algorithm != "grpo", "must be grpo with grpo.async_grpo.enabled"),
+            ("grpo.rollout_is", self.grpo.rollout_is, self.grpo.rollout_is == "none", "must correct the older "
+             "policies' tokens (e.g. token_truncate, NeMo-RL's tis) with grpo.async_grpo.enabled"),
+            ("grpo.use_dynamic_sampling", True, self.grpo.use_dynamic_sampling, "is not supported with async GRPO"),
+            ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
+             "async GRPO: the engine would keep reading gathered weights that are freed after each generation"),
+            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO"),
+            ("stages", len(self.stages), bool(self.stages), "are not supported with async GRPO (a stage would change "
+             "the sampling of sequences already in flight)")]
+        for name, value, bad, message in checks:
+            if bad:
+                _fail(name, message, value)
 
     def _check_distill(self) -> None:
         """What ``algorithm: distill`` needs of the other groups (fastgrpo.algorithms.distill)."""

@@ -103,7 +103,8 @@ def sample_row(tokenizer, dataset: PromptDataset, index: int, j: int, completion
     dataset), ``sample``, ``prompt`` and ``completion`` (decoded with the special tokens, as the rollout log has
     them), their token counts, ``finish_reason``, ``answer`` (the ground truth), ``extracted`` (the answer the
     verifier reads in ``text``, the completion without special tokens; None: none) and ``reward`` (``c_pj``)."""
-    return {"group": index, "sample": j, "prompt": tokenizer.decode(dataset.prompt_ids[index], skip_special_tokens=False),
+    prompt = tokenizer.decode(dataset.prompt_ids[index], skip_special_tokens=False)
+    return {"group": index, "sample": j, "prompt": prompt,
             "completion": tokenizer.decode(list(completion.token_ids), skip_special_tokens=False),
             "prompt_tokens": len(dataset.prompt_ids[index]), "completion_tokens": len(completion.token_ids),
             "finish_reason": completion.finish_reason, "answer": dataset.rows[index].get("answer"),
@@ -209,8 +210,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--config", default=None, help="YAML config file instead of a recipe")
     parser.add_argument("--k", type=int, default=None, help="samples per prompt (default: eval.k)")
     parser.add_argument("--samples", default=None, metavar="DIR",
-                        help="write every sample (prompt, completion, extracted answer, score) to DIR/step_00000000.jsonl "
-                        "(one file per rank under torchrun); read it with python -m fastgrpo.rollouts DIR")
+                        help="write every sample (prompt, completion, extracted answer, score) to "
+                        "DIR/step_00000000.jsonl (one file per rank under torchrun); read it with "
+                        "python -m fastgrpo.rollouts DIR")
     parser.add_argument("overrides", nargs="*", help="group.field=value overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.recipe, args.config, [*args.overrides, f"model.path={args.model}"])

@@ -237,7 +237,8 @@ class Trainer:
                "eval/response_length": res["response_length/mean"], "eval/num_prompts": int(res["num_prompts"]),
                "time/eval": time.perf_counter() - start}
         if f"maj@{e.k}" in res:  # the math verifier's votes (an environment's scores have none)
-            print0(f"step {self.step}: eval/maj@{e.k} {res[f'maj@{e.k}']:.3f}, eval/cons@{e.k} {res[f'cons@{e.k}']:.3f}")
+            print0(f"step {self.step}: eval/maj@{e.k} {res[f'maj@{e.k}']:.3f}, "
+                   f"eval/cons@{e.k} {res[f'cons@{e.k}']:.3f}")
             out.update({f"eval/maj@{e.k}": res[f"maj@{e.k}"], f"eval/cons@{e.k}": res[f"cons@{e.k}"]})
         if "tool_call_rate" in res:
             print0(f"step {self.step}: eval/tool_call_rate {res['tool_call_rate']:.3f}")

@@ -200,3 +200,21 @@ def test_session_errors():
     for call in (lambda: s.add([[1, 2]]), lambda: s.run(1), s.update):
         with pytest.raises(RuntimeError, match="after close"):
             call()
+
+
+def test_a_run_reports_its_own_counts():
+    """``engine.last_stats`` after ``run``: that call's decode steps and prefill tokens (they add up to the session's
+    totals, which ``close`` leaves there), the session's peaks."""
+    model = tiny_model("qwen2")
+    eng = GenerationEngine(model, eos_token_ids=None, max_total_tokens=512, max_batch_size=4, page_size=4)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0, stop_token_ids=tuple(range(0, 96, 9)))
+    steps = prefill = 0
+    with eng.session(params, max_prompt_tokens=8) as s:
+        s.add(random_prompts([3, 8, 5, 2, 7]))
+        while s.in_flight:
+            s.run(1)
+            steps, prefill = steps + eng.last_stats["decode_steps"], prefill + eng.last_stats["prefill_tokens"]
+        peak = eng.last_stats["peak_running"]
+    total = eng.last_stats  # after close: the session's
+    assert (steps, prefill) == (total["decode_steps"], total["prefill_tokens"]) and prefill >= 3 + 8 + 5 + 2 + 7
+    assert peak == total["peak_running"] <= 4

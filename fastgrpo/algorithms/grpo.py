@@ -21,6 +21,7 @@ import os
 import torch
 
 from fastgrpo.algorithms.advantages import compute_advantages, overlong_penalty, scale_rewards
+from fastgrpo.algorithms.async_rollout import AsyncRollout
 from fastgrpo.algorithms.batch import Group, Sample
 from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.prerequisites import no_prerequisites
@@ -131,6 +132,7 @@ class GRPO:
         self.update = PolicyUpdate(cfg, ctx.wrapped, ctx.optimizer, ctx.scheduler, self.ref_model,
                                    st.device, st.world_size)
         self.rollout_log = RolloutLog(cfg.logging, ctx.run_dir, ctx.tokenizer, st.rank, st.world_size)
+        self.async_rollout = AsyncRollout(self) if cfg.grpo.async_grpo.enabled else None
 
     @property
     def rows_per_step(self) -> int:
@@ -221,7 +223,9 @@ class GRPO:
         return sample
 
     def close(self) -> None:
-        """Stop the reward workers."""
+        """Stop the reward workers and close the generation session (async GRPO)."""
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         if self.rewards is not None:
             self.rewards.close()
 
@@ -372,7 +376,10 @@ class GRPO:
         for batch in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
             if batch:
                 indices = t.sampler.next(self.rows_per_step)
-            groups, sums = self._generate(indices, settings, batch)
+            if self.async_rollout is not None:  # groups from the generation session that outlives the step
+                groups, sums = self.async_rollout.groups(indices, settings)
+            else:
+                groups, sums = self._generate(indices, settings, batch)
             for key, value in sums.items():
                 if key == "result":
                     totals[key] = merge_results(totals[key], value) if key in totals else value
@@ -428,7 +435,7 @@ class GRPO:
             "frac_reward_zero_std": totals["zero_std"] / totals["groups"],
             **{k: v for k, v in totals["result"].metrics().items() if not k.startswith(models) or
                k.endswith("/mean")},
-            **{k: v for k, v in totals.items() if k.startswith(("time/", "reward/workers", "generation/"))},
+            **{k: v for k, v in totals.items() if k.startswith(("time/", "reward/workers", "generation/", "async/"))},
         })
         if cfg.reward_shaping.enabled:
             m["reward_shaping/penalty_mean"] = totals["penalty"] / n
@@ -453,6 +460,8 @@ class GRPO:
         with t.updating(), t.timer("update"):
             upd = self.update.run(samples, beta=settings["beta"], epsilon_high=settings["epsilon_high"],
                                   max_new_tokens=settings["max_new_tokens"])
+        if self.async_rollout is not None:  # the sequences in flight continue on the new weights
+            self.async_rollout.after_update()
         # every rank has the same keys: metrics a rank lacks (no optimizer step succeeded) are NaN there
         for key in ("loss", "grad_norm", "entropy", *POLICY_METRICS[LOSS_POLICY[self.cfg.grpo.loss_type]],
                     *DIFF_NAMES) + (("kl",) if settings["beta"] else ()) + (
@@ -471,4 +480,6 @@ class GRPO:
         m["tokens"] = m.pop("tokens/sum")
         m["max_new_tokens"] = settings["max_new_tokens"]
         m["bad_steps"] = m.pop("bad_steps/sum")
+        if self.async_rollout is not None:  # over the step's trained groups, all ranks
+            m["async/group_age/mean"] = m.pop("async/group_age/sum") / self.cfg.grpo.num_prompts_per_step
         return m

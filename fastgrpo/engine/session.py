@@ -54,6 +54,10 @@ from contextlib import contextmanager
 from fastgrpo.engine.loop import Run
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler
 
+RUN_COUNTS = ("decode_steps", "prefill_tokens", "resume_prefill_tokens", "re_prefill_tokens", "preemptions",
+              "evictions")
+"""The ``engine.last_stats`` counts a :meth:`GenerationSession.run` reports for itself (the peaks are the session's)."""
+
 
 class GenerationSession:
     """Prompts added over time and decoded across weight updates (see the module docstring).
@@ -92,6 +96,7 @@ class GenerationSession:
             self._run.open(self._group_done)
             self._run.conversations.version = self.version
         self._steps = self._run.steps()
+        self._counted: dict[str, int] = {}  # the counts of RUN_COUNTS up to the last run
         self._closed = False
 
     @contextmanager
@@ -126,7 +131,8 @@ class GenerationSession:
     def run(self, groups: int) -> list[tuple[int, list[Completion]]]:
         """Decode until at least ``groups`` more groups have finished (or every added sample has); returns every
         group finished since the last call as ``(key, completions)``, in finishing order. The unfinished samples
-        stay in flight."""
+        stay in flight. ``engine.last_stats`` then holds this call's counts (:data:`RUN_COUNTS`) and the session's
+        peaks."""
         self._check_open("run")
         if not isinstance(groups, int) or groups < 0:
             raise ValueError(f"groups must be an integer >= 0, got {groups!r}")
@@ -135,7 +141,9 @@ class GenerationSession:
                 pass
         out, self._finished = self._finished, []
         self._returned += len(out)
-        self.engine.last_stats = self._run.stats()
+        stats = self._run.stats()
+        self.engine.last_stats = {k: v - self._counted.get(k, 0) if k in RUN_COUNTS else v for k, v in stats.items()}
+        self._counted = {k: stats[k] for k in RUN_COUNTS}
         return out
 
     def update(self, *, recompute_kv: bool = False) -> int:
@@ -151,7 +159,8 @@ class GenerationSession:
         return self.version
 
     def close(self) -> None:
-        """Free the page pool and the buffers (idempotent); the unfinished samples are dropped."""
+        """Free the page pool and the buffers (idempotent); the unfinished samples are dropped. ``engine.last_stats``
+        then holds the session's totals."""
         if self._closed:
             return
         self._closed = True

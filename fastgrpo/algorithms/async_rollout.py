@@ -1,0 +1,177 @@
+"""Asynchronous GRPO on the co-located engine (``grpo.async_grpo.enabled``): generation that never drains.
+
+A synchronous step waits for its longest rollout: at long, long-tailed response lengths most of the batch finishes
+early and the last rows decode alone. Here the engine keeps one generation session per rank
+(:class:`fastgrpo.engine.session.GenerationSession`) for the whole run:
+
+1. **Refill.** Each step adds its prompts (the rank's share of the data sampler's ``num_prompts_per_step``) to the
+   session; the first step also adds ``max_trajectory_age_steps`` more batches, so that a rank keeps
+   ``B = (max_trajectory_age_steps + 1) · P_r`` groups in flight (``P_r`` its share of a step's prompts).
+2. **Train on what finished.** The step runs the session until ``P_r`` groups have finished (a group trains only
+   when all of its ``G`` samples have: the advantage needs the whole group) and trains on the first ``P_r`` to
+   finish; each group goes to the reward pool the moment it finishes, as in a synchronous step. The unfinished
+   groups wait in the session with their KV pages; a finished group beyond ``P_r`` waits on the host for the next
+   step.
+3. **In-flight weight updates.** After the optimizer step the session's sequences resume on the updated weights,
+   which the engine reads in place: the update costs nothing (:meth:`AsyncRollout.after_update`). With
+   ``recompute_kv_cache_after_weight_updates`` every in-flight sequence's K/V is recomputed on the new weights
+   (one prefill of its prompt and tokens), otherwise the K/V the older weights wrote is kept.
+4. **Staleness.** Every sampled token records the policy version (optimizer steps taken) that sampled it and its
+   behaviour log-prob (the engine's). A group's age is the trained policy's version minus its oldest token's; a
+   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/stale_groups``), never trained.
+   The policy update corrects the older tokens by importance sampling against their behaviour log-probs
+   (``grpo.rollout_is``, required). When a rank runs out of work before it has ``P_r`` trainable groups (stale
+   drops), every rank adds another batch from the data sampler (one collective decides), as dynamic sampling does.
+
+Metrics (summed or maxed over ranks): ``async/group_age/mean`` and ``/max`` of the trained groups,
+``async/stale_groups/sum`` (dropped this step), ``async/in_flight_groups/sum`` (in the session at the step's end),
+``async/waiting_groups/sum`` (finished, waiting for the next step), ``async/extra_batches/max``.
+
+**Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
+and the update's activations fit together (``python -m fastgrpo.plan`` gives both; on CUDA the engine otherwise
+takes 80% of the free memory at the session's start). At the DeepScaleR scale (1.5B, bf16, 28 KiB of K/V per
+token) a rank keeping B = 2 · 16 groups of 8 samples in flight at 12K tokens on average holds 256 · 12K · 28 KiB =
+84 GiB of K/V if all were resident at once; the pool bounds it (the latest-admitted sequences wait in the queue or
+are preempted and recomputed), so on an 80 GiB GPU size the pool at the plan's KV share (e.g. 40 GiB) and let the
+queue hold the rest. The host keeps the in-flight samples' tokens and log-probs (about 70 bytes a token).
+
+**What is lost on a crash.** A checkpoint holds the weights, the optimizer and the data sampler, not the sequences
+in flight: a resumed run starts a new session from the sampler's next prompts (the in-flight ones are not
+trained).
+
+Not supported yet (refused at start-up, ``Config._check_async``): dynamic sampling, multi-turn environments,
+stages, FSDP2 (the engine reads gathered weights that do not outlive one generation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.algorithms.sampling import sampling_params
+from fastgrpo.distributed import all_reduce
+from fastgrpo.rewards import RewardResult
+
+
+class AsyncRollout:
+    """The generation session and the finished groups of one rank (module docstring); made by ``GRPO``."""
+
+    def __init__(self, grpo):
+        self.grpo = grpo
+        self.ctx, self.cfg = grpo.ctx, grpo.cfg
+        self.session = None
+        self.rows: dict[int, int] = {}  # session key -> its training row
+        self.ready: list[tuple[int, list, list[float], dict[str, list[float]]]] = []
+        """Finished groups not trained yet, in finishing order: (key, completions, total, per-function scores)."""
+        self.prompt_texts: dict[int, str] = {}
+
+    @property
+    def share(self) -> int:
+        """This rank's groups per step."""
+        return self.cfg.grpo.num_prompts_per_step // self.ctx.state.world_size
+
+    def _open(self, settings: dict) -> None:
+        t, cfg = self.ctx, self.cfg
+        params = sampling_params(cfg, settings, n=cfg.grpo.num_generations,
+                                 seed=(cfg.train.seed * 1_000_003 + t.step) * 1024 + t.state.rank)
+        longest = max(map(len, self.grpo.train_data.prompt_ids))
+        self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit)
+
+    def _submit(self, key: int, group: list) -> None:
+        """A finished group goes to the reward pool at once (scored while the others decode)."""
+        if self.grpo.rewards is None:
+            return
+        tok, data = self.ctx.tokenizer, self.grpo.train_data
+        row = self.rows[key]
+        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in group]
+        columns = data.columns([row])
+        self.grpo.rewards.submit(key, [self.prompt_texts[key]] * len(group), texts,
+                                 {k: v * len(group) for k, v in columns.items()})
+
+    def _add(self, indices: list[int]) -> None:
+        """This rank's share of the rows ``indices`` (all ranks'), queued in the session."""
+        st = self.ctx.state
+        per_rank = len(indices) // st.world_size
+        idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+        prompts = [self.grpo.train_data.prompt_ids[i] for i in idx]
+        for key, i, p in zip(self.session.add(prompts), idx, prompts, strict=True):
+            self.rows[key] = i
+            self.prompt_texts[key] = self.ctx.tokenizer.decode(p)
+
+    def _collect(self, finished: list, faults: dict) -> dict:
+        """Score the groups the session just returned (the reward pool's scores, in key order) into ``ready``;
+        returns the pool's times and adds its fault counts to ``faults``."""
+        if not finished:
+            return {}
+        G = self.cfg.grpo.num_generations
+        if self.grpo.rewards is not None:
+            result, times = self.grpo.rewards.gather()
+            for name, counts in result.faults.items():
+                into = faults.setdefault(name, {})
+                for k, v in counts.items():
+                    into[k] = into.get(k, 0) + v
+        else:
+            result, times = RewardResult(total=[0.0] * (len(finished) * G), per_function={}), {}
+        at = {key: i * G for i, key in enumerate(sorted(key for key, _ in finished))}
+        for key, group in finished:
+            a = at[key]
+            self.ready.append((key, group, result.total[a : a + G],
+                               {name: s[a : a + G] for name, s in result.per_function.items()}))
+        return times
+
+    def groups(self, indices: list[int], settings: dict) -> tuple[list, dict]:
+        """This step's groups (``GRPO.score_groups``: rewards, advantages' inputs, sums) from the session, after
+        queueing the rows ``indices`` (module docstring)."""
+        t, a = self.ctx, self.cfg.grpo.async_grpo
+        first = self.session is None
+        if first:
+            self._open(settings)
+        faults: dict[str, dict[str, int]] = {}
+        times: dict[str, float] = {}
+        with t.timer("generation"):
+            self._add(indices)
+            for _ in range(a.max_trajectory_age_steps if first else 0):  # the buffer: B groups in flight
+                self._add(t.sampler.next(self.grpo.rows_per_step))
+            stale = extra = 0
+            while True:
+                version = self.session.version
+                fresh = [g for g in self.ready if version - min(min(c.versions) for c in g[1])
+                         <= a.max_trajectory_age_steps]
+                stale += len(self.ready) - len(fresh)
+                self.ready = fresh
+                short = self.share - len(self.ready)
+                if short > 0 and self.session.in_flight:
+                    for key, value in self._collect(self.session.run(short), faults).items():
+                        times[key] = times.get(key, 0.0) + value
+                    continue
+                starved = all_reduce(torch.tensor([float(short > 0)], device=t.coll_device())).item()
+                if not starved:  # sync: every rank decides together whether to refill
+                    break
+                self._add(t.sampler.next(self.grpo.rows_per_step))
+                extra += 1
+        chosen, self.ready = self.ready[: self.share], self.ready[self.share :]
+        for key, *_ in chosen:
+            self.prompt_texts.pop(key)
+        idx = [self.rows.pop(key) for key, *_ in chosen]
+        prompts = [self.grpo.train_data.prompt_ids[i] for i in idx]
+        outs = [group for _, group, _, _ in chosen]
+        names = list(chosen[0][3]) if chosen else []
+        result = RewardResult(total=[r for _, _, total, _ in chosen for r in total],
+                              per_function={n: [s for *_, per in chosen for s in per[n]] for n in names},
+                              faults=faults)
+        groups, sums = self.grpo.score_groups(idx, prompts, outs, result, times, settings)
+        ages = [self.session.version - min(min(c.versions) for c in group) for group in outs]
+        sums.update({"async/group_age/sum": float(sum(ages)), "async/group_age/max": float(max(ages)),
+                     "async/stale_groups/sum": float(stale), "async/extra_batches/max": float(extra),
+                     "async/in_flight_groups/sum": float(self.session.in_flight),
+                     "async/waiting_groups/sum": float(len(self.ready))})
+        return groups, sums
+
+    def after_update(self) -> None:
+        """The optimizer step is done: in-flight sequences continue on the new weights (version + 1)."""
+        if self.session is not None:
+            self.session.update(recompute_kv=self.cfg.grpo.async_grpo.recompute_kv_cache_after_weight_updates)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
