@@ -330,6 +330,8 @@ class GRPO:
             sums.update({"generation/peak_running/max": float(stats["peak_running"]),
                          "generation/preemptions/sum": float(stats["preemptions"]),
                          "generation/decode_steps/max": float(stats["decode_steps"]),
+                         "generation/active_row_steps/sum": float(stats["active_row_steps"]),
+                         "generation/decode_steps/sum": float(stats["decode_steps"]),
                          "generation/kv_usage/max": stats["peak_kv_tokens"] / stats["kv_capacity_tokens"]})
             if trajs is not None:
                 sums.update({"generation/resume_prefill_tokens/sum": float(stats["resume_prefill_tokens"]),
@@ -480,6 +482,9 @@ class GRPO:
         m["tokens"] = m.pop("tokens/sum")
         m["max_new_tokens"] = settings["max_new_tokens"]
         m["bad_steps"] = m.pop("bad_steps/sum")
+        if "generation/decode_steps/sum" in m:  # the decode batch's mean occupancy, over every rank's decode steps
+            m["generation/rows_active_mean"] = m.pop("generation/active_row_steps/sum") / max(
+                m.pop("generation/decode_steps/sum"), 1.0)
         if self.async_rollout is not None:  # over the step's trained groups, all ranks
             m["async/group_age/mean"] = m.pop("async/group_age/sum") / self.cfg.grpo.num_prompts_per_step
         return m

@@ -56,7 +56,8 @@ average hold 42 GiB, more than the 40 GiB pool, so the pool, not the rows, bound
 environments at once; beyond that the latest-paused are evicted (pages freed, the conversation prefilled again in
 full when it resumes: the cost the KV reuse saves, paid only under memory pressure). The conversation budget
 (``max_sequence_tokens``, default the model's context) sizes the block tables and, on CPU, the row cache: set it to
-the real bound. ``engine.last_stats`` reports each call: peak_running, preemptions, decode_steps, prefill_tokens
+the real bound. ``engine.last_stats`` reports each call: peak_running, preemptions, decode_steps, active_row_steps
+(Σ over decode steps of the samples running in the batch: ``/ decode_steps`` is its mean occupancy), prefill_tokens
 (prompts, recomputes and resumed turns' appended tokens), resume_prefill_tokens (the appended ones: observations +
 the one sampled token per resume whose K/V were not cached), re_prefill_tokens (what re-prefilling the whole
 conversation at every resumed turn would have cost, TRL's way), evictions (paused samples whose pages were freed),

@@ -122,7 +122,7 @@ class Run:
         )  # fmt: skip
         self.conversations = Conversations(self.prompts, self.params, sched, self.handler, self.tokenizer,
                                            self.forward.vocab_size, settings.max_context, on_group_done)
-        self.counts = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0)
+        self.counts = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0, active_row_steps=0)
         self.last_hidden: dict[int, torch.Tensor] = {}  # [H] of each prompt whose pages are held
         self.table_rows, self.table_layout = 0, []  # the block tables in state.table: rows written, their layout
 
@@ -169,6 +169,7 @@ class Run:
             peak_running=sched.peak_running,
             preemptions=sched.preemptions,
             decode_steps=self.counts["decode_steps"],
+            active_row_steps=self.counts["active_row_steps"],
             prefill_tokens=self.counts["prefill_tokens"],
             resume_prefill_tokens=self.counts["resume_prefill_tokens"],
             re_prefill_tokens=self.conversations.re_prefill_tokens,
@@ -382,3 +383,4 @@ class Run:
             state.pos[:S_b] += live_S
             state.tok[:S_b] = tok  # a done row feeds it at its pos, where nothing of it is kept or read
         self.counts["decode_steps"] += steps
+        self.counts["active_row_steps"] += steps * len(self.scheduler.rows)  # the batch's occupancy

@@ -54,8 +54,8 @@ from contextlib import contextmanager
 from fastgrpo.engine.loop import Run
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler
 
-RUN_COUNTS = ("decode_steps", "prefill_tokens", "resume_prefill_tokens", "re_prefill_tokens", "preemptions",
-              "evictions")
+RUN_COUNTS = ("decode_steps", "active_row_steps", "prefill_tokens", "resume_prefill_tokens", "re_prefill_tokens",
+              "preemptions", "evictions")
 """The ``engine.last_stats`` counts a :meth:`GenerationSession.run` reports for itself (the peaks are the session's)."""
 
 
