@@ -99,36 +99,48 @@ def _gather_sum_torch(src_SH, r, T):
 
 
 def _forward_torch(x_TH, gate_up_EIH, down_EHI, r, w_S, save):
-    T, H = x_TH.shape
-    ys_SH = torch.empty(r.S, H, dtype=x_TH.dtype, device=x_TH.device)
-    gu_SI2 = torch.empty(r.S, gate_up_EIH.shape[1], dtype=x_TH.dtype, device=x_TH.device) if save else None
-    tok = r.tok.long()
-    for e, lo, hi in _segments(r):
-        gu_nI2 = torch.mm(x_TH[tok[lo:hi]], gate_up_EIH[e].t(), out=gu_SI2[lo:hi] if save else None)  # [n, 2I]
-        _, u, _, silu = _swiglu_parts(gu_nI2)
-        torch.mm(silu.mul_(u).to(x_TH.dtype), down_EHI[e].t(), out=ys_SH[lo:hi])  # [n, H]
-        ys_SH[lo:hi].mul_(w_S[lo:hi, None])
-    return _gather_sum_torch(ys_SH, r, T), gu_SI2
+    """Per expert only the two matmuls; the gather and the elementwise work run once over all pairs (each op is a
+    parallel region of the CPU thread pool, and on a loaded machine each waits for its slowest thread)."""
+    x_SH = x_TH[r.tok.long()]  # [S, H] in expert order
+    gu_SI2 = torch.empty(r.S, gate_up_EIH.shape[1], dtype=x_TH.dtype, device=x_TH.device)
+    ys_SH = torch.empty(r.S, x_TH.shape[1], dtype=x_TH.dtype, device=x_TH.device)
+    segments = _segments(r)
+    for e, lo, hi in segments:
+        torch.mm(x_SH[lo:hi], gate_up_EIH[e].t(), out=gu_SI2[lo:hi])
+    del x_SH
+    _, u, _, silu = _swiglu_parts(gu_SI2)
+    act_SI = silu.mul_(u).to(x_TH.dtype)
+    for e, lo, hi in segments:
+        torch.mm(act_SI[lo:hi], down_EHI[e].t(), out=ys_SH[lo:hi])
+    ys_SH.mul_(w_S[:, None])
+    return _gather_sum_torch(ys_SH, r, x_TH.shape[0]), gu_SI2 if save else None
 
 
 def _backward_torch(g_TH, x_TH, gate_up_EIH, down_EHI, r, w_S, gu_SI2):
+    """As the forward: per expert the four matmuls, the rest once over all pairs. Besides the Triton path's buffers
+    it gathers x and the upstream gradient in expert order (``[S, H]`` each)."""
     dt = x_TH.dtype
+    tok = r.tok.long()
+    g_SH = g_TH[tok]  # [S, H]
+    dact_SI = torch.empty(r.S, down_EHI.shape[2], dtype=dt, device=x_TH.device)
+    segments = _segments(r)
+    for e, lo, hi in segments:
+        torch.mm(g_SH[lo:hi], down_EHI[e], out=dact_SI[lo:hi])  # δ D_e
+    g, u, sig, silu = _swiglu_parts(gu_SI2)
+    act = silu * u
+    dact = dact_SI.float()
+    dw_S = torch.linalg.vecdot(dact, act)
+    da = dact.mul_(w_S[:, None])
+    dgu_SI2 = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da.mul_(silu)], dim=1).to(dt)
+    del g, u, sig, silu, dact, da, dact_SI
+    gw_SH, act_SI = g_SH.mul_(w_S[:, None]), act.to(dt)  # the upstream gradient times the routing weight
+    x_SH = x_TH[tok]
     dx_SH = torch.empty(r.S, x_TH.shape[1], dtype=dt, device=x_TH.device)
     d_gate_up, d_down = torch.zeros_like(gate_up_EIH), torch.zeros_like(down_EHI)
-    dw_S = torch.empty(r.S, dtype=torch.float32, device=x_TH.device)
-    tok = r.tok.long()
-    for e, lo, hi in _segments(r):
-        t_n, w_n1 = tok[lo:hi], w_S[lo:hi, None]
-        g_nH, x_nH = g_TH[t_n], x_TH[t_n]
-        dact = (g_nH @ down_EHI[e]).float()  # [n, I] = δ D_e
-        g, u, sig, silu = _swiglu_parts(gu_SI2[lo:hi])
-        act = silu * u
-        torch.linalg.vecdot(dact, act, out=dw_S[lo:hi])
-        da = dact.mul_(w_n1)
-        dgu_nI2 = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * silu], dim=1).to(dt)
-        torch.mm((g_nH * w_n1).to(dt).t(), act.to(dt), out=d_down[e])
-        torch.mm(dgu_nI2.t(), x_nH, out=d_gate_up[e])
-        torch.mm(dgu_nI2, gate_up_EIH[e], out=dx_SH[lo:hi])
+    for e, lo, hi in segments:
+        torch.mm(gw_SH[lo:hi].t(), act_SI[lo:hi], out=d_down[e])
+        torch.mm(dgu_SI2[lo:hi].t(), x_SH[lo:hi], out=d_gate_up[e])
+        torch.mm(dgu_SI2[lo:hi], gate_up_EIH[e], out=dx_SH[lo:hi])
     return _gather_sum_torch(dx_SH, r, x_TH.shape[0]), d_gate_up, d_down, dw_S
 
 
