@@ -22,13 +22,14 @@ no capacity factor, every (token, expert) pair is computed whatever the load.
 Paths (``utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1`` (``moe_kernels.py``): the pairs sorted by
 expert, one grouped-GEMM launch for every expert's gate/up with SiLU·mul in its epilogue, one for down times the
 routing weight, a gather-sum by token; the backward is two grouped GEMMs, two per-expert weight-gradient launches
-and a gather-sum, and gives ``∂L/∂w`` from the down GEMM's epilogue. Otherwise a plain-torch path, per expert, with
-the same buffers and the same backward. Both accumulate in fp32.
+and a gather-sum, and gives ``∂L/∂w`` from the down GEMM's epilogue. Otherwise a plain-torch path with the same
+steps, its matmuls per expert (the host reads the per-expert counts: CPU tensors). Both accumulate in fp32.
 
 Memory (S = T·K pairs): the forward keeps ``[S, 2I]`` (the gate/up pre-activations, for the backward; only when a
 gradient is needed) and passes through ``[S, I]`` and ``[S, H]``; the backward allocates ``[S, 2I]``, ``[S, I]``,
 ``[S, H]`` and the weights' gradients. Nothing of size ``[T, E, ·]``, no copy of the weights per token, no padding
-to a capacity. The routing state is O(S + E) integers.
+to a capacity. The routing state is O(S + E) integers. The torch path also holds x in expert order ``[S, H]`` in the
+forward, and x and the upstream gradient in expert order in the backward.
 
 Triton-path constraints: fp32 / bf16 / fp16, all of x and the weights in one dtype; any H, I, E, T (masked tiles: odd
 sizes, empty experts and every token on one expert are fine); ``top_k ≤ E``. The per-expert weight-gradient launch
