@@ -224,10 +224,14 @@ def _experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights):
     return out.view(hidden.shape)
 
 
-def moe_router(hidden, router_weight, top_k, *, norm_topk_prob):
+def moe_router(hidden, router_weight, top_k, *, norm_topk_prob, topk_ids=None):
     """``(router_logits [T, E], topk_weights [T, K], topk_ids [T, K])``, ``Qwen3MoeTopKRouter``'s ops: logits in
     hidden's dtype, fp32 softmax, top-K, renormalised when ``norm_topk_prob``, weights in the logits' dtype.
-    ``hidden`` ``[..., H]`` is flattened to ``[T, H]``."""
+    ``hidden`` ``[..., H]`` is flattened to ``[T, H]``.
+
+    ``topk_ids`` (router replay): route to these experts instead of the top-K (``[..., K]`` or ``[T, K]``, e.g. the
+    ones the generation engine recorded); their weights are recomputed from the current logits, ``p[t, ids[t]]``
+    (renormalised when ``norm_topk_prob``), so the router still gets its gradient."""
     check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, nonempty=False)
     check_tensor("router_weight", router_weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
     if router_weight.shape[1] != hidden.shape[-1]:
@@ -236,18 +240,30 @@ def moe_router(hidden, router_weight, top_k, *, norm_topk_prob):
         raise ValueError(f"top_k must be an int in [1, {router_weight.shape[0]}], got {top_k!r}")
     logits_TE = F.linear(hidden.reshape(-1, hidden.shape[-1]), router_weight)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if topk_ids is None:
+        weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    else:
+        check_tensor("topk_ids", topk_ids, dtypes=(torch.int64, torch.int32), device=hidden.device, nonempty=False)
+        check_shape("topk_ids", topk_ids.reshape(-1, topk_ids.shape[-1]), (logits_TE.shape[0], top_k),
+                    "[tokens, top_k]")
+        ids_TK = topk_ids.reshape(-1, top_k).long()
+        weights_TK = probs_TE.gather(1, ids_TK)
     if norm_topk_prob:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return logits_TE, weights_TK.to(logits_TE.dtype), ids_TK
 
 
-def sparse_moe_block(hidden, router_weight, gate_up_proj, down_proj, *, top_k, norm_topk_prob):
+def sparse_moe_block(hidden, router_weight, gate_up_proj, down_proj, *, top_k, norm_topk_prob, topk_ids=None):
     """``Qwen3MoeSparseMoeBlock.forward`` on its tensors (``gate.weight``, ``experts.gate_up_proj``,
     ``experts.down_proj``): returns ``(out [..., H], router_logits [T, E])``; the logits feed
-    :func:`load_balancing_loss`. Gradients reach hidden, the router and both expert weights."""
+    :func:`load_balancing_loss`. Gradients reach hidden, the router and both expert weights. ``topk_ids``: router
+    replay (:func:`moe_router`; ids outside ``[0, E)`` raise, a host read)."""
     _check_experts(hidden, gate_up_proj, down_proj)
-    logits_TE, weights_TK, ids_TK = moe_router(hidden, router_weight, top_k, norm_topk_prob=norm_topk_prob)
+    if topk_ids is not None and topk_ids.numel() and not (0 <= int(topk_ids.min()) and
+                                                          int(topk_ids.max()) < gate_up_proj.shape[0]):
+        raise ValueError(f"topk_ids has ids outside [0, {gate_up_proj.shape[0]})")
+    logits_TE, weights_TK, ids_TK = moe_router(hidden, router_weight, top_k, norm_topk_prob=norm_topk_prob,
+                                               topk_ids=topk_ids)
     return _experts(hidden, gate_up_proj, down_proj, ids_TK, weights_TK), logits_TE
 
 

@@ -240,6 +240,25 @@ def test_block_matches_transformers(path, dtype, norm):
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights) and torch.equal(logits, hf_logits)
 
 
+def test_router_replay(path):
+    """Given the recorded experts, the block routes to them with weights recomputed from the current logits: equal to
+    the experts op on those ids and ``p[t, ids]`` (renormalised), and with no ids, replaying its own top-K is a no-op;
+    the router weight gets its gradient either way."""
+    T, H, I, E, K = 9, 16, 12, 5, 2
+    wr, gu, dn = _weights(E, H, I, torch.float32, seed=4)
+    x = torch.randn(T, H)
+    ids, _ = _routing(T, E, K, E, seed=4)
+    out, logits = moe.sparse_moe_block(x, wr, gu, dn, top_k=K, norm_topk_prob=True, topk_ids=ids)
+    p = torch.softmax(logits.detach().float(), -1).gather(1, ids)
+    want = moe.moe_experts(x, gu, dn, ids, p / p.sum(-1, keepdim=True))
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    own = moe.moe_router(x, wr, K, norm_topk_prob=True)[2]
+    torch.testing.assert_close(moe.sparse_moe_block(x, wr, gu, dn, top_k=K, norm_topk_prob=True, topk_ids=own)[0],
+                               moe.sparse_moe_block(x, wr, gu, dn, top_k=K, norm_topk_prob=True)[0], rtol=0, atol=0)
+    out.sum().backward()
+    assert wr.grad is not None and wr.grad.abs().max() > 0
+
+
 def test_no_tokens(path):
     """Zero tokens: an empty output, zero gradients for the weights (a rank with an empty micro-batch)."""
     _, gu, dn = _weights(3, 16, 8, torch.float32, seed=0)
@@ -299,5 +318,9 @@ def test_bad_inputs_name_the_argument():
         moe.moe_experts(x, gu, dn, ids, w[:, :1])
     with pytest.raises(ValueError, match="top_k"):
         moe.sparse_moe_block(x, wr, gu, dn, top_k=4, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe.sparse_moe_block(x, wr, gu, dn, top_k=2, norm_topk_prob=True, topk_ids=ids[:, :1])
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe.sparse_moe_block(x, wr, gu, dn, top_k=2, norm_topk_prob=True, topk_ids=ids + 3)
     with pytest.raises(ValueError, match="router_weight"):
         moe.sparse_moe_block(x, wr[:, :8], gu, dn, top_k=2, norm_topk_prob=True)
