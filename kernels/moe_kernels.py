@@ -179,15 +179,22 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_t[:, None] * stride_o + offs_h[None, :], _cast(acc, out_ptr, FIX_RTNE), mask=mask)
 
 
-# Launch configurations (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on a GPU, largest first, tried in order
-# until one fits (``utils.launch_first_fitting``), keyed by the element size. Shared memory of the GEMM's pipelined
-# K loop: num_stages·(BLOCK_M + 2·BLOCK_N)·BLOCK_K elements with the gate/up pair (the widest case): 144 KiB for the
-# first bf16 entry, under sm_80's 163 KiB. `pytest -m gpu_compile` compiles every entry for sm_80 and sm_90.
+# Launch configurations (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) on a GPU per GEMM mode, largest first, tried
+# in order until one fits (``utils.launch_first_fitting``), keyed by the element size. Shared memory is the pipelined
+# K loop's num_stages·(BLOCK_M + BLOCK_N)·BLOCK_K elements (2·BLOCK_N with the gate/up pair): at most 96 KiB for the
+# first bf16 entries, under sm_80's 163 KiB. Registers set the tile: the gate/up pair keeps two fp32 accumulators and
+# the SiLU·mul backward's epilogue six live tiles, so those take fewer elements per thread (no bf16 spills on sm_90).
+# `pytest -m gpu_compile` compiles every entry for sm_80 and sm_90.
 GEMM_CONFIGS = {
-    2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 64, 32, 4, 2)],
-    4: [(64, 64, 32, 4, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 1)],
+    MODE_PLAIN: {2: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 64, 32, 4, 2)],
+                 4: [(64, 64, 32, 4, 3), (64, 64, 32, 4, 2), (32, 64, 32, 4, 1)]},
+    MODE_SWIGLU: {2: [(128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (64, 32, 32, 4, 2)],
+                  4: [(64, 64, 32, 8, 3), (64, 32, 32, 4, 2), (32, 32, 32, 4, 1)]},
+    MODE_SWIGLU_BWD: {2: [(64, 64, 64, 8, 3), (64, 32, 64, 4, 3), (32, 32, 32, 4, 2)],
+                      4: [(64, 64, 32, 8, 3), (64, 32, 32, 4, 2), (32, 32, 32, 4, 1)]},
 }
-WGRAD_CONFIGS = GEMM_CONFIGS  # BLOCK_K counts an expert's rows there
+GEMM_CONFIGS[MODE_SCALE] = GEMM_CONFIGS[MODE_PLAIN]
+WGRAD_CONFIGS = GEMM_CONFIGS[MODE_PLAIN]  # BLOCK_K counts an expert's rows there
 INTERPRET_CONFIG = (16, 64, 64, 4, 1)  # few, large tiles: the interpreter runs per operation
 GATHER_BLOCK_T, GATHER_BLOCK_H, GATHER_WARPS = 16, 128, 4
 
@@ -263,7 +270,7 @@ def grouped_gemm(mode: int, a, b_E, N: int, K: int, r: Routing, *, gather: bool,
         )
         out[:] = [parts]
 
-    launch_first_fitting(_key(f"gemm{mode}{int(save)}", a), _configs(a, GEMM_CONFIGS), launch)
+    launch_first_fitting(_key(f"gemm{mode}{int(save)}", a), _configs(a, GEMM_CONFIGS[mode]), launch)
     return c, c2, out[0]
 
 
