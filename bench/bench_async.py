@@ -1,0 +1,145 @@
+"""Synchronous against asynchronous rollouts on a long-tailed workload: the engine's generation session
+(fastgrpo.engine.session, what ``grpo.async_grpo`` runs on) against one ``generate`` per step.
+
+Run: ``python bench/bench_async.py`` (CPU: about a minute; ``--smoke``: seconds, records nothing; on CUDA the same
+with ``--device cuda``).
+
+Workload: ``STEPS`` optimizer steps of ``PROMPTS`` prompts × ``N`` samples on a random tiny Qwen2 (2 layers, hidden 64).
+Each prompt's response length is drawn once, log-normal with median 0.12 · cap and σ = 1.2, capped at the cap
+(256 tokens): most completions are short and a few run to the cap, the long tail of reasoning RL. Both modes see the
+same lengths: a response is forced to its length by the sequence budget (``max_sequence_tokens = cap + 16``, the
+prompt of a response of length r has ``cap + 16 - r`` tokens, no stop token), so a completion ends with "length"
+exactly there, whatever the sampled tokens.
+
+- **sync**: each step ``generate``\\ s its prompts and trains all of them: the batch drains to the step's longest
+  completion.
+- **async, age a**: one session; ``(a + 1) · PROMPTS`` prompts in flight; each step ``run``\\ s until ``PROMPTS``
+  groups finished, trains the first ``PROMPTS`` of them (the rest wait), drops a group whose oldest token is more
+  than ``a`` versions old (``update()`` after each step: a weight version; no weight changes, the update itself is
+  the same in both modes and not timed), and adds ``PROMPTS`` new prompts.
+
+Reported per mode, from one run: trained tokens, decode steps per trained token, the decode batch's mean occupancy
+(``active_row_steps / decode_steps``), wall time of generation per trained token, dropped (stale) groups, and the
+ratio of sync's wall time per trained token to the mode's (> 1: async is faster). Rows go to
+``bench/results/async.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+import torch
+from common import append_rows, print_table
+
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+
+CAP = 256
+PAD = 16  # the shortest prompt: the sequence budget is CAP + PAD
+STEPS, PROMPTS, N = 12, 16, 4
+
+
+def tiny_model(positions: int, device: str) -> torch.nn.Module:
+    """A random Qwen2 of 2 layers, hidden 64, vocabulary 256, with ``positions`` positions (fp32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
+    return Qwen2ForCausalLM(config).to(device).eval()
+
+
+def draw_lengths(count: int, cap: int, seed: int) -> list[int]:
+    """Response lengths, log-normal (median 0.12 · cap, σ = 1.2), capped at ``cap``, at least 1."""
+    rng = random.Random(seed)
+    return [max(1, min(cap, round(0.12 * cap * math.exp(rng.gauss(0.0, 1.2))))) for _ in range(count)]
+
+
+def prompt_for(length: int, cap: int, vocab: int, rng: random.Random) -> list[int]:
+    """A prompt whose response is cut at exactly ``length`` tokens by the sequence budget ``cap + PAD``."""
+    return [rng.randrange(vocab) for _ in range(cap + PAD - length)]
+
+
+def run_sync(engine, params, prompts: list[list[int]], steps: int, per_step: int) -> dict:
+    trained = decode = rows = 0
+    start = time.perf_counter()
+    for s in range(steps):
+        out = engine.generate(prompts[s * per_step : (s + 1) * per_step], params)
+        trained += sum(len(c.token_ids) for group in out for c in group)
+        decode += engine.last_stats["decode_steps"]
+        rows += engine.last_stats["active_row_steps"]
+    return dict(trained_tokens=trained, decode_steps=decode, row_steps=rows, wall_s=time.perf_counter() - start,
+                stale_groups=0)
+
+
+def run_async(engine, params, prompts: list[list[int]], steps: int, per_step: int, age: int) -> dict:
+    longest = max(map(len, prompts))
+    trained = decode = rows = stale = 0
+    ready: list = []  # (key, group) finished, not trained yet
+    keys: list[int] = []  # the trained groups' keys (their prompts' indices)
+    start = time.perf_counter()
+    with engine.session(params, max_prompt_tokens=longest) as session:
+        session.add(prompts[: (age + 1) * per_step])
+        added = (age + 1) * per_step
+        for _ in range(steps):
+            while True:
+                fresh = [(k, g) for k, g in ready if session.version - min(min(c.versions) for c in g) <= age]
+                stale, ready = stale + len(ready) - len(fresh), fresh
+                if len(ready) >= per_step or not session.in_flight:
+                    break
+                ready += session.run(per_step - len(ready))
+                decode += engine.last_stats["decode_steps"]
+                rows += engine.last_stats["active_row_steps"]
+            if len(ready) < per_step:
+                raise RuntimeError("the workload ran out of prompts: raise its size")
+            trained += sum(len(c.token_ids) for _, group in ready[:per_step] for c in group)
+            keys += [k for k, _ in ready[:per_step]]
+            ready = ready[per_step:]
+            session.update()
+            session.add(prompts[added : added + per_step])
+            added += per_step
+    return dict(trained_tokens=trained, decode_steps=decode, row_steps=rows, wall_s=time.perf_counter() - start,
+                stale_groups=stale, trained_keys=keys, added=added, waiting=len(ready))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, nothing recorded")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ages", default="1,2")
+    args = ap.parse_args()
+    steps, per_step, cap = (3, 4, 32) if args.smoke else (STEPS, PROMPTS, CAP)
+    model = tiny_model(cap + PAD, args.device)
+    vocab = model.config.vocab_size
+    ages = [int(a) for a in args.ages.split(",")]
+    count = (steps + max(ages) + 1) * per_step  # every prompt any mode may add
+    rng = random.Random(1)
+    lengths = draw_lengths(count, cap, seed=0)
+    prompts = [prompt_for(r, cap, vocab, rng) for r in lengths]
+    params = SamplingParams(n=N, temperature=1.0, max_new_tokens=cap, max_sequence_tokens=cap + PAD, seed=3)
+    engine = GenerationEngine(model, eos_token_ids=None, max_batch_size=per_step * N,
+                              max_total_tokens=4 * per_step * N * (cap + PAD))
+    run_sync(engine, params, prompts, 1, per_step)  # warm-up (first-call costs: the CPU products' timing, allocations)
+    run_async(engine, params, prompts, 1, per_step, 1)
+    runs = {"sync": run_sync(engine, params, prompts, steps, per_step)}
+    for age in ages:
+        runs[f"async age {age}"] = run_async(engine, params, prompts, steps, per_step, age)
+    base = runs["sync"]["wall_s"] / runs["sync"]["trained_tokens"]
+    table = []
+    for mode, r in runs.items():
+        per_token = r["wall_s"] / r["trained_tokens"]
+        table.append(dict(mode=mode, shape=f"{steps} steps x {per_step} x {N}, cap {cap}",
+                          trained_tokens=r["trained_tokens"],
+                          decode_steps_per_trained_token=r["decode_steps"] / r["trained_tokens"],
+                          occupancy=r["row_steps"] / max(r["decode_steps"], 1), stale_groups=r["stale_groups"],
+                          us_per_trained_token=1e6 * per_token, speedup_x=base / per_token))
+    print_table(table, f"async vs sync rollouts on a long-tailed workload ({args.device}, "
+                       f"{torch.get_num_threads()} threads)")
+    if not args.smoke:
+        print(f"rows appended to {append_rows('async', table, args.device)}")
+
+
+if __name__ == "__main__":
+    main()

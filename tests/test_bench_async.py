@@ -1,0 +1,35 @@
+"""bench/bench_async.py's workload at toy sizes: every completion ends exactly at its forced length in both modes,
+sync trains every prompt's tokens (the closed form), async trains each group at most once, whole, at its forced
+lengths, and never more groups than it added. (No time is asserted.)"""
+
+import random
+import sys
+from pathlib import Path
+
+from checks import one_thread  # noqa: F401  (one_thread: a module fixture)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_async as B  # noqa: E402
+
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams  # noqa: E402
+
+
+def test_the_forced_lengths_hold_and_the_tokens_add_up():
+    steps, per_step, cap, n = 3, 3, 24, 2
+    model = B.tiny_model(cap + B.PAD, "cpu")
+    lengths = B.draw_lengths((steps + 3) * per_step, cap, seed=5)
+    rng = random.Random(0)
+    prompts = [B.prompt_for(r, cap, model.config.vocab_size, rng) for r in lengths]
+    params = SamplingParams(n=n, max_new_tokens=cap, max_sequence_tokens=cap + B.PAD, seed=1)
+    engine = GenerationEngine(model, eos_token_ids=None, max_batch_size=per_step * n, max_total_tokens=4096)
+    out = engine.generate(prompts, params)
+    assert [[len(c.token_ids) for c in g] for g in out] == [[r] * n for r in lengths]
+    sync = B.run_sync(engine, params, prompts, steps, per_step)
+    assert sync["trained_tokens"] == n * sum(lengths[: steps * per_step]) and sync["stale_groups"] == 0
+    for age in (1, 2):
+        got = B.run_async(engine, params, prompts, steps, per_step, age)
+        keys = got["trained_keys"]
+        assert len(keys) == len(set(keys)) == steps * per_step  # each trained once, a full step's worth
+        assert got["trained_tokens"] == n * sum(lengths[k] for k in keys)  # whole groups at their forced lengths
+        assert got["row_steps"] <= got["decode_steps"] * per_step * n  # never more samples than rows
+        assert got["stale_groups"] + len(keys) + got["waiting"] <= got["added"]  # the rest were still in flight
