@@ -4,12 +4,12 @@
 Run: ``python bench/bench_async.py`` (CPU: about a minute; ``--smoke``: seconds, records nothing; on CUDA the same
 with ``--device cuda``).
 
-Workload: ``STEPS`` optimizer steps of ``PROMPTS`` prompts × ``N`` samples on a random tiny Qwen2 (2 layers, hidden 64).
-Each prompt's response length is drawn once, log-normal with median 0.12 · cap and σ = 1.2, capped at the cap
-(256 tokens): most completions are short and a few run to the cap, the long tail of reasoning RL. Both modes see the
-same lengths: a response is forced to its length by the sequence budget (``max_sequence_tokens = cap + 16``, the
-prompt of a response of length r has ``cap + 16 - r`` tokens, no stop token), so a completion ends with "length"
-exactly there, whatever the sampled tokens.
+Workload: ``STEPS`` optimizer steps of ``PROMPTS`` prompts × ``N`` samples, prompts of 8 tokens. Each prompt's
+response length is drawn once, log-normal with median 0.12 · cap and σ = 1.2, capped at the cap (256 tokens): most
+completions are short and a few run to the cap, the long tail of reasoning RL. Both modes see the same lengths: the
+model is a 2-layer Qwen2 (hidden = vocabulary = 512) built to count (:func:`counting_model`: its next token is the
+last one + 1, sampled at temperature 1 with a margin that makes it certain), and a prompt's last token is chosen so
+that the count reaches the stop token after exactly the drawn length. Its layers run at full cost.
 
 - **sync**: each step ``generate``\\ s its prompts and trains all of them: the batch drains to the step's longest
   completion.
@@ -37,18 +37,31 @@ from common import append_rows, print_table
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 CAP = 256
-PAD = 16  # the shortest prompt: the sequence budget is CAP + PAD
+PROMPT_TOKENS = 8
+STOP = 0  # the counting model's completions end at this token
 STEPS, PROMPTS, N = 12, 16, 4
 
 
-def tiny_model(positions: int, device: str) -> torch.nn.Module:
-    """A random Qwen2 of 2 layers, hidden 64, vocabulary 256, with ``positions`` positions (fp32)."""
+def counting_model(vocab: int, positions: int, device: str) -> torch.nn.Module:
+    """A Qwen2 of 2 layers whose next token is always the last one + 1 (mod ``vocab``), with a logit margin of ~68
+    over every other token, so that sampling at temperature 1 follows it (the other tokens together have probability
+    ~``vocab · e^-68``). The layers run at full cost but write nothing to the residual (o_proj and down_proj are 0):
+    the embedding is the one-hot of the token, the head maps one-hot ``i`` to ``i + 1``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
-    return Qwen2ForCausalLM(config).to(device).eval()
+    config = Qwen2Config(vocab_size=vocab, hidden_size=vocab, intermediate_size=2 * vocab, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=positions,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(3.0 * torch.roll(torch.eye(vocab), 1, dims=0))  # row i + 1 reads column i
+    return model.to(device).eval()
 
 
 def draw_lengths(count: int, cap: int, seed: int) -> list[int]:
@@ -57,9 +70,10 @@ def draw_lengths(count: int, cap: int, seed: int) -> list[int]:
     return [max(1, min(cap, round(0.12 * cap * math.exp(rng.gauss(0.0, 1.2))))) for _ in range(count)]
 
 
-def prompt_for(length: int, cap: int, vocab: int, rng: random.Random) -> list[int]:
-    """A prompt whose response is cut at exactly ``length`` tokens by the sequence budget ``cap + PAD``."""
-    return [rng.randrange(vocab) for _ in range(cap + PAD - length)]
+def prompt_for(length: int, vocab: int, rng: random.Random) -> list[int]:
+    """A prompt of ``PROMPT_TOKENS`` tokens after which the counting model's completion is ``length`` tokens: its
+    last token is ``vocab - length``, so the completion counts up to the stop token 0."""
+    return [rng.randrange(1, vocab // 2) for _ in range(PROMPT_TOKENS - 1)] + [vocab - length]
 
 
 def run_sync(engine, params, prompts: list[list[int]], steps: int, per_step: int) -> dict:
@@ -111,16 +125,16 @@ def main() -> None:
     ap.add_argument("--ages", default="1,2")
     args = ap.parse_args()
     steps, per_step, cap = (3, 4, 32) if args.smoke else (STEPS, PROMPTS, CAP)
-    model = tiny_model(cap + PAD, args.device)
-    vocab = model.config.vocab_size
+    vocab = 2 * cap
+    model = counting_model(vocab, PROMPT_TOKENS + cap + 1, args.device)
     ages = [int(a) for a in args.ages.split(",")]
     count = (steps + max(ages) + 1) * per_step  # every prompt any mode may add
     rng = random.Random(1)
     lengths = draw_lengths(count, cap, seed=0)
-    prompts = [prompt_for(r, cap, vocab, rng) for r in lengths]
-    params = SamplingParams(n=N, temperature=1.0, max_new_tokens=cap, max_sequence_tokens=cap + PAD, seed=3)
-    engine = GenerationEngine(model, eos_token_ids=None, max_batch_size=per_step * N,
-                              max_total_tokens=4 * per_step * N * (cap + PAD))
+    prompts = [prompt_for(r, vocab, rng) for r in lengths]
+    params = SamplingParams(n=N, temperature=1.0, max_new_tokens=cap, seed=3)
+    engine = GenerationEngine(model, eos_token_ids=STOP, max_batch_size=per_step * N,
+                              max_total_tokens=4 * per_step * N * (PROMPT_TOKENS + cap))
     run_sync(engine, params, prompts, 1, per_step)  # warm-up (first-call costs: the CPU products' timing, allocations)
     run_async(engine, params, prompts, 1, per_step, 1)
     runs = {"sync": run_sync(engine, params, prompts, steps, per_step)}

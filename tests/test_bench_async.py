@@ -16,14 +16,15 @@ from fastgrpo.engine.engine import GenerationEngine, SamplingParams  # noqa: E40
 
 def test_the_forced_lengths_hold_and_the_tokens_add_up():
     steps, per_step, cap, n = 3, 3, 24, 2
-    model = B.tiny_model(cap + B.PAD, "cpu")
+    model = B.counting_model(2 * cap, B.PROMPT_TOKENS + cap + 1, "cpu")
     lengths = B.draw_lengths((steps + 3) * per_step, cap, seed=5)
     rng = random.Random(0)
-    prompts = [B.prompt_for(r, cap, model.config.vocab_size, rng) for r in lengths]
-    params = SamplingParams(n=n, max_new_tokens=cap, max_sequence_tokens=cap + B.PAD, seed=1)
-    engine = GenerationEngine(model, eos_token_ids=None, max_batch_size=per_step * n, max_total_tokens=4096)
+    prompts = [B.prompt_for(r, 2 * cap, rng) for r in lengths]
+    params = SamplingParams(n=n, max_new_tokens=cap, seed=1)
+    engine = GenerationEngine(model, eos_token_ids=B.STOP, max_batch_size=per_step * n, max_total_tokens=4096)
     out = engine.generate(prompts, params)
-    assert [[len(c.token_ids) for c in g] for g in out] == [[r] * n for r in lengths]
+    for p, r, group in zip(prompts, lengths, out):  # the count from the prompt's last token up to the stop token
+        assert all(c.token_ids == [(p[-1] + i) % (2 * cap) for i in range(1, r + 1)] for c in group)
     sync = B.run_sync(engine, params, prompts, steps, per_step)
     assert sync["trained_tokens"] == n * sum(lengths[: steps * per_step]) and sync["stale_groups"] == 0
     for age in (1, 2):
