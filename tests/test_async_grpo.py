@@ -27,7 +27,8 @@ def parity_reward(prompts, completions, **_):
     return [float(len(c) % 2) for c in completions]
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])  # the engine's recompute:
+# tests/test_generation_session.py
 def test_async_steps_train_fresh_groups_and_lose_none(tmp_path, recompute):
     from fastgrpo.trainer import Trainer
 

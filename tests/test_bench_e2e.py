@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # 16 s: the GPU bench's CPU smoke; the demo itself runs in test_train
 def test_bench_e2e_cpu_smoke():
     # the plain-torch CPU path (as on a machine without a GPU), not the Triton interpreter the kernel tests use
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -328,6 +328,7 @@ def _worker(out_dir: Path) -> None:
     D.destroy()
 
 
+@pytest.mark.slow  # 16 s: 2 processes; one-process resume stays in the default tier (test_train)
 def test_two_processes_save_and_resume(tmp_path):
     """DDP and FSDP2 checkpoints, each resumed under DDP and under FSDP2: same weights, RNG streams per rank,
     and the same next step as the run that kept going; in fp32, and in bf16 with fp32 masters (bf16 safetensors,

@@ -282,6 +282,7 @@ def test_plan_counts_the_teacher():
     assert teacher_shape(tiny) == model_shape(load_config("tiny"))
 
 
+@pytest.mark.slow  # 14 s: a whole teacher recipe run first
 def test_end_to_end_distill_run_trains_its_teacher_first(tmp_path, capsys):
     """``torchrun fastgrpo/train.py --recipe distill-tiny`` (made small): the teacher recipe runs first into
     distill.teacher_path, then the distillation steps log the distill/ metrics; a second run (sampled-token mode,

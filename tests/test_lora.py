@@ -363,6 +363,7 @@ def test_dpo_and_sft_train_adapters_only(tmp_path, recipe):
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # 30 s: 2 processes; FSDP2 in the default tier: test_grpo, test_rm
 def test_fsdp2_bf16_grpo_with_kl_to_the_base_and_resume(tmp_path):
     """2 processes, FSDP2, bf16, continuing a random non-zero adapter (model.lora.path): the frozen base stays bf16
     shards, β > 0 takes the reference from the adapters disabled (padded no-grad forwards on every rank), so the KL

@@ -211,6 +211,7 @@ def test_dapo_tiny_is_tiny_with_the_dapo_settings():
     assert {k: dapo[k] for k in same} == {k: big[k] for k in same}
 
 
+@pytest.mark.slow  # 15 s: dynamic sampling's full batches stay in the default tier (test_train, 2 processes)
 def test_dapo_tiny_run_logs_full_batches(tmp_path):
     """A short dapo-tiny run (4 prompts per step, 1.5 x 4 per generation batch, after 150 steps of the recipe's
     supervised warm-up, so that some groups score alike and some not): every step trains on exactly 4 groups,

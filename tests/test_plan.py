@@ -116,8 +116,9 @@ def _policy_step_peak(cfg, seq_len: int) -> int:
 
 
 @pytest.mark.parametrize("size,dtype", [
-    ("tiny", "float32"), ("30m", "float32"), ("10m", "bfloat16"),
-    pytest.param("30m", "bfloat16", marks=pytest.mark.slow),  # bf16 matmuls are slow on CPUs without AVX-512 BF16
+    ("tiny", "float32"), ("30m", "float32"),
+    # bf16 matmuls are slow on CPUs without AVX-512 BF16 (33 s for the 10m model on an AMD EPYC)
+    pytest.param("10m", "bfloat16", marks=pytest.mark.slow), pytest.param("30m", "bfloat16", marks=pytest.mark.slow),
 ])
 def test_cpu_peak_matches_plan(monkeypatch, size, dtype):
     for name in ("linear_logprobs", "grpo_loss"):  # the CPU trainer's loss path (the suite runs the interpreter)
