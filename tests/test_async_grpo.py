@@ -6,6 +6,7 @@ or trained twice), small KV budgets and few rows make groups straddle updates so
 occur; the config refuses what the mode does not support."""
 
 import json
+import os
 
 import pytest
 from checks import one_thread  # noqa: F401  (one_thread: a module fixture)
@@ -143,6 +144,29 @@ def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, ag
     assert added == session.added == P * steps + stale + rows[-1]["async/in_flight_groups/sum"] + \
         rows[-1]["async/waiting_groups/sum"]
     assert rows[-1]["async/in_flight_groups/sum"] == session.in_flight
+
+
+@pytest.mark.slow  # 2 torchrun processes
+def test_two_processes_each_train_their_share(tmp_path):
+    """2 ranks, each with its own session: every step logs each rank's share of groups (P / 2 x G rows per rank's
+    file), the ages within the bound, and the run ends normally (the refill decision is one collective)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(root / "fastgrpo" / "train.py"), *SMALL, "train.max_steps=3", "rollout.max_new_tokens=8",
+                           f"logging.output_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["async/group_age/max"] <= 1 for r in rows)
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            logged = (tmp_path / "rollouts" / f"step_{step:08d}.rank{rank}.jsonl").read_text().splitlines()
+            assert len(logged) == P // 2 * G
 
 
 @pytest.mark.parametrize("override, message", [

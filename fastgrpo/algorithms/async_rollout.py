@@ -136,6 +136,9 @@ class AsyncRollout:
                 version = self.session.version
                 fresh = [g for g in self.ready if version - min(min(c.versions) for c in g[1])
                          <= a.max_trajectory_age_steps]
+                kept = {g[0] for g in fresh}
+                for key in [g[0] for g in self.ready if g[0] not in kept]:  # dropped: its row is forgotten
+                    del self.rows[key], self.prompt_texts[key]
                 stale += len(self.ready) - len(fresh)
                 self.ready = fresh
                 short = self.share - len(self.ready)

@@ -50,7 +50,7 @@ class AlgorithmContext:
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: GenerationEngine
+    engine: GenerationEngine | None  # None: an algorithm that generates nothing (rm)
     run_dir: Path
     timer: Timer
     accuracy_eval: Callable[[PromptDataset], dict[str, float]]
