@@ -47,9 +47,14 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.algorithms.sampling import sampling_params
+from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
 from fastgrpo.distributed import all_reduce
-from fastgrpo.rewards import RewardResult
+from fastgrpo.rewards import RewardResult, add_faults
+
+
+def oldest_version(group: list) -> int:
+    """The weight version of a group's oldest sampled token (``Completion.versions``)."""
+    return min(min(c.versions) for c in group)
 
 
 class AsyncRollout:
@@ -72,7 +77,7 @@ class AsyncRollout:
     def _open(self, settings: dict) -> None:
         t, cfg = self.ctx, self.cfg
         params = sampling_params(cfg, settings, n=cfg.grpo.num_generations,
-                                 seed=(cfg.train.seed * 1_000_003 + t.step) * 1024 + t.state.rank)
+                                 seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + t.state.rank)
         longest = max(map(len, self.grpo.train_data.prompt_ids))
         self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit)
 
@@ -106,9 +111,7 @@ class AsyncRollout:
         if self.grpo.rewards is not None:
             result, times = self.grpo.rewards.gather()
             for name, counts in result.faults.items():
-                into = faults.setdefault(name, {})
-                for k, v in counts.items():
-                    into[k] = into.get(k, 0) + v
+                add_faults(faults.setdefault(name, {}), counts)
         else:
             result, times = RewardResult(total=[0.0] * (len(finished) * G), per_function={}), {}
         at = {key: i * G for i, key in enumerate(sorted(key for key, _ in finished))}
@@ -134,8 +137,7 @@ class AsyncRollout:
             stale = extra = 0
             while True:
                 version = self.session.version
-                fresh = [g for g in self.ready if version - min(min(c.versions) for c in g[1])
-                         <= a.max_trajectory_age_steps]
+                fresh = [g for g in self.ready if version - oldest_version(g[1]) <= a.max_trajectory_age_steps]
                 kept = {g[0] for g in fresh}
                 for key in [g[0] for g in self.ready if g[0] not in kept]:  # dropped: its row is forgotten
                     del self.rows[key], self.prompt_texts[key]
@@ -162,7 +164,7 @@ class AsyncRollout:
                               per_function={n: [s for *_, per in chosen for s in per[n]] for n in names},
                               faults=faults)
         groups, sums = self.grpo.score_groups(idx, prompts, outs, result, times, settings)
-        ages = [self.session.version - min(min(c.versions) for c in group) for group in outs]
+        ages = [self.session.version - oldest_version(group) for group in outs]
         sums.update({"async/group_age/sum": float(sum(ages)), "async/group_age/max": float(max(ages)),
                      "async/stale_groups/sum": float(stale), "async/extra_batches/max": float(extra),
                      "async/in_flight_groups/sum": float(self.session.in_flight),

@@ -27,7 +27,7 @@ from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.prerequisites import no_prerequisites
 from fastgrpo.algorithms.reward_models import GenerativeJudges, RewardModels, join_scores
 from fastgrpo.algorithms.rollout_log import RolloutLog, with_scores
-from fastgrpo.algorithms.sampling import sampling_params
+from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
 from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import Config
 from fastgrpo.distributed import all_reduce, broadcast_object, print0, reduce_metrics
@@ -51,7 +51,6 @@ def merge_results(a: RewardResult, b: RewardResult) -> RewardResult:
 # ---------------------------------------------------------------------------------------------- the algorithm
 
 REWARD_COUNTS = ("/failures", "/timeouts", "/nonfinite", "/isolated", "/workers_respawned")  # summed over ranks
-SEED_STRIDE = 1_000_003  # separates the per-(step, rank) sampling seeds
 # Generation batch b of step s samples with the seed of batch 0 of step s + b * DS_SEED_STRIDE (the engine keeps 31 bits
 # of a seed: the step is taken modulo 2^21), a step no run reaches
 DS_SEED_STRIDE = 100_003

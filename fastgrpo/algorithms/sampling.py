@@ -12,6 +12,9 @@ from __future__ import annotations
 from fastgrpo.config import Config
 from fastgrpo.engine.engine import SamplingParams
 
+SEED_STRIDE = 1_000_003
+"""Separates the per-(step, rank) sampling seeds of rollouts: ``(train.seed · SEED_STRIDE + step) · 1024 + rank``."""
+
 
 def sampling_params(cfg: Config, settings: dict, *, n: int, seed: int, validation: bool = False) -> SamplingParams:
     """``n`` samples per prompt, seeded ``seed``, with the budgets of ``settings`` (a :func:`stage_settings` dict).
