@@ -487,7 +487,7 @@ def _ds_worker(out: str) -> None:
     import torch
 
     from fastgrpo.config import load_config, stage_settings
-    from fastgrpo.distributed import barrier
+    from fastgrpo.distributed import barrier, destroy
     from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, *DS, "grpo.num_prompts_per_step=4", "grpo.batch_multiplier=2",
@@ -515,7 +515,9 @@ def _ds_worker(out: str) -> None:
               "sent_prompts": [calls[0][3], calls[1][2]]}  # rank 0's groups that rank 1 trains on
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     trainer.close()
-    barrier()
+    del trainer, rollout, spy, captured, samples  # destroy() then frees what still holds the group (gloo's threads)
+    barrier()  # no rank tears the group down while another still uses it
+    destroy()  # left to the interpreter's exit, gloo's threads can be joined mid-teardown: SIGABRT, 1 run in N
 
 
 if __name__ == "__main__":
