@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgrpo.kernels.batch_invariant import forward_scope
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.models.attention import packed_hidden_states
 from fastgrpo.models.loading import lm_head_params
@@ -12,9 +13,11 @@ from fastgrpo.models.packing import PackedBatch
 
 
 def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen):
-    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias."""
+    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias.
+    With ``numerics.batch_invariant`` on, on the batch-invariant ops (``fastgrpo.kernels.batch_invariant``)."""
     batch = PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    hidden_NH = packed_hidden_states(model, batch)
+    with forward_scope():
+        hidden_NH = packed_hidden_states(model, batch)
     weight_VH, bias_V = lm_head_params(model)
     return hidden_NH, weight_VH, bias_V
 

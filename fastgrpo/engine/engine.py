@@ -97,6 +97,7 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 
@@ -106,6 +107,7 @@ from fastgrpo.engine.forward import LM_HEAD_CHUNK, ModelForward
 from fastgrpo.engine.loop import CallSettings, Run
 from fastgrpo.engine.runner import PREFILL_CHUNK_TOKENS
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult
+from fastgrpo.models.batch_invariant import check_model
 from fastgrpo.models.lora import check_modules, unwrap_peft
 
 __all__ = [
@@ -154,6 +156,9 @@ class GenerationEngine:
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
+        batch_invariant: ``numerics.batch_invariant``: the model's own decoder on the batch-invariant ops, so that
+            every sampled token's log-prob equals the trainer's packed forward's bit for bit
+            (``fastgrpo.engine.batch_invariant``; CPU, dense Llama / Qwen2 / Qwen3: refused otherwise).
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class GenerationEngine:
         row_cache: bool | None = None,
         cpu_packed: bool | None = None,
         tokenizer=None,
+        batch_invariant: bool = False,
     ):
         model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.models.lora)
         check_modules(model)
@@ -227,7 +233,9 @@ class GenerationEngine:
         self._row_cache = row_cache
         self._cpu_packed = cpu_packed
 
-        self.forward = ModelForward(model, compile)  # the forward pieces, read from the model's own modules
+        if batch_invariant:
+            check_model(model)
+        self.forward = ModelForward(model, compile, batch_invariant)  # the forward pieces, from the model's modules
         self.layers = self.forward.layers
         self.max_positions = config.max_position_embeddings
         norms = [inner.norm]
@@ -312,8 +320,9 @@ class GenerationEngine:
         was_training = model.training
         model.eval()
         forward.read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
+        invariant = forward.invariant.calling() if forward.invariant is not None else contextlib.nullcontext()
         try:
-            with torch.inference_mode(), forward.autocast(device, dtype, param_dtype):
+            with torch.inference_mode(), forward.autocast(device, dtype, param_dtype), invariant:
                 yield
         finally:
             model.train(was_training)
@@ -328,8 +337,9 @@ class GenerationEngine:
             sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
             cuda_graphs=cuda and self._cuda_graphs is not False,
             page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
-            row_cache=self._row_cache, cpu_packed=self._cpu_packed,
+            row_cache=self._row_cache, cpu_packed=False if self.forward.invariant else self._cpu_packed,
             stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
+            batch_invariant=self.forward.invariant is not None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ validation and planning
