@@ -14,8 +14,8 @@ round(x_m · 2^(b − e_m))`` where ``2^e_m > max|x_m|`` (``e_m``: the exponent 
 ``W``'s row ``n`` alike with ``e'_n``. The integers have at most ``b`` bits, so with ``2b + ⌈log₂ K⌉ ≤ 53``
 (:func:`product_bits`) every product and every partial sum of ``Σ_k x̃_mk w̃_nk`` is an integer below ``2^53``
 times ``2^(e_m + e'_n − 2b)``: exact in fp64, whatever the order, the blocking, FMA or not. fp64 GEMM computes
-it (``torch.mm`` on the integer-valued fp64 operands), the scaling back by powers of two is exact, and the one
-rounding is the final cast to the output dtype. ``b`` is 23 at K = 64, 21 at K = 1536, 19 at K = 18944: the
+it (``torch.mm`` on the rounded operands held in fp64), and the one rounding is the final cast to the output
+dtype. ``b`` is 23 at K = 64, 21 at K = 1536, 19 at K = 18944: the
 rounding of the operands costs an error of at most ``2^-b (max|x_m| Σ_k|w_nk| + max|w_n| Σ_k|x_mk|)``, the size
 of fp32 GEMM's own error (tests: against an fp64 reference with that bound).
 
@@ -53,7 +53,6 @@ import warnings
 import torch
 
 FP64_BITS = 53  # significand bits of fp64: integers below 2^53 are exact
-MIN_EXPONENT = -900  # grids of all-zero (or subnormal) rows: keep 2^(bits - e) finite
 VOCAB_TILE = 2048  # vocabulary columns per tile of the LM head's log-sum-exp (engine and trainer alike)
 TILE_EXP_BITS = FP64_BITS - 11  # exp(z − m_c) ≤ 1 on a grid of 2^-42: 2048 of them sum exactly
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the overrides compute for
@@ -67,25 +66,34 @@ def product_bits(k: int) -> int:
     return (FP64_BITS - math.ceil(math.log2(max(k, 1)))) // 2
 
 
-def to_grid(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` on a per-slice grid along ``dim``: integers ``x̃ = round(x · 2^(bits − e))`` (fp64, ``|x̃| ≤ 2^bits``,
-    ``2^e > max|x|`` over the slice) and the unit ``2^(e − bits)`` (fp64, keepdim) that scales them back."""
-    amax = x.abs().amax(dim, keepdim=True).double()
-    exponent = torch.frexp(amax).exponent.clamp_(min=MIN_EXPONENT)
-    scale = torch.ldexp(torch.ones_like(amax), bits - exponent)
-    return (x * scale).round_(), scale.reciprocal_()
+def pow2(n: torch.Tensor) -> torch.Tensor:
+    """``2^n`` in fp64 for integer ``n`` in [-1022, 1023], built from its bits (exact by construction)."""
+    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def to_grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """``x`` rounded onto a per-slice grid along ``dim`` (fp64): ``x̃ = 2^(e − bits) · round(x · 2^(bits − e))``,
+    ``2^e > max|x|`` over the slice, so ``x̃ / 2^(e − bits)`` is an integer of at most ``bits`` bits (plus sign).
+    ``x``: fp32, bf16 or fp16 (its exponents keep ``2^(bits − e)`` finite)."""
+    up = pow2(bits - torch.frexp(x.abs().amax(dim, keepdim=True).float()).exponent)
+    return (x * up).round_().mul_(up.reciprocal())  # scalings by powers of two: exact
+
+
+def grid_values(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`to_grid` over the last dim, in ``x``'s own dtype (exact for ``bits`` ≤ 24 in fp32, and in bf16: an
+    entry of more than 8 significant bits is already on the grid): keys stored on their grid."""
+    return to_grid(x, -1, min(bits, 24)).to(x.dtype)
 
 
 def exact_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
-                 b_grid: tuple | None = None, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+                 b_grid: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
     """``alpha · (a @ b) + beta · bias`` cast to ``out_dtype``, the product exact on the operands' grids (rows of
     ``a [..., M, K]``, columns of ``b [..., K, N]``; module docstring): each entry depends on its row of ``a`` and
     column of ``b`` alone. ``b_grid``: ``b``'s grid when the caller keeps it (a weight, for a call). The fp64
     result ``[..., M, N]`` is the one temporary (8 bytes an entry) besides the grids."""
     bits = product_bits(a.shape[-1])
-    a_int, a_unit = to_grid(a, -1, bits)
-    b_int, b_unit = b_grid if b_grid is not None else to_grid(b, -2, bits)
-    out = torch.matmul(a_int, b_int).mul_(a_unit).mul_(b_unit)  # exact: integers < 2^53, powers of two
+    b_tilde = b_grid if b_grid is not None else to_grid(b, -2, bits)
+    out = torch.matmul(to_grid(a, -1, bits), b_tilde)  # exact: every partial sum is on the grid, below 2^53 units
     if alpha != 1.0:
         out.mul_(alpha)
     if bias is not None:
@@ -104,8 +112,7 @@ def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
     """The mean over the last dim (keepdim), exact sum: each row's terms on a grid of ``53 − ⌈log₂ n⌉`` bits
     below its largest, summed in fp64 (exact in any order), divided by ``n`` and cast to ``x``'s dtype."""
     n = x.shape[-1]
-    terms, unit = to_grid(x, -1, FP64_BITS - math.ceil(math.log2(max(n, 1))))
-    return (terms.sum(-1, keepdim=True).mul_(unit) / n).to(x.dtype)
+    return (to_grid(x, -1, FP64_BITS - math.ceil(math.log2(max(n, 1)))).sum(-1, keepdim=True) / n).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,29 +120,30 @@ def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def weight_grid(weight_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_grid(weight_NK: torch.Tensor) -> torch.Tensor:
     """The grid of a weight as the right operand ``Wᵀ [K, N]`` of :func:`exact_matmul` (per output row ``n``)."""
     return to_grid(weight_NK.t(), -2, product_bits(weight_NK.shape[1]))
 
 
 def linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None, grid: tuple | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
     """``x Wᵀ + b`` by :func:`exact_matmul` (``grid``: :func:`weight_grid` of ``weight`` when kept)."""
     bias = None if bias_N is None else bias_N.double()
     return exact_matmul(x_MK, weight_NK.t(), out_dtype or x_MK.dtype, bias=bias, b_grid=grid)
 
 
-def vocab_tile_stats(z_MC: torch.Tensor, inv_temp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One vocabulary tile's part of the log-sum-exp, per row: with ``t = z · inv_temp`` (fp32) its max ``m_c``,
-    ``s_c = Σ_v round(exp(t_v − m_c) · 2^42)`` (exact in fp64: at most 2048 terms ≤ 2^42) and, for the entropy,
-    ``a_c = Σ_v exp(t_v − m_c) (t_v − m_c)`` (fp64, not needed bit for bit). Columns at ``−inf`` add nothing."""
-    t_MC = z_MC * inv_temp
-    m_M1 = t_MC.amax(-1, keepdim=True)
-    d_MC = t_MC - m_M1
-    e_MC = torch.exp(d_MC)
-    s_M = (e_MC.double() * 2.0**TILE_EXP_BITS).round_().sum(-1)
-    a_M = (e_MC.double() * d_MC.double().nan_to_num_(neginf=0.0)).sum(-1)
-    return m_M1.squeeze(-1), s_M, a_M
+def vocab_tile_stats(z_MC: torch.Tensor, inv_temp: float, entropy: bool = False):
+    """One vocabulary tile's part of the log-sum-exp, per row (``[..., C]`` columns of the tile): with ``t = z ·
+    inv_temp`` (fp32) its max ``m_c``, ``s_c = Σ_v round(exp(t_v − m_c) · 2^42)`` (exact in fp64: at most 2048 terms
+    ≤ 2^42, so any order gives it) and, with ``entropy``, ``a_c = Σ_v exp(t_v − m_c) (t_v − m_c)`` (fp64, not needed
+    bit for bit; else None). Returns ``(m_c fp32, s_c fp64, a_c)``, each ``[...]``."""
+    t = z_MC * inv_temp
+    m = t.amax(-1, keepdim=True)
+    d = t - m
+    e = torch.exp(d)
+    s_c = (e * 2.0**TILE_EXP_BITS).double().round_().sum(-1)  # e · 2^42 exact in fp32 (a power of two)
+    a_c = (e.double() * d.double()).sum(-1) if entropy else None
+    return m.squeeze(-1), s_c, a_c
 
 
 def combine_tiles(m_MC: torch.Tensor, s_MC: torch.Tensor, a_MC: torch.Tensor | None = None):
@@ -160,11 +168,14 @@ def logsumexp_tiles(logits_MV: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """``logsumexp(logits · inv_temp)`` per row over the fixed vocabulary tiles (the engine's sampled log-probs:
     the same numbers :func:`linear_logprobs` computes tile by tile from the hidden states). fp32 ``[M]``."""
     M, V = logits_MV.shape
-    C = -(-V // VOCAB_TILE)
-    padded = logits_MV.new_full((M, C * VOCAB_TILE), -math.inf)
-    padded[:, :V] = logits_MV
-    m, s, _ = vocab_tile_stats(padded.view(M * C, VOCAB_TILE), inv_temp)
-    return combine_tiles(m.view(M, C), s.view(M, C))[0]
+    full = V // VOCAB_TILE * VOCAB_TILE
+    parts = []
+    if full:
+        parts.append(vocab_tile_stats(logits_MV[:, :full].reshape(M, -1, VOCAB_TILE), inv_temp))
+    if full < V:
+        parts.append(tuple(x[:, None] for x in vocab_tile_stats(logits_MV[:, full:], inv_temp)[:2]))
+    m_MC, s_MC = (torch.cat([part[i] for part in parts], 1) for i in range(2))
+    return combine_tiles(m_MC, s_MC)[0]
 
 
 def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, inv_temp: float,
@@ -198,9 +209,9 @@ def linear_logprobs(h_NH: torch.Tensor, w_VH: torch.Tensor, b_V: torch.Tensor | 
             z_nv = linear(h_nH, w_VH[v0:v1], None if b_V is None else b_V[v0:v1], out_dtype=torch.float32)
             inside = (y_n >= v0) & (y_n < v1)
             zy_n = torch.where(inside, z_nv.gather(1, (y_n - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zy_n)
-            if v1 - v0 < VOCAB_TILE:  # the last tile: padded to the tile's width as the engine pads it
-                z_nv = torch.cat([z_nv, z_nv.new_full((n, VOCAB_TILE - (v1 - v0)), -math.inf)], 1)
-            m_nC[:, c], s_nC[:, c], a_nC[:, c] = vocab_tile_stats(z_nv, inv_temp)
+            m_nC[:, c], s_nC[:, c], a_c = vocab_tile_stats(z_nv, inv_temp, entropy)
+            if entropy:
+                a_nC[:, c] = a_c
         lse_n, ent_n = combine_tiles(m_nC, s_nC, a_nC if entropy else None)
         lse_N[n0 : n0 + n] = lse_n
         logp_N[n0 : n0 + n] = zy_n * inv_temp - lse_n

@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from fastgrpo.kernels.batch_invariant import invariant_forward, invariant_ops, linear, weight_grid
-from fastgrpo.kernels.batch_invariant_attention import attention, varlen_attention
+from fastgrpo.kernels.batch_invariant_attention import attention, invariant_varlen, key_grid
 from fastgrpo.models.attention import ATTN_IMPLEMENTATION
 from fastgrpo.models.batch_invariant import KV_CONTEXT
 
@@ -40,8 +40,9 @@ class PrefillKV:
 
     def attend(self, layer: int, q_1HND, k_1HND, v_1HND, scale: float) -> torch.Tensor:
         q, k, v = (x[0].transpose(0, 1) for x in (q_1HND, k_1HND, v_1HND))  # [N, H, D]
+        k = key_grid(k)  # stored on their grid, as the attention reads them
         self.cache.write(layer, self.slot_N, k, v)
-        return varlen_attention(q, k, v, self.cu_seqlens, scale)[None]  # [1, N, Hq, D]
+        return invariant_varlen(q, k, v, self.cu_seqlens, scale)[None]  # [1, N, Hq, D]
 
 
 class PagedKV:
@@ -54,7 +55,7 @@ class PagedKV:
         self.cache, self.slot_N, self.rows_BM, self.qpos_BM, self.table_BP = cache, slot_N, rows_BM, qpos_BM, table_BP
 
     def attend(self, layer: int, q_1HND, k_1HND, v_1HND, scale: float) -> torch.Tensor:
-        self.cache.write(layer, self.slot_N, k_1HND[0].transpose(0, 1), v_1HND[0].transpose(0, 1))
+        self.cache.write(layer, self.slot_N, key_grid(k_1HND[0].transpose(0, 1)), v_1HND[0].transpose(0, 1))
         kv = self.cache.kv[layer][:, :, self.table_BP]  # [2, Hkv, B, P, page_size, D]
         _, Hkv, B, P, ps, D = kv.shape
         k, v = kv.permute(0, 2, 1, 3, 4, 5).reshape(2, B, Hkv, P * ps, D)
@@ -76,7 +77,8 @@ class RowKV:
     def attend(self, layer: int, q_1HSD, k_1HSD, v_1HSD, scale: float) -> torch.Tensor:
         S = q_1HSD.shape[2]
         rows = self.kv_rows[layer]  # [R, 2, Hkv, T_max, D]
-        rows[torch.arange(S), :, :, self.pos_S] = torch.stack((k_1HSD[0], v_1HSD[0]), 0).permute(2, 0, 1, 3)
+        kv = torch.stack((key_grid(k_1HSD[0]), v_1HSD[0]), 0)  # [2, Hkv, S, D], keys on their grid
+        rows[torch.arange(S), :, :, self.pos_S] = kv.permute(2, 0, 1, 3)
         k, v = rows[:S, 0, :, : self.T], rows[:S, 1, :, : self.T]  # [S, Hkv, T, D]
         o = attention(q_1HSD[0].transpose(0, 1)[:, :, None], k, v, self.pos_S[:, None], scale)  # [S, Hq, 1, D]
         return o.transpose(1, 2).transpose(0, 1)  # [1, S, Hq, D]

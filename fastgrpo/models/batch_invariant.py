@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgrpo.kernels.batch_invariant import invariant_ops
 from fastgrpo.kernels.batch_invariant_attention import varlen_attention
 
 KV_CONTEXT = "batch_invariant_kv"  # the engine's K/V for one forward, passed to each layer's attention
@@ -62,6 +63,14 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
     if attn_implementation is not None and config._attn_implementation != attn_implementation:
         raise ValueError(f"numerics.batch_invariant: the model's attention is {config._attn_implementation!r}, not "
                          f"{attn_implementation!r} (whose batch-invariant path the mode runs)")
+
+
+def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str):
+    """The trainer's switch: the model checked (:func:`check_model`), then the invariant ops registered for as long
+    as the returned context is open (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs
+    there); the packed forward and the log-prob kernels take them while it is."""
+    check_model(model, attn_implementation)
+    return invariant_ops()
 
 
 def invariant_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
