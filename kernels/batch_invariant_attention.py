@@ -91,11 +91,11 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
         blocks = torch.matmul(full[:, :, b0 : b0 + step], v_tilde[:, :, b0 : b0 + step])  # [B, Hkv, step, R, D]
         out_BHRD = torch.cat([out_BHRD[:, :, None], blocks], 2).cumsum(2)[:, :, -1]
     del full, v_tilde
-    out_BHRD += _diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
+    out_BHRD += diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
     return (out_BHRD / l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)
 
 
-def _diagonal_block(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor) -> torch.Tensor:
+def diagonal_block(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor) -> torch.Tensor:
     """``Σ_{j=0}^{BK−1} π_{p₀+j} v_{p₀+j}`` per query row (``p₀``: the start of the block holding the query), summed
     from 0 in key order (each term exact in fp64: 24 + 24 bits): the block's π and v picked by index, then a
     ``cumsum`` over its keys when ``[B, Hkv, R, BK, D]`` fits ``BLOCK_PRODUCTS``, else key by key; the same additions

@@ -14,7 +14,7 @@ call, a token's hidden state, logits and log-prob are the trainer's, bit for bit
 The LM head is :func:`fastgrpo.kernels.batch_invariant.linear` in fp32; the sampler's log-prob of the drawn token is
 ``logits[token] / T − logsumexp_tiles(logits / T)`` (``fastgrpo.engine.sampling.sample_tokens``), the trainer's
 ``fastgrpo.kernels.batch_invariant.linear_logprobs``. A call keeps the weights' grids (``weight_cache``: 2x the fp32
-weights' bytes, freed when the call returns; dropped at a session's weight update, :meth:`weights_changed`).
+weights' bytes, freed when the call returns, so a session's next run after a weight update makes them again).
 
 Tensor names carry their shape: S rows, N packed tokens, P block-table width, H hidden, Hq/Hkv heads, D head dim.
 """
@@ -108,12 +108,8 @@ class BatchInvariantForward:
             finally:
                 if previous != ATTN_IMPLEMENTATION:
                     model.set_attn_implementation(previous)
-                self.weights_changed()
+                self.grids.clear()  # a session's weights may change before its next call
                 self.params = []
-
-    def weights_changed(self) -> None:
-        """The weights were updated in place (a session between optimizer steps): their grids are made again."""
-        self.grids.clear()
 
     def hidden(self, tokens_N: torch.Tensor, pos_N: torch.Tensor, context, **kwargs) -> torch.Tensor:
         """The decoder on one row of tokens at positions ``pos`` (the trainer's packed forward), attention through

@@ -67,8 +67,6 @@ class ModelRunner:
         work = self.cache.work
         if work is not None and work.packs is not None:
             work.packs.clear()
-        if self.forward.invariant is not None:
-            self.forward.invariant.weights_changed()
 
     # ------------------------------------------------------------------ prefill
 
