@@ -198,3 +198,70 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="attention is 'sdpa'"):
         check_model(model, "fastgrpo_varlen")
+
+
+# ---------------------------------------------------------------- the GRPO step on the engine's log-probs
+
+GRPO_SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6",
+              "sft.warmup_steps=0", "reward.num_workers=0", "grpo.mask_zero_std_groups=false",
+              "grpo.rollout_is=token_truncate", "logging.progress_bar=false", "train.num_threads=1",
+              "data.shuffle=false"]
+
+
+def grpo_update(tmp_path, mode: bool, *overrides):
+    """One GRPO rollout of the tiny recipe (the mode on or off), the same fixed advantages (±1 by completion: the
+    untrained policy's rewards are all 0), then the policy update; returns (samples, metrics, old-log-prob forwards,
+    the parameters after)."""
+    from fastgrpo.config import load_config, stage_settings
+    from fastgrpo.trainer import Trainer
+
+    cfg = load_config(overrides=[*GRPO_SMALL, f"numerics.batch_invariant={str(mode).lower()}",
+                                 f"logging.output_dir={tmp_path / str(mode)}", *overrides])
+    trainer = Trainer(cfg)
+    try:
+        settings = stage_settings(cfg, 0)
+        samples, _ = trainer.algorithm.rollout(trainer.sampler.next(trainer.algorithm.rows_per_step), settings)
+        for i, s in enumerate(samples):
+            s.advantage = 1.0 if i % 2 else -1.0
+        update = trainer.algorithm.update
+        forwards = []
+        policy_logprobs = update._policy_logprobs
+        update._policy_logprobs = lambda plans, n_mbs, attr, t: (forwards.append(attr),
+                                                                policy_logprobs(plans, n_mbs, attr, t))
+        m = update.run(samples, beta=0.0, epsilon_high=settings["epsilon_high"],
+                       max_new_tokens=settings["max_new_tokens"])
+        params = [p.detach().clone() for p in trainer.model.parameters()]
+    finally:
+        trainer.close()
+    return samples, m, forwards, params
+
+
+@pytest.mark.parametrize("optimizer_steps", [1, 2])
+def test_grpo_update_on_the_engine_logprobs(tmp_path, optimizer_steps):
+    """With the mode on the training forward's log-probs are the engine's bit for bit: the gate
+    ``sampling/sampling_logp_difference/max`` is exactly 0.0 and the rollout IS weights exactly 1, and with two
+    optimizer steps per rollout the old-log-prob forward is not run (the engine's log-probs are the old ones). The
+    update is the mode-off one up to the log-prob rounding (the same samples, loss, gradient norm)."""
+    extra = [f"train.sequences_per_optimizer_step={16 // optimizer_steps}"]
+    on, m_on, forwards_on, params_on = grpo_update(tmp_path, True, *extra)
+    off, m_off, forwards_off, params_off = grpo_update(tmp_path, False, *extra)
+    assert [s.completion_ids for s in on] == [s.completion_ids for s in off]
+    assert m_on["sampling/sampling_logp_difference/max"] == 0.0
+    assert m_on["sampling/importance_sampling_ratio/min"] == m_on["sampling/importance_sampling_ratio/max"] == 1.0
+    assert m_on["optimizer_steps"] == m_off["optimizer_steps"] == optimizer_steps
+    assert forwards_on == [] and forwards_off == (["old_logprobs"] if optimizer_steps > 1 else [])
+    # the log-probs differ by fp32 rounding between the modes (the tiny model's ~1e-6), the update with them
+    assert m_off["sampling/sampling_logp_difference/max"] < 1e-4
+    assert m_on["loss"] == pytest.approx(m_off["loss"], rel=1e-4, abs=1e-6)
+    assert m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-3)
+    lr = 3e-4  # the tiny recipe's: an Adam step moves a parameter by at most ~lr per optimizer step
+    assert max((a - b).abs().max().item() for a, b in zip(params_on, params_off)) <= 2 * lr * optimizer_steps
+
+
+def test_config_refusals():
+    from fastgrpo.config import load_config
+
+    for overrides, name in [(["algorithm=dpo"], "algorithm"), (["train.strategy=fsdp2"], "train.strategy"),
+                            (["model.lora={r: 4, dropout: 0.1}"], "model.lora.dropout")]:
+        with pytest.raises(ValueError, match=name):
+            load_config(overrides=["numerics.batch_invariant=true", *overrides])
