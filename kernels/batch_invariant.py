@@ -364,7 +364,7 @@ def self_check() -> None:
       (gemv), whole matrices and batches alike;
     - fp32 ``exp``, ``cos``, ``sin``, ``rsqrt`` and fp64 ``exp``, ``log`` give an element the same value wherever
       it sits in the tensor (offsets and lengths that move it between SIMD body and tail);
-    - ``cumsum`` sums left to right (the order the attention and the LM head rely on)."""
+    - ``cumsum`` sums left to right (the order the LM head's tiles are combined in)."""
     gen = torch.Generator().manual_seed(0)
     for K in (5, 64, 300):
         bits = product_bits(K)
