@@ -11,19 +11,22 @@ from fastgrpo.models.loading import lm_head_params
 from fastgrpo.models.packing import PackedBatch
 
 
-def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen):
-    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias."""
+def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen, moe_routing=None):
+    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias.
+    ``moe_routing``: an MoE model's routing of this forward (``fastgrpo.models.moe.MoERouting``)."""
     batch = PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    hidden_NH = packed_hidden_states(model, batch)
+    hidden_NH = packed_hidden_states(model, batch, moe_routing)
     weight_VH, bias_V = lm_head_params(model)
     return hidden_NH, weight_VH, bias_V
 
 
-def forward_packed(model, mb):
+def forward_packed(model, mb, moe_routing=None):
     """``model``'s packed forward (a module whose call is :func:`packed_forward`) on ``mb.batch``: hidden ``[N, H]``,
     LM head weight, bias. ``mb``: any micro-batch with a ``batch`` (:class:`fastgrpo.models.packing.PackedBatch`)."""
     b = mb.batch
-    return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+    if moe_routing is None:
+        return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+    return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, moe_routing=moe_routing)
 
 
 def no_grad_forward(model):
@@ -39,13 +42,14 @@ def no_grad_forward(model):
 
 
 @torch.no_grad()
-def packed_logprobs(model, mb, temperature: float) -> torch.Tensor:
+def packed_logprobs(model, mb, temperature: float, moe_routing=None) -> torch.Tensor:
     """``[N]`` log-probs of ``mb``'s targets where ``mb.mask`` is nonzero, 0 elsewhere (no grad); ``mb``: a
     :class:`fastgrpo.algorithms.batch.MicroBatch`.
 
     ``model``: a module whose call is :func:`packed_forward` (a ``ForwardWrapper``, FSDP2-wrapped or not).
-    Untrained positions (prompts, masked completions) cost no vocabulary work.
+    Untrained positions (prompts, masked completions) cost no vocabulary work. ``moe_routing``: as
+    :func:`packed_forward`'s (router replay).
     """
-    hidden_NH, weight_VH, bias_V = forward_packed(model, mb)
+    hidden_NH, weight_VH, bias_V = forward_packed(model, mb, moe_routing)
     return masked_linear_logprobs(hidden_NH, weight_VH, mb.targets, mb.mask != 0, bias=bias_V,
                                   temperature=temperature)
