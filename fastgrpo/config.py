@@ -123,6 +123,8 @@ class MoEConfig:
     replay_gap: bool = False
     """With router_replay: also measure the engine-vs-trainer log-prob gap without replay, one no-grad forward more
     per micro-batch of a step's first optimizer step (moe/no_replay_logp_difference/{mean,max})."""
+    freeze_router: bool = False
+    """Keep every MoE layer's router weight fixed (NeMo-RL's Megatron freeze_moe_router); the experts still train."""
     tiny_num_experts: int = 0
     """Built-in tiny model: 0 = dense (Qwen2-shaped); > 0 = a Qwen3-MoE model with this many experts per MoE layer."""
     tiny_num_experts_per_tok: int = 2

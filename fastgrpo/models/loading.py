@@ -33,7 +33,7 @@ from fastgrpo.config import LoRAConfig, ModelConfig
 from fastgrpo.distributed import barrier, is_main_process
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.lora import adapter_base, apply_lora, is_adapter_dir
-from fastgrpo.models.moe import check_moe, enable_moe, tiny_moe_model
+from fastgrpo.models.moe import check_moe, enable_moe, freeze_routers, is_moe, tiny_moe_model
 from fastgrpo.models.saving import save_model
 
 EOS_TOKEN = "<|endoftext|>"
@@ -166,6 +166,8 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
         model = apply_lora(model, lora_cfg, base_path)
     enable_packed_attention(model)
     enable_moe(model)
+    if cfg.moe.freeze_router and is_moe(model):
+        freeze_routers(model)
     return model.to(device), tokenizer
 
 

@@ -37,6 +37,7 @@ Tensor names carry their shape: N packed tokens, T tokens, E experts, K experts 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -136,6 +137,12 @@ def enable_moe(model) -> None:
             router.register_forward_hook(_route)
 
 
+def freeze_routers(model) -> None:
+    """``model.moe.freeze_router``: every MoE block's router weight stops training (no gradient, no optimizer state)."""
+    for _, block in moe_blocks(model):
+        block.gate.weight.requires_grad_(False)
+
+
 def _arm_router(router, index, attn, args, kwargs):
     """Attention pre-hook: take the call's ``MoERouting`` out of the keywords (the attention function never sees it)
     and hand it to this layer's router, which runs next (None: a call without one; the router routes as it is)."""
@@ -203,3 +210,55 @@ class MoERouting:
 def replay_routing(routing: torch.Tensor | None) -> MoERouting | None:
     """A :class:`MoERouting` that replays ``routing`` ``[N, L_moe, K]`` (None: None, the router's own routing)."""
     return None if routing is None else MoERouting(replay=routing)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """What the memory plan (``fastgrpo.plan``) needs of a mixture-of-experts model: per MoE layer E experts of width
+    I, top-K, and the counts below (c: bytes of the compute dtype, H: hidden size)."""
+
+    experts: int
+    top_k: int
+    intermediate: int
+    layers: int
+    """MoE layers (the others are dense)."""
+    norm_topk_prob: bool
+    aux_loss_coef: float
+    """The model config's router_aux_loss_coef."""
+
+    def inactive_params(self, hidden: int) -> int:
+        """Expert parameters a token does not use: ``(E − K) · 3·H·I`` per MoE layer."""
+        return self.layers * (self.experts - self.top_k) * 3 * hidden * self.intermediate
+
+    def saved_bytes_per_token(self, c: int) -> int:
+        """What an MoE block's packed training forward saves for backward per token, in place of a dense MLP's
+        ``4·c·I``: the router's fp32 softmax ``4·E``, its top-K ids (int64), with ``norm_topk_prob`` the fp32 top-K
+        values and their sum, the routing weights (compute dtype and fp32), and the experts' gate/up pre-activations
+        ``2·c·K·I`` (``fastgrpo.kernels.moe``)."""
+        K = self.top_k
+        norm = 4 + 4 * K if self.norm_topk_prob else 0
+        return 4 * self.experts + norm + (8 + c + 4) * K + 2 * c * K * self.intermediate
+
+    def routing_bytes_per_token(self) -> int:
+        """The kernel's routing kept for backward besides autograd's saved tensors: per (token, expert) pair its sort
+        order (int64), token and position (int32)."""
+        return 16 * self.top_k
+
+    def transient_bytes_per_token(self, c: int, hidden: int) -> int:
+        """The experts' largest buffers of a pass, per token: ``[S, 2I]``, ``[S, I]`` and ``[S, H]`` with S = K·T."""
+        return c * self.top_k * (3 * self.intermediate + hidden)
+
+    def replay_bytes_per_token(self) -> int:
+        """A token's router replay record: L_moe · K ids (``fastgrpo.engine.moe``: uint8 up to 255 experts)."""
+        return self.layers * self.top_k * (1 if self.experts <= 255 else 2)
+
+
+def moe_shape(model) -> MoEShape | None:
+    """The :class:`MoEShape` of a causal LM (any device, meta included); None for a dense one."""
+    blocks = moe_blocks(model) if is_moe(model) and model.config.model_type in MOE_MODEL_TYPES else []
+    if not blocks:
+        return None
+    config = model.config
+    return MoEShape(experts=config.num_experts, top_k=config.num_experts_per_tok,
+                    intermediate=config.moe_intermediate_size, layers=len(blocks),
+                    norm_topk_prob=bool(config.norm_topk_prob), aux_loss_coef=float(config.router_aux_loss_coef))
