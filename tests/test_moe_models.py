@@ -337,3 +337,38 @@ def test_a_grpo_step_on_the_moe_tiny_recipe_replays_and_logs(tmp_path):
     assert m["moe/aux_loss"] > 0 and 0.0 <= m["moe/replay_mismatch"] <= 1.0
     for name in ("moe/no_replay_logp_difference", "sampling/sampling_logp_difference"):
         assert 0.0 <= m[f"{name}/mean"] <= m[f"{name}/max"] < 1e-3  # fp32: rounding apart
+
+
+def test_moe_update_metrics_are_the_closed_forms():
+    """``moe/no_replay_logp_difference``: mean and max of ``|fresh − sampler|`` over the trained tokens of every
+    micro-batch; ``moe/replay_mismatch``: differing over compared token-layers, summed; ``moe/aux_loss``: the mean of
+    the micro-batches' aux losses; then reset (NaN where nothing was measured)."""
+    from types import SimpleNamespace
+
+    from fastgrpo.algorithms.moe import GAP_METRICS, MoEUpdate
+
+    cfg = load_config("moe-tiny")
+    upd = MoEUpdate(cfg, SimpleNamespace(config=SimpleNamespace(router_aux_loss_coef=0.01, num_experts=4,
+                                                                num_experts_per_tok=2)))
+    g = torch.Generator().manual_seed(3)
+    fresh, samp, masks = [], [], []
+    for n in (7, 5):
+        f, s, m = torch.randn(n, generator=g), torch.randn(n, generator=g), (torch.rand(n, generator=g) > 0.4).float()
+        upd.no_replay_gap(f, SimpleNamespace(mask=m, sample_logprobs=s))
+        fresh, samp, masks = fresh + [f], samp + [s], masks + [m]
+    for differ, compared in ((3, 10), (1, 6)):
+        upd.aux_term(SimpleNamespace(differ=torch.tensor(differ), compared=torch.tensor(compared), keep_logits=False),
+                     2.0)
+    d = (torch.cat(fresh) - torch.cat(samp)).abs()[torch.cat(masks) != 0]
+    m = upd.metrics()
+    assert m[GAP_METRICS[0]] == pytest.approx(d.mean().item(), rel=1e-6)
+    assert m[GAP_METRICS[1]] == pytest.approx(d.max().item(), rel=1e-6)
+    assert m[METRICS[1]] == pytest.approx(4 / 16) and math.isnan(m[METRICS[0]])
+    assert all(math.isnan(v) for v in upd.metrics().values())  # reset
+
+
+def test_frozen_routers_get_no_gradient():
+    cfg = ModelConfig(moe=MoEConfig(tiny_num_experts=4, freeze_router=True))
+    model, _ = load_model(cfg, torch.device("cpu"))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
