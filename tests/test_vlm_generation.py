@@ -28,15 +28,15 @@ from test_generation_fidelity import engine_for
 import fastgrpo.engine.loop as engine_loop
 from fastgrpo.config import ModelConfig
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
-from fastgrpo.engine.vision import ImageInputs
-from fastgrpo.models.vlm import build_tiny_vlm, build_tiny_vlm_tokenizer, load_processor
+from fastgrpo.models.loading import build_tiny_tokenizer
+from fastgrpo.models.vlm import ImageInputs, add_vision_tokens, build_tiny_vlm, load_processor
 
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 84 * 84  # images of 1 to 9 tokens (2 x 2 patches of 14 px per token)
 
 
 @functools.cache
 def processor():
-    tok = build_tiny_vlm_tokenizer()
+    tok = add_vision_tokens(build_tiny_tokenizer())
     return load_processor("tiny-vlm", tok, MIN_PIXELS, MAX_PIXELS)
 
 

@@ -24,19 +24,16 @@ Tensor names carry their shape: N packed tokens, H hidden, D head dim, I images,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fastgrpo.models.vlm import image_embeddings, image_token_id, image_tokens, rope_positions, text_decoder
-
-
-@dataclass(frozen=True)
-class ImageInputs:
-    """One prompt's images as the processor makes them (``fastgrpo.models.vlm.load_processor``)."""
-
-    pixel_values: torch.Tensor  # [patches, C · T · P · P]
-    grid_thw: torch.Tensor  # [I, 3] int64: each image's patch grid (temporal, height, width)
+from fastgrpo.models.vlm import (
+    ImageInputs,
+    image_embeddings,
+    image_token_id,
+    image_tokens,
+    rope_positions,
+    text_decoder,
+)
 
 
 class CallVision:

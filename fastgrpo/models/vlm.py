@@ -22,6 +22,9 @@ its name (:func:`check_vision_model`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 VLM_MODEL_TYPES = ("qwen2_5_vl",)
@@ -40,6 +43,161 @@ TINY_VLM_CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{{ '<|endoftext|>' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """One prompt's images as the processor makes them (:func:`load_processor`)."""
+
+    pixel_values: torch.Tensor  # [patches, C · T · P · P]
+    grid_thw: torch.Tensor  # [I, 3] int64: each image's patch grid (temporal, height, width)
+
+
+class ImagePrompt(list):
+    """A prompt's token ids (a ``list[int]``, its image tokens expanded) that knows its images: the data layer makes
+    them (``fastgrpo.data.images``), the engine reads their images when ``generate`` is given none, and a packed
+    micro-batch its images and M-RoPE positions (:func:`pack_vision`). Concatenation keeps them (``prompt +
+    completion`` is the sequence a packed forward trains on, still with its images).
+
+    ``make_images()`` builds the :class:`ImageInputs` (the processor on the row's images) when asked, so a dataset
+    holds token ids and image sources, never every row's pixels; ``key`` identifies the images (samples of one
+    prompt share them: their tower output is computed once per micro-batch)."""
+
+    def __init__(self, ids, make_images: Callable[[], ImageInputs], grid_thw: torch.Tensor, image_id: int,
+                 merge: int, key=None, prompt_len: int | None = None):
+        super().__init__(ids)
+        self.make_images, self.grid_thw, self.image_id, self.merge = make_images, grid_thw, image_id, merge
+        self.key = key if key is not None else id(self)
+        self.prompt_len = len(self) if prompt_len is None else min(prompt_len, len(self))
+        """The tokens of the prompt: its image tokens are images; any later one (sampled) is text."""
+
+    def _like(self, ids) -> ImagePrompt:
+        return ImagePrompt(ids, self.make_images, self.grid_thw, self.image_id, self.merge, self.key,
+                           self.prompt_len)
+
+    @property
+    def images(self) -> ImageInputs:
+        return self.make_images()
+
+    def __getitem__(self, index):  # a prefix keeps the images (the prompt part of a sequence): [:n]
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            return self._like(list.__getitem__(self, index))
+        return list.__getitem__(self, index)
+
+    def __add__(self, other):
+        return self._like(list(self) + list(other))
+
+    def __reduce__(self):  # pickled (a group sent between ranks) as the plain ids with the same fields
+        return ImagePrompt, (list(self), self.make_images, self.grid_thw, self.image_id, self.merge, self.key,
+                             self.prompt_len)
+
+    def image_rows(self) -> torch.Tensor:
+        """Indices of the prompt's image tokens (int64)."""
+        return torch.nonzero(torch.tensor(list(self[: self.prompt_len])) == self.image_id).flatten()
+
+    def rope_positions(self) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions ``[3, len]`` and ``rope_delta`` (:func:`mrope_positions`)."""
+        return mrope_positions(list(self), self.grid_thw, self.image_id, self.merge, self.prompt_len)
+
+
+def mrope_positions(ids: list[int], grid_thw: torch.Tensor, image_id: int, merge: int,
+                    prompt_len: int | None = None) -> tuple[torch.Tensor, int]:
+    """Qwen2.5-VL's 3-D positions of one sequence (module docstring), written from its rule: a run of text advances
+    all three streams by one per token; image ``i``'s ``h' · w'`` tokens (``h' = h / merge``, ``w' = w / merge``,
+    row-major) at ``(s, s + row, s + col)`` from the current position ``s``, after which text resumes at
+    ``s + max(h', w')``. Image tokens past ``prompt_len`` (sampled ones) are text. Returns ``positions [3, L]``
+    (int64) and ``rope_delta = max + 1 - L``."""
+    L = len(ids)
+    P = L if prompt_len is None else prompt_len
+    out = torch.empty(3, L, dtype=torch.long)
+    grids = iter(grid_thw.tolist())
+    cur, t = 0, 0
+    while t < L:
+        if ids[t] != image_id or t >= P:
+            out[:, t] = cur
+            cur, t = cur + 1, t + 1
+            continue
+        _, h, w = (g // m for g, m in zip(next(grids), (1, merge, merge)))
+        rows = torch.arange(h).repeat_interleave(w)  # [h' · w']
+        cols = torch.arange(w).repeat(h)
+        out[0, t : t + h * w] = cur
+        out[1, t : t + h * w] = cur + rows
+        out[2, t : t + h * w] = cur + cols
+        cur, t = cur + max(h, w), t + h * w
+    return out, int(out.max()) + 1 - L if L else 0
+
+
+@dataclass
+class PackedVision:
+    """The images of a packed micro-batch's sequences: each distinct prompt's images once, and where their tokens go.
+
+    ``position_ids [3, N]``: M-RoPE positions per token (text-only sequences: their 1-D positions three times).
+    ``embeds``: the tower's output per distinct image set, ``[tokens_k, H]`` each, kept after the first forward when
+    the tower is frozen, so the old-policy, reference and policy passes of one step run it once (exact: the same
+    frozen weights and inputs)."""
+
+    pixel_values: list[torch.Tensor]  # per distinct image set [patches_k, C · T · P · P]
+    grid_thw: list[torch.Tensor]  # per distinct image set [I_k, 3]
+    owner: list[int]  # per sequence: its image set's index, -1 for a text-only one
+    image_rows: torch.Tensor  # [n] int64: the packed rows of the image tokens, in order
+    position_ids: torch.Tensor  # [3, N] int64
+    embeds: list[torch.Tensor] | None = None
+
+    def to(self, device) -> PackedVision:
+        return PackedVision([p.to(device) for p in self.pixel_values], [g.to(device) for g in self.grid_thw],
+                            self.owner, self.image_rows.to(device), self.position_ids.to(device))
+
+
+def pack_vision(sequences: list) -> PackedVision | None:
+    """The :class:`PackedVision` of packed ``sequences`` (token lists, some :class:`ImagePrompt`), or None when none
+    has images. Each distinct image set (``ImagePrompt.key``) is processed once."""
+    if not any(isinstance(s, ImagePrompt) for s in sequences):
+        return None
+    keys: dict = {}
+    pixels, grids, owner, rows, positions, start = [], [], [], [], [], 0
+    for s in sequences:
+        if isinstance(s, ImagePrompt):
+            if s.key not in keys:
+                keys[s.key] = len(pixels)
+                im = s.images
+                pixels.append(im.pixel_values)
+                grids.append(im.grid_thw)
+            owner.append(keys[s.key])
+            pos_3L, _ = s.rope_positions()
+            rows.append(s.image_rows() + start)
+        else:
+            owner.append(-1)
+            pos_3L = torch.arange(len(s)).expand(3, -1)
+        positions.append(pos_3L)
+        start += len(s)
+    return PackedVision(pixels, grids, owner, torch.cat(rows), torch.cat(positions, dim=1))
+
+
+def frozen_tower(model) -> bool:
+    """Whether the vision tower trains (``vision.train_vision_tower``) or not (the default: frozen)."""
+    return not any(p.requires_grad for p in vision_tower(model).parameters())
+
+
+def packed_vlm_hidden_states(model, input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                             vision: PackedVision) -> torch.Tensor:
+    """Final hidden states ``[N, H]`` of a packed VLM micro-batch: the token embeddings with the image tokens' rows
+    from the vision tower (once per distinct image set; without gradient when the tower is frozen, and then kept in
+    ``vision.embeds`` for the step's other passes), then the language model on one row with the 3-D positions
+    ``[3, 1, N]`` and ``cu_seqlens`` through the ``fastgrpo_varlen`` attention (each sequence attends to itself)."""
+    lm = text_decoder(model)
+    embeds = vision.embeds
+    if embeds is None:
+        frozen = frozen_tower(model)
+        with torch.no_grad() if frozen else torch.enable_grad():
+            embeds = [image_embeddings(model, p, g) for p, g in zip(vision.pixel_values, vision.grid_thw)]
+        if frozen:
+            vision.embeds = embeds
+    x_NH = lm.embed_tokens(input_ids_N)
+    parts = [embeds[k] for k in vision.owner if k >= 0]
+    x_NH = x_NH.index_put((vision.image_rows,), torch.cat(parts).to(x_NH.dtype))
+    out = lm(inputs_embeds=x_NH[None], position_ids=vision.position_ids[:, None], cu_seq_lens_q=cu_seqlens,
+             cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen, use_cache=False)
+    return out.last_hidden_state[0]  # [N, H]
 
 
 def is_vlm(model) -> bool:
@@ -104,12 +262,9 @@ def rope_positions(model, input_ids: list[int], grid_thw: torch.Tensor | None) -
 # ---------------------------------------------------------------------------------------------- the tiny model
 
 
-def build_tiny_vlm_tokenizer():
-    """The tiny character-level tokenizer (``fastgrpo.models.loading``) with Qwen2.5-VL's vision tokens added and a
-    chat template that renders image parts (``TINY_VLM_CHAT_TEMPLATE``)."""
-    from fastgrpo.models.loading import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
+def add_vision_tokens(tok):
+    """The tiny character-level tokenizer (``fastgrpo.models.loading.build_tiny_tokenizer``) with Qwen2.5-VL's vision
+    tokens added and a chat template that renders image parts (``TINY_VLM_CHAT_TEMPLATE``); returns it."""
     tok.add_special_tokens({"additional_special_tokens": [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]})
     tok.chat_template = TINY_VLM_CHAT_TEMPLATE
     return tok
