@@ -156,7 +156,7 @@ def pack_vision(sequences: list) -> PackedVision | None:
     keys: dict = {}
     pixels, grids, owner, rows, positions, start = [], [], [], [], [], 0
     for s in sequences:
-        if isinstance(s, ImagePrompt):
+        if isinstance(s, ImagePrompt) and s.grid_thw.numel():
             if s.key not in keys:
                 keys[s.key] = len(pixels)
                 im = s.images
@@ -170,7 +170,8 @@ def pack_vision(sequences: list) -> PackedVision | None:
             pos_3L = torch.arange(len(s)).expand(3, -1)
         positions.append(pos_3L)
         start += len(s)
-    return PackedVision(pixels, grids, owner, torch.cat(rows), torch.cat(positions, dim=1))
+    rows_n = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    return PackedVision(pixels, grids, owner, rows_n, torch.cat(positions, dim=1))
 
 
 def frozen_tower(model) -> bool:
@@ -194,7 +195,8 @@ def packed_vlm_hidden_states(model, input_ids_N: torch.Tensor, cu_seqlens: torch
             vision.embeds = embeds
     x_NH = lm.embed_tokens(input_ids_N)
     parts = [embeds[k] for k in vision.owner if k >= 0]
-    x_NH = x_NH.index_put((vision.image_rows,), torch.cat(parts).to(x_NH.dtype))
+    if parts:
+        x_NH = x_NH.index_put((vision.image_rows,), torch.cat(parts).to(x_NH.dtype))
     out = lm(inputs_embeds=x_NH[None], position_ids=vision.position_ids[:, None], cu_seq_lens_q=cu_seqlens,
              cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen, use_cache=False)
     return out.last_hidden_state[0]  # [N, H]
