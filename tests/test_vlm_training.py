@@ -194,3 +194,23 @@ def test_unsupported_vision_model_type_is_refused_by_name():
     with pytest.raises(ValueError, match="vision-language model type 'llava' is not supported"):
         check_vision_model(SimpleNamespace(model_type="llava", vision_config=object()))
     check_vision_model(SimpleNamespace(model_type="qwen2", vision_config=None))
+
+
+def test_vlm_tiny_recipe_trains_end_to_end(tmp_path):
+    """The vlm-tiny recipe, shrunk: warm-up, rollouts with images, the packed update, validation, a checkpoint; the
+    policy's language model moves and the frozen tower does not."""
+    from fastgrpo.config import load_config
+    from fastgrpo.trainer import Trainer
+
+    cfg = load_config("vlm-tiny", None, [
+        f"logging.output_dir={tmp_path}", "data.synthetic_train_size=16", "data.synthetic_eval_size=4",
+        "sft.warmup_steps=2", "sft.batch_size=4", "grpo.num_prompts_per_step=2", "grpo.num_generations=2",
+        "train.max_steps=2", "checkpoint.every_steps=2", "eval.every_steps=2", "reward.num_workers=0"])
+    trainer = Trainer(cfg)
+    tower0 = [p.detach().clone() for p in vision_tower(trainer.model).parameters()]
+    lm0 = [p.detach().clone() for p in trainer.model.model.language_model.parameters()]
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(tower0, vision_tower(trainer.model).parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(lm0, trainer.model.model.language_model.parameters()))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/accuracy" in r for r in rows) and any("loss" in r for r in rows)
