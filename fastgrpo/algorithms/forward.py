@@ -9,10 +9,16 @@ from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.models.attention import packed_hidden_states
 from fastgrpo.models.loading import lm_head_params
 from fastgrpo.models.packing import PackedBatch
+from fastgrpo.models.vlm import packed_vlm_hidden_states
 
 
-def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen):
-    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias."""
+def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen, vision=None):
+    """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias.
+    ``vision``: a VLM micro-batch's images and 3-D positions (``fastgrpo.models.vlm.packed_vlm_hidden_states``)."""
+    if vision is not None:
+        hidden_NH = packed_vlm_hidden_states(model, input_ids, cu_seqlens, max_seqlen, vision)
+        weight_VH, bias_V = lm_head_params(model)
+        return hidden_NH, weight_VH, bias_V
     batch = PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     hidden_NH = packed_hidden_states(model, batch)
     weight_VH, bias_V = lm_head_params(model)
@@ -23,6 +29,8 @@ def forward_packed(model, mb):
     """``model``'s packed forward (a module whose call is :func:`packed_forward`) on ``mb.batch``: hidden ``[N, H]``,
     LM head weight, bias. ``mb``: any micro-batch with a ``batch`` (:class:`fastgrpo.models.packing.PackedBatch`)."""
     b = mb.batch
+    if getattr(mb, "vision", None) is not None:  # a VLM's images (fastgrpo.models.vlm.PackedVision)
+        return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, vision=mb.vision)
     return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
 
 
