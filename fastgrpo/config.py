@@ -38,7 +38,7 @@ DTYPES = ("float32", "bfloat16")
 BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "group_loo", "none")
 STRATEGIES = ("ddp", "fsdp2", "none")
-SYNTHETIC_TASKS = ("add", "sliding_puzzle")
+SYNTHETIC_TASKS = ("add", "sliding_puzzle", "squares")
 ALGORITHMS = ("grpo", "dpo", "sft", "distill", "rm")
 DISTILL_MODES = ("full", "sampled_token")
 BUILTIN_ENVIRONMENTS = {"adder": "fastgrpo.environments.adder:AdderEnvironment",
@@ -152,6 +152,23 @@ class MoEConfig:
 
 
 @dataclass
+class VisionConfig:
+    """A vision-language policy's images (model.path "tiny-vlm" or a Qwen2.5-VL directory; fastgrpo/models/vlm.py)."""
+
+    min_pixels: int = 3136
+    """Fewest pixels of an image after the processor's resize (Qwen2.5-VL's default: 56 x 56)."""
+    max_pixels: int = 1003520
+    """Most pixels of an image after the processor's resize (Qwen2.5-VL's default: 28 x 28 x 1280)."""
+    train_vision_tower: bool = False
+    """Train the vision tower too (default: frozen and run without gradient, as TRL and NeMo-RL's VLM GRPO do)."""
+
+    def __post_init__(self):
+        _check_min("model.vision.min_pixels", self.min_pixels, 1)
+        if self.max_pixels < self.min_pixels:
+            _fail("model.vision.max_pixels", f"must be >= model.vision.min_pixels={self.min_pixels}", self.max_pixels)
+
+
+@dataclass
 class ModelConfig:
     """The policy: a local Hugging Face causal LM, or the built-in tiny model."""
 
@@ -177,6 +194,8 @@ class ModelConfig:
     """LoRA adapters on the frozen base (null: full fine-tuning); a model.lora.<field>=... override turns it on."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings (router loss, router replay, the tiny model's experts); unused by dense models."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """A vision-language policy's image settings (ignored for a text model)."""
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -226,8 +245,9 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (deterministic given train.seed)."""
     synthetic_task: str = "add"
-    """Built-in task: "add" (sum of small numbers, answer in \\boxed{}) or "sliding_puzzle" (boards for
-    env.environment_factory sliding_puzzle, GRPO only)."""
+    """Built-in task: "add" (sum of small numbers, answer in \\boxed{}), "sliding_puzzle" (boards for
+    env.environment_factory sliding_puzzle, GRPO only) or "squares" (count the squares in an image: model.path
+    tiny-vlm or another vision-language model)."""
     synthetic_num_terms: int = 2
     """Built-in task: numbers per question."""
     synthetic_max_value: int = 9

@@ -101,6 +101,7 @@ from fastgrpo.kernels.linear_logprobs import FWD_CONFIGS, TORCH_CHUNK_N, TORCH_C
 from fastgrpo.kernels.utils import DEFAULT_NUM_SMS
 from fastgrpo.kernels.vocab_tiles import PROGRAMS_PER_SM
 from fastgrpo.models.moe import MoEShape, moe_shape
+from fastgrpo.models.vlm import TINY_VLM, VLM_MODEL_TYPES, add_vision_tokens, build_tiny_vlm, text_config
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
@@ -154,7 +155,13 @@ def model_shape(cfg: Config) -> ModelShape:
     with torch.device("meta"):
         if cfg.model.path == "tiny":
             return shape_of(build_tiny_model(cfg.model, build_tiny_tokenizer()))
+        if cfg.model.path == TINY_VLM:
+            return shape_of(build_tiny_vlm(cfg.model, add_vision_tokens(build_tiny_tokenizer())))
         hf = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        if hf.model_type in VLM_MODEL_TYPES:  # the vision tower's weights count; the text model's shape is read
+            from transformers import AutoModelForImageTextToText
+
+            return shape_of(AutoModelForImageTextToText.from_config(hf))
         return shape_of(AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.model.trust_remote_code))
 
 
@@ -197,7 +204,7 @@ def reward_model_shapes(cfg: Config) -> list[ModelShape]:
 
 def shape_of(model) -> ModelShape:
     """The :class:`ModelShape` of a Hugging Face causal LM or sequence classifier (any device, meta included)."""
-    c = model.config
+    c = text_config(model)  # a VLM's language model
     layer = model.get_decoder().layers[0]
     heads = c.num_attention_heads
     return ModelShape(

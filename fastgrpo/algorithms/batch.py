@@ -17,6 +17,7 @@ from fastgrpo.data.responses import SFTExample
 from fastgrpo.distributed import all_reduce
 from fastgrpo.engine.engine import Completion
 from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.models.vlm import PackedVision, pack_vision
 
 
 @dataclass
@@ -99,6 +100,8 @@ class MicroBatch:
     """``advantages`` is per token ([N], the sequence's advantage plus its token terms; 0 off the mask)."""
     routing: torch.Tensor | None = None
     """[N, MoE layers, top_k] the samples' recorded experts (router replay), or None."""
+    vision: PackedVision | None = None
+    """The sequences' images and M-RoPE positions (prompts that are ``fastgrpo.models.vlm.ImagePrompt``)."""
 
     @property
     def num_seqs(self) -> int:
@@ -135,6 +138,7 @@ def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
         num_loss_tokens=int(sum(mask)),
         per_token_advantages=per_token,
         routing=torch.cat([s.routing for s in samples]).to(device) if samples[0].routing is not None else None,
+        vision=_vision([s.tokens for s in samples], device),
     )
 
 
@@ -154,6 +158,8 @@ class LMBatch:
     mask: torch.Tensor  # [N] bool, the target is a trained token
     num_loss_tokens: int
     """Σ mask, counted on the host."""
+    vision: PackedVision | None = None
+    """The sequences' images and M-RoPE positions (``fastgrpo.models.vlm.ImagePrompt`` prompts)."""
 
 
 def lm_batch(examples: list[SFTExample], device: torch.device) -> LMBatch:
@@ -165,7 +171,13 @@ def lm_batch(examples: list[SFTExample], device: torch.device) -> LMBatch:
         mask += ex.loss_mask[1:] + [False]
     return LMBatch(batch=pack([ex.input_ids for ex in examples]).to(device),
                    targets=torch.tensor(targets, dtype=torch.long, device=device),
-                   mask=torch.tensor(mask, dtype=torch.bool, device=device), num_loss_tokens=sum(mask))
+                   mask=torch.tensor(mask, dtype=torch.bool, device=device), num_loss_tokens=sum(mask),
+                   vision=_vision([ex.input_ids for ex in examples], device))
+
+
+def _vision(sequences: list, device: torch.device) -> PackedVision | None:
+    vision = pack_vision(sequences)
+    return None if vision is None else vision.to(device)
 
 
 def same_count(groups: list, device: torch.device) -> list[tuple[object, float]]:

@@ -9,11 +9,17 @@ from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.models.attention import packed_hidden_states
 from fastgrpo.models.loading import lm_head_params
 from fastgrpo.models.packing import PackedBatch
+from fastgrpo.models.vlm import packed_vlm_hidden_states
 
 
-def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen, moe_routing=None):
+def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen, vision=None, moe_routing=None):
     """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias.
+    ``vision``: a VLM micro-batch's images and 3-D positions (``fastgrpo.models.vlm.packed_vlm_hidden_states``).
     ``moe_routing``: an MoE model's routing of this forward (``fastgrpo.models.moe.MoERouting``)."""
+    if vision is not None:
+        hidden_NH = packed_vlm_hidden_states(model, input_ids, cu_seqlens, max_seqlen, vision)
+        weight_VH, bias_V = lm_head_params(model)
+        return hidden_NH, weight_VH, bias_V
     batch = PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     hidden_NH = packed_hidden_states(model, batch, moe_routing)
     weight_VH, bias_V = lm_head_params(model)
@@ -24,9 +30,10 @@ def forward_packed(model, mb, moe_routing=None):
     """``model``'s packed forward (a module whose call is :func:`packed_forward`) on ``mb.batch``: hidden ``[N, H]``,
     LM head weight, bias. ``mb``: any micro-batch with a ``batch`` (:class:`fastgrpo.models.packing.PackedBatch`)."""
     b = mb.batch
-    if moe_routing is None:
-        return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
-    return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, moe_routing=moe_routing)
+    extra = {} if moe_routing is None else {"moe_routing": moe_routing}
+    if getattr(mb, "vision", None) is not None:  # a VLM's images (fastgrpo.models.vlm.PackedVision)
+        extra["vision"] = mb.vision
+    return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen, **extra)
 
 
 def no_grad_forward(model):

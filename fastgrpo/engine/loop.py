@@ -68,8 +68,9 @@ class Run:
 
     def __init__(self, forward: ModelForward, settings: CallSettings, prompts: list[list[int]],
                  params: SamplingParams, limits: list[int], handler: TurnHandler | None, tokenizer,
-                 cos_TD: torch.Tensor, sin_TD: torch.Tensor, max_end: int | None = None):
+                 cos_TD: torch.Tensor, sin_TD: torch.Tensor, max_end: int | None = None, vision=None):
         self.forward = forward
+        self.vision = vision  # the prompts' images (fastgrpo.engine.vision.CallVision) or None
         self.settings = settings
         self.prompts = prompts
         self.params = params
@@ -122,7 +123,7 @@ class Run:
             self.forward, self.state, R=R, num_pages=sched.num_pages, page_size=settings.page_size,
             max_pages=max_pages, cos_TD=self.cos_TD, sin_TD=self.sin_TD, dtype=settings.dtype,
             budget=settings.budget, row_cache=settings.row_cache, cpu_packed=settings.cpu_packed,
-            cuda_graphs=settings.cuda_graphs, recorder=self.recorder,
+            cuda_graphs=settings.cuda_graphs, vision=self.vision, recorder=self.recorder,
         )  # fmt: skip
         if self.recorder is not None:  # each finished completion gets its routing
             on_group_done = self.recorder.attach(on_group_done, self.params.n)
@@ -185,6 +186,7 @@ class Run:
             kv_capacity_tokens=(sched.num_pages - 1) * ps,
             page_size=ps,
             **self.runner.products,
+            **(self.vision.stats() if self.vision is not None else {}),
         )
 
     def rounds(self) -> list[list[Completion]]:
@@ -283,9 +285,9 @@ class Run:
         """Prefill new prompts, recomputed samples and resumed samples' appended tokens into their pages, copy
         partial prompt pages, and start the admitted rows (:meth:`start_rows`, :meth:`restart_rows`)."""
         sched, runner, conv = self.scheduler, self.runner, self.conversations
-        seqs = [(self.prompts[p], sched.prompt_pages[p], p) for p in adm.prefill]
-        seqs += [(conv.context(self.prompts, s) + s.tokens[:-1], s.pages, None) for s in adm.recompute]
-        seqs += [(conv.context(self.prompts, s), s.pages, s) for s in adm.resume if not s.kv]  # evicted: all of it
+        seqs = [(self.prompts[p], sched.prompt_pages[p], p, p) for p in adm.prefill]
+        seqs += [(conv.context(self.prompts, s) + s.tokens[:-1], s.pages, None, s.prompt) for s in adm.recompute]
+        seqs += [(conv.context(self.prompts, s), s.pages, s, s.prompt) for s in adm.resume if not s.kv]  # evicted
         hidden = runner.prefill(seqs) if seqs else {}
         self.counts["prefill_tokens"] += sum(len(s[0]) for s in seqs)
         appended = [(conv.context(self.prompts, s)[s.kv :], s.kv, s.pages, s) for s in adm.resume if s.kv]
@@ -325,6 +327,8 @@ class Run:
         state.out_tok[idx, 0] = tok
         state.out_lp[idx, 0] = lp
         state.limit[idx] = limits
+        if self.vision is not None:  # decode's rotary position: pos + the prompt's M-RoPE delta
+            state.rope[idx] = torch.tensor([self.vision.deltas[s.prompt] for s in starts], device=dev)
         state.stream[idx] = stream_A
         state.t0[idx] = t0_A
         if state.u.shape[1]:
@@ -341,6 +345,8 @@ class Run:
         state.out_tok[s.row, :c] = torch.tensor(s.tokens, device=dev)
         state.out_lp[s.row, :c] = torch.tensor(s.logprobs, device=dev)
         state.limit[s.row] = s.limit
+        if self.vision is not None:
+            state.rope[s.row] = self.vision.deltas[s.prompt]
         state.stream[s.row] = sample_streams(self.settings.seed, torch.tensor([s.sample], device=dev))[0]
         state.t0[s.row] = self.conversations.trajectories[s.sample].sampled
         if state.u.shape[1]:

@@ -94,7 +94,7 @@ def group_step(forward, group: str, h_RH: torch.Tensor, u_R: torch.Tensor, work:
     if group == "lm_head":
         return sample_tokens(forward.lm_head(h_RH, work), _DRAW, None, u_R)
     if group == "mlp":
-        norm = forward.model.model.norm
+        norm = forward.inner.norm
         return [EAGER_OPS.add_rms_norm(h_RH, forward.mlp(EAGER_OPS, layer.mlp, h_RH, work), norm.weight,
                                        norm.variance_epsilon) for layer in dense_mlp_layers(forward)]
     return [forward.qkv_rows(layer.self_attn, h_RH, work) for layer in forward.layers]
@@ -107,7 +107,7 @@ def time_groups(forward, groups: list[str], R: int, device: torch.device, dtype:
     weights come cache-cold, as in the step: every other weight and pack passes through the caches between two
     runs of the same product (timed back to back, a packed product looks slower than it is in the step)."""
     gen = torch.Generator(device).manual_seed(0)
-    h_RH = torch.randn(R, forward.model.config.hidden_size, generator=gen, device=device, dtype=dtype)
+    h_RH = torch.randn(R, forward.inner.config.hidden_size, generator=gen, device=device, dtype=dtype)
     u_R = torch.rand(R, generator=gen, device=device, dtype=torch.float64)
     runs = {}
     for packed in (True, False):
@@ -161,7 +161,7 @@ def step_buffers(forward, R: int, device: torch.device, dtype: torch.dtype, pack
     return dict(
         gate=torch.empty(R * inter, device=device, dtype=dtype) if mlp else None,
         up=torch.empty(R * inter, device=device, dtype=dtype) if mlp else None,
-        down=torch.empty(R * forward.model.config.hidden_size, device=device, dtype=dtype) if mlp else None,
+        down=torch.empty(R * forward.inner.config.hidden_size, device=device, dtype=dtype) if mlp else None,
         logits=torch.empty(R * forward.vocab_size, device=device) if head else None,
         packs={} if packed else None,
         packed=packed,

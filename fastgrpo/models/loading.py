@@ -35,6 +35,16 @@ from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.lora import adapter_base, apply_lora, is_adapter_dir
 from fastgrpo.models.moe import check_moe, enable_moe, freeze_routers, is_moe, tiny_moe_model
 from fastgrpo.models.saving import save_model
+from fastgrpo.models.vlm import (
+    TINY_VLM,
+    VLM_MODEL_TYPES,
+    add_vision_tokens,
+    build_tiny_vlm,
+    check_vision_model,
+    is_vlm,
+    load_processor,
+    vision_tower,
+)
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -138,7 +148,11 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
     if cfg.path != "tiny" and is_adapter_dir(cfg.path):
         lora_cfg = dataclasses.replace(lora_cfg or LoRAConfig(), path=cfg.path)
         cfg = dataclasses.replace(cfg, path=adapter_base(cfg.path), lora=lora_cfg)
-    if cfg.path == "tiny":
+    if cfg.path == TINY_VLM:  # the built-in Qwen2.5-VL (fastgrpo.models.vlm)
+        tokenizer = add_vision_tokens(build_tiny_tokenizer())
+        model = build_tiny_vlm(cfg, tokenizer, seed=seed).to(dtype)
+        base_path = TINY_VLM
+    elif cfg.path == "tiny":
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg, tokenizer, seed=seed).to(dtype)
         base_path = "tiny"
@@ -149,7 +163,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
                 tokenizer.save_pretrained(base_dir)
             barrier()
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         path = Path(cfg.path)
         if not path.is_dir():
@@ -157,11 +171,17 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path {cfg.path!r} has no config.json: not a Hugging Face model directory")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        check_vision_model(config)  # a vision-language type we cannot run stops here, by name
+        auto = AutoModelForImageTextToText if config.model_type in VLM_MODEL_TYPES else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         base_path = str(path.resolve())
     check_moe(model, dataclasses.replace(cfg, lora=lora_cfg))
+    if is_vlm(model):  # the processor renders its prompts; the tower frozen unless model.vision says otherwise
+        tokenizer.processor = load_processor(cfg.path, tokenizer, cfg.vision.min_pixels, cfg.vision.max_pixels)
+        vision_tower(model).requires_grad_(cfg.vision.train_vision_tower)
     if lora_cfg is not None:
         model = apply_lora(model, lora_cfg, base_path)
     enable_packed_attention(model)
