@@ -70,6 +70,12 @@ Per token once: the final norm ``4·h + 4 + c·h``, the loss's copy of the kept 
 Without checkpointing a micro-batch keeps ``L·A`` per token; with ``train.activation_checkpointing`` (per decoder
 layer) it keeps each layer's input ``L·c·h`` and recomputes one layer at a time (``+ A``).
 ``tests/test_plan.py`` checks ``A`` against the bytes autograd actually saves (storages counted once).
+A mixture-of-experts model (``fastgrpo.models.moe.MoEShape``: E experts of width I, top-K, per MoE layer) counts every
+expert in P (the weights, masters, state and gradients) but only the chosen ones in its active parameters (the FLOP
+line: 6 x active per trained token); an MoE layer saves its block's router softmax, ids and weights and the experts'
+``2·c·K·I`` pre-activations in place of ``4·c·I`` (checked against autograd too), keeps the kernel's routing
+(``16·K``), with the load-balancing loss each MoE layer's ``c·E`` router logits, and its experts' transient is
+``c·K·(3·I + h)``; router replay's record is host memory, ``L_moe·K`` bytes a token.
 
 The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators ``grad_W`` ``[V, H]`` and
 ``grad_h`` ``[T, H]``, their casts to the compute dtype (c < 4), the scatter of ``grad_h`` back into ``[T, H]``;
