@@ -18,7 +18,10 @@ and trimmed), with ``record_routing`` on. For every drawn case and completion:
 
 Routing is discrete: a token whose router has a near tie (the K-th and (K+1)-th probabilities within
 ``ROUTER_MARGIN`` in the fp32 reference) could be routed otherwise by another summation order, so such cases are
-drawn again (``hypothesis.reject``), as the harness does for greedy near ties.
+drawn again (``hypothesis.reject``), as the harness does for greedy near ties. So is a case where the two schedules'
+trajectories of a sample part at a sampled token whose uniform lies within ``DRAW_MARGIN`` of a boundary of the
+CDF between the two tokens (the schedules' logits differ by fp32 rounding, ~1e-6: such a draw is rounding's; the
+slow sweep met one, its uniform 5.5e-8 from the boundary).
 """
 
 from unittest import mock
@@ -27,17 +30,19 @@ import pytest
 import torch
 from checks import EPS32, one_thread  # noqa: F401  (an autouse fixture)
 from hypothesis import given, reject, settings
-from test_generation import random_prompts, teacher_forced_logp, tiny_model
+from test_generation import random_prompts, teacher_forced_logp, tiny_model, truncated_distribution
 from test_generation_fidelity import cases, check_case, check_turn_case, turn_cases
 
 from fastgrpo.algorithms.batch import Sample, make_microbatch
 from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
 from fastgrpo.distributed import ForwardWrapper
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+from fastgrpo.engine.sampling import row_seeds, row_uniforms, sample_streams
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.moe import MoERouting, enable_moe
 
 ROUTER_MARGIN = 1e-6  # fp32 router probabilities of two summation orders differ by ~1e-7
+DRAW_MARGIN = 1e-5  # two schedules' CDFs differ by fp32 rounding of the logits (~1e-6 relative at most seen)
 MOE = "qwen3_moe"
 
 
@@ -61,6 +66,28 @@ def router_guard(model, prompt, c):
     """Reject a case whose sequence meets a router near tie (module docstring)."""
     if hf_routing(model, prompt + c.token_ids)[1].min() < ROUTER_MARGIN:
         reject()
+
+
+def draw_guard(params):
+    """A ``pair_guard``: reject a case whose two schedules part at a draw that rounding decides (module docstring)."""
+
+    def guard(model, prompt, key, a, b):
+        if params.greedy or a.token_ids == b.token_ids:
+            return  # greedy near ties: hf_greedy's check
+        k = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        mask = a.loss_mask or [1] * len(a.token_ids)
+        if k is None or not (mask[k] and (b.loss_mask or [1] * len(b.token_ids))[k]):
+            return  # a length or an appended token differs: not a draw, the comparison must fail
+        sample = torch.tensor([key[0] * params.n + key[1]])
+        u = row_uniforms(row_seeds(sample_streams(params.seed, sample), torch.tensor([sum(mask[:k])]))).item()
+        with torch.no_grad():
+            z_V = model(torch.tensor([prompt + a.token_ids[:k]])).logits[0, -1].double()
+        cdf_V = truncated_distribution(z_V, params.temperature, params.top_k, params.top_p).cumsum(0)
+        lo, hi = sorted((a.token_ids[k], b.token_ids[k]))
+        if (cdf_V[lo:hi] - u).abs().min() < DRAW_MARGIN:
+            reject()
+
+    return guard
 
 
 def check_record(model, prompt, c):
@@ -95,7 +122,7 @@ def recording_engine(*args, **kwargs):
 def check_moe_case(case):
     _, _, _, params, _ = case
     with mock.patch("test_generation_fidelity.GenerationEngine", recording_engine):
-        model, prompts, runs = check_case(*case, guard=router_guard)
+        model, prompts, runs = check_case(*case, guard=router_guard, pair_guard=draw_guard(params))
     for out in runs:
         for p, group in zip(prompts, out):
             for c in group:
@@ -120,7 +147,7 @@ def test_moe_engine_matches_hf_records_routing_and_replays_sweep(case):
 
 def check_moe_turn_case(case):
     with mock.patch("test_generation_fidelity.GenerationEngine", recording_engine):
-        model, prompts, runs = check_turn_case(*case, guard=router_guard)
+        model, prompts, runs = check_turn_case(*case, guard=router_guard, pair_guard=draw_guard(case[3]))
     for out in runs:
         for p, group in zip(prompts, out):
             for c in group:
