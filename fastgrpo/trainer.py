@@ -126,7 +126,8 @@ class Trainer:
         if getattr(algorithm, "generates", True):
             engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
                                       max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
-                                      max_total_tokens=cfg.rollout.max_total_tokens or None)
+                                      max_total_tokens=cfg.rollout.max_total_tokens or None,
+                                      record_routing=cfg.model.moe.router_replay)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
         optimizer = make_optimizer(wrapped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2))

@@ -53,6 +53,9 @@ class Sample:
     suffix). None: every completion token is sampled (single-turn)."""
     token_advantages: list[float] | None = None
     """Per completion token, added to ``advantage`` (None: none)."""
+    routing: torch.Tensor | None = None
+    """A mixture-of-experts policy's recorded experts, ``[prompt + completion tokens, MoE layers, top_k]``
+    (``Completion.routing``: router replay); None: routed afresh."""
 
     def __post_init__(self):
         c = len(self.completion_ids)
@@ -60,6 +63,8 @@ class Sample:
             v = getattr(self, name)
             if v is not None and len(v) != c:
                 raise ValueError(f"Sample.{name} has {len(v)} values for {c} completion tokens")
+        if self.routing is not None and self.routing.shape[0] != len(self.prompt_ids) + c:
+            raise ValueError(f"Sample.routing has {self.routing.shape[0]} rows for {len(self.prompt_ids) + c} tokens")
 
     @property
     def tokens(self) -> list[int]:
@@ -93,6 +98,8 @@ class MicroBatch:
     """Σ mask, counted on the host while packing (no device sync to read it)."""
     per_token_advantages: bool = False
     """``advantages`` is per token ([N], the sequence's advantage plus its token terms; 0 off the mask)."""
+    routing: torch.Tensor | None = None
+    """[N, MoE layers, top_k] the samples' recorded experts (router replay), or None."""
     vision: PackedVision | None = None
     """The sequences' images and M-RoPE positions (prompts that are ``fastgrpo.models.vlm.ImagePrompt``)."""
 
@@ -130,6 +137,7 @@ def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
         completion_mask=torch.tensor(comp, dtype=torch.bool, device=device),
         num_loss_tokens=int(sum(mask)),
         per_token_advantages=per_token,
+        routing=torch.cat([s.routing for s in samples]).to(device) if samples[0].routing is not None else None,
         vision=_vision([s.tokens for s in samples], device),
     )
 

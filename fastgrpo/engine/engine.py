@@ -116,7 +116,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES", "DEFAULT_CPU_TOTAL_TOKENS", "CUDA_MEMORY_FRACTION", "CUDA_SYNC_EVERY", "DEFAULT_PAGE_SIZE",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *VLM_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", *VLM_MODEL_TYPES)
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
 CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
@@ -156,6 +156,8 @@ class GenerationEngine:
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
+        record_routing: a mixture-of-experts model (Qwen3-MoE): record the experts each token was routed to, every
+            ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
     """
 
     def __init__(
@@ -173,6 +175,7 @@ class GenerationEngine:
         row_cache: bool | None = None,
         cpu_packed: bool | None = None,
         tokenizer=None,
+        record_routing: bool = False,
     ):
         model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.models.lora)
         check_modules(model)
@@ -229,8 +232,12 @@ class GenerationEngine:
         self._cuda_graphs = cuda_graphs
         self._row_cache = row_cache
         self._cpu_packed = cpu_packed
+        self._record_routing = record_routing
 
         self.forward = ModelForward(model, compile)  # the forward pieces, read from the model's own modules
+        if record_routing not in (True, False) or (record_routing and self.forward.moe is None):
+            raise ValueError(f"record_routing={record_routing!r}: True records a mixture-of-experts model's routing "
+                             f"({model_type!r} has no MoE layers), else False")
         self.layers = self.forward.layers
         self.max_positions = config.max_position_embeddings
         norms = [inner.norm]
@@ -341,7 +348,7 @@ class GenerationEngine:
             sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
             cuda_graphs=cuda and self._cuda_graphs is not False,
             page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
-            row_cache=self._row_cache, cpu_packed=self._cpu_packed,
+            row_cache=self._row_cache, cpu_packed=self._cpu_packed, record_routing=self._record_routing,
             stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
         )  # fmt: skip
 

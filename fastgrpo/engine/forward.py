@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.engine.cache import KVCache
+from fastgrpo.engine.moe import EngineMoE
 from fastgrpo.engine.ops import EAGER_OPS, Ops
 from fastgrpo.engine.workspace import Workspace, linear_t, packed_linear
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
 from fastgrpo.models.lora import lora_terms
+from fastgrpo.models.moe import is_moe
 from fastgrpo.models.vlm import text_config, text_decoder
 
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
@@ -47,6 +49,7 @@ class ModelForward:
         self.scale = attn.scaling
         self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
         self.silu = getattr(config, "hidden_act", None) == "silu"
+        self.moe = EngineMoE(model) if is_moe(model) else None  # the sparse MoE blocks (fastgrpo.engine.moe)
         self._compile = compile
         self._compiled_ops: Ops | None = None
         self._lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per call
@@ -156,7 +159,9 @@ class ModelForward:
     def mlp(self, ops: Ops, mlp, h_MH: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
         """``down(act(gate(h)) · up(h))``. With a workspace: the products on the MLP's packed weights
         (``packed_linear``, when ``work.packed`` holds it) or into the workspace's buffers, the activation in place
-        (the same values)."""
+        (the same values). A sparse MoE block: :meth:`fastgrpo.engine.moe.EngineMoE.block`."""
+        if self.moe is not None and self.moe.owns(mlp):
+            return self.moe.block(mlp, h_MH)
         lora = self._lora
         if work is not None and "mlp" in work.packed:  # fresh row-major [M, I], then in place
             gate = _proj(h_MH, mlp.gate_proj, lora, packs=work.packs)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.engine.forward import ModelForward
+from fastgrpo.engine.moe import RoutingRecorder
 from fastgrpo.engine.runner import ModelRunner
 from fastgrpo.engine.sampling import (
     Completion,
@@ -49,6 +50,7 @@ class CallSettings:
     cpu_packed: bool | None  # the CPU products: packed, plain, or None (FASTGRPO_CPU_PACKED / timed)
     stop_ids: frozenset  # eos_token_ids and params.stop_token_ids
     max_context: int | None  # multi-turn: a conversation's token budget; None: single-turn
+    record_routing: bool = False  # an MoE model: record each token's experts (Completion.routing)
 
 
 def bucket(n: int, cap: int) -> int:
@@ -115,12 +117,16 @@ class Run:
         fused = use_fused_sampling(torch.empty(0, device=dev))
         # CPU draws read a table of uniforms (the kernels draw their own on CUDA)
         self.state: RowState = new_row_state(R, max_new, max_pages, not (self.params.greedy or fused), dev)
+        self.recorder = RoutingRecorder(self.forward.moe, R, settings.sync_every, dev) if settings.record_routing \
+            else None
         self.runner = ModelRunner(
             self.forward, self.state, R=R, num_pages=sched.num_pages, page_size=settings.page_size,
             max_pages=max_pages, cos_TD=self.cos_TD, sin_TD=self.sin_TD, dtype=settings.dtype,
             budget=settings.budget, row_cache=settings.row_cache, cpu_packed=settings.cpu_packed,
-            cuda_graphs=settings.cuda_graphs, vision=self.vision,
+            cuda_graphs=settings.cuda_graphs, vision=self.vision, recorder=self.recorder,
         )  # fmt: skip
+        if self.recorder is not None:  # each finished completion gets its routing
+            on_group_done = self.recorder.attach(on_group_done, self.params.n)
         self.conversations = Conversations(self.prompts, self.params, sched, self.handler, self.tokenizer,
                                            self.forward.vocab_size, settings.max_context, on_group_done)
         self.counts = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0, active_row_steps=0)
@@ -238,6 +244,8 @@ class Run:
         out = read_step_output(state, len(sched.rows), window)
         for row, seq in enumerate(sched.rows):
             seq.generated = out.generated[row]
+        if self.recorder is not None:
+            self.recorder.harvest(sched.rows)
         cut = conv.stop_matches(out.newest) if conv.watch_stops else {}
         finished = [seq for row, seq in enumerate(sched.rows) if out.done[row] or seq in cut]
         if not finished:
@@ -249,6 +257,8 @@ class Run:
             keep = cut.get(seq)
             if keep is not None:  # seen late (sync_every > 1): the tokens past the match are trimmed
                 seq.tokens, seq.logprobs, seq.generated = seq.tokens[:keep], seq.logprobs[:keep], keep
+                if self.recorder is not None:  # and its last kept token's: a completion's last has no record
+                    self.recorder.log.trim(seq.sample, seq.context - seq.prompt_len + keep - 1)
             row = seq.row
             if conv.end_turn(seq, keep is not None or seq.tokens[-1] in self.settings.stop_ids):
                 self.runner.rows.forget(row)  # stale when it comes back (appended tokens)
@@ -373,7 +383,7 @@ class Run:
         state, params = self.state, self.params
         steps = self.settings.sync_every
         rows = torch.arange(S_b, device=self.settings.device)
-        for _ in range(steps):
+        for i in range(steps):
             logits = self.runner.decode(S_b, n_pages)  # [S_b, V] fp32
             col = state.n_gen[:S_b]
             if state.u.shape[1]:
@@ -381,6 +391,8 @@ class Run:
             else:
                 tok, lp = sample_tokens(logits, params, row_seeds(state.stream[:S_b], state.t0[:S_b] + col))
             live_S = ~state.done[:S_b]
+            if self.recorder is not None:  # the experts of the tokens this step fed, at their positions
+                self.recorder.keep_step(i, S_b, state.pos[:S_b], live_S)
             state.out_tok[rows, col] = tok
             state.out_lp[rows, col] = lp
             state.n_gen[:S_b] += live_S
