@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU script: the GPU test tier, the microbenchmarks, generation and end to end, each bounded;
-# the whole script stays within 540 s (env 20 + ceilings 30 + gpu_tests 60 + micro 245 + generation 70 + multiturn 40
-# + e2e 75).
+# the whole script stays within 540 s (env 15 + ceilings 20 + gpu_tests 60 + micro 255 + generation 60 + moe 35
+# + multiturn 35 + e2e 60; the MoE rows took 45 s from the others, none of it measured: no GPU in that session).
 #
 #   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
 #   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
@@ -60,9 +60,9 @@ step() {  # step NAME SECONDS CMD...: run one bounded step, record status and wa
   record "$name" "$status" "$((SECONDS - t0))"
 }
 
-step env 20 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
+step env 15 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name())"
-step ceilings 30 python3 -c "import sys; sys.path.insert(0, 'bench'); from common import *; \
+step ceilings 20 python3 -c "import sys; sys.path.insert(0, 'bench'); from common import *; \
 print(f'copy bandwidth {copy_bandwidth_gbps():.0f} GB/s, bf16 matmul {matmul_tflops():.0f} TFLOP/s')"
 # Only the test files that hold GPU cases are collected (the others may import packages the GPU machine lacks,
 # such as math-verify). Run from inside $site: `python -m` puts the working directory first on sys.path, and the
@@ -70,10 +70,11 @@ print(f'copy bandwidth {copy_bandwidth_gbps():.0f} GB/s, bf16 matmul {matmul_tfl
 gpu_files=$(grep -rl "mark.gpu" "$root/tests" | sort | tr '\n' ' ')
 step gpu_tests 60 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
 
-# Microbenchmarks: 245 s in all, per file (torch.compile, flex and autotuning dominate). Same reason to run from
+# Microbenchmarks: 255 s in all, per file (torch.compile, flex and autotuning dominate; micro_moe: the MoE block's
+# Triton compiles and transformers' per-expert loop). Same reason to run from
 # $site; bench/ is passed by absolute path, so its conftest.py and pyproject's settings (rootdir) apply.
 if [ "$dry_run" = 1 ] || python3 -c "import pytest_benchmark" 2>/dev/null; then
-  for b in logprobs:40 grpo_loss:45 dpo_loss:15 linear_logprobs:45 varlen_attention:55 distill_loss:45; do
+  for b in logprobs:35 grpo_loss:40 dpo_loss:15 linear_logprobs:40 varlen_attention:50 distill_loss:40 moe:35; do
     name=${b%%:*}
     [ -f "bench/micro_$name.py" ] && step "micro_$name" "${b##*:}" bash -c "cd '$site' && python3 -m pytest -q \
 -p no:cacheprovider --rootdir='$root' '$root/bench/micro_$name.py' --benchmark-only --benchmark-columns=median,rounds \
@@ -88,10 +89,13 @@ else
   record micro "SKIP(no pytest-benchmark)" 0
 fi
 
-step generation 70 python3 bench/bench_generation.py
-step multiturn 40 python3 bench/bench_multiturn.py --quick
+step generation 60 python3 bench/bench_generation.py
+# the engine on 4 layers of Qwen3-30B-A3B's shape against transformers' generate (grouped_mm experts), the decode
+# step against its active-expert roofline (bench/results/moe.csv)
+step moe 35 python3 bench/bench_moe.py --quick
+step multiturn 35 python3 bench/bench_multiturn.py --quick
 if [ -f bench/bench_e2e_gpu.py ]; then
-  step e2e 75 python3 bench/bench_e2e_gpu.py
+  step e2e 60 python3 bench/bench_e2e_gpu.py
 fi
 
 if [ -n "${OUT:-}" ] && [ "$dry_run" = 0 ]; then tar czf "$OUT/results.tgz" bench/results; fi

@@ -38,7 +38,7 @@ DTYPES = ("float32", "bfloat16")
 BASELINES = ("mean", "leave_one_out")
 SCALINGS = ("group", "batch", "group_loo", "none")
 STRATEGIES = ("ddp", "fsdp2", "none")
-SYNTHETIC_TASKS = ("add", "sliding_puzzle")
+SYNTHETIC_TASKS = ("add", "sliding_puzzle", "squares")
 ALGORITHMS = ("grpo", "dpo", "sft", "distill", "rm")
 DISTILL_MODES = ("full", "sampled_token")
 BUILTIN_ENVIRONMENTS = {"adder": "fastgrpo.environments.adder:AdderEnvironment",
@@ -110,6 +110,65 @@ class LoRAConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts models (Qwen3-MoE): the router's load-balancing loss, router replay, and the built-in tiny
+    model as an MoE; nothing here acts on a dense model (see fastgrpo/models/moe.py)."""
+
+    router_aux_loss_coef: float | None = None
+    """Weight of the router's load-balancing loss added to GRPO's policy loss (TRL's router_aux_loss_coef; 0 = off);
+    null: the model config's router_aux_loss_coef (0.001 in Qwen3-MoE's)."""
+    router_replay: bool = False
+    """Router replay (R3): the engine records every token's top-k experts per MoE layer, and the trainer's old-policy,
+    reference and policy forwards route those tokens to those experts, the weights from the current router logits."""
+    replay_gap: bool = False
+    """With router_replay: also measure the engine-vs-trainer log-prob gap without replay, one no-grad forward more
+    per micro-batch of a step's first optimizer step (moe/no_replay_logp_difference/{mean,max})."""
+    freeze_router: bool = False
+    """Keep every MoE layer's router weight fixed (NeMo-RL's Megatron freeze_moe_router); the experts still train."""
+    tiny_num_experts: int = 0
+    """Built-in tiny model: 0 = dense (Qwen2-shaped); > 0 = a Qwen3-MoE model with this many experts per MoE layer."""
+    tiny_num_experts_per_tok: int = 2
+    """Built-in tiny MoE: experts per token (top-k), their weights renormalised (norm_topk_prob)."""
+    tiny_moe_intermediate_size: int = 64
+    """Built-in tiny MoE: one expert's MLP width."""
+    tiny_decoder_sparse_step: int = 1
+    """Built-in tiny MoE: layer i is an MoE layer when (i + 1) is a multiple of this (Qwen3-MoE's decoder_sparse_step)
+    and i is not in tiny_mlp_only_layers; the others are dense MLP layers of model.tiny_intermediate_size."""
+    tiny_mlp_only_layers: list[int] = field(default_factory=list)
+    """Built-in tiny MoE: layers that keep a dense MLP (Qwen3-MoE's mlp_only_layers)."""
+
+    def __post_init__(self):
+        if self.router_aux_loss_coef is not None:
+            _check_min("model.moe.router_aux_loss_coef", self.router_aux_loss_coef, 0)
+        if self.replay_gap and not self.router_replay:
+            _fail("model.moe.replay_gap", "needs model.moe.router_replay (the gap without replay is measured next "
+                  "to the replayed one)", self.replay_gap)
+        _check_min("model.moe.tiny_num_experts", self.tiny_num_experts, 0)
+        for name in ("tiny_num_experts_per_tok", "tiny_moe_intermediate_size", "tiny_decoder_sparse_step"):
+            _check_min(f"model.moe.{name}", getattr(self, name), 1)
+        if self.tiny_num_experts and self.tiny_num_experts_per_tok > self.tiny_num_experts:
+            _fail("model.moe.tiny_num_experts_per_tok", f"must be <= model.moe.tiny_num_experts="
+                  f"{self.tiny_num_experts}", self.tiny_num_experts_per_tok)
+
+
+@dataclass
+class VisionConfig:
+    """A vision-language policy's images (model.path "tiny-vlm" or a Qwen2.5-VL directory; fastgrpo/models/vlm.py)."""
+
+    min_pixels: int = 3136
+    """Fewest pixels of an image after the processor's resize (Qwen2.5-VL's default: 56 x 56)."""
+    max_pixels: int = 1003520
+    """Most pixels of an image after the processor's resize (Qwen2.5-VL's default: 28 x 28 x 1280)."""
+    train_vision_tower: bool = False
+    """Train the vision tower too (default: frozen and run without gradient, as TRL and NeMo-RL's VLM GRPO do)."""
+
+    def __post_init__(self):
+        _check_min("model.vision.min_pixels", self.min_pixels, 1)
+        if self.max_pixels < self.min_pixels:
+            _fail("model.vision.max_pixels", f"must be >= model.vision.min_pixels={self.min_pixels}", self.max_pixels)
+
+
+@dataclass
 class ModelConfig:
     """The policy: a local Hugging Face causal LM, or the built-in tiny model."""
 
@@ -133,6 +192,10 @@ class ModelConfig:
     """Built-in tiny model: std of its random weights (HF's initializer_range; the tied head's too)."""
     lora: LoRAConfig | None = None
     """LoRA adapters on the frozen base (null: full fine-tuning); a model.lora.<field>=... override turns it on."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts settings (router loss, router replay, the tiny model's experts); unused by dense models."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """A vision-language policy's image settings (ignored for a text model)."""
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, DTYPES)
@@ -148,6 +211,9 @@ class ModelConfig:
         if self.tiny_hidden_size % self.tiny_num_heads:
             _fail("model.tiny_hidden_size", f"must be a multiple of model.tiny_num_heads={self.tiny_num_heads}",
                   self.tiny_hidden_size)
+        bad = [i for i in self.moe.tiny_mlp_only_layers if not 0 <= i < self.tiny_num_layers]
+        if bad:
+            _fail("model.moe.tiny_mlp_only_layers", f"must be layer indices in [0, {self.tiny_num_layers})", bad)
 
 
 @dataclass
@@ -179,8 +245,9 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the training prompts every epoch (deterministic given train.seed)."""
     synthetic_task: str = "add"
-    """Built-in task: "add" (sum of small numbers, answer in \\boxed{}) or "sliding_puzzle" (boards for
-    env.environment_factory sliding_puzzle, GRPO only)."""
+    """Built-in task: "add" (sum of small numbers, answer in \\boxed{}), "sliding_puzzle" (boards for
+    env.environment_factory sliding_puzzle, GRPO only) or "squares" (count the squares in an image: model.path
+    tiny-vlm or another vision-language model)."""
     synthetic_num_terms: int = 2
     """Built-in task: numbers per question."""
     synthetic_max_value: int = 9
@@ -1046,6 +1113,9 @@ class Config:
             if self.model.lora is not None:
                 _fail("model.lora", "must be null with algorithm rm (the reward model trains in full)",
                       "set")
+        if self.model.moe.router_replay and self.algorithm != "grpo":
+            _fail("model.moe.router_replay", f"is for algorithm grpo (its rollouts record the routing), not "
+                  f"{self.algorithm}", True)
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)

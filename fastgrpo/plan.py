@@ -18,7 +18,9 @@ the masters)::
     masters             4·P (0 when c = 4)          in the sharded parameters (4·P / W)
     optimizer           8·P (AdamW m, v fp32)       8·P / W
     gradients           4·P fp32; + c·P (c < 4)     4·P / W; + 4·P unsharded fp32 while micro-batches accumulate
-                        during a backward
+                        during a backward           (a GRPO step whose rank share fits one micro-batch accumulates
+                                                    nothing: each layer's gradient is reduce-scattered in the backward,
+                                                    one layer's fp32 gradient unsharded at a time)
     reference model     c·P when GRPO has a β > 0 at any stage, and for DPO (a frozen full copy)
     teacher (distill)   c·P_t                       c·(P_t / W + root_t + 2 layers_t): its shards, its root (gathered
                                                     from its first forward on) and two layers while it runs
@@ -68,6 +70,12 @@ Per token once: the final norm ``4·h + 4 + c·h``, the loss's copy of the kept 
 Without checkpointing a micro-batch keeps ``L·A`` per token; with ``train.activation_checkpointing`` (per decoder
 layer) it keeps each layer's input ``L·c·h`` and recomputes one layer at a time (``+ A``).
 ``tests/test_plan.py`` checks ``A`` against the bytes autograd actually saves (storages counted once).
+A mixture-of-experts model (``fastgrpo.models.moe.MoEShape``: E experts of width I, top-K, per MoE layer) counts every
+expert in P (the weights, masters, state and gradients) but only the chosen ones in its active parameters (the FLOP
+line: 6 x active per trained token); an MoE layer saves its block's router softmax, ids and weights and the experts'
+``2·c·K·I`` pre-activations in place of ``4·c·I`` (checked against autograd too), keeps the kernel's routing
+(``16·K``), with the load-balancing loss each MoE layer's ``c·E`` router logits, and its experts' transient is
+``c·K·(3·I + h)``; router replay's record is host memory, ``L_moe·K`` bytes a token.
 
 The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators ``grad_W`` ``[V, H]`` and
 ``grad_h`` ``[T, H]``, their casts to the compute dtype (c < 4), the scatter of ``grad_h`` back into ``[T, H]``;
@@ -98,6 +106,8 @@ from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
 from fastgrpo.kernels.linear_logprobs import FWD_CONFIGS, TORCH_CHUNK_N, TORCH_CHUNK_V
 from fastgrpo.kernels.utils import DEFAULT_NUM_SMS
 from fastgrpo.kernels.vocab_tiles import PROGRAMS_PER_SM
+from fastgrpo.models.moe import MoEShape, moe_shape
+from fastgrpo.models.vlm import TINY_VLM, VLM_MODEL_TYPES, add_vision_tokens, build_tiny_vlm, text_config
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
@@ -122,7 +132,14 @@ class ModelShape:
     vocab: int
     qk_norm: bool
     layer_params: int
-    """Parameters of one decoder layer."""
+    """Parameters of one decoder layer (their mean when layers differ: an MoE model's dense layers)."""
+    moe: MoEShape | None = None
+    """A mixture-of-experts model's experts (None: dense)."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward reads: all but the experts its router does not choose."""
+        return self.params - (self.moe.inactive_params(self.hidden) if self.moe else 0)
 
     def frozen_bytes(self, c: int, nproc: int, fsdp: bool) -> int:
         """A frozen copy in the compute dtype per GPU: whole, or (fsdp2) its shard, its root and two layers."""
@@ -144,7 +161,13 @@ def model_shape(cfg: Config) -> ModelShape:
     with torch.device("meta"):
         if cfg.model.path == "tiny":
             return shape_of(build_tiny_model(cfg.model, build_tiny_tokenizer()))
+        if cfg.model.path == TINY_VLM:
+            return shape_of(build_tiny_vlm(cfg.model, add_vision_tokens(build_tiny_tokenizer())))
         hf = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        if hf.model_type in VLM_MODEL_TYPES:  # the vision tower's weights count; the text model's shape is read
+            from transformers import AutoModelForImageTextToText
+
+            return shape_of(AutoModelForImageTextToText.from_config(hf))
         return shape_of(AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.model.trust_remote_code))
 
 
@@ -187,7 +210,7 @@ def reward_model_shapes(cfg: Config) -> list[ModelShape]:
 
 def shape_of(model) -> ModelShape:
     """The :class:`ModelShape` of a Hugging Face causal LM or sequence classifier (any device, meta included)."""
-    c = model.config
+    c = text_config(model)  # a VLM's language model
     layer = model.get_decoder().layers[0]
     heads = c.num_attention_heads
     return ModelShape(
@@ -195,7 +218,8 @@ def shape_of(model) -> ModelShape:
         heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate=c.intermediate_size,
         vocab=c.vocab_size, qk_norm=hasattr(layer.self_attn, "q_norm"),
-        layer_params=sum(p.numel() for p in layer.parameters()))
+        layer_params=sum(p.numel() for p in model.get_decoder().layers.parameters()) // c.num_hidden_layers,
+        moe=moe_shape(model))
 
 
 def lora_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
@@ -218,20 +242,30 @@ def lora_params(s: ModelShape, cfg: Config) -> int:
     return s.layers * sum(lora.r * sum(dims[t]) for t in lora.target_modules)
 
 
-def layer_saved_bytes_per_token(s: ModelShape, c: int) -> int:
-    """``A``: bytes one decoder layer's packed forward saves for backward, per token (module docstring)."""
+def layer_saved_bytes_per_token(s: ModelShape, c: int, moe_layer: bool = False) -> int:
+    """``A``: bytes one decoder layer's packed forward saves for backward, per token (module docstring); an MoE
+    layer's block saves ``MoEShape.saved_bytes_per_token`` in place of the dense MLP's ``4·c·I``."""
     qk = (s.heads + s.kv_heads) * s.head_dim
     qk_norm = (4 + c) * qk + 4 * (s.heads + s.kv_heads) if s.qk_norm else 0
-    return 2 * (4 * s.hidden + 4 + 2 * c * s.hidden) + qk_norm + c * 2 * qk + 4 * s.heads + 4 * c * s.intermediate
+    mlp = s.moe.saved_bytes_per_token(c) if moe_layer else 4 * c * s.intermediate
+    return 2 * (4 * s.hidden + 4 + 2 * c * s.hidden) + qk_norm + c * 2 * qk + 4 * s.heads + mlp
 
 
-def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool, lora_per_layer: int = 0) -> int:
+def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool, lora_per_layer: int = 0,
+                     router_logits: bool = False) -> int:
     """Activations of one micro-batch of ``tokens`` tokens, at the start of its backward (module docstring);
-    ``lora_per_layer``: LoRA's change of a layer's bytes per token (module docstring)."""
+    ``lora_per_layer``: LoRA's change of a layer's bytes per token (module docstring). An MoE model's MoE layers
+    keep their block's bytes and the kernel's routing (``MoEShape``), and ``router_logits`` (the load-balancing
+    loss) each MoE layer's ``[T, E]`` router logits until the loss."""
+    m = s.moe
     per_layer = layer_saved_bytes_per_token(s, c) + lora_per_layer
+    per_moe = 0 if m is None else layer_saved_bytes_per_token(s, c, True) + lora_per_layer + m.routing_bytes_per_token()
+    moe_layers = 0 if m is None else m.layers
     once = 4 * s.hidden + 4 + 2 * c * s.hidden + 2 * c * s.head_dim + PER_TOKEN_LOSS_BYTES
-    transient = c * (2 * s.intermediate + 2 * s.hidden)
-    kept = s.layers * c * s.hidden + per_layer if checkpointing else s.layers * per_layer
+    once += c * m.experts * m.layers if m is not None and router_logits else 0
+    transient = max(c * (2 * s.intermediate + 2 * s.hidden), m.transient_bytes_per_token(c, s.hidden) if m else 0)
+    layers = (s.layers - moe_layers) * per_layer + moe_layers * per_moe
+    kept = s.layers * c * s.hidden + max(per_layer, per_moe) if checkpointing else layers
     return tokens * (kept + once + transient)
 
 
@@ -372,7 +406,9 @@ class MemoryPlan:
         other = "without" if self.checkpointing else "with"
         out = [
             f"memory plan: {self.cfg.name}, model {self.cfg.model.path} ({s.params / 1e6:.1f}M parameters, "
-            f"{s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads}x{s.head_dim}, vocab {s.vocab}), "
+            + (f"{s.active_params / 1e6:.1f}M active per token: {s.moe.layers} MoE layers of {s.moe.experts} experts "
+               f"of width {s.moe.intermediate}, top-{s.moe.top_k}, " if s.moe else "")
+            + f"{s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads}x{s.head_dim}, vocab {s.vocab}), "
             f"{self.cfg.model.dtype}, {t.strategy} on {self.nproc} GPU(s) of {self.gpu_bytes / GIB:g} GiB "
             f"({self.usable / GIB:.1f} usable)" + (f", LoRA r={self.cfg.model.lora.r} on "
                                                   f"{len(self.cfg.model.lora.target_modules)} projections "
@@ -412,6 +448,13 @@ class MemoryPlan:
             ]
         else:
             out.append(f"  generation: none ({self.cfg.algorithm} does not generate)")
+        active = s.active_params
+        out.append(f"  compute: {6 * active / 1e9:.3g} GFLOP per trained token (6 x {active / 1e6:.1f}M active "
+                   f"parameters), {2 * active / 1e9:.3g} per token of a no-grad forward or generation")
+        if self.cfg.model.moe.router_replay and s.moe:
+            host = self.batch * self.seq_len * s.moe.replay_bytes_per_token()
+            out.append(f"  router replay record (host memory, per rank): {s.moe.replay_bytes_per_token()} B per token,"
+                       f" {host / GIB:.3f} GiB for the decoding batch's {self.batch} sequences of {self.seq_len}")
         return [*out, row("training peak", self.training_peak), self.verdict()]
 
 
@@ -446,7 +489,11 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         base_shard = c * s.params // nproc if p else 0  # a frozen base is sharded in the compute dtype
         layer = s.layer_params + p // s.layers
         root = P - s.layers * layer
-        train_extra = c * (root + 2 * layer) + 4 * trained  # gathered root + 2 layers; unsharded fp32 grads
+        # a rank's share of one optimizer step in one micro-batch: nothing accumulates (module docstring)
+        step_seqs = (t.sequences_per_optimizer_step or g.num_prompts_per_step * g.num_generations) // nproc
+        single = generates and step_seqs * seq_len <= tokens
+        unsharded = 4 * (layer if p == 0 else p // s.layers) if single else 4 * trained
+        train_extra = c * (root + 2 * layer) + unsharded  # gathered root + 2 layers; unsharded fp32 grads
     else:
         masters = 0 if c == 4 else 4 * trained
         optimizer, gradients = 8 * trained, 4 * trained
@@ -458,7 +505,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     prompt_tokens = min(math.ceil(g.prompts_per_gen_batch / nproc) * cfg.data.max_prompt_tokens,
                         max(PREFILL_CHUNK_TOKENS, seq_len)) if generates else 0
     qk = (s.heads + 2 * s.kv_heads) * s.head_dim
-    prefill = prompt_tokens * c * (3 * s.hidden + qk + 3 * s.intermediate)  # one layer's working set
+    mlp = max(3 * c * s.intermediate, s.moe.transient_bytes_per_token(c, s.hidden) if s.moe else 0)
+    prefill = prompt_tokens * (c * (3 * s.hidden + qk) + mlp)  # one layer's working set
     gen_ws = prefill + 3 * 4 * batch * s.vocab  # fp32 logits, log-softmax and noise of the decoding batch
     needs_ref = cfg.algorithm == "dpo" or (generates and max([g.beta] + [st.beta or 0 for st in cfg.stages]) > 0)
     teacher_bytes = teacher_hidden = 0
@@ -471,6 +519,9 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     needs_ref = needs_ref and not p  # LoRA: the reference is the base, the adapters disabled
     # per token and layer: the adapters' x·A, minus the frozen norms' normalised rows (module docstring)
     lora_act = c * cfg.model.lora.r * len(cfg.model.lora.target_modules) - 2 * c * s.hidden if p else 0
+    moe = cfg.model.moe
+    aux = s.moe is not None and generates and (s.moe.aux_loss_coef if moe.router_aux_loss_coef is None
+                                               else moe.router_aux_loss_coef) > 0  # GRPO's load-balancing loss
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
         weights=c * P, base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
@@ -478,8 +529,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         reward_models=sum(m.frozen_bytes(c, nproc, fsdp) for m in rms) + sum(j.frozen_bytes(c, nproc, False)
                                                                              for j in js),
         reward_pass=max((m.forward_bytes(c, tokens) for m in rms), default=0), train_extra=train_extra,
-        activations=activation_bytes(s, c, tokens, ckpt, lora_act),
-        activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act),
+        activations=activation_bytes(s, c, tokens, ckpt, lora_act, aux),
+        activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act, aux),
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss, frozen_head=bool(p)),
         generation_workspace=gen_ws,
         kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch)

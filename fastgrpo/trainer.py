@@ -133,6 +133,7 @@ class Trainer:
             engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
                                       max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
                                       max_total_tokens=cfg.rollout.max_total_tokens or None,
+                                      record_routing=cfg.model.moe.router_replay,
                                       batch_invariant=cfg.numerics.batch_invariant)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)

@@ -147,8 +147,7 @@ def _backward_torch(g_TH, x_TH, gate_up_EIH, down_EHI, r, w_S, gu_SI2):
 
 class _MoEExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, gate_up_EIH, down_EHI, w_TK, r):
-        kernel = use_triton(x_TH)
+    def forward(ctx, x_TH, gate_up_EIH, down_EHI, w_TK, r, kernel):
         w_S = w_TK.reshape(-1)[r.order].float().contiguous()  # [S] routing weights in expert order
         save = any(ctx.needs_input_grad[:4])  # the backward needs the gate/up pre-activations
         if r.S == 0:
@@ -166,13 +165,13 @@ class _MoEExperts(torch.autograd.Function):
         r = ctx.r
         if r.S == 0:
             return torch.zeros_like(x_TH), torch.zeros_like(gate_up_EIH), torch.zeros_like(down_EHI), \
-                torch.zeros_like(w_TK), None
+                torch.zeros_like(w_TK), None, None
         bwd = _backward_triton if ctx.kernel else _backward_torch
         dx, d_gate_up, d_down, dw_S = bwd(g_TH.to(x_TH.dtype).contiguous(), x_TH, gate_up_EIH, down_EHI, r, w_S,
                                           gu_SI2)
         dw_TK = torch.empty(r.S, dtype=torch.float32, device=x_TH.device)
         dw_TK[r.order] = dw_S
-        return dx, d_gate_up, d_down, dw_TK.view(w_TK.shape).to(w_TK.dtype), None
+        return dx, d_gate_up, d_down, dw_TK.view(w_TK.shape).to(w_TK.dtype), None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -191,15 +190,19 @@ def _check_experts(hidden, gate_up_proj, down_proj):
     check_shape("down_proj", down_proj, (E, H, I2 // 2), "gate_up_proj [E, 2·I, H] as [E, H, I]")
 
 
-def moe_experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights):
+def moe_experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights, *, check_ids=True, kernel=None):
     """``out = Σ_k w_k y_{e_k}(x)`` for every token, the experts as grouped GEMMs (module docstring).
 
     Args:
         hidden: ``[..., H]`` fp32/bf16/fp16 (``[0, H]`` gives ``[0, H]``).
         gate_up_proj: ``[E, 2I, H]``, gate rows then up rows (``Qwen3MoeExperts.gate_up_proj``), hidden's dtype.
         down_proj: ``[E, H, I]`` (``Qwen3MoeExperts.down_proj``).
-        topk_ids: integer ``[..., K]`` expert ids in ``[0, E)`` (checked: a host read per call).
+        topk_ids: integer ``[..., K]`` expert ids in ``[0, E)`` (checked: a host read per call, unless
+            ``check_ids=False``: ids a router produced, e.g. inside a CUDA graph, where no host read may happen).
         topk_weights: ``[..., K]`` float routing weights (differentiable).
+        kernel: the Triton path (True) or the torch one (False); None: by device (``utils.use_triton``: Triton on
+            CUDA and under ``TRITON_INTERPRET=1``). A model's CPU forward passes ``hidden.is_cuda``: the interpreter
+            is for the kernels' own tests.
 
     Returns ``[..., H]`` in hidden's dtype; gradients reach hidden, both weights and ``topk_weights``.
     """
@@ -211,16 +214,17 @@ def moe_experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights):
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape), "topk_ids")
     if not 1 <= topk_ids.shape[-1] <= E:
         raise ValueError(f"topk_ids has {topk_ids.shape[-1]} experts per token; expected 1 to {E}")
-    if topk_ids.numel() and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < E):
+    if check_ids and topk_ids.numel() and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < E):
         raise ValueError(f"topk_ids has ids outside [0, {E})")
-    return _experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights)
+    return _experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights, kernel)
 
 
-def _experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights):
+def _experts(hidden, gate_up_proj, down_proj, topk_ids, topk_weights, kernel=None):
     H, K = hidden.shape[-1], topk_ids.shape[-1]
     x_TH = hidden.reshape(-1, H).contiguous()
     r = mk.Routing(topk_ids.reshape(-1, K), gate_up_proj.shape[0])
-    out = _MoEExperts.apply(x_TH, gate_up_proj, down_proj, topk_weights.reshape(-1, K), r)
+    kernel = use_triton(x_TH) if kernel is None else kernel
+    out = _MoEExperts.apply(x_TH, gate_up_proj, down_proj, topk_weights.reshape(-1, K), r, kernel)
     return out.view(hidden.shape)
 
 

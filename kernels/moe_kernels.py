@@ -194,6 +194,21 @@ GEMM_CONFIGS = {
                       4: [(64, 64, 32, 8, 3), (64, 32, 32, 4, 2), (32, 32, 32, 4, 1)]},
 }
 GEMM_CONFIGS[MODE_SCALE] = GEMM_CONFIGS[MODE_PLAIN]
+# Few rows per expert (a decode step: 128 rows × top-8 over 128 experts is 8 pairs per expert on average, and the
+# engine's CUDA graphs fix S = rows × K per batch bucket): an expert's rows fit one 16-row tile (tl.dot's smallest M),
+# so its weights are streamed once per N tile and no MMA work is spent on 112 empty rows of a 128-row tile; the grid
+# (≈ E × N / BLOCK_N programs: 2048 for Qwen3-30B-A3B's down product) still fills the SMs. Such a GEMM is bound by
+# reading the active experts' weights (3·H·I elements each), so the K loop takes long steps (BLOCK_K 128 in bf16)
+# with 3 stages in flight: 72 KiB of shared memory for the gate/up pair as compiled for sm_80 and sm_90, at most 128
+# registers a thread and no spills (`pytest -m gpu_compile`, the moe_decode row).
+FEW_ROWS_PER_EXPERT = 16  # mean pairs per expert at or below which the few-rows configurations are used
+FEW_ROWS_CONFIGS = {
+    MODE_PLAIN: {2: [(16, 128, 128, 4, 3), (16, 64, 64, 4, 2), (16, 32, 32, 4, 1)],
+                 4: [(16, 128, 64, 4, 3), (16, 64, 32, 4, 2), (16, 32, 32, 4, 1)]},
+    MODE_SWIGLU: {2: [(16, 64, 128, 4, 3), (16, 32, 64, 4, 2), (16, 32, 32, 4, 1)],
+                  4: [(16, 64, 64, 4, 3), (16, 32, 32, 4, 2), (16, 32, 32, 2, 1)]},
+}
+FEW_ROWS_CONFIGS[MODE_SCALE] = FEW_ROWS_CONFIGS[MODE_PLAIN]
 WGRAD_CONFIGS = GEMM_CONFIGS[MODE_PLAIN]  # BLOCK_K counts an expert's rows there
 INTERPRET_CONFIG = (16, 64, 64, 4, 1)  # few, large tiles: the interpreter runs per operation
 GATHER_BLOCK_T, GATHER_BLOCK_H, GATHER_WARPS = 16, 128, 4
@@ -240,6 +255,11 @@ class Routing:
         return self._maps[block_m]
 
 
+def few_rows(r: Routing) -> bool:
+    """At most ``FEW_ROWS_PER_EXPERT`` pairs per expert on average (a host-side count: S and E are shapes)."""
+    return r.S <= FEW_ROWS_PER_EXPERT * r.E
+
+
 def grouped_gemm(mode: int, a, b_E, N: int, K: int, r: Routing, *, gather: bool, b_strides: tuple[int, int],
                  out_cols: int, w_S=None, gu=None, dual_rows: int = 0, save: bool = False):
     """One launch of ``_moe_gemm_kernel`` over every expert's rows; returns ``(c, c2, dw parts)`` (see the kernel).
@@ -270,7 +290,9 @@ def grouped_gemm(mode: int, a, b_E, N: int, K: int, r: Routing, *, gather: bool,
         )
         out[:] = [parts]
 
-    launch_first_fitting(_key(f"gemm{mode}{int(save)}", a), _configs(a, GEMM_CONFIGS[mode]), launch)
+    few = few_rows(r) and mode in FEW_ROWS_CONFIGS
+    table = FEW_ROWS_CONFIGS[mode] if few else GEMM_CONFIGS[mode]
+    launch_first_fitting(_key(f"gemm{mode}{int(save)}{int(few)}", a), _configs(a, table), launch)
     return c, c2, out[0]
 
 

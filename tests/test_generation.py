@@ -15,7 +15,16 @@ from checks import assert_decisive, one_thread, total_variation  # noqa: F401  (
 from fastgrpo.kernels.utils import use_triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import fastgrpo.engine.engine as generation
 import fastgrpo.engine.loop as engine_loop
@@ -43,11 +52,16 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 LOGPROB_ATOL = 1e-4  # fp32: engine vs teacher-forced forward differ only by summation order (~1e-6 seen)
+# Qwen3-MoE (tests/test_moe_generation.py): 3 layers, the middle one dense, 8 experts of width 16, top-2 renormalised;
+# Hugging Face's reference runs its eager experts (a loop over experts)
+MOE_ARCH = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+MOE_FIELDS = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                  mlp_only_layers=[1], norm_topk_prob=True)
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
+    config_cls, model_cls = {**ARCHS, **MOE_ARCH}[arch]
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -59,8 +73,12 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
         initializer_range=0.3,
         attention_bias=arch == "llama",  # exercise the optional biases where the architecture allows them
     )
+    config = config_cls(**{**fields, **(MOE_FIELDS if arch in MOE_ARCH else {})})
     torch.manual_seed(seed)
-    return model_cls(config).eval()
+    model = model_cls(config).eval()
+    if arch in MOE_ARCH:
+        model.set_experts_implementation("eager")
+    return model
 
 
 def random_prompts(lengths, seed=1):

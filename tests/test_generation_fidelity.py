@@ -104,8 +104,12 @@ def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, sp
     )
 
 
-def check_case(arch, seed, lengths, params, schedules, adapt=None):
-    """``adapt(model, seed)``: the model the engine and Hugging Face run instead of the plain tiny one (LoRA)."""
+def check_case(arch, seed, lengths, params, schedules, adapt=None, guard=None, pair_guard=None):
+    """``adapt(model, seed)``: the model the engine and Hugging Face run instead of the plain tiny one (LoRA).
+    ``guard(model, prompt, completion)``: called on every completion before the comparisons (a mixture-of-experts
+    model's near ties of its router: ``hypothesis.reject``); ``pair_guard(model, prompt, (prompt index, sample index),
+    a, b)`` on the two schedules' completions of a sample before they are compared (a draw that rounding decides).
+    Returns the model, prompts and both runs' completions."""
     model = tiny_model(arch, seed=seed % 5)
     model = model if adapt is None else adapt(model, seed)
     prompts = random_prompts(lengths, seed=seed)
@@ -115,6 +119,8 @@ def check_case(arch, seed, lengths, params, schedules, adapt=None):
     for prompt, comps in zip(prompts, runs[0]):
         assert len(comps) == params.n
         for c in comps:
+            if guard is not None:
+                guard(model, prompt, c)
             assert 1 <= len(c.token_ids) <= params.max_new_tokens and len(c.logprobs) == len(c.token_ids)
             assert not stops & set(c.token_ids[:-1])
             if c.finish_reason == "stop":
@@ -129,10 +135,13 @@ def check_case(arch, seed, lengths, params, schedules, adapt=None):
             except IndecisiveCase:  # a near tie: rounding would decide the comparison, the case must change
                 reject()
             assert all(c.token_ids == want for c in comps)
-    for comps_a, comps_b in zip(*runs):  # batch invariance
-        for a, b in zip(comps_a, comps_b):
+    for p, (prompt, comps_a, comps_b) in enumerate(zip(prompts, *runs)):  # batch invariance
+        for j, (a, b) in enumerate(zip(comps_a, comps_b)):
+            if pair_guard is not None:
+                pair_guard(model, prompt, (p, j), a, b)
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_ATOL, rtol=0)
+    return model, prompts, runs
 
 
 @settings(max_examples=8)
@@ -260,7 +269,9 @@ def check_trajectory(c, prompt, key, params, turns, tokenizer):
     assert c.num_turns == sampled
 
 
-def check_turn_case(arch, seed, lengths, params, script, schedules):
+def check_turn_case(arch, seed, lengths, params, script, schedules, guard=None, pair_guard=None):
+    """As :func:`check_case` (``guard``, ``pair_guard`` too), multi-turn; returns the model, prompts and both runs'
+    completions."""
     model = tiny_model(arch, seed=seed % 5)
     tokenizer = CharTokenizer(VOCAB, seed=seed)
     prompts = random_prompts(lengths, seed=seed)
@@ -269,16 +280,21 @@ def check_turn_case(arch, seed, lengths, params, script, schedules):
     for out, turns, _ in runs:
         for p, (prompt, comps) in enumerate(zip(prompts, out)):
             for j, c in enumerate(comps):
+                if guard is not None:
+                    guard(model, prompt, c)
                 check_trajectory(c, prompt, (p, j), params, turns, tokenizer)
                 ref = teacher_forced_logp(model, prompt, c.token_ids, temperature)
                 sampled = torch.tensor(c.loss_mask, dtype=torch.bool)
                 torch.testing.assert_close(torch.tensor(c.logprobs)[sampled], ref[sampled], atol=LOGPROB_ATOL, rtol=0)
     (out_a, _, _), (out_b, _, _) = runs
-    for comps_a, comps_b in zip(out_a, out_b):  # schedule invariance
-        for a, b in zip(comps_a, comps_b):
+    for p, (prompt, comps_a, comps_b) in enumerate(zip(prompts, out_a, out_b)):  # schedule invariance
+        for j, (a, b) in enumerate(zip(comps_a, comps_b)):
+            if pair_guard is not None:
+                pair_guard(model, prompt, (p, j), a, b)
             assert (a.token_ids, a.loss_mask, a.finish_reason, a.num_turns) == (
                 b.token_ids, b.loss_mask, b.finish_reason, b.num_turns)  # fmt: skip
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_ATOL, rtol=0)
+    return model, prompts, [out for out, _, _ in runs]
 
 
 @settings(max_examples=6)

@@ -84,6 +84,30 @@ def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
     assert expected <= per_layer[0] <= expected + 8 * 16 * T + 64
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_layer_saved_bytes_match_autograd(monkeypatch, dtype):
+    """A Qwen3-MoE model (layer 1 dense, layers 0 and 2 MoE: 8 experts of width 24, top-2 renormalised) through
+    fastgrpo's grouped experts: the later MoE layer saves exactly ``layer_saved_bytes_per_token(moe_layer=True)``
+    (the router's softmax, ids and renormalisation, the routing weights, the experts' gate/up pre-activations), the
+    dense layer the dense figure."""
+    import transformers
+
+    from fastgrpo.models.moe import enable_moe
+
+    monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+                                      norm_topk_prob=True, max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    attention.enable_packed_attention(model)
+    enable_moe(model)
+    per_layer, T = saved_bytes_per_layer(model.train())
+    s = shape_of(model)
+    assert per_layer[1] == layer_saved_bytes_per_token(s, dtype.itemsize) * T
+    assert per_layer[2] == layer_saved_bytes_per_token(s, dtype.itemsize, moe_layer=True) * T
+
+
 def _policy_step_peak(cfg, seq_len: int) -> int:
     """Peak extra resident bytes of: build the model, its optimizer, and two GRPO updates of two full micro-batches
     each (the second micro-batch runs with the first one's accumulated gradients in place, as in a real step)."""

@@ -481,13 +481,23 @@ def test_dynamic_sampling_two_processes_balance_the_groups(tmp_path):
 
 
 def _ds_worker(out: str) -> None:
-    """torchrun entry of test_dynamic_sampling_two_processes_balance_the_groups."""
+    """torchrun entry of test_dynamic_sampling_two_processes_balance_the_groups: the step in :func:`_ds_step`, whose
+    trainer is gone when it returns, then the process group torn down after every rank is done with it (left to the
+    interpreter's exit, gloo's threads can be joined mid-teardown and abort the process: 1 run in 20 did)."""
+    from fastgrpo.distributed import barrier, destroy
+
+    _ds_step(out)
+    barrier()
+    destroy()
+
+
+def _ds_step(out: str) -> None:
+    """One dynamic-sampling step on a scripted engine; writes this rank's texts, prompts and metrics."""
     import json
 
     import torch
 
     from fastgrpo.config import load_config, stage_settings
-    from fastgrpo.distributed import barrier, destroy
     from fastgrpo.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, *DS, "grpo.num_prompts_per_step=4", "grpo.batch_multiplier=2",
@@ -515,9 +525,6 @@ def _ds_worker(out: str) -> None:
               "sent_prompts": [calls[0][3], calls[1][2]]}  # rank 0's groups that rank 1 trains on
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     trainer.close()
-    del trainer, rollout, spy, captured, samples  # destroy() then frees what still holds the group (gloo's threads)
-    barrier()  # no rank tears the group down while another still uses it
-    destroy()  # left to the interpreter's exit, gloo's threads can be joined mid-teardown: SIGABRT, 1 run in N
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from fastgrpo.data.responses import SFTExample
 from fastgrpo.distributed import all_reduce
 from fastgrpo.engine.engine import Completion
 from fastgrpo.models.packing import PackedBatch, pack, plan_microbatches
+from fastgrpo.models.vlm import PackedVision, pack_vision
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Sample:
     suffix). None: every completion token is sampled (single-turn)."""
     token_advantages: list[float] | None = None
     """Per completion token, added to ``advantage`` (None: none)."""
+    routing: torch.Tensor | None = None
+    """A mixture-of-experts policy's recorded experts, ``[prompt + completion tokens, MoE layers, top_k]``
+    (``Completion.routing``: router replay); None: routed afresh."""
 
     def __post_init__(self):
         c = len(self.completion_ids)
@@ -59,6 +63,8 @@ class Sample:
             v = getattr(self, name)
             if v is not None and len(v) != c:
                 raise ValueError(f"Sample.{name} has {len(v)} values for {c} completion tokens")
+        if self.routing is not None and self.routing.shape[0] != len(self.prompt_ids) + c:
+            raise ValueError(f"Sample.routing has {self.routing.shape[0]} rows for {len(self.prompt_ids) + c} tokens")
 
     @property
     def tokens(self) -> list[int]:
@@ -92,6 +98,10 @@ class MicroBatch:
     """Σ mask, counted on the host while packing (no device sync to read it)."""
     per_token_advantages: bool = False
     """``advantages`` is per token ([N], the sequence's advantage plus its token terms; 0 off the mask)."""
+    routing: torch.Tensor | None = None
+    """[N, MoE layers, top_k] the samples' recorded experts (router replay), or None."""
+    vision: PackedVision | None = None
+    """The sequences' images and M-RoPE positions (prompts that are ``fastgrpo.models.vlm.ImagePrompt``)."""
 
     @property
     def num_seqs(self) -> int:
@@ -127,6 +137,8 @@ def make_microbatch(samples: list[Sample], device: torch.device) -> MicroBatch:
         completion_mask=torch.tensor(comp, dtype=torch.bool, device=device),
         num_loss_tokens=int(sum(mask)),
         per_token_advantages=per_token,
+        routing=torch.cat([s.routing for s in samples]).to(device) if samples[0].routing is not None else None,
+        vision=_vision([s.tokens for s in samples], device),
     )
 
 
@@ -146,6 +158,8 @@ class LMBatch:
     mask: torch.Tensor  # [N] bool, the target is a trained token
     num_loss_tokens: int
     """Σ mask, counted on the host."""
+    vision: PackedVision | None = None
+    """The sequences' images and M-RoPE positions (``fastgrpo.models.vlm.ImagePrompt`` prompts)."""
 
 
 def lm_batch(examples: list[SFTExample], device: torch.device) -> LMBatch:
@@ -157,7 +171,13 @@ def lm_batch(examples: list[SFTExample], device: torch.device) -> LMBatch:
         mask += ex.loss_mask[1:] + [False]
     return LMBatch(batch=pack([ex.input_ids for ex in examples]).to(device),
                    targets=torch.tensor(targets, dtype=torch.long, device=device),
-                   mask=torch.tensor(mask, dtype=torch.bool, device=device), num_loss_tokens=sum(mask))
+                   mask=torch.tensor(mask, dtype=torch.bool, device=device), num_loss_tokens=sum(mask),
+                   vision=_vision([ex.input_ids for ex in examples], device))
+
+
+def _vision(sequences: list, device: torch.device) -> PackedVision | None:
+    vision = pack_vision(sequences)
+    return None if vision is None else vision.to(device)
 
 
 def same_count(groups: list, device: torch.device) -> list[tuple[object, float]]:

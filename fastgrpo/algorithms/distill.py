@@ -221,7 +221,10 @@ class DistillUpdate(PolicyUpdate):
             out.setdefault(key, math.nan)
         return out
 
-    def _loss(self, mb, tokens: float, seqs: float, beta: float, epsilon_high: float | None, max_new_tokens: int):
+    def _loss(self, mb, tokens: float, seqs: float, beta: float, epsilon_high: float | None, max_new_tokens: int,
+              micro_batches: float = 1.0, weight: float = 1.0):
+        """The divergence (and the GRPO loss) of one micro-batch, re-weighted (``micro_batches``, ``weight``: unused,
+        no load-balancing term here)."""
         d, T, V = self.cfg.distill, self.cfg.rollout.temperature, self.vocab_size
         reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
         with torch.no_grad():  # first: its working set is gone before the student's activations exist

@@ -421,7 +421,8 @@ class GRPO:
                 keep = not (g.mask_truncated_completions and c.finish_reason == "length")
                 keep = keep and not (g.mask_zero_std_groups and not grp.signal)
                 samples.append(Sample(grp.prompt_ids, list(c.token_ids), list(c.logprobs), adv[p * G + j], keep,
-                                      loss_mask=list(c.loss_mask) if self.envs is not None else None))
+                                      loss_mask=list(c.loss_mask) if self.envs is not None else None,
+                                      routing=c.routing))
         if self.rollout_log.enabled:  # rollouts/step_<N>.jsonl, N the step metrics.jsonl logs (fastgrpo.trainer)
             rows = self.rollout_log.record(t.step + 1, groups, samples)
             if self.rollout_log.to_log:

@@ -24,11 +24,13 @@ import torch
 
 from fastgrpo.algorithms.batch import MicroBatch, Sample, pack_microbatches
 from fastgrpo.algorithms.forward import forward_packed, no_grad_forward, packed_forward, packed_logprobs
+from fastgrpo.algorithms.moe import MoEUpdate
 from fastgrpo.config import Config
 from fastgrpo.distributed import ForwardWrapper, all_reduce, unwrap_model
 from fastgrpo.kernels.grpo_options import GRPOLossOptions
 from fastgrpo.kernels.linear_grpo_loss import fused_linear_grpo_loss
 from fastgrpo.models.lora import adapters_disabled
+from fastgrpo.models.moe import is_moe
 from fastgrpo.precision import accumulate, optimizer_params, train_mode
 
 
@@ -72,13 +74,16 @@ class PolicyUpdate:
         self.options = loss_options(cfg)
         """The loss options of the config's base settings (:func:`loss_options`)."""
         self._stage_options: dict[tuple, GRPOLossOptions] = {}  # by (β, ε_high, max_new_tokens): the stages met
+        policy = unwrap_model(model)
+        self.moe = MoEUpdate(cfg, policy) if is_moe(policy) else None
+        """A mixture-of-experts policy's routing, load-balancing loss and replay metrics (``algorithms.moe``)."""
 
-    def _normaliser(self, mbs: list[MicroBatch]) -> tuple[float, float]:
-        """Global (all ranks) loss-token and sequence counts of one optimizer step."""
-        local = torch.tensor([float(sum(mb.num_loss_tokens for mb in mbs)), float(sum(mb.num_seqs for mb in mbs))],
-                             dtype=torch.float64, device=self.device)
-        tokens, seqs = all_reduce(local).tolist()  # sync: the loss normalisers are host floats
-        return tokens, seqs
+    def _normaliser(self, mbs: list[MicroBatch]) -> tuple[float, float, float]:
+        """Global (all ranks) loss-token, sequence and micro-batch counts of one optimizer step."""
+        local = torch.tensor([float(sum(mb.num_loss_tokens for mb in mbs)), float(sum(mb.num_seqs for mb in mbs)),
+                              float(len(mbs))], dtype=torch.float64, device=self.device)
+        tokens, seqs, count = all_reduce(local).tolist()  # sync: the loss normalisers are host floats
+        return tokens, seqs, count
 
     def run(self, samples: list[Sample], *, beta: float, epsilon_high: float | None,
             max_new_tokens: int) -> dict[str, float]:
@@ -113,6 +118,10 @@ class PolicyUpdate:
 
         # Old and reference log-probs: no-grad packed forwards before any update of this rollout. The policy's go
         # through its wrapped forward (under FSDP2 that gathers the sharded weights, a collective: padded counts).
+        if self.moe is not None and self.moe.gap:  # the gap without router replay, before any update
+            self._policy_logprobs(plans[:1], n_mbs[:1], "fresh_logprobs", temperature, replay=False)
+            for mb in plans[0]:
+                self.moe.no_replay_gap(mb.fresh_logprobs, mb)
         # With numerics.batch_invariant (and a synchronous rollout) the engine's log-probs are the policy's before
         # any update, bit for bit: the first optimizer step is on-policy (its own log-probs, which equal them: the
         # sampling metrics measure it), later ones take them as the old ones, and the forward is not run.
@@ -128,11 +137,11 @@ class PolicyUpdate:
         elif beta > 0:  # the reference model is a plain module on every rank: no collective
             for mbs in plans:
                 for mb in mbs:
-                    mb.ref_logprobs = packed_logprobs(self.ref_forward, mb, temperature)
+                    mb.ref_logprobs = packed_logprobs(self.ref_forward, mb, temperature, self._routing(mb))
 
         num_bad, num_skipped = 0, 0
         for mbs, n_mb in zip(plans, n_mbs):
-            tokens, seqs = self._normaliser(mbs)
+            tokens, seqs, count = self._normaliser(mbs)
             if tokens == 0:  # nothing to learn from (every completion masked): no optimizer step
                 num_skipped += 1
                 continue
@@ -142,7 +151,7 @@ class PolicyUpdate:
                 mb = mbs[min(i, len(mbs) - 1)]
                 weight = 0.0 if i >= len(mbs) else 1.0
                 with train_mode(self.model), accumulate(self.model, self.optimizer, last=i == n_mb - 1):
-                    loss, metrics = self._loss(mb, tokens, seqs, beta, epsilon_high, max_new_tokens)
+                    loss, metrics = self._loss(mb, tokens, seqs, beta, epsilon_high, max_new_tokens, count, weight)
                     (loss * weight * self.world_size).backward()
                 loss_total += loss.detach().double() * weight
                 if weight:
@@ -161,21 +170,30 @@ class PolicyUpdate:
         out = {k: float(v) / sums[k + "#w"] for k, v in sums.items() if not k.endswith("#w") and sums[k + "#w"] > 0}
         out.update((k, float(v)) for k, v in extremes.items())
         out["optimizer_steps"] = float(len(plans) - num_bad - num_skipped)
+        if self.moe is not None:
+            out.update(self.moe.metrics())
         out["bad_steps"] = float(num_bad)
         return out
 
-    def _policy_logprobs(self, plans: list[list[MicroBatch]], n_mbs: list[int], attr: str, temperature: float):
+    def _policy_logprobs(self, plans: list[list[MicroBatch]], n_mbs: list[int], attr: str, temperature: float,
+                         replay: bool = True):
         """``mb.<attr>`` = the policy's no-grad log-probs of every micro-batch, through its wrapped forward (under
-        FSDP2 that gathers the sharded weights, a collective: every rank runs the padded counts ``n_mbs``)."""
+        FSDP2 that gathers the sharded weights, a collective: every rank runs the padded counts ``n_mbs``);
+        ``replay``: an MoE policy replays the recorded routing (``model.moe.router_replay``)."""
         policy = no_grad_forward(self.model)
         for mbs, n_mb in zip(plans, n_mbs):
             for i in range(n_mb):
-                logp_N = packed_logprobs(policy, mbs[min(i, len(mbs) - 1)], temperature)
+                mb = mbs[min(i, len(mbs) - 1)]
+                logp_N = packed_logprobs(policy, mb, temperature, self._routing(mb, replay=replay))
                 if i < len(mbs):
                     setattr(mbs[i], attr, logp_N)
 
+    def _routing(self, mb: MicroBatch, *, train: bool = False, replay: bool = True):
+        """An MoE policy's routing of one forward of ``mb`` (``MoEUpdate.routing``); None for a dense one."""
+        return None if self.moe is None else self.moe.routing(mb, train=train, replay=replay)
+
     def _loss(self, mb: MicroBatch, tokens: float, seqs: float, beta: float, epsilon_high: float | None,
-              max_new_tokens: int):
+              max_new_tokens: int, micro_batches: float = 1.0, weight: float = 1.0):
         """One micro-batch's re-weighted loss and its metrics.
 
         On-policy (one optimizer step per rollout, ``mb.old_logprobs`` None) the loss's own log-probs are also the
@@ -183,12 +201,15 @@ class PolicyUpdate:
         training–inference gap against the old log-probs (``sampling/sampling_logp_difference/{mean,max}``, from
         the loss's own pass over the vocabulary, not a second no-grad one) and, with ``grpo.rollout_is``, corrects
         it by importance sampling (``sampling/importance_sampling_ratio/{min,mean,max}``,
-        ``sampling/is_clipped_fraction``).
+        ``sampling/is_clipped_fraction``). An MoE policy's loss also gets the router's load-balancing term, one of
+        ``micro_batches`` (``fastgrpo.algorithms.moe``; none for a padding copy, ``weight`` 0).
         """
-        hidden_NH, weight_VH, bias_V = forward_packed(self.model, mb)
+        routing = self._routing(mb, train=weight > 0)
+        hidden_NH, weight_VH, bias_V = forward_packed(self.model, mb, routing)
         loss, metrics = self._policy_loss(mb, hidden_NH, weight_VH, bias_V, tokens, beta, epsilon_high,
                                           max_new_tokens)
-        return self._reweight(loss, mb, tokens, seqs), metrics
+        loss = self._reweight(loss, mb, tokens, seqs)
+        return (loss if self.moe is None else loss + self.moe.aux_term(routing, micro_batches)), metrics
 
     def _policy_loss(self, mb: MicroBatch, hidden_NH, weight_VH, bias_V, tokens: float, beta: float,
                      epsilon_high: float | None, max_new_tokens: int):

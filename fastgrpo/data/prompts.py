@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.config import DataConfig
+from fastgrpo.data.images import IMAGE_COLUMNS, vlm_prompt
 from fastgrpo.data.synthetic import SYNTHETIC, synthetic_rows
 
 
@@ -50,7 +51,7 @@ class PromptDataset:
 
     def columns(self, indices: list[int]) -> dict[str, list]:
         """Column-wise view of ``rows[indices]`` (the reward functions' keyword arguments), without ``prompt``."""
-        keys = [k for k in self.rows[indices[0]] if k != "prompt"] if indices else []
+        keys = [k for k in self.rows[indices[0]] if k != "prompt" and k not in IMAGE_COLUMNS] if indices else []
         return {k: [self.rows[i].get(k) for i in indices] for k in keys}
 
 
@@ -109,7 +110,8 @@ def _check_fields(rows: list[dict], cfg: DataConfig, source: str) -> list[dict]:
             if key not in row:
                 raise ValueError(f"{source}: row {i} has no field {key!r} ({name}); its fields are {sorted(row)}")
         prompt, answer = row[cfg.prompt_field], row[cfg.answer_field]
-        if not isinstance(prompt, str) or not prompt.strip():
+        conversation = isinstance(prompt, list) and any(k in row for k in IMAGE_COLUMNS)  # TRL's VLM rows
+        if not conversation and (not isinstance(prompt, str) or not prompt.strip()):
             raise ValueError(f"{source}: row {i} field {cfg.prompt_field!r} (data.prompt_field) must be a non-empty "
                              f"string, got {prompt!r}")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float, type(None))):
@@ -208,13 +210,19 @@ def format_prompt(question: str, tokenizer, cfg: DataConfig) -> str:
 
 def build_dataset(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> PromptDataset:
     """Tokenise every prompt; prompts over ``data.max_prompt_tokens`` are dropped and counted, or raise; rows
-    without an answer are dropped and counted."""
+    without an answer are dropped and counted. A vision-language model's tokenizer carries its processor
+    (``tokenizer.processor``): each prompt is then rendered with its images (``fastgrpo.data.images``)."""
     kept_rows, kept_ids, dropped, no_answer = [], [], 0, 0
+    processor = getattr(tokenizer, "processor", None)
+    base = Path(source).parent if Path(source).is_file() else None  # relative image paths: the data file's folder
     for i, row in enumerate(rows):
         if not row["answer"]:
             no_answer += 1
             continue
-        ids = tokenizer(format_prompt(row["prompt"], tokenizer, cfg), add_special_tokens=False)["input_ids"]
+        if processor is not None:
+            ids = vlm_prompt(row, i, processor, cfg, source, base)
+        else:
+            ids = tokenizer(format_prompt(row["prompt"], tokenizer, cfg), add_special_tokens=False)["input_ids"]
         if len(ids) > cfg.max_prompt_tokens:
             if not cfg.drop_long_prompts:
                 raise ValueError(f"{source}: prompt {i} has {len(ids)} tokens, more than data.max_prompt_tokens="

@@ -21,6 +21,7 @@ import random
 
 from fastgrpo.config import DataConfig
 from fastgrpo.data.puzzle_boards import render, solved
+from fastgrpo.data.vision_tasks import squares_rows
 
 SYNTHETIC = "synthetic"
 SYNTHETIC_SPLIT_SEED = 1234  # fixed: the held-out split never changes with train.seed
@@ -45,6 +46,8 @@ def synthetic_rows(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
     """``(train, held_out)`` rows of the built-in task (disjoint; the split is fixed by SYNTHETIC_SPLIT_SEED)."""
     if cfg.synthetic_task == "sliding_puzzle":
         return puzzle_rows(cfg)
+    if cfg.synthetic_task == "squares":  # images: the vision task (fastgrpo.data.vision_tasks)
+        return squares_rows(cfg, SYNTHETIC_SPLIT_SEED)
     values = range(cfg.synthetic_max_value + 1)
     combos = list(itertools.product(values, repeat=cfg.synthetic_num_terms))
     if len(combos) < 2 * cfg.synthetic_eval_size:

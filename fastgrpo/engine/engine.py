@@ -107,8 +107,10 @@ from fastgrpo.engine.forward import LM_HEAD_CHUNK, ModelForward
 from fastgrpo.engine.loop import CallSettings, Run
 from fastgrpo.engine.runner import PREFILL_CHUNK_TOKENS
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult
+from fastgrpo.engine.vision import CallVision
 from fastgrpo.models.batch_invariant import check_model
 from fastgrpo.models.lora import check_modules, unwrap_peft
+from fastgrpo.models.vlm import VLM_MODEL_TYPES, ImageInputs, ImagePrompt, is_vlm, text_config, text_decoder
 
 __all__ = [
     "GenerationEngine", "SamplingParams", "Completion", "TurnHandler", "TurnResult", "PREFILL_CHUNK_TOKENS",
@@ -116,7 +118,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES", "DEFAULT_CPU_TOTAL_TOKENS", "CUDA_MEMORY_FRACTION", "CUDA_SYNC_EVERY", "DEFAULT_PAGE_SIZE",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", *VLM_MODEL_TYPES)
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
 CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
@@ -159,6 +161,8 @@ class GenerationEngine:
         batch_invariant: ``numerics.batch_invariant``: the model's own decoder on the batch-invariant ops, so that
             every sampled token's log-prob equals the trainer's packed forward's bit for bit
             (``fastgrpo.engine.batch_invariant``; CPU, dense Llama / Qwen2 / Qwen3: refused otherwise).
+        record_routing: a mixture-of-experts model (Qwen3-MoE): record the experts each token was routed to, every
+            ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
     """
 
     def __init__(
@@ -176,6 +180,7 @@ class GenerationEngine:
         row_cache: bool | None = None,
         cpu_packed: bool | None = None,
         tokenizer=None,
+        record_routing: bool = False,
         batch_invariant: bool = False,
     ):
         model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.models.lora)
@@ -184,7 +189,8 @@ class GenerationEngine:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model: unsupported architecture {model_type!r}, expected one of {SUPPORTED_MODEL_TYPES}")
-        inner = getattr(model, "model", None)
+        inner = text_decoder(model) if is_vlm(model) else getattr(model, "model", None)
+        config = text_config(model) if is_vlm(model) else config
         for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
             if not hasattr(inner, name):
                 raise ValueError(f"model: unsupported structure, model.model has no {name!r}")
@@ -232,10 +238,14 @@ class GenerationEngine:
         self._cuda_graphs = cuda_graphs
         self._row_cache = row_cache
         self._cpu_packed = cpu_packed
+        self._record_routing = record_routing
 
         if batch_invariant:
             check_model(model)
         self.forward = ModelForward(model, compile, batch_invariant)  # the forward pieces, from the model's modules
+        if record_routing not in (True, False) or (record_routing and self.forward.moe is None):
+            raise ValueError(f"record_routing={record_routing!r}: True records a mixture-of-experts model's routing "
+                             f"({model_type!r} has no MoE layers), else False")
         self.layers = self.forward.layers
         self.max_positions = config.max_position_embeddings
         norms = [inner.norm]
@@ -254,8 +264,13 @@ class GenerationEngine:
         *,
         on_group_done: Callable[[int, list[Completion]], None] | None = None,
         turns: TurnHandler | None = None,
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[Completion]]:
         """Sample ``params.n`` completions for each prompt; returns ``[prompt][sample]`` :class:`Completion`.
+
+        ``images`` (a vision-language model, ``fastgrpo.engine.vision``): each prompt's images (None: none), its
+        ``<|image_pad|>`` tokens as many as its images make; the vision tower runs once per prompt and the prompt's
+        samples share its pages. Single-turn only.
 
         The model runs in eval mode under ``inference_mode`` (no autograd bookkeeping, cheaper than ``no_grad``;
         measured by bench/bench_generation.py) and gets its previous mode back afterwards; ``on_group_done`` and
@@ -278,7 +293,10 @@ class GenerationEngine:
         a group while the others still decode. ``completions`` is the same list the return value holds.
         """
         self._check_call(params, on_group_done, turns)
+        if images is None and any(isinstance(p, ImagePrompt) for p in prompt_token_ids):  # the data layer's prompts
+            images = [p.images if isinstance(p, ImagePrompt) else None for p in prompt_token_ids]
         prompts = self._check_prompts(prompt_token_ids, params)
+        self._check_images(images, len(prompts), turns)
         if not prompts:
             return []
 
@@ -294,7 +312,9 @@ class GenerationEngine:
         forward = self.forward
         with self.calling(device, dtype, param.dtype):
             cos_TD, sin_TD = forward.rope_tables(max_len, device, dtype)
-            run = Run(forward, settings, prompts, params, limits, turns, self.tokenizer, cos_TD, sin_TD)
+            vision = None if images is None else CallVision(model, prompts, list(images), cos_TD, sin_TD)
+            run = Run(forward, settings, prompts, params, limits, turns, self.tokenizer, cos_TD, sin_TD,
+                      vision=vision)
             try:
                 return run.run(on_group_done)
             finally:
@@ -338,6 +358,7 @@ class GenerationEngine:
             cuda_graphs=cuda and self._cuda_graphs is not False,
             page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
             row_cache=self._row_cache, cpu_packed=False if self.forward.invariant else self._cpu_packed,
+            record_routing=self._record_routing,
             stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
             batch_invariant=self.forward.invariant is not None,
         )  # fmt: skip
@@ -360,6 +381,20 @@ class GenerationEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"params.stop_token_ids {bad_stop} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_images(self, images, n_prompts: int, turns) -> None:
+        if images is None:
+            return
+        if not is_vlm(self.model):
+            raise ValueError(f"images need a vision-language model ({', '.join(VLM_MODEL_TYPES)}), got "
+                             f"{self.model.config.model_type!r}")
+        if turns is not None:
+            raise ValueError("images are single-turn: a turn handler with images is not supported")
+        if len(images) != n_prompts:
+            raise ValueError(f"images has {len(images)} entries for {n_prompts} prompts")
+        bad = next((i for i, im in enumerate(images) if im is not None and not isinstance(im, ImageInputs)), None)
+        if bad is not None:
+            raise ValueError(f"images[{bad}] must be an ImageInputs or None, got {type(images[bad]).__name__}")
 
     def _check_prompts(self, prompt_token_ids, params: SamplingParams) -> list[list[int]]:
         if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, Sequence):

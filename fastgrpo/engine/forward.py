@@ -18,10 +18,13 @@ import torch.nn.functional as F
 
 from fastgrpo.engine.batch_invariant import BatchInvariantForward
 from fastgrpo.engine.cache import KVCache
+from fastgrpo.engine.moe import EngineMoE
 from fastgrpo.engine.ops import EAGER_OPS, Ops
 from fastgrpo.engine.workspace import Workspace, linear_t, packed_linear
 from fastgrpo.kernels.decode_attention import masked_attention, paged_decode_attention, paged_decode_attention_torch
 from fastgrpo.models.lora import lora_terms
+from fastgrpo.models.moe import is_moe
+from fastgrpo.models.vlm import text_config, text_decoder
 
 LM_HEAD_CHUNK = 8192  # vocabulary rows per fp32 product of the LM head off CUDA (bounds the upcast weight copy)
 
@@ -36,9 +39,10 @@ class ModelForward:
     """
 
     def __init__(self, model: torch.nn.Module, compile: bool | None, batch_invariant: bool = False):
-        inner = model.model
-        config = model.config
+        inner = text_decoder(model)  # a VLM's language model (fastgrpo.models.vlm)
+        config = text_config(model)
         self.model = model
+        self.inner = inner
         self.vocab_size = inner.embed_tokens.num_embeddings
         self.layers = list(inner.layers)
         attn = self.layers[0].self_attn
@@ -48,6 +52,7 @@ class ModelForward:
         self.scale = attn.scaling
         self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
         self.silu = getattr(config, "hidden_act", None) == "silu"
+        self.moe = EngineMoE(model) if is_moe(model) else None  # the sparse MoE blocks (fastgrpo.engine.moe)
         self._compile = compile
         self._compiled_ops: Ops | None = None
         self._lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per call
@@ -76,7 +81,7 @@ class ModelForward:
         """cos/sin ``[T, D]`` from the model's own rotary module (its inv_freq and attention scaling)."""
         probe = torch.empty(1, device=device, dtype=dtype)
         positions = torch.arange(length, device=device).unsqueeze(0)  # [1, T]
-        cos, sin = self.model.model.rotary_emb(probe, positions)
+        cos, sin = self.inner.rotary_emb(probe, positions)
         return cos[0].to(dtype), sin[0].to(dtype)  # [T, D]
 
     def elementwise_ops(self, device: torch.device) -> Ops:
@@ -158,7 +163,9 @@ class ModelForward:
     def mlp(self, ops: Ops, mlp, h_MH: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
         """``down(act(gate(h)) · up(h))``. With a workspace: the products on the MLP's packed weights
         (``packed_linear``, when ``work.packed`` holds it) or into the workspace's buffers, the activation in place
-        (the same values)."""
+        (the same values). A sparse MoE block: :meth:`fastgrpo.engine.moe.EngineMoE.block`."""
+        if self.moe is not None and self.moe.owns(mlp):
+            return self.moe.block(mlp, h_MH)
         lora = self._lora
         if work is not None and "mlp" in work.packed:  # fresh row-major [M, I], then in place
             gate = _proj(h_MH, mlp.gate_proj, lora, packs=work.packs)
@@ -182,9 +189,10 @@ class ModelForward:
             return x, ops.rms_norm(x, ln1.weight, ln1.variance_epsilon)
         return ops.add_rms_norm(x, delta, ln1.weight, ln1.variance_epsilon)
 
-    def prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, cache, slot_N, dtype):
+    def prefill(self, ops, tokens_N, pos_N, groups, cos_TD, sin_TD, cache, slot_N, dtype, embeds_NH=None):
         """Packed prefill of prompts sorted into equal-length groups; returns the last residual stream ``[N, H]``
-        (before the final norm).
+        (before the final norm). ``embeds_NH``: the input embeddings instead of the tokens' (images in a VLM's
+        prompts, ``fastgrpo.engine.vision``).
 
         ``groups``: ``(start, count, length)`` = ``count`` prompts of ``length`` tokens at ``start`` in the row.
         Token i's K/V go to flat slot ``slot_N[i]`` of the page pool (page · page_size + offset). Its attention reads
@@ -207,7 +215,8 @@ class ModelForward:
                 out[start:end] = og.transpose(1, 2).reshape(count * length, self.num_heads, self.head_dim)
             return out
 
-        x, delta = self.run_layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
+        x, delta = self.run_layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend,
+                                   embeds_NH=embeds_NH)
         return x + delta
 
     def prefill_onto(self, ops, tokens_N, pos_N, spans, tables, cos_TD, sin_TD, cache, slot_N, dtype):
@@ -247,14 +256,15 @@ class ModelForward:
         x, delta = self.run_layers(ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend)
         return x + delta
 
-    def run_layers(self, ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend, work=None):
+    def run_layers(self, ops, tokens_N, pos_N, cos_TD, sin_TD, cache, slot_N, dtype, attend, work=None,
+                   embeds_NH=None):
         """The layers on ``N`` tokens at positions ``pos_N`` through the pages: per layer the input norm, q/k/v
         and rotary, the K/V written to flat slots ``slot_N``, ``attend(layer index, q [N, Hq, D], k, v [N, Hkv, D])
         -> [N, Hq, D]``, o_proj and the MLP; returns ``(residual, last MLP output)`` (their sum is the last residual
         stream, before the final norm)."""
         N = tokens_N.shape[0]
         cos, sin = cos_TD[pos_N].unsqueeze(1), sin_TD[pos_N].unsqueeze(1)  # [N, 1, D]
-        x = self.model.model.embed_tokens(tokens_N)  # [N, H]
+        x = self.inner.embed_tokens(tokens_N) if embeds_NH is None else embeds_NH  # [N, H]
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = self.norm_in(ops, layer, x, delta)
@@ -266,7 +276,7 @@ class ModelForward:
     def logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
         if self.invariant is not None:  # its prefill's hidden states are after the final norm
             return self.invariant.logits(residual_PH)
-        norm = self.model.model.norm
+        norm = self.inner.norm
         return self.lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
 
     def lm_head(self, h_MH: torch.Tensor, work: Workspace | None = None) -> torch.Tensor:
@@ -299,7 +309,7 @@ class ModelForward:
 
     # ------------------------------------------------------------------ the decode forward
 
-    def decode(self, ops, cache: KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype) -> torch.Tensor:
+    def decode(self, ops, cache: KVCache, tok_S, pos_S, table_SP, cos_TD, sin_TD, dtype, rope_S=None) -> torch.Tensor:
         """One decode step for rows ``[0, S)``: feed ``tok_S`` at ``pos_S``, write its K/V into the row's page, return
         logits ``[S, V]`` (fp32; with a workspace whose LM head is not packed, a feature-major view of
         ``cache.work.logits``: strides (1, S)).
@@ -308,14 +318,15 @@ class ModelForward:
         ``[0, pos]`` of each row (the query's own key included): without a workspace (``cache.work`` None: the
         paged kernel runs, CUDA) through its block table ``table_SP`` by the Triton kernel; with one (CPU), from the
         row cache (:meth:`decode_rows`) when there is one, its first ``P · page_size`` columns (the engine passes
-        only the table columns the longest row uses), else through the pages by the torch path.
+        only the table columns the longest row uses), else through the pages by the torch path. ``rope_S``: each
+        row's rotary position minus its cache position (M-RoPE's ``rope_delta``, ``fastgrpo.engine.vision``; None: 0).
         """
         if self.invariant is not None:
             return self.invariant.decode(cache, tok_S, pos_S, table_SP)
         work = cache.work  # None: the paged kernel (CUDA)
         ps = cache.kv.shape[4]
         if cache.rows is not None:
-            return self.decode_rows(ops, cache, tok_S, pos_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype)
+            return self.decode_rows(ops, cache, tok_S, pos_S, table_SP.shape[1] * ps, cos_TD, sin_TD, dtype, rope_S)
         page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
         slot_S = page_S * ps + pos_S % ps  # flat index of the new token's K/V in the pool
         S = tok_S.shape[0]
@@ -329,10 +340,11 @@ class ModelForward:
             q4 = q.view(S, self.num_kv_heads, G, self.head_dim)
             return attention(q4, k_pages, v_pages, table_SP, length_S, softmax_scale=self.scale)  # [S, Hkv, G, D]
 
-        x, delta = self.run_layers(ops, tok_S, pos_S, cos_TD, sin_TD, cache, slot_S, dtype, attend, work)
+        rot_S = pos_S if rope_S is None else pos_S + rope_S
+        x, delta = self.run_layers(ops, tok_S, rot_S, cos_TD, sin_TD, cache, slot_S, dtype, attend, work)
         return self.final_logits(ops, x, delta, work)
 
-    def decode_rows(self, ops, cache: KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype) -> torch.Tensor:
+    def decode_rows(self, ops, cache: KVCache, tok_S, pos_S, T, cos_TD, sin_TD, dtype, rope_S=None) -> torch.Tensor:
         """The decode step on the CPU row cache: each layer writes the token's K/V to its row
         (``work.kv_rows[layer, row, :, :, pos]``; the pages get them when the sequence leaves the row keeping them,
         ``fastgrpo.engine.cache.RowCache.flush``), then attends over the row's first ``T`` keys, those past ``pos``
@@ -345,11 +357,12 @@ class ModelForward:
         # additive mask, 0 where live, -inf past pos: SDPA turns a boolean one into this at every call (6 ops)
         dead_S11T = torch.arange(T, device=tok_S.device) > pos_S[:, None]
         mask_S11T = torch.zeros(S, 1, 1, T, device=tok_S.device).masked_fill_(dead_S11T.view(S, 1, 1, T), -math.inf)
-        cos, sin = cos_TD[pos_S].unsqueeze(1), sin_TD[pos_S].unsqueeze(1)  # [S, 1, D]
+        rot_S = pos_S if rope_S is None else pos_S + rope_S
+        cos, sin = cos_TD[rot_S].unsqueeze(1), sin_TD[rot_S].unsqueeze(1)  # [S, 1, D]
         joint = dtype == self.layers[0].self_attn.q_proj.weight.dtype  # no autocast: q, k, v side by side
         if joint:
             sin_signed = torch.cat((-sin[..., : D // 2], sin[..., D // 2 :]), dim=-1)
-        x = self.model.model.embed_tokens(tok_S)  # [S, H]
+        x = self.inner.embed_tokens(tok_S)  # [S, H]
         delta = None
         for li, layer in enumerate(self.layers):
             x, h = self.norm_in(ops, layer, x, delta)
@@ -365,7 +378,7 @@ class ModelForward:
         return self.final_logits(ops, x, delta, work)
 
     def final_logits(self, ops, x, delta, work) -> torch.Tensor:
-        norm = self.model.model.norm
+        norm = self.inner.norm
         _, h = ops.add_rms_norm(x, delta, norm.weight, norm.variance_epsilon)
         return self.lm_head(h, work)  # [S, V] fp32
 

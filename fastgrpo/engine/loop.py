@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.engine.forward import ModelForward
+from fastgrpo.engine.moe import RoutingRecorder
 from fastgrpo.engine.runner import ModelRunner
 from fastgrpo.engine.sampling import (
     Completion,
@@ -49,6 +50,7 @@ class CallSettings:
     cpu_packed: bool | None  # the CPU products: packed, plain, or None (FASTGRPO_CPU_PACKED / timed)
     stop_ids: frozenset  # eos_token_ids and params.stop_token_ids
     max_context: int | None  # multi-turn: a conversation's token budget; None: single-turn
+    record_routing: bool = False  # an MoE model: record each token's experts (Completion.routing)
     batch_invariant: bool = False  # log-probs by the LM head's fixed vocabulary tiles (numerics.batch_invariant)
 
 
@@ -67,8 +69,9 @@ class Run:
 
     def __init__(self, forward: ModelForward, settings: CallSettings, prompts: list[list[int]],
                  params: SamplingParams, limits: list[int], handler: TurnHandler | None, tokenizer,
-                 cos_TD: torch.Tensor, sin_TD: torch.Tensor, max_end: int | None = None):
+                 cos_TD: torch.Tensor, sin_TD: torch.Tensor, max_end: int | None = None, vision=None):
         self.forward = forward
+        self.vision = vision  # the prompts' images (fastgrpo.engine.vision.CallVision) or None
         self.settings = settings
         self.prompts = prompts
         self.params = params
@@ -115,12 +118,16 @@ class Run:
         fused = use_fused_sampling(torch.empty(0, device=dev))
         # CPU draws read a table of uniforms (the kernels draw their own on CUDA)
         self.state: RowState = new_row_state(R, max_new, max_pages, not (self.params.greedy or fused), dev)
+        self.recorder = RoutingRecorder(self.forward.moe, R, settings.sync_every, dev) if settings.record_routing \
+            else None
         self.runner = ModelRunner(
             self.forward, self.state, R=R, num_pages=sched.num_pages, page_size=settings.page_size,
             max_pages=max_pages, cos_TD=self.cos_TD, sin_TD=self.sin_TD, dtype=settings.dtype,
             budget=settings.budget, row_cache=settings.row_cache, cpu_packed=settings.cpu_packed,
-            cuda_graphs=settings.cuda_graphs,
+            cuda_graphs=settings.cuda_graphs, vision=self.vision, recorder=self.recorder,
         )  # fmt: skip
+        if self.recorder is not None:  # each finished completion gets its routing
+            on_group_done = self.recorder.attach(on_group_done, self.params.n)
         self.conversations = Conversations(self.prompts, self.params, sched, self.handler, self.tokenizer,
                                            self.forward.vocab_size, settings.max_context, on_group_done)
         self.counts = dict(decode_steps=0, prefill_tokens=0, resume_prefill_tokens=0, active_row_steps=0)
@@ -180,6 +187,7 @@ class Run:
             kv_capacity_tokens=(sched.num_pages - 1) * ps,
             page_size=ps,
             **self.runner.products,
+            **(self.vision.stats() if self.vision is not None else {}),
         )
 
     def rounds(self) -> list[list[Completion]]:
@@ -237,6 +245,8 @@ class Run:
         out = read_step_output(state, len(sched.rows), window)
         for row, seq in enumerate(sched.rows):
             seq.generated = out.generated[row]
+        if self.recorder is not None:
+            self.recorder.harvest(sched.rows)
         cut = conv.stop_matches(out.newest) if conv.watch_stops else {}
         finished = [seq for row, seq in enumerate(sched.rows) if out.done[row] or seq in cut]
         if not finished:
@@ -248,6 +258,8 @@ class Run:
             keep = cut.get(seq)
             if keep is not None:  # seen late (sync_every > 1): the tokens past the match are trimmed
                 seq.tokens, seq.logprobs, seq.generated = seq.tokens[:keep], seq.logprobs[:keep], keep
+                if self.recorder is not None:  # and its last kept token's: a completion's last has no record
+                    self.recorder.log.trim(seq.sample, seq.context - seq.prompt_len + keep - 1)
             row = seq.row
             if conv.end_turn(seq, keep is not None or seq.tokens[-1] in self.settings.stop_ids):
                 self.runner.rows.forget(row)  # stale when it comes back (appended tokens)
@@ -274,9 +286,9 @@ class Run:
         """Prefill new prompts, recomputed samples and resumed samples' appended tokens into their pages, copy
         partial prompt pages, and start the admitted rows (:meth:`start_rows`, :meth:`restart_rows`)."""
         sched, runner, conv = self.scheduler, self.runner, self.conversations
-        seqs = [(self.prompts[p], sched.prompt_pages[p], p) for p in adm.prefill]
-        seqs += [(conv.context(self.prompts, s) + s.tokens[:-1], s.pages, None) for s in adm.recompute]
-        seqs += [(conv.context(self.prompts, s), s.pages, s) for s in adm.resume if not s.kv]  # evicted: all of it
+        seqs = [(self.prompts[p], sched.prompt_pages[p], p, p) for p in adm.prefill]
+        seqs += [(conv.context(self.prompts, s) + s.tokens[:-1], s.pages, None, s.prompt) for s in adm.recompute]
+        seqs += [(conv.context(self.prompts, s), s.pages, s, s.prompt) for s in adm.resume if not s.kv]  # evicted
         hidden = runner.prefill(seqs) if seqs else {}
         self.counts["prefill_tokens"] += sum(len(s[0]) for s in seqs)
         appended = [(conv.context(self.prompts, s)[s.kv :], s.kv, s.pages, s) for s in adm.resume if s.kv]
@@ -317,6 +329,8 @@ class Run:
         state.out_tok[idx, 0] = tok
         state.out_lp[idx, 0] = lp
         state.limit[idx] = limits
+        if self.vision is not None:  # decode's rotary position: pos + the prompt's M-RoPE delta
+            state.rope[idx] = torch.tensor([self.vision.deltas[s.prompt] for s in starts], device=dev)
         state.stream[idx] = stream_A
         state.t0[idx] = t0_A
         if state.u.shape[1]:
@@ -333,6 +347,8 @@ class Run:
         state.out_tok[s.row, :c] = torch.tensor(s.tokens, device=dev)
         state.out_lp[s.row, :c] = torch.tensor(s.logprobs, device=dev)
         state.limit[s.row] = s.limit
+        if self.vision is not None:
+            state.rope[s.row] = self.vision.deltas[s.prompt]
         state.stream[s.row] = sample_streams(self.settings.seed, torch.tensor([s.sample], device=dev))[0]
         state.t0[s.row] = self.conversations.trajectories[s.sample].sampled
         if state.u.shape[1]:
@@ -369,7 +385,7 @@ class Run:
         state, params = self.state, self.params
         steps, invariant = self.settings.sync_every, self.settings.batch_invariant
         rows = torch.arange(S_b, device=self.settings.device)
-        for _ in range(steps):
+        for i in range(steps):
             logits = self.runner.decode(S_b, n_pages)  # [S_b, V] fp32
             col = state.n_gen[:S_b]
             if state.u.shape[1]:
@@ -378,6 +394,8 @@ class Run:
                 tok, lp = sample_tokens(logits, params, row_seeds(state.stream[:S_b], state.t0[:S_b] + col),
                                         batch_invariant=invariant)
             live_S = ~state.done[:S_b]
+            if self.recorder is not None:  # the experts of the tokens this step fed, at their positions
+                self.recorder.keep_step(i, S_b, state.pos[:S_b], live_S)
             state.out_tok[rows, col] = tok
             state.out_lp[rows, col] = lp
             state.n_gen[:S_b] += live_S

@@ -6,6 +6,8 @@ prefill and when to step; it never decides who runs (the scheduler's) and never 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from fastgrpo.engine.cache import KVCache, RowCache
@@ -33,13 +35,19 @@ class ModelRunner:
         budget: the KV budget in tokens (bounds the CPU row cache when ``row_cache`` is None).
         row_cache, cpu_packed: the engine's settings for the CPU step (``GenerationEngine``).
         cuda_graphs: replay the decode step from CUDA graphs (only on CUDA).
+        vision: the call's images (a VLM, ``fastgrpo.engine.vision.CallVision``): prefill embeds them, the decode
+            step's rotary reads each row's ``state.rope`` offset; None: text only.
+        recorder: a mixture-of-experts model's record of the experts chosen (router replay,
+            ``fastgrpo.engine.moe.RoutingRecorder``), or None.
     """
 
     def __init__(self, forward: ModelForward, state: RowState, *, R: int, num_pages: int, page_size: int,
                  max_pages: int, cos_TD: torch.Tensor, sin_TD: torch.Tensor, dtype: torch.dtype, budget: int,
-                 row_cache: bool | None, cpu_packed: bool | None, cuda_graphs: bool):
+                 row_cache: bool | None, cpu_packed: bool | None, cuda_graphs: bool, vision=None, recorder=None):
         device = state.tok.device
         self.forward = forward
+        self.vision = vision
+        self.recorder = recorder
         self.state = state
         self.ops = forward.elementwise_ops(device)
         self.cos_TD, self.sin_TD = cos_TD, sin_TD
@@ -75,9 +83,10 @@ class ModelRunner:
         return [pages[t // ps] * ps + t % ps for t in positions]
 
     def prefill(self, seqs: list) -> dict:
-        """Prefill ``(tokens, pages, key or None)`` sequences in packed chunks of at most ``PREFILL_CHUNK_TOKENS``
-        (longest first), K/V into their pages; returns the last hidden state ``[H]`` of each key (a prompt index or
-        a resumed sample; None: a recompute, whose next token is known)."""
+        """Prefill ``(tokens, pages, key or None, prompt)`` sequences in packed chunks of at most
+        ``PREFILL_CHUNK_TOKENS`` (longest first), K/V into their pages; returns the last hidden state ``[H]`` of each
+        key (a prompt index or a resumed sample; None: a recompute, whose next token is known). ``prompt``: the
+        sequence's prompt (its images, with ``vision``)."""
         dev = self.cache.kv.device
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
         last_hidden = {}
@@ -92,7 +101,7 @@ class ModelRunner:
                 i += 1
             tokens, positions, slots, groups, start = [], [], [], [], 0
             for c in chunk:
-                toks, pages, _ = seqs[c]
+                toks, pages = seqs[c][:2]
                 m = len(toks)
                 tokens += toks
                 positions += range(m)
@@ -102,10 +111,19 @@ class ModelRunner:
                 else:
                     groups.append((start, 1, m))
                 start += m
-            x = self.forward.prefill(
-                self.ops, torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), groups, self.cos_TD,
-                self.sin_TD, self.cache, torch.tensor(slots, device=dev), self.dtype,
-            )  # [N_chunk, H]  # fmt: skip
+            tokens_N, pos_N, embeds = torch.tensor(tokens, device=dev), positions, None
+            cos, sin = self.cos_TD, self.sin_TD
+            if self.vision is not None:  # images at their tokens, M-RoPE's cos/sin per token (read at arange(N))
+                embeds, cos, sin = self.vision.prefill_inputs([(seqs[c][0], seqs[c][3]) for c in chunk], tokens_N)
+                pos_N = range(len(tokens))
+            with self._recording(len(tokens)) as ids_NLK:
+                x = self.forward.prefill(
+                    self.ops, tokens_N, torch.tensor(pos_N, device=dev), groups, cos, sin, self.cache,
+                    torch.tensor(slots, device=dev), self.dtype, embeds,
+                )  # [N_chunk, H]  # fmt: skip
+            if ids_NLK is not None:
+                at = [sum(len(seqs[c][0]) for c in chunk[:k]) for k in range(len(chunk))]
+                self.recorder.prefilled([(seqs[c][2], a, len(seqs[c][0]), 0) for c, a in zip(chunk, at)], ids_NLK)
             start = 0
             for c in chunk:
                 start += len(seqs[c][0])
@@ -134,13 +152,22 @@ class ModelRunner:
                 positions += range(start, end)
                 slots += self._slots(pages, range(start, end))
                 tables.append(torch.tensor(pages[: -(-end // ps)], device=dev))
-            x = self.forward.prefill_onto(
-                self.ops, torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), spans, tables,
-                self.cos_TD, self.sin_TD, self.cache, torch.tensor(slots, device=dev), self.dtype,
-            )  # [N_chunk, H]  # fmt: skip
+            with self._recording(len(tokens)) as ids_NLK:
+                x = self.forward.prefill_onto(
+                    self.ops, torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), spans, tables,
+                    self.cos_TD, self.sin_TD, self.cache, torch.tensor(slots, device=dev), self.dtype,
+                )  # [N_chunk, H]  # fmt: skip
+            if ids_NLK is not None:
+                self.recorder.prefilled([(c[3], at, m, kv) for (at, m, kv), c in zip(spans, chunk)], ids_NLK)
             for (at, m, _), (_, _, _, key) in zip(spans, chunk):
                 out[key] = x[at + m - 1]
         return out
+
+    def _recording(self, M: int):
+        """With a recorder: the forwards inside write their experts into a fresh ``[M, L_moe, K]`` buffer (yielded);
+        else nothing (yields None)."""
+        rec = self.recorder
+        return nullcontext() if rec is None else rec.recording(rec.moe.buffer(M, self.cache.kv.device))
 
     def first_logits(self, hidden_AH: torch.Tensor) -> torch.Tensor:
         """Logits ``[A, V]`` (fp32) of the first token after each prefill's last hidden state."""
@@ -169,14 +196,20 @@ class ModelRunner:
         if self.graphs is not None:
             return self.graphs.step(S_b)
         state = self.state
-        return self.forward.decode(
-            self.ops, self.cache, state.tok[:S_b], state.pos[:S_b], state.table[:S_b, :n_pages], self.cos_TD,
-            self.sin_TD, self.dtype,
-        )  # fmt: skip
+        with self._step_recording(S_b):
+            return self.forward.decode(
+                self.ops, self.cache, state.tok[:S_b], state.pos[:S_b], state.table[:S_b, :n_pages], self.cos_TD,
+                self.sin_TD, self.dtype, None if self.vision is None else state.rope[:S_b],
+            )  # fmt: skip
 
     def _graph_forward(self, S_b: int) -> torch.Tensor:
         state = self.state
-        return self.forward.decode(
-            self.ops, self.cache, state.tok[:S_b], state.pos[:S_b], state.table[:S_b], self.cos_TD, self.sin_TD,
-            self.dtype,
-        )  # fmt: skip
+        with self._step_recording(S_b):  # captured: every replay writes the recorder's static step buffer
+            return self.forward.decode(
+                self.ops, self.cache, state.tok[:S_b], state.pos[:S_b], state.table[:S_b], self.cos_TD, self.sin_TD,
+                self.dtype, None if self.vision is None else state.rope[:S_b],
+            )  # fmt: skip
+
+    def _step_recording(self, S_b: int):
+        rec = self.recorder
+        return nullcontext() if rec is None else rec.recording(rec.step_RLK[:S_b])

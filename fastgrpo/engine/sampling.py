@@ -139,6 +139,10 @@ class Completion:
     versions: list[int] | None = field(default=None, repr=False)
     """Aligned with token_ids, from a generation session (``GenerationEngine.session``): the version of the weights
     each token was sampled with (an appended token: its last sampled token's); None from ``generate``."""
+    routing: torch.Tensor | None = field(default=None, repr=False)
+    """A mixture-of-experts model's router replay record (``GenerationEngine(record_routing=True)``): ``[prompt +
+    completion tokens, MoE layers, top_k]`` expert ids each token was routed to (uint8 when E ≤ 255, else int16; E
+    where none was recorded: the last token, never fed); None otherwise (``fastgrpo.engine.moe``)."""
 
     def __post_init__(self):
         if self.loss_mask is None:

@@ -30,6 +30,7 @@ class RowState(NamedTuple):
     out_lp: torch.Tensor  # [R, max_new + 1] fp32
     u: torch.Tensor  # [R, max_new + 1] fp64: uniforms of its draws t0 + j (CPU, ``stream_uniforms``); [R, 0] on CUDA
     table: torch.Tensor  # [R, max_pages] int32: block tables (0 = the scratch page)
+    rope: torch.Tensor  # [R] int64: rotary position - pos (a VLM prompt's M-RoPE delta, fastgrpo.engine.vision; else 0)
 
 
 def new_row_state(R: int, max_new: int, max_pages: int, uniforms: bool, device: torch.device) -> RowState:
@@ -46,6 +47,7 @@ def new_row_state(R: int, max_new: int, max_pages: int, uniforms: bool, device: 
         out_lp=torch.zeros(R, max_new + 1, dtype=torch.float32, device=device),
         u=torch.zeros(R, max_new + 1 if uniforms else 0, device=device, dtype=torch.float64),
         table=torch.zeros(R, max_pages, dtype=torch.int32, device=device),
+        rope=torch.zeros(R, dtype=torch.long, device=device),
     )
 
 

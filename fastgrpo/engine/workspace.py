@@ -63,12 +63,18 @@ def packed_setting(cpu_packed: bool | None) -> bool | None:
 
 
 def weight_groups(forward) -> dict[str, list]:
-    """The modules of each weight group the CPU step may pack: the LM head; every layer's gate, up and down; every
-    layer's q, k and v (one product on their weights stacked, ``ModelForward.qkv_rows``)."""
+    """The modules of each weight group the CPU step may pack: the LM head; every dense layer's gate, up and down;
+    every layer's q, k and v (one product on their weights stacked, ``ModelForward.qkv_rows``)."""
     layers = forward.layers
-    mlp = [m for layer in layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    mlp = [m for layer in dense_mlp_layers(forward) for m in (layer.mlp.gate_proj, layer.mlp.up_proj,
+                                                                layer.mlp.down_proj)]
     qkv = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)]
     return {"lm_head": [forward.model.lm_head], "mlp": mlp, "qkv": qkv}
+
+
+def dense_mlp_layers(forward) -> list:
+    """The layers whose MLP is dense (a mixture-of-experts model's sparse blocks run ``fastgrpo.engine.moe``)."""
+    return [layer for layer in forward.layers if hasattr(layer.mlp, "gate_proj")]
 
 
 def product_seconds(group: str, packed: bool, run: Callable[[], object]) -> float:
@@ -88,9 +94,9 @@ def group_step(forward, group: str, h_RH: torch.Tensor, u_R: torch.Tensor, work:
     if group == "lm_head":
         return sample_tokens(forward.lm_head(h_RH, work), _DRAW, None, u_R)
     if group == "mlp":
-        norm = forward.model.model.norm
+        norm = forward.inner.norm
         return [EAGER_OPS.add_rms_norm(h_RH, forward.mlp(EAGER_OPS, layer.mlp, h_RH, work), norm.weight,
-                                       norm.variance_epsilon) for layer in forward.layers]
+                                       norm.variance_epsilon) for layer in dense_mlp_layers(forward)]
     return [forward.qkv_rows(layer.self_attn, h_RH, work) for layer in forward.layers]
 
 
@@ -101,7 +107,7 @@ def time_groups(forward, groups: list[str], R: int, device: torch.device, dtype:
     weights come cache-cold, as in the step: every other weight and pack passes through the caches between two
     runs of the same product (timed back to back, a packed product looks slower than it is in the step)."""
     gen = torch.Generator(device).manual_seed(0)
-    h_RH = torch.randn(R, forward.model.config.hidden_size, generator=gen, device=device, dtype=dtype)
+    h_RH = torch.randn(R, forward.inner.config.hidden_size, generator=gen, device=device, dtype=dtype)
     u_R = torch.rand(R, generator=gen, device=device, dtype=torch.float64)
     runs = {}
     for packed in (True, False):
@@ -150,12 +156,12 @@ def packed_groups(forward, cpu_packed: bool | None, R: int, device: torch.device
 def step_buffers(forward, R: int, device: torch.device, dtype: torch.dtype, packed: frozenset) -> dict:
     """The products' part of a ``Workspace`` without autocast: the reused buffers of the groups not ``packed`` (the
     MLP's activations and output, the LM head's fp32 logits) and, when any group is, the dict of their packs."""
-    inter = forward.layers[0].mlp.gate_proj.out_features
+    inter = max((layer.mlp.gate_proj.out_features for layer in dense_mlp_layers(forward)), default=0)
     mlp, head = "mlp" not in packed, "lm_head" not in packed
     return dict(
         gate=torch.empty(R * inter, device=device, dtype=dtype) if mlp else None,
         up=torch.empty(R * inter, device=device, dtype=dtype) if mlp else None,
-        down=torch.empty(R * forward.model.config.hidden_size, device=device, dtype=dtype) if mlp else None,
+        down=torch.empty(R * forward.inner.config.hidden_size, device=device, dtype=dtype) if mlp else None,
         logits=torch.empty(R * forward.vocab_size, device=device) if head else None,
         packs={} if packed else None,
         packed=packed,

@@ -113,7 +113,7 @@ def enable_packed_attention(model) -> None:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-def packed_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
+def packed_hidden_states(model, batch: PackedBatch, moe_routing=None) -> torch.Tensor:
     """Final hidden states ``[N, H]`` of a packed batch (after the final norm; the LM head is never run).
 
     Runs the base model (``model.get_decoder()``) on one row ``[1, N]`` with the batch's per-sequence positions
@@ -123,10 +123,13 @@ def packed_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
 
     Under DDP or FSDP, call this inside the forward of the wrapped module (a small ``nn.Module`` holding the
     model), not on the unwrapped model: the wrapper's forward hooks must run. Activation checkpointing
-    (``model.activation_checkpointing_enable()``) works unchanged.
+    (``model.activation_checkpointing_enable()``) works unchanged. ``moe_routing``: a mixture-of-experts model's
+    :class:`fastgrpo.models.moe.MoERouting` (router replay, the router logits of the load-balancing loss), passed to
+    the layers as a keyword.
     """
     decoder = model.get_decoder()
     cu = batch.cu_seqlens
+    extra = {} if moe_routing is None else {"moe_routing": moe_routing}
     out = decoder(
         input_ids=batch.input_ids.unsqueeze(0),  # [1, N]
         position_ids=batch.position_ids.unsqueeze(0),  # [1, N]
@@ -135,5 +138,6 @@ def packed_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
         max_length_q=batch.max_seqlen,
         max_length_k=batch.max_seqlen,
         use_cache=False,
+        **extra,
     )
     return out.last_hidden_state[0]  # [N, H]

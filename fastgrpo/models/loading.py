@@ -33,7 +33,18 @@ from fastgrpo.config import LoRAConfig, ModelConfig
 from fastgrpo.distributed import barrier, is_main_process
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.lora import adapter_base, apply_lora, is_adapter_dir
+from fastgrpo.models.moe import check_moe, enable_moe, freeze_routers, is_moe, tiny_moe_model
 from fastgrpo.models.saving import save_model
+from fastgrpo.models.vlm import (
+    TINY_VLM,
+    VLM_MODEL_TYPES,
+    add_vision_tokens,
+    build_tiny_vlm,
+    check_vision_model,
+    is_vlm,
+    load_processor,
+    vision_tower,
+)
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<|unk|>"
@@ -97,10 +108,11 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
-    """A randomly initialised Qwen2 causal LM sized by ``cfg.tiny_*`` for ``tokenizer``'s vocabulary (tied head)."""
+    """A randomly initialised Qwen2 causal LM sized by ``cfg.tiny_*`` for ``tokenizer``'s vocabulary (tied head); a
+    Qwen3-MoE one with ``model.moe.tiny_num_experts`` > 0 (:func:`fastgrpo.models.moe.tiny_moe_model`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.tiny_hidden_size,
         intermediate_size=cfg.tiny_intermediate_size,
@@ -117,7 +129,7 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):  # the model's weights depend only on seed, not on the caller's RNG
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = tiny_moe_model(cfg, common) if cfg.moe.tiny_num_experts else Qwen2ForCausalLM(Qwen2Config(**common))
     return model
 
 
@@ -136,7 +148,11 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
     if cfg.path != "tiny" and is_adapter_dir(cfg.path):
         lora_cfg = dataclasses.replace(lora_cfg or LoRAConfig(), path=cfg.path)
         cfg = dataclasses.replace(cfg, path=adapter_base(cfg.path), lora=lora_cfg)
-    if cfg.path == "tiny":
+    if cfg.path == TINY_VLM:  # the built-in Qwen2.5-VL (fastgrpo.models.vlm)
+        tokenizer = add_vision_tokens(build_tiny_tokenizer())
+        model = build_tiny_vlm(cfg, tokenizer, seed=seed).to(dtype)
+        base_path = TINY_VLM
+    elif cfg.path == "tiny":
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(cfg, tokenizer, seed=seed).to(dtype)
         base_path = "tiny"
@@ -147,7 +163,7 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
                 tokenizer.save_pretrained(base_dir)
             barrier()
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         path = Path(cfg.path)
         if not path.is_dir():
@@ -155,13 +171,23 @@ def load_model(cfg: ModelConfig, device: torch.device, *, seed: int = 0, base_di
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path {cfg.path!r} has no config.json: not a Hugging Face model directory")
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        check_vision_model(config)  # a vision-language type we cannot run stops here, by name
+        auto = AutoModelForImageTextToText if config.model_type in VLM_MODEL_TYPES else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         base_path = str(path.resolve())
+    check_moe(model, dataclasses.replace(cfg, lora=lora_cfg))
+    if is_vlm(model):  # the processor renders its prompts; the tower frozen unless model.vision says otherwise
+        tokenizer.processor = load_processor(cfg.path, tokenizer, cfg.vision.min_pixels, cfg.vision.max_pixels)
+        vision_tower(model).requires_grad_(cfg.vision.train_vision_tower)
     if lora_cfg is not None:
         model = apply_lora(model, lora_cfg, base_path)
     enable_packed_attention(model)
+    enable_moe(model)
+    if cfg.moe.freeze_router and is_moe(model):
+        freeze_routers(model)
     return model.to(device), tokenizer
 
 

@@ -159,6 +159,18 @@ def _drive_moe(shape, dtype):
     out.sum().backward()  # gate/up + SiLU·mul, down, gather-sum; their backward GEMMs and weight gradients
 
 
+def _drive_moe_decode(shape, dtype):
+    import torch
+    from fastgrpo.kernels import sparse_moe_block
+
+    H, I, E = shape["H"], MOE_INTERMEDIATE, MOE_EXPERTS
+    x = torch.randn(3, H, dtype=dtype)  # a decode step's few rows: the few-rows configurations (moe_kernels.py)
+    router = torch.randn(E, H, dtype=dtype)
+    gate_up, down = (torch.empty(*dims, dtype=dtype) for dims in ((E, 2 * I, H), (E, H, I)))
+    with torch.no_grad():
+        sparse_moe_block(x, router, gate_up, down, top_k=2, norm_topk_prob=True)
+
+
 # Kernel modules whose ops the gate drives (their use_triton is switched on in the subprocess).
 MODULES = ("linear_logprobs", "distill_loss", "varlen_attention", "logprobs", "grpo_loss", "decode_attention",
            "sampling", "moe")
@@ -172,6 +184,7 @@ GATE = [
     ("decode_attention", _drive_decode_attention, DTYPE_NAMES),
     ("sampling", _drive_sampling, DTYPE_NAMES),
     ("moe", _drive_moe, ("bfloat16",)),  # bf16 only: its fp32 configurations add a minute of compile per architecture
+    ("moe_decode", _drive_moe_decode, ("bfloat16",)),  # the engine's decode step (few rows per expert)
 ]
 MAX_FALLBACKS = 3  # the longest configuration list of a launcher (kernels/*.py)
 TIERS = ("default", "full")
