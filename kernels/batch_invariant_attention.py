@@ -156,24 +156,26 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         for i in range(nsb):
             out += parts[:, :, i]
         return out
-    pi_BHRL, v_BHLD = _whole_big_blocks(pi_BHRL, 3), _whole_big_blocks(v_BHLD, 2)
-    Lp, nsb = pi_BHRL.shape[-1], BIG_BLOCK // BK
+    nsb = BIG_BLOCK // BK
     rows_B1 = torch.arange(B, device=qpos_BM.device)[:, None]
     base_BM = qpos_BM - qpos_BM % BIG_BLOCK  # the query's big block's first key
     below_BM = (qpos_BM % BIG_BLOCK) // BK  # how many of its small blocks lie below the query's
     out = pi_BHRL.new_zeros(B, Hkv, M, G, D)
     if B * M * Hkv * BIG_BLOCK * D <= BLOCK_PRODUCTS:
-        big_BM = base_BM // BIG_BLOCK
-        v_own = v_BHLD.view(B, Hkv, Lp // BIG_BLOCK, BIG_BLOCK, D).transpose(1, 2)[rows_B1, big_BM]  # [B,M,Hkv,BB,D]
-        v_tilde = to_grid(v_own.view(B, M, Hkv, nsb, BK, D), -2, VALUE_BITS).permute(0, 2, 1, 3, 4, 5)
-        pi_own = pi_BHRL.view(B, Hkv, G, M, Lp // BIG_BLOCK, BIG_BLOCK).gather(
-            4, big_BM.view(B, 1, 1, M, 1, 1).expand(B, Hkv, G, M, 1, BIG_BLOCK)).view(B, Hkv, G, M, nsb, BK)
+        # its big block's keys by index, those past the keys clamped: they lie past the query (π = 0 there)
+        keys_BMK = (base_BM[..., None] + torch.arange(BIG_BLOCK, device=qpos_BM.device)).clamp_(max=Lp - 1)
+        v_own = v_BHLD.transpose(1, 2)[rows_B1[..., None], keys_BMK]  # [B, M, BB, Hkv, D]
+        v_tilde = to_grid(v_own.view(B, M, nsb, BK, Hkv, D), -3, VALUE_BITS).permute(0, 4, 1, 2, 3, 5)
+        pi_own = pi_BHRL.view(B, Hkv, G, M, Lp).gather(4, keys_BMK.view(B, 1, 1, M, BIG_BLOCK).expand(
+            B, Hkv, G, M, BIG_BLOCK)).view(B, Hkv, G, M, nsb, BK)
         below = torch.arange(nsb, device=qpos_BM.device) < below_BM[..., None]  # [B, M, nsb]
         pi_own = pi_own.masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0).permute(0, 1, 3, 4, 2, 5)
         parts = torch.matmul(pi_own, v_tilde)  # [B, Hkv, M, nsb, G, D], exact each
         for i in range(nsb):
             out += parts[:, :, :, i]
         return out.transpose(2, 3).reshape(B, Hkv, R, D)
+    pi_BHRL, v_BHLD = _whole_big_blocks(pi_BHRL, 3), _whole_big_blocks(v_BHLD, 2)
+    Lp = pi_BHRL.shape[-1]
     v_BSHKD = v_BHLD.view(B, Hkv, Lp // BK, BK, D).transpose(1, 2)  # [B, Lp / BK, Hkv, BK, D] view
     pi_BHGMSK = pi_BHRL.view(B, Hkv, G, M, Lp // BK, BK)
     for i in range(nsb):
