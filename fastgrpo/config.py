@@ -87,7 +87,7 @@ class LoRAConfig:
     """Dropout on the adapters' input in training forwards only (never in generation or no-grad forwards): with
     dropout > 0 the training forward is not the sampler's distribution and the on-policy ratio is not 1."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Names of the linear modules to adapt (default: the attention and MLP projections)."""
+    """Names of the linear modules to adapt (default: attention and MLP projections; a VLM's text model only)."""
     use_rslora: bool = False
     """rsLoRA's scaling alpha / sqrt(r) instead of alpha / r."""
     path: str = ""

@@ -232,6 +232,14 @@ def vision_tower(model):
     return model.model.visual
 
 
+def tower_prefix(model) -> str | None:
+    """The vision tower's module name in ``model`` (``"model.visual"``), None for a causal LM."""
+    if not is_vlm(model):
+        return None
+    tower = vision_tower(model)
+    return next(n for n, m in model.named_modules() if m is tower)
+
+
 def image_token_id(model) -> int:
     return int(model.config.image_token_id)
 
