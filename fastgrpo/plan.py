@@ -51,6 +51,16 @@ and layer, each adapted projection saves its ``x·A`` (``c·r``) for backward an
 their normalised rows (``− 2·c·h``; the projections' inputs stay saved, by ``lora_A``), and the fused loss skips
 the frozen head's ``[V, H]`` gradient accumulator.
 
+A vision-language policy (:mod:`fastgrpo.models.vlm`: a tower of P_v parameters, blocks of width h_v, q = merge²
+patches of e pixel values per image token; v = ``data.max_prompt_tokens`` bounds a prompt's image tokens, however
+many images): a frozen tower (the default; always with LoRA) is ``c·P_v`` on every GPU (FSDP2 leaves it out:
+replicated, no collective) with no masters, optimizer state or gradients (P − P_v train); a trainable one trains
+like the rest (in FSDP2's root group). The update keeps every micro-batch's pixel values on the device and a frozen
+tower's output, ``S·v·(4·q·e + c·h)`` at most for the rank's S sequences of a rollout, and runs one no-grad tower
+pass over a prompt's patches (:func:`vision_pass_bytes`); a trainable tower's blocks save ``q·T·L_v·A_v`` (``A_v``:
+``A`` below for its shape; checkpointed ``q·T·(L_v·c·h_v + A_v)``). Generation keeps each prompt's tower output for
+the call (``c·v·h`` per prompt) and runs one tower pass.
+
 Activations of one micro-batch of T tokens (``train.max_tokens_per_microbatch``, at least the longest sequence:
 one sequence is never split). What the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward,
 per token (h hidden, n_q / n_kv heads of d, I MLP width)::
@@ -98,7 +108,15 @@ from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
 from fastgrpo.kernels.linear_logprobs import FWD_CONFIGS, TORCH_CHUNK_N, TORCH_CHUNK_V
 from fastgrpo.kernels.utils import DEFAULT_NUM_SMS
 from fastgrpo.kernels.vocab_tiles import PROGRAMS_PER_SM
-from fastgrpo.models.vlm import TINY_VLM, VLM_MODEL_TYPES, add_vision_tokens, build_tiny_vlm, text_config
+from fastgrpo.models.vlm import (
+    TINY_VLM,
+    VLM_MODEL_TYPES,
+    add_vision_tokens,
+    build_tiny_vlm,
+    image_token_range,
+    text_config,
+    tower_dims,
+)
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
@@ -124,6 +142,11 @@ class ModelShape:
     qk_norm: bool
     layer_params: int
     """Parameters of one decoder layer."""
+    vision: ModelShape | None = None
+    """A VLM's vision tower (``fastgrpo.models.vlm.tower_dims``: blocks as layers, patches as tokens), else None."""
+    patch: int = 0  # a vision tower's patch side (px), patches merged per side, and pixel values per patch
+    merge: int = 1
+    patch_values: int = 0
 
     def frozen_bytes(self, c: int, nproc: int, fsdp: bool) -> int:
         """A frozen copy in the compute dtype per GPU: whole, or (fsdp2) its shard, its root and two layers."""
@@ -193,16 +216,25 @@ def reward_model_shapes(cfg: Config) -> list[ModelShape]:
 
 
 def shape_of(model) -> ModelShape:
-    """The :class:`ModelShape` of a Hugging Face causal LM or sequence classifier (any device, meta included)."""
+    """The :class:`ModelShape` of a Hugging Face causal LM, sequence classifier or VLM (any device, meta included)."""
     c = text_config(model)  # a VLM's language model
     layer = model.get_decoder().layers[0]
     heads = c.num_attention_heads
+    dims = tower_dims(model)
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()), layers=c.num_hidden_layers, hidden=c.hidden_size,
         heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate=c.intermediate_size,
         vocab=c.vocab_size, qk_norm=hasattr(layer.self_attn, "q_norm"),
-        layer_params=sum(p.numel() for p in layer.parameters()))
+        layer_params=sum(p.numel() for p in layer.parameters()), vision=dims and ModelShape(**dims))
+
+
+def vision_pass_bytes(s: ModelShape, c: int, tokens: int) -> int:
+    """One no-grad pass of ``s``'s vision tower over the patches of ``tokens`` image tokens: their pixel values
+    (fp32), one block's working set and last hidden state (:meth:`ModelShape.forward_bytes` over the patches), the
+    merged embeddings ``c·tokens·h``."""
+    patches = s.vision.merge**2 * tokens
+    return 4 * s.vision.patch_values * patches + s.vision.forward_bytes(c, patches) + c * tokens * s.hidden
 
 
 def lora_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
@@ -289,6 +321,12 @@ class MemoryPlan:
     kv_bytes_per_token: int
     seq_len: int
     batch: int
+    vision_tower: int = 0
+    """A frozen vision tower's weights (compute dtype, whole on every GPU; no master, state or gradient)."""
+    vision_train: int = 0
+    """The update's images (module docstring)."""
+    vision_generation: int = 0
+    """Generation's images (module docstring)."""
 
     @property
     def usable(self) -> int:
@@ -297,11 +335,11 @@ class MemoryPlan:
     @property
     def static(self) -> int:
         return (self.base_shard + self.masters + self.optimizer + self.gradients + self.reference + self.teacher
-                + self.reward_models)
+                + self.reward_models + self.vision_tower)
 
     @property
     def generation_base(self) -> int:
-        return self.static + self.weights + self.generation_workspace
+        return self.static + self.weights + self.generation_workspace + self.vision_generation
 
     @property
     def kv_cache(self) -> int:
@@ -321,7 +359,8 @@ class MemoryPlan:
 
     @property
     def training_peak(self) -> int:
-        return self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
+        return (self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
+                + self.vision_train)
 
     @property
     def scoring_peak(self) -> int:
@@ -356,7 +395,7 @@ class MemoryPlan:
                 f"{self.usable / GIB:.1f} GiB); cure: " + "; ".join(cures))
 
     def _training_cure(self) -> str:
-        room = self.usable - self.static - self.train_extra - self.loss_workspace
+        room = self.usable - self.static - self.train_extra - self.loss_workspace - self.vision_train
         per_token = self.activations / self.tokens
         options = []
         if not self.checkpointing:
@@ -388,6 +427,8 @@ class MemoryPlan:
             "per GPU:",
             row("weights (compute dtype)", self.weights, "gathered in generation" if t.strategy == "fsdp2" else ""),
             *([row("frozen base shard (LoRA)", self.base_shard)] if self.base_shard else []),
+            *([row("vision tower (frozen, compute dtype)", self.vision_tower, "whole on every GPU")]
+              if self.vision_tower else []),
             row("master weights (fp32)", self.masters),
             row("optimizer state (AdamW, fp32)", self.optimizer),
             row("gradients", self.gradients),
@@ -408,10 +449,14 @@ class MemoryPlan:
                 f"one micro-batch of {self.tokens} tokens"),
             row(f"activations ({other} checkpointing)", self.activations_other),
             row("loss workspace (fused linear loss)", self.loss_workspace),
+            *([row("images (update)", self.vision_train, "pixels, kept tower output, a tower pass")]
+              if s.vision else []),
         ]
         if self.batch:
             out += [
                 row("generation workspace", self.generation_workspace),
+                *([row("images (generation)", self.vision_generation, "kept tower output, a tower pass")]
+                  if s.vision else []),
                 row("KV cache the rest allows", self.kv_cache,
                     f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
                     f"{self.seq_len} (decoding batch {self.batch})"),
@@ -419,6 +464,12 @@ class MemoryPlan:
             ]
         else:
             out.append(f"  generation: none ({self.cfg.algorithm} does not generate)")
+        if s.vision:
+            v = self.cfg.model.vision
+            lo, hi = image_token_range(v.min_pixels, v.max_pixels, s.vision.patch, s.vision.merge)
+            out.insert(1, f"images: {lo} to {hi} tokens each (model.vision.min_pixels {v.min_pixels}, max_pixels "
+                          f"{v.max_pixels}, after the {s.vision.merge} x {s.vision.merge} merge); a prompt's at "
+                          f"most data.max_prompt_tokens {self.cfg.data.max_prompt_tokens}")
         return [*out, row("training peak", self.training_peak), self.verdict()]
 
 
@@ -442,7 +493,9 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     c = ELEMENT_BYTES[cfg.model.dtype]
     p = lora_params(s, cfg)  # the adapters (LoRA): what trains; without LoRA every parameter trains
     P = s.params + p  # every weight the forward reads
-    trained = p if p else P
+    vs = s.vision  # a VLM's tower: frozen (compute dtype, whole on every GPU) unless trained without LoRA
+    frozen_tower = vs.params if vs is not None and (p or not cfg.model.vision.train_vision_tower) else 0
+    trained = p if p else P - frozen_tower
     fsdp = t.strategy == "fsdp2" and nproc > 1
     generates = cfg.algorithm in ("grpo", "distill")
     seq_len = longest_sequence(cfg) if generates else 1
@@ -450,14 +503,14 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     base_shard = 0
     if fsdp:
         masters, optimizer, gradients = 4 * trained // nproc, 8 * trained // nproc, 4 * trained // nproc
-        base_shard = c * s.params // nproc if p else 0  # a frozen base is sharded in the compute dtype
+        base_shard = c * (s.params - frozen_tower) // nproc if p else 0  # a frozen base: sharded, compute dtype
         layer = s.layer_params + p // s.layers
-        root = P - s.layers * layer
+        root = P - s.layers * layer - frozen_tower
         train_extra = c * (root + 2 * layer) + 4 * trained  # gathered root + 2 layers; unsharded fp32 grads
     else:
         masters = 0 if c == 4 else 4 * trained
         optimizer, gradients = 8 * trained, 4 * trained
-        train_extra = c * P + (c * trained if c < 4 else 0)  # the weights; the compute-dtype grads of a backward
+        train_extra = c * (P - frozen_tower) + (c * trained if c < 4 else 0)  # weights; compute-dtype grads
     per_rank_seqs = max(1, g.prompts_per_gen_batch * g.num_generations // nproc)  # one generation batch
     batch = min(r.max_batch_size, per_rank_seqs) if generates else 0
     # the engine prefills in packed chunks of PREFILL_CHUNK_TOKENS (a longer prompt, or a preempted sample's
@@ -478,9 +531,17 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     needs_ref = needs_ref and not p  # LoRA: the reference is the base, the adapters disabled
     # per token and layer: the adapters' x·A, minus the frozen norms' normalised rows (module docstring)
     lora_act = c * cfg.model.lora.r * len(cfg.model.lora.target_modules) - 2 * c * s.hidden if p else 0
+    vision_train = vision_gen = 0
+    if vs is not None:  # v: a prompt's image tokens at most; a micro-batch's at most its T tokens (module docstring)
+        v, q, a = cfg.data.max_prompt_tokens, vs.merge**2, layer_saved_bytes_per_token(vs, c)
+        seqs = max(1, g.num_prompts_per_step * g.num_generations // nproc)
+        vision_train = seqs * v * (4 * vs.patch_values * q + (c * s.hidden if frozen_tower else 0))
+        vision_train += vision_pass_bytes(s, c, v) + (0 if frozen_tower else q * tokens * (
+            vs.layers * c * vs.hidden + a if ckpt else vs.layers * a))
+        vision_gen = math.ceil(g.prompts_per_gen_batch / nproc) * c * v * s.hidden + vision_pass_bytes(s, c, v)
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
-        weights=c * P, base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
+        weights=c * (P - frozen_tower), base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
         gradients=gradients, reference=c * P if needs_ref else 0, teacher=teacher_bytes, teacher_hidden=teacher_hidden,
         reward_models=sum(m.frozen_bytes(c, nproc, fsdp) for m in rms) + sum(j.frozen_bytes(c, nproc, False)
                                                                              for j in js),
@@ -489,7 +550,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act),
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss, frozen_head=bool(p)),
         generation_workspace=gen_ws,
-        kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch)
+        kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch,
+        vision_tower=c * frozen_tower, vision_train=vision_train, vision_generation=vision_gen if generates else 0)
 
 
 def longest_sequence(cfg: Config) -> int:

@@ -256,6 +256,30 @@ def image_token_id(model) -> int:
     return int(model.config.image_token_id)
 
 
+def tower_dims(model) -> dict | None:
+    """A VLM's vision tower in the memory plan's terms (``fastgrpo.plan.ModelShape`` fields): its blocks as layers
+    (full multi-head attention, a gated MLP, two RMSNorms: a decoder layer's shape), patches as tokens; its patch side,
+    merge and pixel values per patch. None for a causal LM."""
+    if not is_vlm(model):
+        return None
+    v, tower = model.config.vision_config, vision_tower(model)
+    return dict(params=sum(p.numel() for p in tower.parameters()), layers=v.depth, hidden=v.hidden_size,
+                heads=v.num_heads, kv_heads=v.num_heads, head_dim=v.hidden_size // v.num_heads,
+                intermediate=v.intermediate_size, vocab=0, qk_norm=False,
+                layer_params=sum(p.numel() for p in tower.blocks[0].parameters()), patch=v.patch_size,
+                merge=v.spatial_merge_size, patch_values=v.in_channels * v.temporal_patch_size * v.patch_size**2)
+
+
+def image_token_range(min_pixels: int, max_pixels: int, patch: int, merge: int) -> tuple[int, int]:
+    """Fewest and most image tokens of one image after the merge: the processor resizes it (aspect kept) to multiples
+    of ``patch · merge`` px with ``min_pixels <= h · w <= max_pixels`` (Qwen2-VL's ``smart_resize``), and each token
+    covers ``(patch · merge)²`` px: ``ceil(min_pixels / f²)`` to ``floor(max_pixels / f²)``, f = patch · merge
+    (Qwen2.5-VL's defaults: 4 to 1280). An image the resize has to scale is rounded to whole tokens per side, which
+    for an extreme aspect ratio, or ``min_pixels`` close to ``max_pixels``, can land a few tokens outside."""
+    f2 = (patch * merge) ** 2
+    return -(-min_pixels // f2), max_pixels // f2
+
+
 def image_tokens(grid_thw: torch.Tensor, merge: int) -> list[int]:
     """Image tokens per image of ``grid_thw [I, 3]`` (patches t · h · w over merge²)."""
     return (grid_thw.prod(-1) // (merge * merge)).tolist()
