@@ -22,7 +22,7 @@ from PIL import Image
 
 from fastgrpo.config import load_config
 from fastgrpo.models.vlm import image_token_range, tiny_image_processor
-from fastgrpo.plan import PER_TOKEN_LOSS_BYTES, main, memory_plan, model_shape
+from fastgrpo.plan import main, memory_plan, model_shape
 
 QWEN_VL_3B = str(Path(__file__).resolve().parent / "data" / "qwen2.5-vl-3b-instruct")
 H, L, HV, IV, HEADS_V, DEPTH, OUT = 2048, 36, 1280, 3420, 16, 32, 2048  # the config's numbers
@@ -55,11 +55,12 @@ def test_tower_parameters_match_the_config(shape):
     assert (shape.params, shape.layers, shape.hidden, shape.vision.layers) == (3_754_622_976, L, H, DEPTH)
 
 
+FROZEN = "model.vision.train_vision_tower=false"  # fastgrpo's default; the recipe trains it, as NeMo-RL
+
+
 @pytest.mark.parametrize("strategy,nproc,extra", [
-    ("fsdp2", 8, []), ("ddp", 8, []), ("fsdp2", 2, ["train.activation_checkpointing=true"]),
-    ("fsdp2", 8, ["model.vision.train_vision_tower=true"]),
-    ("ddp", 4, ["model.vision.train_vision_tower=true", "train.activation_checkpointing=true"]),
-    ("fsdp2", 8, ["model.lora.r=64"]),
+    ("fsdp2", 8, [FROZEN]), ("ddp", 8, [FROZEN]), ("fsdp2", 2, [FROZEN, "train.activation_checkpointing=true"]),
+    ("fsdp2", 8, []), ("ddp", 4, ["train.activation_checkpointing=true"]), ("fsdp2", 8, ["model.lora.r=64"]),
 ])
 def test_plan_bytes_match_the_closed_form(shape, strategy, nproc, extra):
     cfg = cfg_3b(f"train.strategy={strategy}", *extra)
@@ -87,16 +88,20 @@ def test_plan_bytes_match_the_closed_form(shape, strategy, nproc, extra):
     assert plan.vision_generation == math.ceil(8 / W) * c * v * H + tower_pass
     assert plan.training_peak == (plan.static + plan.train_extra + plan.activations + plan.loss_workspace
                                   + plan.vision_train)
-    assert PER_TOKEN_LOSS_BYTES  # the text side is test_plan.py's
 
 
-def test_the_3b_recipe_fits_8_x_80_and_8_x_141(capsys):
-    for gib in (80, 141):
-        assert main(["--recipe", "vlm-grpo-qwen2.5-vl-3b", f"model.path={QWEN_VL_3B}", "--nproc", "8",
-                     "--gpu-memory-gib", str(gib)]) == 0
-        out = capsys.readouterr().out
-        assert out.splitlines()[1].startswith("images: 4 to 1280 tokens each")
-        assert "vision tower (frozen, compute dtype)" in out and out.splitlines()[-1].startswith(f"fits: 8 x {gib}")
+@pytest.mark.parametrize("nproc,gib,extra,fits", [
+    (8, 80, [], True), (8, 141, [], True), (8, 80, [FROZEN], True), (8, 141, [FROZEN], True),
+    (2, 80, [], False), (2, 80, ["train.activation_checkpointing=true"], True), (2, 80, [FROZEN], True),
+])
+def test_the_3b_recipe_verdicts(capsys, nproc, gib, extra, fits):
+    """The README's figures: the recipe (its tower trained, as NeMo-RL) and with the tower frozen."""
+    rc = main(["--recipe", "vlm-grpo-qwen2.5-vl-3b", f"model.path={QWEN_VL_3B}", "--nproc", str(nproc),
+               "--gpu-memory-gib", str(gib), *extra])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == (0 if fits else 1) and out[-1].startswith(f"{'fits' if fits else 'does not fit'}: {nproc} x {gib}")
+    assert out[1].startswith("images: 4 to 1280 tokens each")
+    assert any(line.strip().startswith("vision tower (frozen") for line in out) == bool(extra and extra[0] == FROZEN)
 
 
 def test_masters_only_for_what_the_plan_trains():
@@ -137,3 +142,17 @@ def test_image_token_range_ends_are_reached():
     for side, want in ((10, lo), (168, hi), (1000, hi)):
         grid = proc(images=[Image.new("RGB", (side, side))], return_tensors="pt")["image_grid_thw"]
         assert int(grid.prod()) // 4 == want
+
+
+def test_plan_runs_as_a_module_from_the_checkout_root():
+    """``python -m fastgrpo.plan`` where the README runs it, the checkout's root: its kernels/ folder must not shadow
+    the PyPI package ``kernels`` that transformers imports (transformers >= 5 installs it)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "fastgrpo.plan", "--recipe", "vlm-tiny"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].startswith("fits: 1 x 80 GiB"), proc.stderr[-2000:]
