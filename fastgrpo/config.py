@@ -118,7 +118,7 @@ class VisionConfig:
     max_pixels: int = 1003520
     """Most pixels of an image after the processor's resize (Qwen2.5-VL's default: 28 x 28 x 1280)."""
     train_vision_tower: bool = False
-    """Train the vision tower too (default: frozen and run without gradient, as TRL and NeMo-RL's VLM GRPO do)."""
+    """Train the vision tower too (default: frozen, run without gradient; TRL and NeMo-RL train it: README)."""
 
     def __post_init__(self):
         _check_min("model.vision.min_pixels", self.min_pixels, 1)
