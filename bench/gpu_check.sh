@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU script: the GPU test tier, the microbenchmarks, generation and end to end, each bounded;
-# the whole script stays within 540 s (env 20 + ceilings 30 + gpu_tests 60 + micro 245 + generation 70 + multiturn 40
-# + e2e 75).
+# the whole script stays within 540 s (env 20 + ceilings 30 + gpu_tests 60 + micro 245 + generation 55 + multiturn 40
+# + vlm 30 + e2e 60).
 #
 #   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
 #   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
@@ -88,10 +88,12 @@ else
   record micro "SKIP(no pytest-benchmark)" 0
 fi
 
-step generation 70 python3 bench/bench_generation.py
+step generation 55 python3 bench/bench_generation.py
 step multiturn 40 python3 bench/bench_multiturn.py --quick
+# the VLM engine row: 8 prompts x 8 samples of 112-px images (16 image tokens), 16 new tokens, shared vs per sample
+step vlm 30 python3 bench/bench_vlm.py --device cuda --prompts 8 --group 8 --side 112 --new 16
 if [ -f bench/bench_e2e_gpu.py ]; then
-  step e2e 75 python3 bench/bench_e2e_gpu.py
+  step e2e 60 python3 bench/bench_e2e_gpu.py
 fi
 
 if [ -n "${OUT:-}" ] && [ "$dry_run" = 0 ]; then tar czf "$OUT/results.tgz" bench/results; fi
