@@ -8,7 +8,7 @@ in each of those calls and the ranks' collectives would not pair up. Checked:
 
 - FSDP2 on 2 processes gives one process's loss and parameter change (the same fp32 gradients reduced in another
   order: rtol 1e-5 / 1e-4 as ``tests/test_grpo.py``'s FSDP2 test), with the tower frozen (the default) and trainable
-  (and DDP with a trainable tower, which rank 1 never runs: unused parameters);
+  (and DDP with a trainable tower, which rank 1 never runs: a zero gradient keeps its buckets);
 - the frozen tower stays replicated in the compute dtype under FSDP2 (plain tensors, no fp32 copy, no gradient);
 - activation checkpointing gives the same loss and change as without (the same ops recomputed: fp32 rounding).
 
