@@ -40,6 +40,7 @@ from fastgrpo.models.loading import (
     set_cpu_threads,
 )
 from fastgrpo.models.lora import BASE_DIR
+from fastgrpo.models.vlm import data_dependent_module
 from fastgrpo.plan import check_fits
 from fastgrpo.precision import make_optimizer
 
@@ -121,7 +122,8 @@ class Trainer:
         model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
         if cfg.train.activation_checkpointing:
             enable_activation_checkpointing(model)
-        wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward))
+        wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward),
+                             whole=data_dependent_module(model))  # a VLM's tower: not sharded block by block
         engine = None
         if getattr(algorithm, "generates", True):
             engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
