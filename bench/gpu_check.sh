@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared GPU script: the GPU test tier, the microbenchmarks, generation and end to end, each bounded;
-# the whole script stays within 540 s (env 15 + ceilings 20 + gpu_tests 60 + micro 255 + generation 60 + moe 35
-# + multiturn 35 + e2e 60; the MoE rows took 45 s from the others, none of it measured: no GPU in that session).
+# the whole script stays within 540 s (env 15 + ceilings 20 + gpu_tests 60 + micro 230 + generation 55 + moe 35
+# + multiturn 35 + vlm 30 + e2e 60; the MoE and VLM rows took their 65 s from the others, none of it measured: no GPU
+# in the sessions that added them).
 #
 #   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
 #   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
@@ -70,11 +71,11 @@ print(f'copy bandwidth {copy_bandwidth_gbps():.0f} GB/s, bf16 matmul {matmul_tfl
 gpu_files=$(grep -rl "mark.gpu" "$root/tests" | sort | tr '\n' ' ')
 step gpu_tests 60 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
 
-# Microbenchmarks: 255 s in all, per file (torch.compile, flex and autotuning dominate; micro_moe: the MoE block's
+# Microbenchmarks: 230 s in all, per file (torch.compile, flex and autotuning dominate; micro_moe: the MoE block's
 # Triton compiles and transformers' per-expert loop). Same reason to run from
 # $site; bench/ is passed by absolute path, so its conftest.py and pyproject's settings (rootdir) apply.
 if [ "$dry_run" = 1 ] || python3 -c "import pytest_benchmark" 2>/dev/null; then
-  for b in logprobs:35 grpo_loss:40 dpo_loss:15 linear_logprobs:40 varlen_attention:50 distill_loss:40 moe:35; do
+  for b in logprobs:30 grpo_loss:40 dpo_loss:15 linear_logprobs:35 varlen_attention:45 distill_loss:35 moe:30; do
     name=${b%%:*}
     [ -f "bench/micro_$name.py" ] && step "micro_$name" "${b##*:}" bash -c "cd '$site' && python3 -m pytest -q \
 -p no:cacheprovider --rootdir='$root' '$root/bench/micro_$name.py' --benchmark-only --benchmark-columns=median,rounds \
@@ -89,11 +90,13 @@ else
   record micro "SKIP(no pytest-benchmark)" 0
 fi
 
-step generation 60 python3 bench/bench_generation.py
+step generation 55 python3 bench/bench_generation.py
 # the engine on 4 layers of Qwen3-30B-A3B's shape against transformers' generate (grouped_mm experts), the decode
 # step against its active-expert roofline (bench/results/moe.csv)
 step moe 35 python3 bench/bench_moe.py --quick
 step multiturn 35 python3 bench/bench_multiturn.py --quick
+# the VLM engine row: 8 prompts x 8 samples of 112-px images (16 image tokens), 16 new tokens, shared vs per sample
+step vlm 30 python3 bench/bench_vlm.py --device cuda --prompts 8 --group 8 --side 112 --new 16
 if [ -f bench/bench_e2e_gpu.py ]; then
   step e2e 60 python3 bench/bench_e2e_gpu.py
 fi

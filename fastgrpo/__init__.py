@@ -9,8 +9,24 @@ rewards) starts without importing torch and Triton.
 """
 
 import importlib
+import os
+import sys
 
 __version__ = "0.1.0"
+
+
+def _drop_checkout_root() -> None:
+    """``python -m fastgrpo.<command>`` (plan, eval, export_merged, rollouts) run from a source checkout puts the
+    checkout's root first on sys.path, where its top-level kernels/ folder (installed as fastgrpo.kernels) shadows the
+    PyPI package ``kernels`` that transformers imports: drop that entry, as fastgrpo/train.py drops its own folder.
+    sys.argv[0] is "-m" only while the command's package is imported; a checkout's root holds setup.py and kernels/."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = all(os.path.isfile(os.path.join(root, *f)) for f in (("setup.py",), ("kernels", "__init__.py")))
+    if sys.argv[:1] == ["-m"] and checkout:
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+
+
+_drop_checkout_root()
 
 
 def __getattr__(name: str):

@@ -67,7 +67,7 @@ from fastgrpo.distributed import (
     unwrap_model,
 )
 from fastgrpo.models.lora import adapter_names, is_lora, read_adapter
-from fastgrpo.models.saving import save_model
+from fastgrpo.models.saving import module_keys, save_model
 from fastgrpo.precision import MasterAdamW
 
 CHECKPOINT_DIR = "checkpoints"
@@ -352,7 +352,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _read_weights(path: Path, inner: nn.Module) -> dict[str, torch.Tensor]:
     """The saved weights by ``inner``'s parameter names: the adapters' for a LoRA model, else the full model's."""
-    return read_adapter(path, inner) if is_lora(inner) else _read_safetensors(path)
+    return read_adapter(path, inner) if is_lora(inner) else module_keys(_read_safetensors(path), inner)
 
 
 def _complete_tied(sd: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:

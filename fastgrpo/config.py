@@ -87,7 +87,7 @@ class LoRAConfig:
     """Dropout on the adapters' input in training forwards only (never in generation or no-grad forwards): with
     dropout > 0 the training forward is not the sampler's distribution and the on-policy ratio is not 1."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Names of the linear modules to adapt (default: the attention and MLP projections)."""
+    """Names of the linear modules to adapt (default: attention and MLP projections; a VLM's text model only)."""
     use_rslora: bool = False
     """rsLoRA's scaling alpha / sqrt(r) instead of alpha / r."""
     path: str = ""
@@ -160,7 +160,7 @@ class VisionConfig:
     max_pixels: int = 1003520
     """Most pixels of an image after the processor's resize (Qwen2.5-VL's default: 28 x 28 x 1280)."""
     train_vision_tower: bool = False
-    """Train the vision tower too (default: frozen and run without gradient, as TRL and NeMo-RL's VLM GRPO do)."""
+    """Train the vision tower too (default: frozen, run without gradient; TRL and NeMo-RL train it: README)."""
 
     def __post_init__(self):
         _check_min("model.vision.min_pixels", self.min_pixels, 1)

@@ -329,6 +329,7 @@ def wrap_model(
     mp_policy=None,
     reshard_after_forward: bool = True,
     find_unused_parameters: bool = False,
+    whole: nn.Module | None = None,
 ) -> nn.Module:
     """Wrap ``model`` (already on ``state.device``) for data-parallel training.
 
@@ -343,6 +344,13 @@ def wrap_model(
       ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
       Every forward all-gathers, so all ranks must run the same number of forwards per step.
     - ``"none"``: the model unchanged.
+
+    ``whole``: a submodule that runs a data-dependent number of times per forward (a VLM's vision tower: once per
+    distinct image set of a micro-batch, so a rank without images never runs it): sharded block by block, its
+    all-gathers would not pair up between ranks. FSDP2 leaves its frozen parameters out (``ignored_params``:
+    replicated in their dtype, no collective, no master) and puts its trainable ones in the root's group (gathered
+    once per forward with the embeddings and the head, reduce-scattered with them: a forward that does not run it
+    must still give its trainable parameters a gradient, zero, as ``fastgrpo.models.vlm`` does).
 
     ``forward``: ``fn(model, *args, **kwargs)`` to run when the wrapped model is called, instead of
     ``model.forward`` (see :class:`ForwardWrapper`); the trainer passes its packed hidden-state forward and
@@ -361,7 +369,8 @@ def wrap_model(
             raise ValueError(f"model parameter {name} is on {p.device}, expected {state.device} "
                              f"(move the model before wrapping it)")
         break
-    layers = _decoder_layers(model)
+    inside = set(whole.modules()) if whole is not None else set()
+    layers = [m for m in _decoder_layers(model) if m not in inside]
     if forward is not None:
         model = ForwardWrapper(model, forward)
     if strategy == "none" or state.world_size == 1:
@@ -394,7 +403,8 @@ def wrap_model(
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, LM head) stays gathered from forward to backward: backward needs it at
     # once, and a fused loss reads the LM head weight outside the forward.
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    ignored = {p for m in inside for p in m.parameters(recurse=False) if not p.requires_grad}
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False}, ignored_params=ignored or None)
     return model
 
 

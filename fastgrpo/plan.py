@@ -53,6 +53,16 @@ and layer, each adapted projection saves its ``x·A`` (``c·r``) for backward an
 their normalised rows (``− 2·c·h``; the projections' inputs stay saved, by ``lora_A``), and the fused loss skips
 the frozen head's ``[V, H]`` gradient accumulator.
 
+A vision-language policy (:mod:`fastgrpo.models.vlm`: a tower of P_v parameters, blocks of width h_v, q = merge²
+patches of e pixel values per image token; v = ``data.max_prompt_tokens`` bounds a prompt's image tokens, however
+many images): a frozen tower (the default; always with LoRA) is ``c·P_v`` on every GPU (FSDP2 leaves it out:
+replicated, no collective) with no masters, optimizer state or gradients (P − P_v train); a trainable one trains
+like the rest (in FSDP2's root group). The update keeps every micro-batch's pixel values on the device and a frozen
+tower's output, ``S·v·(4·q·e + c·h)`` at most for the rank's S sequences of a rollout, and runs one no-grad tower
+pass over a prompt's patches (:func:`vision_pass_bytes`); a trainable tower's blocks save ``q·T·L_v·A_v`` (``A_v``:
+``A`` below for its shape; checkpointed ``q·T·(L_v·c·h_v + A_v)``). Generation keeps each prompt's tower output for
+the call (``c·v·h`` per prompt) and runs one tower pass.
+
 Activations of one micro-batch of T tokens (``train.max_tokens_per_microbatch``, at least the longest sequence:
 one sequence is never split). What the packed forward of a Qwen2 / Llama / Qwen3 decoder layer saves for backward,
 per token (h hidden, n_q / n_kv heads of d, I MLP width)::
@@ -94,194 +104,31 @@ A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.config import Config, ModelConfig, load_config, stage_settings
+from fastgrpo.config import Config, load_config, stage_settings
 from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
-from fastgrpo.kernels.linear_logprobs import FWD_CONFIGS, TORCH_CHUNK_N, TORCH_CHUNK_V
-from fastgrpo.kernels.utils import DEFAULT_NUM_SMS
-from fastgrpo.kernels.vocab_tiles import PROGRAMS_PER_SM
-from fastgrpo.models.moe import MoEShape, moe_shape
-from fastgrpo.models.vlm import TINY_VLM, VLM_MODEL_TYPES, add_vision_tokens, build_tiny_vlm, text_config
+from fastgrpo.models.vlm import image_token_range
+from fastgrpo.shapes import (
+    ModelShape,
+    activation_bytes,
+    judge_shapes,
+    layer_saved_bytes_per_token,
+    lora_params,
+    loss_workspace_bytes,
+    model_shape,
+    reward_model_shapes,
+    teacher_shape,
+    vision_pass_bytes,
+)
 
 GIB = 1 << 30
 RESERVED_FRACTION = 0.08  # of the GPU: CUDA context, caching-allocator fragmentation, cuBLAS / Triton workspaces
-PER_TOKEN_LOSS_BYTES = 48  # fp32 per-token vectors of the loss: log-probs, LSE, entropy, old log-probs, mask, ...
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
-# the fused loss's forward tile (tokens, vocabulary) in bf16 / fp16, its largest: it sets the vocabulary splits
-TRITON_LOSS_TILE = FWD_CONFIGS[2][0][:2]
-SPLIT_PROGRAMS = PROGRAMS_PER_SM * DEFAULT_NUM_SMS  # the forward's target program count on an H100 / H200
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a model: counts and dimensions (read from a meta-device instance)."""
-
-    params: int
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    qk_norm: bool
-    layer_params: int
-    """Parameters of one decoder layer (their mean when layers differ: an MoE model's dense layers)."""
-    moe: MoEShape | None = None
-    """A mixture-of-experts model's experts (None: dense)."""
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token's forward reads: all but the experts its router does not choose."""
-        return self.params - (self.moe.inactive_params(self.hidden) if self.moe else 0)
-
-    def frozen_bytes(self, c: int, nproc: int, fsdp: bool) -> int:
-        """A frozen copy in the compute dtype per GPU: whole, or (fsdp2) its shard, its root and two layers."""
-        root = self.params - self.layers * self.layer_params
-        return c * (self.params // nproc + root + 2 * self.layer_params) if fsdp else c * self.params
-
-    def forward_bytes(self, c: int, tokens: int) -> int:
-        """One packed no-grad forward over ``tokens`` tokens: one layer's working set and the final hidden state."""
-        qk = (self.heads + 2 * self.kv_heads) * self.head_dim
-        return tokens * c * (3 * self.hidden + qk + 3 * self.intermediate) + c * tokens * self.hidden
-
-
-def model_shape(cfg: Config) -> ModelShape:
-    """Build ``cfg.model`` on the meta device (no weights) and read its shape."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fastgrpo.models.loading import build_tiny_model, build_tiny_tokenizer
-
-    with torch.device("meta"):
-        if cfg.model.path == "tiny":
-            return shape_of(build_tiny_model(cfg.model, build_tiny_tokenizer()))
-        if cfg.model.path == TINY_VLM:
-            return shape_of(build_tiny_vlm(cfg.model, add_vision_tokens(build_tiny_tokenizer())))
-        hf = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        if hf.model_type in VLM_MODEL_TYPES:  # the vision tower's weights count; the text model's shape is read
-            from transformers import AutoModelForImageTextToText
-
-            return shape_of(AutoModelForImageTextToText.from_config(hf))
-        return shape_of(AutoModelForCausalLM.from_config(hf, trust_remote_code=cfg.model.trust_remote_code))
-
-
-def teacher_shape(cfg: Config) -> ModelShape:
-    """The distillation teacher's :class:`ModelShape`: ``distill.teacher_path``'s model when it exists, else the
-    model of ``distill.teacher_recipe`` (which would train it there)."""
-    from fastgrpo.algorithms.distill import teacher_dir, teacher_recipe_config
-
-    d = cfg.distill
-    path = teacher_dir(d.teacher_path)
-    if path is not None:
-        model = ModelConfig(path=str(path), dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
-    elif d.teacher_recipe:
-        model = teacher_recipe_config(d.teacher_recipe).model
-    else:
-        raise ValueError(f"distill.teacher_path {d.teacher_path!r} holds no model (config.json) to plan for")
-    return model_shape(dataclasses.replace(cfg, model=model))
-
-
-def judge_shapes(cfg: Config) -> list[ModelShape]:
-    """The :class:`ModelShape` of each of ``reward.judges`` (causal LMs, from their config.json)."""
-    return [model_shape(dataclasses.replace(cfg, model=ModelConfig(
-        path=j.path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code))) for j in cfg.reward.judges]
-
-
-def reward_model_shapes(cfg: Config) -> list[ModelShape]:
-    """The :class:`ModelShape` of each of ``reward.models`` (built on the meta device from its config.json)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    from fastgrpo.algorithms.reward_models import reward_model_dir
-
-    out = []
-    for spec in cfg.reward.models:
-        hf = AutoConfig.from_pretrained(reward_model_dir(spec.path), trust_remote_code=cfg.model.trust_remote_code)
-        with torch.device("meta"):
-            out.append(shape_of(AutoModelForSequenceClassification.from_config(
-                hf, trust_remote_code=cfg.model.trust_remote_code)))
-    return out
-
-
-def shape_of(model) -> ModelShape:
-    """The :class:`ModelShape` of a Hugging Face causal LM or sequence classifier (any device, meta included)."""
-    c = text_config(model)  # a VLM's language model
-    layer = model.get_decoder().layers[0]
-    heads = c.num_attention_heads
-    return ModelShape(
-        params=sum(p.numel() for p in model.parameters()), layers=c.num_hidden_layers, hidden=c.hidden_size,
-        heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate=c.intermediate_size,
-        vocab=c.vocab_size, qk_norm=hasattr(layer.self_attn, "q_norm"),
-        layer_params=sum(p.numel() for p in model.get_decoder().layers.parameters()) // c.num_hidden_layers,
-        moe=moe_shape(model))
-
-
-def lora_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
-    """``(in, out)`` features of each projection LoRA may target (``model.lora.target_modules``)."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden),
-            "gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
-            "down_proj": (s.intermediate, s.hidden)}
-
-
-def lora_params(s: ModelShape, cfg: Config) -> int:
-    """Adapter parameters of ``model.lora`` (0 without it): ``r · (in + out)`` per targeted projection and layer."""
-    lora = cfg.model.lora
-    if lora is None:
-        return 0
-    dims = lora_dims(s)
-    unknown = [t for t in lora.target_modules if t not in dims]
-    if unknown:
-        raise ValueError(f"model.lora.target_modules: the plan knows {sorted(dims)}, not {unknown}")
-    return s.layers * sum(lora.r * sum(dims[t]) for t in lora.target_modules)
-
-
-def layer_saved_bytes_per_token(s: ModelShape, c: int, moe_layer: bool = False) -> int:
-    """``A``: bytes one decoder layer's packed forward saves for backward, per token (module docstring); an MoE
-    layer's block saves ``MoEShape.saved_bytes_per_token`` in place of the dense MLP's ``4·c·I``."""
-    qk = (s.heads + s.kv_heads) * s.head_dim
-    qk_norm = (4 + c) * qk + 4 * (s.heads + s.kv_heads) if s.qk_norm else 0
-    mlp = s.moe.saved_bytes_per_token(c) if moe_layer else 4 * c * s.intermediate
-    return 2 * (4 * s.hidden + 4 + 2 * c * s.hidden) + qk_norm + c * 2 * qk + 4 * s.heads + mlp
-
-
-def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool, lora_per_layer: int = 0,
-                     router_logits: bool = False) -> int:
-    """Activations of one micro-batch of ``tokens`` tokens, at the start of its backward (module docstring);
-    ``lora_per_layer``: LoRA's change of a layer's bytes per token (module docstring). An MoE model's MoE layers
-    keep their block's bytes and the kernel's routing (``MoEShape``), and ``router_logits`` (the load-balancing
-    loss) each MoE layer's ``[T, E]`` router logits until the loss."""
-    m = s.moe
-    per_layer = layer_saved_bytes_per_token(s, c) + lora_per_layer
-    per_moe = 0 if m is None else layer_saved_bytes_per_token(s, c, True) + lora_per_layer + m.routing_bytes_per_token()
-    moe_layers = 0 if m is None else m.layers
-    once = 4 * s.hidden + 4 + 2 * c * s.hidden + 2 * c * s.head_dim + PER_TOKEN_LOSS_BYTES
-    once += c * m.experts * m.layers if m is not None and router_logits else 0
-    transient = max(c * (2 * s.intermediate + 2 * s.hidden), m.transient_bytes_per_token(c, s.hidden) if m else 0)
-    layers = (s.layers - moe_layers) * per_layer + moe_layers * per_moe
-    kept = s.layers * c * s.hidden + max(per_layer, per_moe) if checkpointing else layers
-    return tokens * (kept + once + transient)
-
-
-def loss_workspace_bytes(s: ModelShape, c: int, tokens: int, kernel: bool, frozen_head: bool = False) -> int:
-    """The fused loss's backward workspace (``kernel``: the Triton path; else the chunked torch path);
-    ``frozen_head`` (LoRA): no ``[V, H]`` gradient accumulator nor its cast."""
-    V, H = s.vocab, s.hidden
-    head = 0 if frozen_head else V
-    out = 4 * head * H + 4 * tokens * H + c * tokens * H + (c * (head + tokens) * H if c < 4 else 0)
-    if kernel:
-        block_n, block_v = TRITON_LOSS_TILE
-        n_tiles = math.ceil(tokens / block_n)
-        splits = min(math.ceil(V / block_v), max(1, math.ceil(SPLIT_PROGRAMS / n_tiles)))
-        return out + 16 * splits * tokens
-    rows, cols = min(tokens, TORCH_CHUNK_N), min(V, TORCH_CHUNK_V)
-    return out + 4 * (2 * rows * cols + rows * H)  # two reused chunk buffers and the fp32 chunk of h
 
 
 @dataclass
@@ -316,6 +163,12 @@ class MemoryPlan:
     kv_bytes_per_token: int
     seq_len: int
     batch: int
+    vision_tower: int = 0
+    """A frozen vision tower's weights (compute dtype, whole on every GPU; no master, state or gradient)."""
+    vision_train: int = 0
+    """The update's images (module docstring)."""
+    vision_generation: int = 0
+    """Generation's images (module docstring)."""
 
     @property
     def usable(self) -> int:
@@ -324,11 +177,11 @@ class MemoryPlan:
     @property
     def static(self) -> int:
         return (self.base_shard + self.masters + self.optimizer + self.gradients + self.reference + self.teacher
-                + self.reward_models)
+                + self.reward_models + self.vision_tower)
 
     @property
     def generation_base(self) -> int:
-        return self.static + self.weights + self.generation_workspace
+        return self.static + self.weights + self.generation_workspace + self.vision_generation
 
     @property
     def kv_cache(self) -> int:
@@ -348,7 +201,8 @@ class MemoryPlan:
 
     @property
     def training_peak(self) -> int:
-        return self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
+        return (self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
+                + self.vision_train)
 
     @property
     def scoring_peak(self) -> int:
@@ -383,7 +237,7 @@ class MemoryPlan:
                 f"{self.usable / GIB:.1f} GiB); cure: " + "; ".join(cures))
 
     def _training_cure(self) -> str:
-        room = self.usable - self.static - self.train_extra - self.loss_workspace
+        room = self.usable - self.static - self.train_extra - self.loss_workspace - self.vision_train
         per_token = self.activations / self.tokens
         options = []
         if not self.checkpointing:
@@ -417,6 +271,8 @@ class MemoryPlan:
             "per GPU:",
             row("weights (compute dtype)", self.weights, "gathered in generation" if t.strategy == "fsdp2" else ""),
             *([row("frozen base shard (LoRA)", self.base_shard)] if self.base_shard else []),
+            *([row("vision tower (frozen, compute dtype)", self.vision_tower, "whole on every GPU")]
+              if self.vision_tower else []),
             row("master weights (fp32)", self.masters),
             row("optimizer state (AdamW, fp32)", self.optimizer),
             row("gradients", self.gradients),
@@ -437,10 +293,14 @@ class MemoryPlan:
                 f"one micro-batch of {self.tokens} tokens"),
             row(f"activations ({other} checkpointing)", self.activations_other),
             row("loss workspace (fused linear loss)", self.loss_workspace),
+            *([row("images (update)", self.vision_train, "pixels, kept tower output, a tower pass")]
+              if s.vision else []),
         ]
         if self.batch:
             out += [
                 row("generation workspace", self.generation_workspace),
+                *([row("images (generation)", self.vision_generation, "kept tower output, a tower pass")]
+                  if s.vision else []),
                 row("KV cache the rest allows", self.kv_cache,
                     f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
                     f"{self.seq_len} (decoding batch {self.batch})"),
@@ -455,6 +315,12 @@ class MemoryPlan:
             host = self.batch * self.seq_len * s.moe.replay_bytes_per_token()
             out.append(f"  router replay record (host memory, per rank): {s.moe.replay_bytes_per_token()} B per token,"
                        f" {host / GIB:.3f} GiB for the decoding batch's {self.batch} sequences of {self.seq_len}")
+        if s.vision:
+            v = self.cfg.model.vision
+            lo, hi = image_token_range(v.min_pixels, v.max_pixels, s.vision.patch, s.vision.merge)
+            out.insert(1, f"images: {lo} to {hi} tokens each (model.vision.min_pixels {v.min_pixels}, max_pixels "
+                          f"{v.max_pixels}, after the {s.vision.merge} x {s.vision.merge} merge); a prompt's at "
+                          f"most data.max_prompt_tokens {self.cfg.data.max_prompt_tokens}")
         return [*out, row("training peak", self.training_peak), self.verdict()]
 
 
@@ -478,7 +344,9 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     c = ELEMENT_BYTES[cfg.model.dtype]
     p = lora_params(s, cfg)  # the adapters (LoRA): what trains; without LoRA every parameter trains
     P = s.params + p  # every weight the forward reads
-    trained = p if p else P
+    vs = s.vision  # a VLM's tower: frozen (compute dtype, whole on every GPU) unless trained without LoRA
+    frozen_tower = vs.params if vs is not None and (p or not cfg.model.vision.train_vision_tower) else 0
+    trained = p if p else P - frozen_tower
     fsdp = t.strategy == "fsdp2" and nproc > 1
     generates = cfg.algorithm in ("grpo", "distill")
     seq_len = longest_sequence(cfg) if generates else 1
@@ -486,9 +354,9 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     base_shard = 0
     if fsdp:
         masters, optimizer, gradients = 4 * trained // nproc, 8 * trained // nproc, 4 * trained // nproc
-        base_shard = c * s.params // nproc if p else 0  # a frozen base is sharded in the compute dtype
+        base_shard = c * (s.params - frozen_tower) // nproc if p else 0  # a frozen base: sharded, compute dtype
         layer = s.layer_params + p // s.layers
-        root = P - s.layers * layer
+        root = P - s.layers * layer - frozen_tower
         # a rank's share of one optimizer step in one micro-batch: nothing accumulates (module docstring)
         step_seqs = (t.sequences_per_optimizer_step or g.num_prompts_per_step * g.num_generations) // nproc
         single = generates and step_seqs * seq_len <= tokens
@@ -497,7 +365,7 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     else:
         masters = 0 if c == 4 else 4 * trained
         optimizer, gradients = 8 * trained, 4 * trained
-        train_extra = c * P + (c * trained if c < 4 else 0)  # the weights; the compute-dtype grads of a backward
+        train_extra = c * (P - frozen_tower) + (c * trained if c < 4 else 0)  # weights; compute-dtype grads
     per_rank_seqs = max(1, g.prompts_per_gen_batch * g.num_generations // nproc)  # one generation batch
     batch = min(r.max_batch_size, per_rank_seqs) if generates else 0
     # the engine prefills in packed chunks of PREFILL_CHUNK_TOKENS (a longer prompt, or a preempted sample's
@@ -522,9 +390,17 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     moe = cfg.model.moe
     aux = s.moe is not None and generates and (s.moe.aux_loss_coef if moe.router_aux_loss_coef is None
                                                else moe.router_aux_loss_coef) > 0  # GRPO's load-balancing loss
+    vision_train = vision_gen = 0
+    if vs is not None:  # v: a prompt's image tokens at most; a micro-batch's at most its T tokens (module docstring)
+        v, q, a = cfg.data.max_prompt_tokens, vs.merge**2, layer_saved_bytes_per_token(vs, c)
+        seqs = max(1, g.num_prompts_per_step * g.num_generations // nproc)
+        vision_train = seqs * v * (4 * vs.patch_values * q + (c * s.hidden if frozen_tower else 0))
+        vision_train += vision_pass_bytes(s, c, v) + (0 if frozen_tower else q * tokens * (
+            vs.layers * c * vs.hidden + a if ckpt else vs.layers * a))
+        vision_gen = math.ceil(g.prompts_per_gen_batch / nproc) * c * v * s.hidden + vision_pass_bytes(s, c, v)
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
-        weights=c * P, base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
+        weights=c * (P - frozen_tower), base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
         gradients=gradients, reference=c * P if needs_ref else 0, teacher=teacher_bytes, teacher_hidden=teacher_hidden,
         reward_models=sum(m.frozen_bytes(c, nproc, fsdp) for m in rms) + sum(j.frozen_bytes(c, nproc, False)
                                                                              for j in js),
@@ -533,7 +409,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         activations_other=activation_bytes(s, c, tokens, not ckpt, lora_act, aux),
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss, frozen_head=bool(p)),
         generation_workspace=gen_ws,
-        kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch)
+        kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch,
+        vision_tower=c * frozen_tower, vision_train=vision_train, vision_generation=vision_gen if generates else 0)
 
 
 def longest_sequence(cfg: Config) -> int:

@@ -43,6 +43,7 @@ from fastgrpo.models.loading import (
     set_cpu_threads,
 )
 from fastgrpo.models.lora import BASE_DIR
+from fastgrpo.models.vlm import data_dependent_module
 from fastgrpo.plan import check_fits
 from fastgrpo.precision import make_optimizer
 
@@ -124,7 +125,8 @@ class Trainer:
         model.eval()  # generation and no-grad forwards; the updates switch to train() (fastgrpo.precision)
         if cfg.train.activation_checkpointing:
             enable_activation_checkpointing(model)
-        wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward))
+        wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward),
+                             whole=data_dependent_module(model))  # a VLM's tower: not sharded block by block
         self.numerics = contextlib.ExitStack()  # numerics.batch_invariant: its ops registered until close()
         if cfg.numerics.batch_invariant:
             self.numerics.enter_context(enable_batch_invariant(model, ATTN_IMPLEMENTATION))

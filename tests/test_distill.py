@@ -20,7 +20,8 @@ from fastgrpo.config import load_config, stage_settings
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.metrics import read_jsonl
 from fastgrpo.models.loading import build_tiny_tokenizer, load_model
-from fastgrpo.plan import memory_plan, model_shape, teacher_shape
+from fastgrpo.plan import memory_plan
+from fastgrpo.shapes import model_shape, teacher_shape
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

@@ -21,6 +21,7 @@ from fastgrpo.algorithms.update import PolicyUpdate
 from fastgrpo.config import load_config
 from fastgrpo.distributed import init_distributed, wrap_model
 from fastgrpo.models.loading import enable_activation_checkpointing, load_model
+from fastgrpo.models.vlm import data_dependent_module
 from fastgrpo.precision import MasterAdamW, make_optimizer
 
 
@@ -231,7 +232,7 @@ def run_update(cfg, samples, state, *, seed=0, strategy="ddp", lr=1.0):
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    wrapped = wrap_model(model, state, strategy, forward=packed_forward)
+    wrapped = wrap_model(model, state, strategy, forward=packed_forward, whole=data_dependent_module(model))
     opt = torch.optim.SGD(wrapped.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = PolicyUpdate(cfg, wrapped, opt, sched, None, state.device, state.world_size).run(

@@ -25,7 +25,8 @@ from test_train import train  # SMALL sizes, one torchrun
 from fastgrpo.algorithms.advantages import ADV_EPS
 from fastgrpo.config import load_config, stage_settings
 from fastgrpo.metrics import read_jsonl
-from fastgrpo.plan import memory_plan, model_shape
+from fastgrpo.plan import memory_plan
+from fastgrpo.shapes import model_shape
 
 REPO = "NVIDIA-NeMo/RL@7ea279a"
 BASE = "examples/configs/grpo_math_1B.yaml"

@@ -17,7 +17,8 @@ from checks import assert_departure, assert_published
 from fastgrpo.kernels.names import LOSS_REDUCTION
 
 from fastgrpo.config import load_config, stage_settings
-from fastgrpo.plan import memory_plan, model_shape, teacher_shape
+from fastgrpo.plan import memory_plan
+from fastgrpo.shapes import model_shape, teacher_shape
 
 REPO = "NVIDIA-NeMo/RL"
 RECIPE = "examples/configs/distillation_math.yaml@0352cb7"

@@ -17,7 +17,8 @@ import pytest
 from checks import assert_departure, assert_published
 
 from fastgrpo.config import load_config
-from fastgrpo.plan import memory_plan, model_shape
+from fastgrpo.plan import memory_plan
+from fastgrpo.shapes import model_shape
 
 REPO = "NVIDIA-NeMo/RL@7ea279a"
 RECIPE = "examples/configs/recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml"

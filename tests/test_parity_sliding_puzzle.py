@@ -30,7 +30,8 @@ from fastgrpo.data.puzzle_boards import optimal_moves, solved
 from fastgrpo.data.synthetic import PUZZLE_PROMPT, synthetic_rows
 from fastgrpo.environments.sliding_puzzle import SlidingPuzzle, parse_action
 from fastgrpo.metrics import read_jsonl
-from fastgrpo.plan import memory_plan, model_shape
+from fastgrpo.plan import memory_plan
+from fastgrpo.shapes import model_shape
 
 REPO = "NVIDIA-NeMo/RL@7ea279a"
 BASE = "examples/configs/grpo_math_1B.yaml"

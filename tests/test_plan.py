@@ -23,7 +23,8 @@ from fastgrpo.kernels.varlen_attention import varlen_attention_unchecked
 from fastgrpo.config import load_config
 from fastgrpo.models import attention
 from fastgrpo.models.packing import pack
-from fastgrpo.plan import layer_saved_bytes_per_token, main, memory_plan, model_shape, shape_of
+from fastgrpo.plan import main, memory_plan
+from fastgrpo.shapes import layer_saved_bytes_per_token, model_shape, shape_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import peak_extra_bytes  # noqa: E402
@@ -290,7 +291,7 @@ def test_lora_params_and_saved_bytes_match_peft_and_autograd(monkeypatch, dtype)
     import peft
 
     from fastgrpo.config import LORA_TARGETS
-    from fastgrpo.plan import lora_params
+    from fastgrpo.shapes import lora_params
 
     monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
     r = 8

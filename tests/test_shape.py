@@ -34,6 +34,7 @@ RANKS = {
     "train": 10,
     "trainer": 9,
     "plan": 8,
+    "shapes": 7.5,
     "eval": 8,
     "export_merged": 8,
     "rollouts": 8,

@@ -72,21 +72,21 @@ def vlm_prompts(specs, seed):
 def hf_kwargs(model, out, ids):
     kw = dict(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).long())
     if "pixel_values" in out:
-        kw.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+        kw.update(pixel_values=out["pixel_values"].to(ids.device), image_grid_thw=out["image_grid_thw"].to(ids.device))
     return kw
 
 
 def hf_logprobs(model, out, prompt, completion, temperature):
     """Teacher-forced log-probs of ``completion`` (its last token is never an input: it may be the image token)."""
-    ids = torch.tensor([prompt + completion[:-1]])
+    ids = torch.tensor([prompt + completion[:-1]], device=model.device)
     with torch.no_grad():
-        logits = model(**hf_kwargs(model, out, ids)).logits[0, len(prompt) - 1 :].float()  # [len(completion), V]
+        logits = model(**hf_kwargs(model, out, ids)).logits[0, len(prompt) - 1 :].float().cpu()  # [len(completion), V]
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
 def hf_greedy_vlm(model, out, prompt, max_new_tokens, stops):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     gen = model.generate(**hf_kwargs(model, out, ids), attention_mask=torch.ones_like(ids), do_sample=False,
                          max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=0, output_logits=True,
                          return_dict_in_generate=True)
@@ -192,6 +192,37 @@ def test_preempted_samples_recompute_with_images():
         for c in comps:
             torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, o, prompt, c.token_ids, 1.0),
                                        atol=LOGPROB_ATOL, rtol=0)
+
+
+def check_device_path(model, seed: int):
+    """Greedy equals HF ``generate`` with the images, sampled log-probs equal HF's teacher-forced forward (fp32), the
+    tower once per prompt: the engine on ``model``'s device with its defaults there."""
+    outs, inputs = vlm_prompts([1, 2, 0, 1], seed=seed)
+    prompts, images = [p for p, _ in inputs], [im for _, im in inputs]
+    stops = (model.config.image_token_id,)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=8)
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=16, stop_token_ids=stops),
+                             images=images)
+    assert engine.last_stats["vision_tower_calls"] == 3
+    for o, p, comps in zip(outs, prompts, greedy):
+        want = hf_greedy_vlm(model, o, p, 16, list(stops))
+        assert all(c.token_ids == want for c in comps)
+    sampled = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=seed,
+                                                      stop_token_ids=stops), images=images)
+    for o, p, comps in zip(outs, prompts, sampled):
+        for c in comps:
+            torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, o, p, c.token_ids, 1.0),
+                                       atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_with_images_matches_hf():
+    """The CUDA path: the tower and the M-RoPE prefill on the GPU, compiled elementwise ops, the decode step captured
+    in CUDA graphs with each row's ``rope_delta`` read inside them (fp32, TF32 off)."""
+    import copy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_device_path(copy.deepcopy(tiny_vlm(1)).cuda(), seed=2)
 
 
 def test_image_inputs_are_checked():

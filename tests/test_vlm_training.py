@@ -25,11 +25,11 @@ from test_vlm_generation import processor, tiny_vlm, vlm_prompts
 
 from fastgrpo.algorithms.batch import Sample, make_microbatch
 from fastgrpo.algorithms.forward import packed_forward
-from fastgrpo.config import DataConfig
+from fastgrpo.config import DataConfig, ModelConfig
 from fastgrpo.data.images import vlm_prompt
 from fastgrpo.data.prompts import build_dataset, read_rows
 from fastgrpo.models.attention import enable_packed_attention
-from fastgrpo.models.vlm import ImagePrompt, check_vision_model, mrope_positions, vision_tower
+from fastgrpo.models.vlm import ImagePrompt, build_tiny_vlm, check_vision_model, mrope_positions, vision_tower
 
 
 @settings(max_examples=25)
@@ -53,6 +53,15 @@ def test_mrope_positions_equal_hf_get_rope_index(pieces, tail, sampled):
     assert torch.equal(pos[:, : len(ids)], want[:, 0]) and delta == int(want_delta)
     # sampled tokens continue as text from the prompt's largest position (HF's decode: cache index + rope_deltas)
     assert torch.equal(pos[:, len(ids) :], (torch.arange(len(ids), len(ids) + sampled) + delta).expand(3, -1))
+
+
+def tiny_vlm_copy(seed: int):
+    """A fresh tiny VLM (``tiny_vlm``'s sizes) a test may change, with the packed attention."""
+    model = build_tiny_vlm(ModelConfig(path="tiny-vlm", tiny_hidden_size=32, tiny_num_heads=4, tiny_num_kv_heads=2,
+                                       tiny_intermediate_size=64, tiny_initializer_range=0.3),
+                           processor().tokenizer, seed=seed).eval()
+    enable_packed_attention(model)
+    return model
 
 
 def image_prompt(model, out):
@@ -127,6 +136,44 @@ def test_frozen_tower_runs_once_and_gets_no_gradient():
         vision_tower(model).requires_grad_(False)
 
 
+def test_a_reference_copy_runs_its_own_tower():
+    """GRPO's reference model (a frozen copy, beta > 0) runs its pass before the policy's: its tower's output is kept
+    for its own later passes, never handed to the policy's tower. A trainable policy tower runs with its gradient
+    after the reference's pass; a frozen one runs once too, on its own weights (here perturbed from the copy's)."""
+    import copy
+
+    policy = tiny_vlm_copy(4)
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    outs, _ = vlm_prompts([1, 2], seed=6)
+    samples = [Sample(image_prompt(policy, o), [5, 6], [0.0] * 2, 1.0) for o in outs]
+    with torch.no_grad():
+        for p in vision_tower(policy).parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    for train in (True, False):
+        vision_tower(policy).requires_grad_(train)
+        policy.zero_grad(set_to_none=True)
+        mb = make_microbatch(samples, torch.device("cpu"))
+        ref_calls, policy_calls = [], []
+        hooks = [vision_tower(ref).register_forward_hook(lambda *a, c=ref_calls: c.append(1)),
+                 vision_tower(policy).register_forward_hook(lambda *a, c=policy_calls: c.append(1))]
+        try:
+            hidden = {}
+            for name, m in (("ref", ref), ("policy", policy), ("policy_again", policy)):
+                with torch.enable_grad() if name == "policy" else torch.no_grad():
+                    hidden[name], weight, _ = packed_forward(m, mb.batch.input_ids, mb.batch.position_ids,
+                                                             mb.batch.cu_seqlens, mb.batch.max_seqlen,
+                                                             vision=mb.vision)
+        finally:
+            for h in hooks:
+                h.remove()
+        hidden["policy"].sum().backward()
+        grads = [p.grad for p in vision_tower(policy).parameters()]
+        assert len(ref_calls) == 2  # two image sets, once
+        assert len(policy_calls) == (4 if train else 2)  # trainable: every pass; frozen: once, then its own output
+        assert all(g is not None and g.abs().sum() > 0 for g in grads) if train else all(g is None for g in grads)
+        assert not torch.equal(hidden["ref"], hidden["policy"].detach())  # the policy's own (perturbed) tower
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -198,7 +245,7 @@ def test_unsupported_vision_model_type_is_refused_by_name():
 
 def test_vlm_tiny_recipe_trains_end_to_end(tmp_path):
     """The vlm-tiny recipe, shrunk: warm-up, rollouts with images, the packed update, validation, a checkpoint; the
-    policy's language model moves and the frozen tower does not."""
+    policy's language model moves and the frozen tower does not; the checkpoint loads back into a fresh model."""
     from fastgrpo.config import load_config
     from fastgrpo.trainer import Trainer
 
@@ -214,3 +261,11 @@ def test_vlm_tiny_recipe_trains_end_to_end(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(lm0, trainer.model.model.language_model.parameters()))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/accuracy" in r for r in rows) and any("loss" in r for r in rows)
+    # the checkpoint resumes: save_pretrained wrote Qwen2.5-VL's original names (visual.*, model.*), mapped back
+    from fastgrpo.checkpoint import latest_checkpoint, load_checkpoint
+    from fastgrpo.models.loading import load_model
+
+    fresh, _ = load_model(cfg.model, torch.device("cpu"), seed=1)
+    load_checkpoint(latest_checkpoint(tmp_path), model=fresh, restore_rng=False)
+    want = trainer.model.state_dict()
+    assert all(torch.equal(t, want[k]) for k, t in fresh.state_dict().items())

@@ -107,10 +107,10 @@ from fastgrpo.engine.forward import LM_HEAD_CHUNK, ModelForward
 from fastgrpo.engine.loop import CallSettings, Run
 from fastgrpo.engine.runner import PREFILL_CHUNK_TOKENS
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult
-from fastgrpo.engine.vision import CallVision
+from fastgrpo.engine.vision import CallVision, prompt_images
 from fastgrpo.models.batch_invariant import check_model
 from fastgrpo.models.lora import check_modules, unwrap_peft
-from fastgrpo.models.vlm import VLM_MODEL_TYPES, ImageInputs, ImagePrompt, is_vlm, text_config, text_decoder
+from fastgrpo.models.vlm import VLM_MODEL_TYPES, ImageInputs, is_vlm, text_config, text_decoder
 
 __all__ = [
     "GenerationEngine", "SamplingParams", "Completion", "TurnHandler", "TurnResult", "PREFILL_CHUNK_TOKENS",
@@ -293,8 +293,7 @@ class GenerationEngine:
         a group while the others still decode. ``completions`` is the same list the return value holds.
         """
         self._check_call(params, on_group_done, turns)
-        if images is None and any(isinstance(p, ImagePrompt) for p in prompt_token_ids):  # the data layer's prompts
-            images = [p.images if isinstance(p, ImagePrompt) else None for p in prompt_token_ids]
+        images = prompt_images(prompt_token_ids, images)  # given, or those the data layer's prompts carry
         prompts = self._check_prompts(prompt_token_ids, params)
         self._check_images(images, len(prompts), turns)
         if not prompts:

@@ -43,7 +43,9 @@ samples' tokens, O(tokens of the in-flight samples).
 **Limits.** The weights must be updated in place (one process, DDP): under FSDP2 the engine reads gathered full
 weights that do not outlive one ``full_weights`` block, so a session there would read freed storage (not supported).
 Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
-``generate``.
+``generate``. A vision-language model's prompts carry their images (``add(prompts, images=)``,
+``fastgrpo.engine.vision``: the tower once per prompt, its output kept while the group is in flight); images are
+single-turn, as in ``generate``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from contextlib import contextmanager
 
 from fastgrpo.engine.loop import Run
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler
+from fastgrpo.engine.vision import CallVision, prompt_images
+from fastgrpo.models.vlm import ImageInputs, is_vlm
 
 RUN_COUNTS = ("decode_steps", "active_row_steps", "prefill_tokens", "resume_prefill_tokens", "re_prefill_tokens",
               "preemptions", "evictions")
@@ -91,8 +95,10 @@ class GenerationSession:
         settings = engine._call_settings(params, self._device, self._dtype, max_context)
         with self._calling():
             cos_TD, sin_TD = engine.forward.rope_tables(max_end, self._device, self._dtype)
+            # a VLM's prompts' images (fastgrpo.engine.vision): the tower once per prompt, M-RoPE in prefill
+            self._vision = CallVision(engine.model, [], [], cos_TD, sin_TD) if is_vlm(engine.model) else None
             self._run = Run(engine.forward, settings, [], params, [], turns, engine.tokenizer, cos_TD, sin_TD,
-                            max_end=max_end)
+                            max_end=max_end, vision=self._vision)
             self._run.open(self._group_done)
             self._run.conversations.version = self.version
         self._steps = self._run.steps()
@@ -106,6 +112,8 @@ class GenerationSession:
 
     def _group_done(self, key: int, completions: list[Completion]) -> None:
         self._finished.append((key, completions))
+        if self._vision is not None:  # no sequence of it is prefilled again
+            self._vision.release(key)
         if self._user_done is not None:
             self._user_done(key, completions)
 
@@ -118,13 +126,22 @@ class GenerationSession:
         """Groups added and not yet returned by :meth:`run`."""
         return self._added - self._returned
 
-    def add(self, prompt_token_ids: Sequence[Sequence[int]]) -> list[int]:
+    def add(self, prompt_token_ids: Sequence[Sequence[int]], images: Sequence[ImageInputs | None] | None = None
+            ) -> list[int]:
         """Queue ``params.n`` samples of each prompt behind the waiting ones; returns their keys (consecutive, from
-        the number of prompts added before)."""
+        the number of prompts added before). ``images``: each prompt's images, as for ``generate`` (default: those
+        the prompts carry, ``fastgrpo.models.vlm.ImagePrompt``); single-turn only."""
         self._check_open("add")
+        images = prompt_images(prompt_token_ids, images)
         prompts = self.engine._check_prompts(prompt_token_ids, self.params)
+        self.engine._check_images(images, len(prompts), self.turns)
+        images = list(images or [None] * len(prompts))
+        if self._vision is not None:  # checked before the run takes them, added after (both or neither)
+            self._vision.check(prompts, images, self._added)
         context = self.params.context(self.engine.max_positions)
         self._run.add(prompts, [self.params.response_limit(len(p), context) for p in prompts])
+        if self._vision is not None:
+            self._vision.add(prompts, images, self._added)
         first, self._added = self._added, self._added + len(prompts)
         return list(range(first, self._added))
 
@@ -156,6 +173,8 @@ class GenerationSession:
             self._run.runner.weights_changed()
             if recompute_kv:
                 self._run.drop_caches()
+                if self._vision is not None:
+                    self._vision.forget_embeddings()
         return self.version
 
     def close(self) -> None:

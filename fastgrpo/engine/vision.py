@@ -19,6 +19,11 @@ One call's images (:class:`CallVision`, made by ``GenerationEngine.generate(...,
 - **Decode** is text only: each row's rotary position is its cache position plus its prompt's ``rope_delta``
   (``RowState.rope``), an offset per row, so the decode step (and its CUDA graphs) stays one gather of the tables.
 
+In a session (``fastgrpo.engine.session``) the prompts come in over time (:meth:`CallVision.add`); a prompt's
+embeddings and positions are freed when its group finishes (:meth:`CallVision.release`), so the session holds those
+of its in-flight prompts only, and ``update(recompute_kv=True)`` recomputes them with the K/V
+(:meth:`CallVision.forget_embeddings`).
+
 Tensor names carry their shape: N packed tokens, H hidden, D head dim, I images, L a prompt's tokens.
 """
 
@@ -28,12 +33,21 @@ import torch
 
 from fastgrpo.models.vlm import (
     ImageInputs,
+    ImagePrompt,
     image_embeddings,
     image_token_id,
     image_tokens,
     rope_positions,
     text_decoder,
 )
+
+
+def prompt_images(prompt_token_ids, images):
+    """The images a ``generate`` call or a session's ``add`` runs with: ``images`` as given, else those the prompts
+    carry (:class:`fastgrpo.models.vlm.ImagePrompt`, the data layer's), else None (text)."""
+    if images is None and any(isinstance(p, ImagePrompt) for p in prompt_token_ids):
+        return [p.images if isinstance(p, ImagePrompt) else None for p in prompt_token_ids]
+    return images
 
 
 class CallVision:
@@ -45,12 +59,12 @@ class CallVision:
     def __init__(self, model, prompts: list[list[int]], images: list[ImageInputs | None], cos_TD: torch.Tensor,
                  sin_TD: torch.Tensor):
         self.model = model
-        self.images = list(images)
+        self.images: list[ImageInputs | None] = []
         self.cos_TD, self.sin_TD = cos_TD, sin_TD
         self.tower_calls = 0  # vision-tower runs (one per prompt with images, per call)
         self.image_tokens = 0  # image tokens the tower produced
         self.embeds: dict[int, torch.Tensor] = {}  # prompt -> [image tokens, H]
-        self.positions: list[torch.Tensor] = []  # per prompt [3, L]
+        self.positions: list[torch.Tensor | None] = []  # per prompt [3, L] (None: released)
         self.deltas: list[int] = []
         self.image_id = image_token_id(model)
         rotary = text_decoder(model).rotary_emb
@@ -62,8 +76,8 @@ class CallVision:
             raise ValueError(f"model: mrope_section {sections} does not cover the head dim {cos_TD.shape[1]}")
         self.add(prompts, images, 0)
 
-    def add(self, prompts: list[list[int]], images: list[ImageInputs | None], first: int) -> None:
-        """Check the images of prompts ``first, first + 1, ...`` and compute their M-RoPE positions."""
+    def check(self, prompts: list[list[int]], images: list[ImageInputs | None], first: int) -> None:
+        """Raise ``ValueError`` naming prompt ``first + i`` when its image tokens are not as many as its images make."""
         merge = self.model.config.vision_config.spatial_merge_size
         for i, (p, im) in enumerate(zip(prompts, images)):
             have = sum(t == self.image_id for t in p)
@@ -71,9 +85,27 @@ class CallVision:
             if have != want:
                 raise ValueError(f"prompt {first + i} has {have} image tokens but its images make {want} "
                                  f"(grid_thw {None if im is None else im.grid_thw.tolist()})")
+
+    def add(self, prompts: list[list[int]], images: list[ImageInputs | None], first: int) -> None:
+        """Check the images of prompts ``first, first + 1, ...`` (a session's next ones) and compute their M-RoPE
+        positions; nothing is added when a check fails."""
+        self.check(prompts, images, first)
+        self.images += images
+        for p, im in zip(prompts, images):
             pos_3L, delta = rope_positions(self.model, p, None if im is None else im.grid_thw)
             self.positions.append(pos_3L.to(self.cos_TD.device))
             self.deltas.append(delta)
+
+    def release(self, p: int) -> None:
+        """Prompt ``p``'s group has finished (a session): no sequence of it is prefilled again; free its kept
+        embeddings and positions."""
+        self.embeds.pop(p, None)
+        self.positions[p] = None
+
+    def forget_embeddings(self) -> None:
+        """The weights changed and every K/V is recomputed (``GenerationSession.update(recompute_kv=True)``): the
+        kept tower outputs are recomputed too (a trainable tower changed with them)."""
+        self.embeds.clear()
 
     def stats(self) -> dict:
         return dict(vision_tower_calls=self.tower_calls, vision_image_tokens=self.image_tokens)

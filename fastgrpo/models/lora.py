@@ -22,6 +22,9 @@ fine-tune's weights (:class:`fastgrpo.precision.MasterAdamW`: fp32 masters and A
 - **Refused** at start-up (the unmerged path computes exactly the vanilla update above): DoRA, ``bias`` other than
   "none", ``lora_bias``, ``modules_to_save``, trainable tokens, and the LM head or the embeddings as targets (the
   fused losses read the head's weight directly). rsLoRA is supported (it only changes ``s``).
+- **Vision-language models** (``fastgrpo.models.vlm``): the targets are the language model's projections only; the
+  vision tower (whose MLPs are named ``gate_proj`` / ``up_proj`` / ``down_proj`` too) is excluded
+  (:func:`vision_exclusion`) and stays frozen, and an adapter file that adapts it is refused.
 
 Memory (P base parameters, c bytes of the compute dtype, p adapter parameters): ``c · P`` for the base (no master,
 no AdamW state, no gradient) and ``(c + 4 + 8 + 4) · p`` for the adapters (weight, master, AdamW m and v, fp32
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from fastgrpo.config import LORA_REFUSED_TARGETS, LoRAConfig
+from fastgrpo.models.vlm import tower_prefix
 
 ADAPTER = "default"  # PEFT's adapter name: the only adapter fastgrpo makes
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -52,12 +57,22 @@ PEFT_PREFIX = "base_model.model."  # PeftModel's name of the wrapped model in it
 BASE_DIR = "base"  # <run dir>/base: the built-in tiny model's base, saved once for base_model_name_or_path
 
 
-def peft_lora_config(cfg: LoRAConfig):
-    """The ``peft.LoraConfig`` of ``model.lora`` (task CAUSAL_LM, bias none, vanilla LoRA)."""
+def peft_lora_config(cfg: LoRAConfig, exclude: str | None = None):
+    """The ``peft.LoraConfig`` of ``model.lora`` (task CAUSAL_LM, bias none, vanilla LoRA); ``exclude``: PEFT's
+    ``exclude_modules`` regex (a VLM's vision tower: :func:`vision_exclusion`)."""
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
-                      use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM")
+                      use_rslora=cfg.use_rslora, bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
+
+
+def vision_exclusion(model: nn.Module) -> str | None:
+    """For a vision-language model, a regex (PEFT's ``exclude_modules``, matched in full against module names) for
+    every module of its vision tower, so that LoRA adapts the language model's projections only: the default targets
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` name the tower's MLPs too (Qwen2.5-VL: ``model.visual.blocks.*.mlp``),
+    and the engine reads adapters of the language model alone. None for a causal LM."""
+    prefix = tower_prefix(model)
+    return None if prefix is None else re.escape(prefix) + r"(\..*)?"
 
 
 def check_peft_config(pc, where: str) -> None:
@@ -98,7 +113,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, base_path: str) -> nn.Module:
         peft = PeftModel.from_pretrained(model, cfg.path, adapter_name=ADAPTER, is_trainable=True,
                                          autocast_adapter_dtype=False)
     else:
-        pc = peft_lora_config(cfg)
+        pc = peft_lora_config(cfg, vision_exclusion(model))
         check_peft_config(pc, "model.lora")
         peft = get_peft_model(model, pc, adapter_name=ADAPTER, autocast_adapter_dtype=False)
     peft.peft_config[ADAPTER].base_model_name_or_path = base_path  # what the saved adapter_config.json names
@@ -130,10 +145,14 @@ def _lora_layers(model: nn.Module):
 
 def check_modules(model: nn.Module) -> None:
     """Refuse adapters the unmerged engine does not compute: anything but vanilla LoRA on ``nn.Linear``, a LoRA
-    layer on the LM head or the embedding, a bias on B."""
+    layer on the LM head or the embedding, a bias on B, a LoRA layer in a VLM's vision tower."""
     if "peft" not in sys.modules:
         return
+    tower = tower_prefix(unwrap_peft(model))
     for name, m in _lora_layers(model):
+        if tower is not None and f".{tower}." in f".{name}":
+            raise ValueError(f"model: the LoRA layer {name} adapts the vision tower ({tower}): LoRA adapts the "
+                             "language model's projections only")
         if any(name.split(".")[-1] == r for r in LORA_REFUSED_TARGETS):
             raise ValueError(f"model: the LoRA layer {name} adapts the LM head or the embedding: not supported")
         if not isinstance(m.get_base_layer(), nn.Linear):

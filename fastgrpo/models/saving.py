@@ -1,6 +1,10 @@
 """Writing a model's weights in Hugging Face format: ``save_pretrained`` for an HF model, PEFT's adapter files for a
 LoRA model, ``model.safetensors`` alone for a plain module. Used by checkpoints (:mod:`fastgrpo.checkpoint`) and by
-the tiny model's LoRA base (:func:`fastgrpo.models.loading.load_model`)."""
+the tiny model's LoRA base (:func:`fastgrpo.models.loading.load_model`).
+
+``save_pretrained`` writes some models' weights under their original checkpoints' names, which are not the modules'
+(Qwen2.5-VL: ``model.visual.*`` as ``visual.*``, ``model.language_model.*`` as ``model.*``), so that vLLM and older
+transformers read the files; :func:`module_keys` maps such names back when a checkpoint is resumed."""
 
 from __future__ import annotations
 
@@ -47,3 +51,19 @@ def save_model(model: nn.Module, out: Path, sd: dict | None, dtype: torch.dtype 
     # safetensors refuses tensors that share memory: copies (a plain module is small; HF models take the path above)
     safetensors.torch.save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()},
                                 str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def module_keys(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``sd`` (weights as ``save_pretrained`` wrote them) keyed by ``model``'s own parameter names: transformers'
+    renaming on save (``revert_weight_conversion``) applied to the model's state dict gives each file name's
+    parameter. Renamings only: a key no parameter renames to stays as it is (a merging converter's, or a plain
+    module's)."""
+    inner = unwrap_model(model)
+    if not hasattr(inner, "save_pretrained"):
+        return sd
+    from transformers.core_model_loading import revert_weight_conversion
+
+    own = inner.state_dict()
+    name_of = {id(t): n for n, t in own.items()}
+    renamed = {k: name_of[id(t)] for k, t in revert_weight_conversion(inner, dict(own)).items() if id(t) in name_of}
+    return {renamed.get(k, k): v for k, v in sd.items()}

@@ -132,9 +132,10 @@ class PackedVision:
     """The images of a packed micro-batch's sequences: each distinct prompt's images once, and where their tokens go.
 
     ``position_ids [3, N]``: M-RoPE positions per token (text-only sequences: their 1-D positions three times).
-    ``embeds``: the tower's output per distinct image set, ``[tokens_k, H]`` each, kept after the first forward when
-    the tower is frozen, so the old-policy, reference and policy passes of one step run it once (exact: the same
-    frozen weights and inputs)."""
+    ``embeds``: the output of ``tower`` per distinct image set, ``[tokens_k, H]`` each, kept after the first forward
+    when that tower is frozen, so the old-policy and policy passes of one step run it once, and the reference pass too
+    with LoRA (the policy with its adapters disabled: the same tower, which LoRA never adapts). Exact: the same frozen
+    module and inputs. Another model's tower (a reference copy, a teacher), or a trainable one, computes its own."""
 
     pixel_values: list[torch.Tensor]  # per distinct image set [patches_k, C · T · P · P]
     grid_thw: list[torch.Tensor]  # per distinct image set [I_k, 3]
@@ -142,6 +143,7 @@ class PackedVision:
     image_rows: torch.Tensor  # [n] int64: the packed rows of the image tokens, in order
     position_ids: torch.Tensor  # [3, N] int64
     embeds: list[torch.Tensor] | None = None
+    tower: torch.nn.Module | None = None  # the frozen tower whose output ``embeds`` holds
 
     def to(self, device) -> PackedVision:
         return PackedVision([p.to(device) for p in self.pixel_values], [g.to(device) for g in self.grid_thw],
@@ -183,20 +185,24 @@ def packed_vlm_hidden_states(model, input_ids_N: torch.Tensor, cu_seqlens: torch
                              vision: PackedVision) -> torch.Tensor:
     """Final hidden states ``[N, H]`` of a packed VLM micro-batch: the token embeddings with the image tokens' rows
     from the vision tower (once per distinct image set; without gradient when the tower is frozen, and then kept in
-    ``vision.embeds`` for the step's other passes), then the language model on one row with the 3-D positions
-    ``[3, 1, N]`` and ``cu_seqlens`` through the ``fastgrpo_varlen`` attention (each sequence attends to itself)."""
-    lm = text_decoder(model)
-    embeds = vision.embeds
+    ``vision.embeds`` for the step's other passes through the same tower), then the language model on one row with
+    the 3-D positions ``[3, 1, N]`` and ``cu_seqlens`` through the ``fastgrpo_varlen`` attention (each sequence
+    attends to itself)."""
+    lm, tower = text_decoder(model), vision_tower(model)
+    frozen = frozen_tower(model)
+    embeds = vision.embeds if frozen and vision.tower is tower else None
     if embeds is None:
-        frozen = frozen_tower(model)
         with torch.no_grad() if frozen else torch.enable_grad():
             embeds = [image_embeddings(model, p, g) for p, g in zip(vision.pixel_values, vision.grid_thw)]
         if frozen:
-            vision.embeds = embeds
+            vision.embeds, vision.tower = embeds, tower
     x_NH = lm.embed_tokens(input_ids_N)
     parts = [embeds[k] for k in vision.owner if k >= 0]
     if parts:
         x_NH = x_NH.index_put((vision.image_rows,), torch.cat(parts).to(x_NH.dtype))
+    elif not frozen:  # a trainable tower this micro-batch does not run still gets a (zero) gradient: every rank then
+        # reduces the same parameters' gradients (DDP's buckets, FSDP2's reduce-scatter of the root's group)
+        x_NH = x_NH + 0.0 * sum(p.sum() for p in tower.parameters())
     out = lm(inputs_embeds=x_NH[None], position_ids=vision.position_ids[:, None], cu_seq_lens_q=cu_seqlens,
              cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen, use_cache=False)
     return out.last_hidden_state[0]  # [N, H]
@@ -232,8 +238,46 @@ def vision_tower(model):
     return model.model.visual
 
 
+def data_dependent_module(model):
+    """The module ``fastgrpo.distributed.wrap_model`` keeps whole (``whole=``): a VLM's vision tower, run once per
+    distinct image set of a micro-batch (a count that differs between ranks); None for a causal LM."""
+    return vision_tower(model) if is_vlm(model) else None
+
+
+def tower_prefix(model) -> str | None:
+    """The vision tower's module name in ``model`` (``"model.visual"``), None for a causal LM."""
+    if not is_vlm(model):
+        return None
+    tower = vision_tower(model)
+    return next(n for n, m in model.named_modules() if m is tower)
+
+
 def image_token_id(model) -> int:
     return int(model.config.image_token_id)
+
+
+def tower_dims(model) -> dict | None:
+    """A VLM's vision tower in the memory plan's terms (``fastgrpo.shapes.ModelShape`` fields): its blocks as layers
+    (full multi-head attention, a gated MLP, two RMSNorms: a decoder layer's shape), patches as tokens; its patch side,
+    merge and pixel values per patch. None for a causal LM."""
+    if not is_vlm(model):
+        return None
+    v, tower = model.config.vision_config, vision_tower(model)
+    return dict(params=sum(p.numel() for p in tower.parameters()), layers=v.depth, hidden=v.hidden_size,
+                heads=v.num_heads, kv_heads=v.num_heads, head_dim=v.hidden_size // v.num_heads,
+                intermediate=v.intermediate_size, vocab=0, qk_norm=False,
+                layer_params=sum(p.numel() for p in tower.blocks[0].parameters()), patch=v.patch_size,
+                merge=v.spatial_merge_size, patch_values=v.in_channels * v.temporal_patch_size * v.patch_size**2)
+
+
+def image_token_range(min_pixels: int, max_pixels: int, patch: int, merge: int) -> tuple[int, int]:
+    """Fewest and most image tokens of one image after the merge: the processor resizes it (aspect kept) to multiples
+    of ``patch · merge`` px with ``min_pixels <= h · w <= max_pixels`` (Qwen2-VL's ``smart_resize``), and each token
+    covers ``(patch · merge)²`` px: ``ceil(min_pixels / f²)`` to ``floor(max_pixels / f²)``, f = patch · merge
+    (Qwen2.5-VL's defaults: 4 to 1280). An image the resize has to scale is rounded to whole tokens per side, which
+    for an extreme aspect ratio, or ``min_pixels`` close to ``max_pixels``, can land a few tokens outside."""
+    f2 = (patch * merge) ** 2
+    return -(-min_pixels // f2), max_pixels // f2
 
 
 def image_tokens(grid_thw: torch.Tensor, merge: int) -> list[int]:
