@@ -3,6 +3,7 @@ torchrun), the same for every algorithm; ``fastgrpo/train.py`` is its command li
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from fastgrpo.distributed import (
 from fastgrpo.engine.engine import GenerationEngine
 from fastgrpo.eval import evaluate, write_eval_samples
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics
+from fastgrpo.models.attention import ATTN_IMPLEMENTATION
+from fastgrpo.models.batch_invariant import enable_batch_invariant
 from fastgrpo.models.loading import (
     DTYPES,
     enable_activation_checkpointing,
@@ -124,12 +127,16 @@ class Trainer:
             enable_activation_checkpointing(model)
         wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward),
                              whole=data_dependent_module(model))  # a VLM's tower: not sharded block by block
+        self.numerics = contextlib.ExitStack()  # numerics.batch_invariant: its ops registered until close()
+        if cfg.numerics.batch_invariant:
+            self.numerics.enter_context(enable_batch_invariant(model, ATTN_IMPLEMENTATION))
         engine = None
         if getattr(algorithm, "generates", True):
             engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
                                       max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
                                       max_total_tokens=cfg.rollout.max_total_tokens or None,
-                                      record_routing=cfg.model.moe.router_replay)
+                                      record_routing=cfg.model.moe.router_replay,
+                                      batch_invariant=cfg.numerics.batch_invariant)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
         optimizer = make_optimizer(wrapped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2))
@@ -209,10 +216,12 @@ class Trainer:
         return path
 
     def close(self) -> None:
-        """Stop the algorithm's helpers (GRPO's reward worker processes); safe to call more than once."""
+        """Stop the algorithm's helpers (GRPO's reward worker processes) and unregister numerics.batch_invariant's
+        ops; safe to call more than once."""
         close = getattr(self.algorithm, "close", None)
         if close is not None:
             close()
+        self.numerics.close()
 
     # ------------------------------------------------------------------ the shared validation
 
