@@ -3,12 +3,21 @@
 Every step trains exactly ``num_prompts_per_step`` groups, none older than ``max_trajectory_age_steps``; groups are
 conserved (every prompt added is trained, dropped as stale, still in flight or finished and waiting: none is lost
 or trained twice), small KV budgets and few rows make groups straddle updates so that old tokens and stale drops
-occur; the config refuses what the mode does not support."""
+occur; a run resumed from a checkpoint (in-process, and after a SIGKILL of torchrun's processes) continues with the
+sequences that were in flight and logs the uninterrupted run's rows; the config refuses what the mode does not
+support."""
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 from checks import one_thread  # noqa: F401  (one_thread: a module fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,9 +32,46 @@ SMALL = [f"grpo.num_prompts_per_step={P}", f"grpo.num_generations={G}", "sft.war
          "grpo.rollout_is=token_truncate"]
 
 
+TIMING = ("time", "tokens_per_second", "peak_memory_gib")  # the wall clock's and the process's, not the run's
+RESUMABLE = ["rollout.max_new_tokens=24", "rollout.max_batch_size=3", "checkpoint.every_steps=2",
+             "checkpoint.keep_last=10", "reward.functions=[test_async_grpo:parity_reward]"]
+
+
 def parity_reward(prompts, completions, **_):
     """1 for a completion of odd length: the tiny untrained model's groups get rewards that differ (a loss)."""
     return [float(len(c) % 2) for c in completions]
+
+
+def fit(*overrides):
+    from fastgrpo.trainer import Trainer
+
+    trainer = Trainer(load_config(overrides=[*SMALL, *overrides]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
+def rows_of(run_dir):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl(Path(run_dir) /
+                                                                                        "metrics.jsonl")]
+
+
+def assert_same_rows(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        diff = {k: (ra[k], rb[k]) for k in ra if ra[k] != rb[k] and not (ra[k] != ra[k] and rb[k] != rb[k])}  # nan
+        assert not diff, f"step {ra['step']}: {diff}"
+
+
+def assert_groups_conserved(rows, age):
+    """Every group added (the first step's buffer, each step's batch, the refills) is trained, dropped as stale,
+    in flight or waiting at the end: none lost, none trained twice."""
+    added = P * (len(rows) + age + sum(r["async/extra_batches/max"] for r in rows))
+    last = rows[-1]
+    assert added == P * len(rows) + sum(r["async/stale_groups/sum"] for r in rows) + \
+        last["async/in_flight_groups/sum"] + last["async/waiting_groups/sum"]
 
 
 @pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])  # the engine's recompute:
@@ -50,14 +96,23 @@ def test_async_steps_train_fresh_groups_and_lose_none(tmp_path, recompute):
         assert 0 <= r["async/group_age/mean"] <= r["async/group_age/max"] <= age
         logged = (tmp_path / "rollouts" / f"step_{r['step']:08d}.jsonl").read_text().splitlines()
         assert len(logged) == P * G and {json.loads(x)["sample"] for x in logged} == set(range(G))
-    added = P * (steps + age + sum(r["async/extra_batches/max"] for r in rows))
-    last = rows[-1]
-    kept = P * steps + sum(r["async/stale_groups/sum"] for r in rows) + last["async/in_flight_groups/sum"] + \
-        last["async/waiting_groups/sum"]
-    assert added == kept  # every group added is trained, dropped as stale, in flight or waiting
+    assert_groups_conserved(rows, age)
     assert max(r["async/group_age/max"] for r in rows) == age  # some trained groups straddled an update
     # their older tokens: the behaviour log-probs differ from the policy's (nan: a step with no trained token)
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows if r["async/group_age/max"]) > 0
+
+
+def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path):
+    """With the K/V recomputed after each update, a run resumed from its step-2 checkpoint (the sequences in flight,
+    the finished groups waiting, the session's counters) logs steps 3 and 4 exactly as the run that kept going."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run = [*RESUMABLE, "train.max_steps=4", "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true"]
+    fit(*run, f"logging.output_dir={full}")
+    shutil.copytree(full, resumed)  # its latest checkpoint: step 2 (checkpoint.save_final is off)
+    state = torch.load(resumed / "checkpoints" / "step_00000002" / "state_rank0.pt", weights_only=True)
+    assert state["async"]["session"]["queue"]  # something was in flight
+    fit(*run, f"logging.output_dir={resumed}", "checkpoint.resume=auto")
+    assert_same_rows(rows_of(full), rows_of(resumed))
 
 
 class ScriptedSession:
@@ -167,6 +222,73 @@ def test_two_processes_each_train_their_share(tmp_path):
         for rank in (0, 1):
             logged = (tmp_path / "rollouts" / f"step_{step:08d}.rank{rank}.jsonl").read_text().splitlines()
             assert len(logged) == P // 2 * G
+
+
+def torchrun(run_dir, *overrides, nproc=2, wait=True):
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])  # parity_reward
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(root / "fastgrpo" / "train.py"), *SMALL, *overrides, f"logging.output_dir={run_dir}"]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def kill_9(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it (torchrun starts each worker in a session of its own, so its
+    process group would not reach them): the tree is read from /proc first, then each is killed by its id."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow  # 3 torchrun runs of 2 processes
+@pytest.mark.parametrize("recompute", [True, False])
+def test_kill_9_after_a_checkpoint_resumes_with_the_same_rows(tmp_path, recompute):
+    """torchrun with 2 ranks, killed with SIGKILL (every process) once its step-2 checkpoint is complete, resumed
+    from its latest checkpoint: each rank takes back its own sequences in flight (``state_rank{r}.pt``). With the
+    K/V recomputed after each update the resumed run logs every row as the uninterrupted run does; without, the rows
+    up to the checkpoint are the same and every group is still accounted for (the resumed samples continue on K/V of
+    the loaded weights: fastgrpo.algorithms.async_rollout)."""
+    steps = 5
+    run = [*RESUMABLE, f"grpo.async_grpo.recompute_kv_cache_after_weight_updates={str(recompute).lower()}"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    torchrun(full, *run, f"train.max_steps={steps}")
+    proc = torchrun(killed, *run, "train.max_steps=1000", wait=False)
+    marker = killed / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kill_9(proc.pid)
+    _, err = proc.communicate(timeout=60)
+    assert marker.exists(), err[-3000:]
+    out = torchrun(killed, *run, f"train.max_steps={steps}", "checkpoint.resume=auto")
+    at = int(out.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert 2 <= at < steps  # its latest complete checkpoint
+    a, b = rows_of(full), rows_of(killed)
+    if recompute:
+        assert_same_rows(a, b)
+    else:
+        assert_same_rows(a[:at], b[:at])
+        assert [r["step"] for r in b] == list(range(1, steps + 1))
+        assert_groups_conserved(b, 1)
+        assert all(r["async/group_age/max"] <= 1 for r in b)
 
 
 @pytest.mark.parametrize("override, message", [

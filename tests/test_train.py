@@ -515,7 +515,8 @@ def _ds_worker(out: str) -> None:
               "sent_prompts": [calls[0][3], calls[1][2]]}  # rank 0's groups that rank 1 trains on
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     trainer.close()
-    del trainer, rollout, spy, captured, samples  # destroy() then frees what still holds the group (gloo's threads)
+    del trainer, samples
+    rollout = spy = captured = None  # destroy() then frees what still holds the group (gloo's threads)
     barrier()  # no rank tears the group down while another still uses it
     destroy()  # left to the interpreter's exit, gloo's threads can be joined mid-teardown: SIGABRT, 1 run in N
 

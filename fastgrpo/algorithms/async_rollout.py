@@ -35,9 +35,18 @@ token) a rank keeping B = 2 · 16 groups of 8 samples in flight at 12K tokens on
 are preempted and recomputed), so on an 80 GiB GPU size the pool at the plan's KV share (e.g. 40 GiB) and let the
 queue hold the rest. The host keeps the in-flight samples' tokens and log-probs (about 70 bytes a token).
 
-**What is lost on a crash.** A checkpoint holds the weights, the optimizer and the data sampler, not the sequences
-in flight: a resumed run starts a new session from the sampler's next prompts (the in-flight ones are not
-trained).
+**Checkpoints.** Each rank saves its sequences in flight with the checkpoint (``state_rank{r}.pt``:
+:meth:`AsyncRollout.state_dict`): the session's state (every unfinished sample's tokens, behaviour log-probs,
+versions, finish state and random stream position, the queue's order, the counters;
+``fastgrpo.engine.snapshot``), the finished groups waiting with their scores, each key's training row. A resumed
+run opens its session with them (their K/V recomputed by prefill on the loaded weights) and goes on. With
+``recompute_kv_cache_after_weight_updates`` the uninterrupted run had just recomputed every K/V on the same
+weights, so the resumed run's metrics rows equal the uninterrupted run's (tests/test_async_grpo.py kills a run with
+SIGKILL after a checkpoint and compares). Without it the uninterrupted run's running samples kept K/V of the older
+weights, which the checkpoint does not hold (the pages: up to the pool, e.g. 40 GiB per GPU at the DeepScaleR
+scale): the resumed run's samples continue on K/V of the newest weights, so from the resumed step its rows differ
+from the uninterrupted run's by that (every token's version and behaviour log-prob stay exact). A checkpoint taken
+mid-step (an interruption) holds no session: the resumed run starts a new one (those prompts are not trained).
 
 Not supported yet (refused at start-up, ``Config._check_async``): dynamic sampling, multi-turn environments,
 stages, FSDP2 (the engine reads gathered weights that do not outlive one generation).
@@ -48,7 +57,8 @@ from __future__ import annotations
 import torch
 
 from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
-from fastgrpo.distributed import all_reduce
+from fastgrpo.distributed import all_reduce, print0
+from fastgrpo.engine.snapshot import completion_from_state, completion_state
 from fastgrpo.rewards import RewardResult, add_faults
 
 
@@ -68,6 +78,8 @@ class AsyncRollout:
         self.ready: list[tuple[int, list, list[float], dict[str, list[float]]]] = []
         """Finished groups not trained yet, in finishing order: (key, completions, total, per-function scores)."""
         self.prompt_texts: dict[int, str] = {}
+        self.at_boundary = True  # between a step's end (after_update) and the next step's start
+        self.saved: dict | None = None  # a checkpoint's state, taken back when the session opens
 
     @property
     def share(self) -> int:
@@ -75,11 +87,20 @@ class AsyncRollout:
         return self.cfg.grpo.num_prompts_per_step // self.ctx.state.world_size
 
     def _open(self, settings: dict) -> None:
-        t, cfg = self.ctx, self.cfg
-        params = sampling_params(cfg, settings, n=cfg.grpo.num_generations,
-                                 seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + t.state.rank)
+        """The session, fresh or (after a resume) with the checkpoint's sequences in flight and waiting groups."""
+        t, cfg, saved = self.ctx, self.cfg, self.saved
+        seed = saved["session"]["seed"] if saved else (cfg.train.seed * SEED_STRIDE + t.step) * 1024 + t.state.rank
+        params = sampling_params(cfg, settings, n=cfg.grpo.num_generations, seed=seed)
         longest = max(map(len, self.grpo.train_data.prompt_ids))
         self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit)
+        if saved:
+            self.session.load_state_dict(saved["session"])
+            self.rows = dict(saved["rows"])
+            self.prompt_texts = {key: t.tokenizer.decode(self.grpo.train_data.prompt_ids[row])
+                                 for key, row in self.rows.items()}
+            self.ready = [(g["key"], [completion_from_state(c) for c in g["group"]], g["total"], g["per_function"])
+                          for g in saved["ready"]]
+            self.saved = None
 
     def _submit(self, key: int, group: list) -> None:
         """A finished group goes to the reward pool at once (scored while the others decode)."""
@@ -125,9 +146,10 @@ class AsyncRollout:
         """This step's groups (``GRPO.score_groups``: rewards, advantages' inputs, sums) from the session, after
         queueing the rows ``indices`` (module docstring)."""
         t, a = self.ctx, self.cfg.grpo.async_grpo
-        first = self.session is None
-        if first:
+        first = self.session is None and self.saved is None
+        if self.session is None:
             self._open(settings)
+        self.at_boundary = False
         faults: dict[str, dict[str, int]] = {}
         times: dict[str, float] = {}
         with t.timer("generation"):
@@ -175,6 +197,27 @@ class AsyncRollout:
         """The optimizer step is done: in-flight sequences continue on the new weights (version + 1)."""
         if self.session is not None:
             self.session.update(recompute_kv=self.cfg.grpo.async_grpo.recompute_kv_cache_after_weight_updates)
+        self.at_boundary = True
+
+    def state_dict(self) -> dict | None:
+        """This rank's part of a checkpoint: the session's sequences in flight (``GenerationSession.state_dict``),
+        the finished groups waiting with their scores, each key's training row. None when there is no session at a
+        step boundary (an interruption mid-step: the resumed run opens a new session)."""
+        if self.session is None or not self.at_boundary:
+            return None
+        return {"world_size": self.ctx.state.world_size, "session": self.session.state_dict(), "rows": dict(self.rows),
+                "ready": [{"key": key, "group": [completion_state(c) for c in group], "total": list(total),
+                           "per_function": {k: list(v) for k, v in per.items()}}
+                          for key, group, total, per in self.ready]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Take back :meth:`state_dict` (the session opens with it at the next step). None, or a state saved under
+        another world size: the run goes on with a new session (what was in flight is not trained)."""
+        if state is not None and state["world_size"] != self.ctx.state.world_size:
+            state = None
+            print0("async GRPO: the checkpoint's sequences in flight were saved under another world size: a new "
+                   "generation session starts (they are not trained)")
+        self.saved = state
 
     def close(self) -> None:
         if self.session is not None:

@@ -181,6 +181,14 @@ class GRPO:
         self.ref_model.load_state_dict(torch.load(path, map_location=self.ctx.state.device, weights_only=True))
         self.reference_step = step
 
+    def rank_state_dict(self) -> dict | None:
+        """This rank's own resumable state: async GRPO's sequences in flight (``AsyncRollout.state_dict``)."""
+        return {"async": self.async_rollout.state_dict()} if self.async_rollout is not None else None
+
+    def load_rank_state_dict(self, state: dict | None) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.load_state_dict((state or {}).get("async"))
+
     def _reference_path(self, step: int):
         return self.ctx.run_dir / "reference" / f"step_{step:08d}.pt"
 

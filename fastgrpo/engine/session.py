@@ -40,6 +40,13 @@ holds ~1.5M tokens, 128 sequences at 12K on average; the update's activations (t
 ``python -m fastgrpo.plan``) must fit next to it, and paused sequences keep their pages meanwhile. Host state: the
 samples' tokens, O(tokens of the in-flight samples).
 
+**Checkpoints.** :meth:`~GenerationSession.state_dict` holds the sequences in flight as plain data (their tokens,
+behaviour log-probs, versions, finish states, random streams' positions; not their K/V) and
+:meth:`~GenerationSession.load_state_dict` puts them into a fresh session of the same parameters and seed, as
+preempted samples whose K/V are recomputed at admission. Taken right after ``update(recompute_kv=True)``, the
+restored session continues bit for bit as the saved one would have; otherwise its samples continue on K/V of the
+current weights instead of the older ones they had (``fastgrpo.engine.snapshot``).
+
 **Limits.** The weights must be updated in place (one process, DDP): under FSDP2 the engine reads gathered full
 weights that do not outlive one ``full_weights`` block, so a session there would read freed storage (not supported).
 Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
@@ -53,6 +60,7 @@ from contextlib import contextmanager
 
 from fastgrpo.engine.loop import Run
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler
+from fastgrpo.engine.snapshot import capture, restore
 
 RUN_COUNTS = ("decode_steps", "active_row_steps", "prefill_tokens", "resume_prefill_tokens", "re_prefill_tokens",
               "preemptions", "evictions")
@@ -141,6 +149,8 @@ class GenerationSession:
                 pass
         out, self._finished = self._finished, []
         self._returned += len(out)
+        for key, _ in out:  # the caller has them: the session forgets them (host memory stays O(in flight))
+            self._run.conversations.results[key] = None
         stats = self._run.stats()
         self.engine.last_stats = {k: v - self._counted.get(k, 0) if k in RUN_COUNTS else v for k, v in stats.items()}
         self._counted = {k: stats[k] for k in RUN_COUNTS}
@@ -157,6 +167,28 @@ class GenerationSession:
             if recompute_kv:
                 self._run.drop_caches()
         return self.version
+
+    def state_dict(self) -> dict:
+        """The sequences in flight and the session's counters as plain data (tensors, numbers, strings; what a
+        checkpoint keeps): :mod:`fastgrpo.engine.snapshot` says what it holds and what a restore recomputes (the
+        K/V). Refused while a sample waits on its turn handler."""
+        self._check_open("state_dict")
+        stats = self._run.stats()
+        pending = {k: stats[k] - self._counted.get(k, 0) for k in RUN_COUNTS}  # reported by the next run
+        return capture(self._run, {"seed": self._run.settings.seed, "version": self.version, "added": self._added,
+                                   "returned": self._returned, "pending": pending})
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back a :meth:`state_dict` into this fresh session (nothing added yet; the same ``params``, seed
+        included): every unfinished sample continues where it was, its K/V recomputed at its admission on the
+        current weights."""
+        self._check_open("load_state_dict")
+        if self._added or self.version:
+            raise RuntimeError("GenerationSession.load_state_dict needs a fresh session (nothing added, no update)")
+        restore(self._run, state)
+        self.version = self._run.conversations.version = state["version"]
+        self._added, self._returned = state["added"], state["returned"]
+        self._counted = {k: -v for k, v in state["pending"].items()}  # the next run reports them
 
     def close(self) -> None:
         """Free the page pool and the buffers (idempotent); the unfinished samples are dropped. ``engine.last_stats``
