@@ -370,7 +370,7 @@ class AsyncGRPOConfig:
     """Turn it on (needs grpo.rollout_is: the tokens of an older policy are corrected by importance sampling)."""
     max_trajectory_age_steps: int = 1
     """Most optimizer steps between the oldest token of a trained group and the policy it trains (>= 1); a group
-    older than that is dropped and counted (async/stale_groups), never trained. It also sizes the buffer: a rank
+    older than that is dropped and counted (async/dropped_stale), never trained. It also sizes the buffer: a rank
     keeps (max_trajectory_age_steps + 1) x its share of num_prompts_per_step groups in flight."""
     in_flight_weight_updates: bool = True
     """Sequences in flight continue on the updated weights (NeMo-RL's name). Always true here: the engine reads the

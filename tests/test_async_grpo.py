@@ -68,10 +68,10 @@ def assert_same_rows(a, b):
 def assert_groups_conserved(rows, age):
     """Every group added (the first step's buffer, each step's batch, the refills) is trained, dropped as stale,
     in flight or waiting at the end: none lost, none trained twice."""
-    added = P * (len(rows) + age + sum(r["async/extra_batches/max"] for r in rows))
+    added = P * (len(rows) + age + sum(r["async/refill_batches"] for r in rows))
     last = rows[-1]
-    assert added == P * len(rows) + sum(r["async/stale_groups/sum"] for r in rows) + \
-        last["async/in_flight_groups/sum"] + last["async/waiting_groups/sum"]
+    assert added == P * len(rows) + sum(r["async/dropped_stale"] for r in rows) + \
+        last["async/in_flight"] + last["async/waiting"]
 
 
 @pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])  # the engine's recompute:
@@ -93,13 +93,13 @@ def test_async_steps_train_fresh_groups_and_lose_none(tmp_path, recompute):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        assert 0 <= r["async/group_age/mean"] <= r["async/group_age/max"] <= age
+        assert 0 <= r["async/age_mean"] <= r["async/age_max"] <= age
         logged = (tmp_path / "rollouts" / f"step_{r['step']:08d}.jsonl").read_text().splitlines()
         assert len(logged) == P * G and {json.loads(x)["sample"] for x in logged} == set(range(G))
     assert_groups_conserved(rows, age)
-    assert max(r["async/group_age/max"] for r in rows) == age  # some trained groups straddled an update
+    assert max(r["async/age_max"] for r in rows) == age  # some trained groups straddled an update
     # their older tokens: the behaviour log-probs differ from the policy's (nan: a step with no trained token)
-    assert max(r["sampling/sampling_logp_difference/max"] for r in rows if r["async/group_age/max"]) > 0
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows if r["async/age_max"]) > 0
 
 
 def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path):
@@ -127,6 +127,8 @@ class ScriptedSession:
     @property
     def in_flight(self):
         return len(self.pending)
+
+    in_flight_tokens = 0  # a scripted group samples all its tokens when it finishes
 
     def add(self, prompts):
         keys = list(range(self.added, self.added + len(prompts)))
@@ -173,7 +175,8 @@ class ScriptedEngine:
 def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, age):
     """Groups finish in a scripted order (some straddle several updates): no trained group is older than
     max_trajectory_age_steps, every group whose age at its finish already exceeds it is dropped, and every group
-    added is trained, dropped, in flight or waiting."""
+    added is trained, dropped, in flight or waiting. The age metrics are those of the trained tokens (recomputed
+    from the groups the step scored and the session's version), the carried tokens those of the waiting groups."""
     import tempfile
 
     from fastgrpo.trainer import Trainer
@@ -183,22 +186,33 @@ def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, ag
         cfg = load_config(overrides=[*SMALL, f"train.max_steps={steps}", "rollout.max_new_tokens=8",
                                      f"grpo.async_grpo.max_trajectory_age_steps={age}", f"logging.output_dir={out}"])
         trainer = Trainer(cfg)
+        ages = []  # per step: the trained tokens' ages
+        score_groups = trainer.algorithm.score_groups
+
+        def spy(idx, prompts, outs, *args):
+            ages.append([engine.sessions[0].version - v for group in outs for c in group for v in c.versions])
+            return score_groups(idx, prompts, outs, *args)
+
+        trainer.algorithm.score_groups = spy
         try:
             trainer.ctx.engine = engine = ScriptedEngine(trainer.tokenizer, durations)
             trainer.fit()
         finally:
             trainer.close()
         rows = read_jsonl(f"{out}/metrics.jsonl")
-        for r in rows:
+        for r, a in zip(rows, ages, strict=True):
             logged = open(f"{out}/rollouts/step_{r['step']:08d}.jsonl").read().splitlines()
-            assert len(logged) == P * G and r["async/group_age/max"] <= age
+            assert len(logged) == P * G and r["async/age_max"] <= age
+            assert r["async/age_mean"] == pytest.approx(sum(a) / len(a), rel=1e-12) and r["async/age_max"] == max(a)
+            L = len(engine.sessions[0].tok("\\boxed{3}", add_special_tokens=False)["input_ids"]) + 1
+            assert r["async/carried_tokens"] == r["async/waiting"] * G * L
     (session,) = engine.sessions
-    stale = sum(r["async/stale_groups/sum"] for r in rows)
+    stale = sum(r["async/dropped_stale"] for r in rows)
     assert stale >= sum(a > age for _, a in session.returned)
-    added = P * (steps + age + sum(r["async/extra_batches/max"] for r in rows))
-    assert added == session.added == P * steps + stale + rows[-1]["async/in_flight_groups/sum"] + \
-        rows[-1]["async/waiting_groups/sum"]
-    assert rows[-1]["async/in_flight_groups/sum"] == session.in_flight
+    added = P * (steps + age + sum(r["async/refill_batches"] for r in rows))
+    assert added == session.added == P * steps + stale + rows[-1]["async/in_flight"] + \
+        rows[-1]["async/waiting"]
+    assert rows[-1]["async/in_flight"] == session.in_flight
 
 
 @pytest.mark.slow  # 2 torchrun processes
@@ -217,7 +231,7 @@ def test_two_processes_each_train_their_share(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["async/group_age/max"] <= 1 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["async/age_max"] <= 1 for r in rows)
     for step in (1, 2, 3):
         for rank in (0, 1):
             logged = (tmp_path / "rollouts" / f"step_{step:08d}.rank{rank}.jsonl").read_text().splitlines()
@@ -288,7 +302,7 @@ def test_kill_9_after_a_checkpoint_resumes_with_the_same_rows(tmp_path, recomput
         assert_same_rows(a[:at], b[:at])
         assert [r["step"] for r in b] == list(range(1, steps + 1))
         assert_groups_conserved(b, 1)
-        assert all(r["async/group_age/max"] <= 1 for r in b)
+        assert all(r["async/age_max"] <= 1 for r in b)
 
 
 @pytest.mark.parametrize("override, message", [

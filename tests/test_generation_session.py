@@ -208,10 +208,10 @@ def engine_logp(models, prompt, ids, versions, prompt_version, rewrites, tempera
 def run_schedule(model, case, schedule, recompute, save):
     """The first batch, then per step of ``schedule`` (add the next batch?, run(k), save and restore into a new
     engine's session after the update?) and an update that moves the weights (``perturbed``), then the batches left.
-    Returns the groups by key, the weights of every version (copies, kept only here), the prompts and each run's
-    ``engine.last_stats``."""
+    Returns the groups by key, the weights of every version (copies, kept only here), the prompts, each run's
+    ``engine.last_stats`` and, after each update, ``(version, in_flight_tokens, keys returned so far)``."""
     batches, params = prompts_of(case), case["params"]
-    got, prompts, models, stats = {}, list(batches[0]), [copy.deepcopy(model)], []
+    got, prompts, models, stats, carried = {}, list(batches[0]), [copy.deepcopy(model)], [], []
     s = engine(model, case).session(params, max_prompt_tokens=MAX_PROMPT)
     s.add(batches.pop(0))
     try:
@@ -224,12 +224,14 @@ def run_schedule(model, case, schedule, recompute, save):
             perturbed(model, params.seed + step)
             RecordingScheduler.version = s.update(recompute_kv=recompute)
             models.append(copy.deepcopy(model))
+            carried.append((s.version, s.in_flight_tokens, set(got)))
             if save and restore:  # a checkpoint: through torch.save, into a fresh engine (a new process)
                 buf = io.BytesIO()
                 torch.save(s.state_dict(), buf)
                 s.close()
                 s = engine(model, case).session(params, max_prompt_tokens=MAX_PROMPT)
                 s.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+                assert s.in_flight_tokens == carried[-1][1] and s.version == carried[-1][0]
         for batch in batches:
             prompts += batch
             s.add(batch)
@@ -238,7 +240,7 @@ def run_schedule(model, case, schedule, recompute, save):
         assert s.in_flight == 0
     finally:
         s.close()
-    return got, models, prompts, stats
+    return got, models, prompts, stats, carried
 
 
 @given(cases(staggered=True), st.booleans(), st.lists(st.tuples(st.booleans(), st.integers(1, 2), st.booleans()),
@@ -251,14 +253,17 @@ def test_async_schedules_sample_each_token_from_its_version(case, recompute, sch
     Face's under the weights of its version reading the K/V the engine's schedule left (:func:`engine_logp`); with
     ``recompute_kv`` every token is the teacher-forced forward's under its version (sampled from the weights of the
     moment), and a run restored after an update is bit for bit the run that was not interrupted (its runs' counts
-    and peaks too)."""
+    and peaks too). ``in_flight_tokens`` after each update counts the tokens sampled so far by the groups not
+    returned yet: those of older versions among the groups returned later."""
     t = case["params"].temperature or 1.0
     RecordingScheduler.reset()
     with mock.patch.object(engine_loop, "Scheduler", RecordingScheduler):
-        got, models, prompts, stats = run_schedule(tiny_model(case["arch"], seed=9), case, schedule, recompute,
-                                                   save=True)
+        got, models, prompts, stats, carried = run_schedule(tiny_model(case["arch"], seed=9), case, schedule,
+                                                            recompute, save=True)
     records = (dict(RecordingScheduler.prompt_version), dict(RecordingScheduler.rewrites))
     assert sorted(got) == list(range(len(prompts)))
+    for version, count, returned in carried:  # the tokens sampled before that update by groups returned after it
+        assert count == sum(x < version for key in set(got) - returned for c in got[key] for x in c.versions)
     n = case["params"].n
     for key, group in got.items():
         assert len(group) == n
@@ -273,8 +278,8 @@ def test_async_schedules_sample_each_token_from_its_version(case, recompute, sch
                     want = teacher_forced_logp(models[version], prompts[key], ids, t)[at]
                     assert (torch.tensor(c.logprobs)[at] - want).abs().max() <= LOGPROB_ATOL
     if recompute and any(restore for *_, restore in schedule):
-        again, _, _, stats_again = run_schedule(tiny_model(case["arch"], seed=9), case, schedule, recompute,
-                                                save=False)
+        again, _, _, stats_again, _ = run_schedule(tiny_model(case["arch"], seed=9), case, schedule, recompute,
+                                                   save=False)
         assert stats == stats_again
         for key, group in got.items():
             for a, b in zip(group, again[key], strict=True):

@@ -18,14 +18,18 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
    (one prefill of its prompt and tokens), otherwise the K/V the older weights wrote is kept.
 4. **Staleness.** Every sampled token records the policy version (optimizer steps taken) that sampled it and its
    behaviour log-prob (the engine's). A group's age is the trained policy's version minus its oldest token's; a
-   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/stale_groups``), never trained.
+   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/dropped_stale``), never trained.
    The policy update corrects the older tokens by importance sampling against their behaviour log-probs
    (``grpo.rollout_is``, required). When a rank runs out of work before it has ``P_r`` trainable groups (stale
    drops), every rank adds another batch from the data sampler (one collective decides), as dynamic sampling does.
 
-Metrics (summed or maxed over ranks): ``async/group_age/mean`` and ``/max`` of the trained groups,
-``async/stale_groups/sum`` (dropped this step), ``async/in_flight_groups/sum`` (in the session at the step's end),
-``async/waiting_groups/sum`` (finished, waiting for the next step), ``async/extra_batches/max``.
+Metrics (over all ranks; NeMo-RL-style names): ``async/age_mean`` and ``async/age_max``, the age (the trained
+policy's version minus the token's) of the trained tokens (loss-mask 1), mean and max; ``async/in_flight`` (groups
+added and not finished at the step's end), ``async/dropped_stale`` (groups dropped this step),
+``async/carried_tokens`` (tokens already sampled by the groups carried into the next step: in flight, or finished
+and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/refill_batches`` (batches added
+this step beyond its own, the most on any rank). ``time/generation``, ``time/update``, ``tokens_per_second`` and
+``generation/rows_active_mean`` are the synchronous step's.
 
 **Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
 and the update's activations fit together (``python -m fastgrpo.plan`` gives both; on CUDA the engine otherwise
@@ -186,12 +190,22 @@ class AsyncRollout:
                               per_function={n: [s for *_, per in chosen for s in per[n]] for n in names},
                               faults=faults)
         groups, sums = self.grpo.score_groups(idx, prompts, outs, result, times, settings)
-        ages = [self.session.version - oldest_version(group) for group in outs]
-        sums.update({"async/group_age/sum": float(sum(ages)), "async/group_age/max": float(max(ages)),
-                     "async/stale_groups/sum": float(stale), "async/extra_batches/max": float(extra),
-                     "async/in_flight_groups/sum": float(self.session.in_flight),
-                     "async/waiting_groups/sum": float(len(self.ready))})
+        version = self.session.version
+        ages = [version - v for group in outs for c in group for v, bit in zip(c.versions, c.loss_mask) if bit]
+        waiting = sum(len(c.token_ids) for _, group, _, _ in self.ready for c in group)
+        sums.update({"async/age/sum": float(sum(ages)), "async/age_tokens/sum": float(len(ages)),
+                     "async/age_max/max": float(max(ages, default=0)), "async/dropped_stale/sum": float(stale),
+                     "async/refill_batches/max": float(extra), "async/in_flight/sum": float(self.session.in_flight),
+                     "async/waiting/sum": float(len(self.ready)),
+                     "async/carried_tokens/sum": float(self.session.in_flight_tokens + waiting)})
         return groups, sums
+
+    @staticmethod
+    def finish_metrics(m: dict) -> None:
+        """The step's ``async/`` metrics (module docstring) from their sums over ranks, in place."""
+        m["async/age_mean"] = m.pop("async/age/sum") / max(m.pop("async/age_tokens/sum"), 1.0)
+        for key in [k for k in m if k.startswith("async/") and k.endswith(("/sum", "/max"))]:
+            m[key.rsplit("/", 1)[0]] = m.pop(key)
 
     def after_update(self) -> None:
         """The optimizer step is done: in-flight sequences continue on the new weights (version + 1)."""

@@ -492,6 +492,6 @@ class GRPO:
         if "generation/decode_steps/sum" in m:  # the decode batch's mean occupancy, over every rank's decode steps
             m["generation/rows_active_mean"] = m.pop("generation/active_row_steps/sum") / max(
                 m.pop("generation/decode_steps/sum"), 1.0)
-        if self.async_rollout is not None:  # over the step's trained groups, all ranks
-            m["async/group_age/mean"] = m.pop("async/group_age/sum") / self.cfg.grpo.num_prompts_per_step
+        if self.async_rollout is not None:  # over the step's trained tokens and groups, all ranks
+            self.async_rollout.finish_metrics(m)
         return m

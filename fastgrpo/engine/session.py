@@ -126,6 +126,16 @@ class GenerationSession:
         """Groups added and not yet returned by :meth:`run`."""
         return self._added - self._returned
 
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens sampled (or appended, multi-turn) so far by the groups not yet returned: their finished samples'
+        and the unfinished ones' (host bookkeeping only: the running rows' counts as of the last harvest)."""
+        conv, sched = self._run.conversations, self._run.scheduler
+        finished = sum(len(c.token_ids) for p, left in enumerate(conv.unfinished) if left for c in conv.results[p]
+                       if c is not None)
+        turns = sum(s.generated for s in sched.rows if s is not None) + sum(len(s.tokens) for s in sched.waiting)
+        return finished + turns + sum(len(t.ids) for t in conv.trajectories.values())
+
     def add(self, prompt_token_ids: Sequence[Sequence[int]]) -> list[int]:
         """Queue ``params.n`` samples of each prompt behind the waiting ones; returns their keys (consecutive, from
         the number of prompts added before)."""
