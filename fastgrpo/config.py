@@ -1045,12 +1045,12 @@ class Config:
             ("algorithm", self.algorithm, self.algorithm != "grpo", "must be grpo with grpo.async_grpo.enabled"),
             ("grpo.rollout_is", self.grpo.rollout_is, self.grpo.rollout_is == "none", "must correct the older "
              "policies' tokens (e.g. token_truncate, NeMo-RL's tis) with grpo.async_grpo.enabled"),
-            ("grpo.use_dynamic_sampling", True, self.grpo.use_dynamic_sampling, "is not supported with async GRPO"),
+            ("reward.models", "set", self.grpo.use_dynamic_sampling and bool(self.reward.models or self.reward.judges),
+             "and reward.judges are not supported with async GRPO and grpo.use_dynamic_sampling (a group's signal is "
+             "decided when it finishes, before the model rewards score the step's groups)"),
             ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
              "async GRPO: the engine would keep reading gathered weights that are freed after each generation"),
-            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO"),
-            ("stages", len(self.stages), bool(self.stages), "are not supported with async GRPO (a stage would change "
-             "the sampling of sequences already in flight)")]
+            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO")]
         for name, value, bad, message in checks:
             if bad:
                 _fail(name, message, value)

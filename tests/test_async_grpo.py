@@ -65,13 +65,21 @@ def assert_same_rows(a, b):
         assert not diff, f"step {ra['step']}: {diff}"
 
 
-def assert_groups_conserved(rows, age):
-    """Every group added (the first step's buffer, each step's batch, the refills) is trained, dropped as stale,
-    in flight or waiting at the end: none lost, none trained twice."""
-    added = P * (len(rows) + age + sum(r["async/refill_batches"] for r in rows))
-    last = rows[-1]
-    assert added == P * len(rows) + sum(r["async/dropped_stale"] for r in rows) + \
-        last["async/in_flight"] + last["async/waiting"]
+def assert_groups_conserved(rows, age, sessions=1):
+    """Every group added (each session's first buffer, each step's batch, the refills) is trained, dropped (stale,
+    without signal, at a stage change), in flight or waiting at the end: none lost, none trained twice."""
+    added = P * (len(rows) + age * sessions + sum(r["async/refill_batches"] for r in rows))
+    dropped = sum(r[f"async/dropped_{why}"] for r in rows for why in ("stale", "zero_std", "stage"))
+    assert added == P * len(rows) + dropped + rows[-1]["async/in_flight"] + rows[-1]["async/waiting"]
+
+
+def logged_groups(run_dir, step):
+    """The step's trained groups from its rollout log: group index -> [(tokens, reward)] of its samples."""
+    groups = {}
+    for line in (Path(run_dir) / "rollouts" / f"step_{step:08d}.jsonl").read_text().splitlines():
+        x = json.loads(line)
+        groups.setdefault(x["group"], []).append((x["completion_tokens"], x["reward"]))
+    return groups
 
 
 @pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])  # the engine's recompute:
@@ -113,6 +121,39 @@ def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path):
     assert state["async"]["session"]["queue"]  # something was in flight
     fit(*run, f"logging.output_dir={resumed}", "checkpoint.resume=auto")
     assert_same_rows(rows_of(full), rows_of(resumed))
+
+
+def test_dynamic_sampling_refills_with_groups_that_have_signal(tmp_path):
+    """grpo.use_dynamic_sampling with async: a group whose rewards are all equal is dropped when it finishes and the
+    refill replaces it; every step trains P groups, each with rewards that differ, and every group is accounted
+    for (groups of 2: about half tie under the parity reward)."""
+    steps = 4
+    fit(*RESUMABLE, "checkpoint.every_steps=0", "grpo.num_generations=2", "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=30", f"train.max_steps={steps}", f"logging.output_dir={tmp_path}")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        groups = logged_groups(tmp_path, r["step"])
+        assert len(groups) == P and all(len({x[1] for x in g}) == 2 for g in groups.values())
+        assert r["frac_reward_zero_std"] == 0 and r["dynamic_sampling/dropped_groups"] == r["async/dropped_zero_std"]
+        assert r["loss"] == r["loss"]  # a finite update on every step
+    assert sum(r["async/dropped_zero_std"] for r in rows) > 0 and sum(r["async/refill_batches"] for r in rows) > 0
+    assert_groups_conserved(rows, 1)
+
+
+def test_a_stage_change_trains_the_finished_groups_and_drops_the_unfinished(tmp_path):
+    """A stage that raises max_new_tokens from 8 to 16 at step 2: the groups still unfinished then are dropped
+    (async/dropped_stage), the finished ones are trained, a new session samples with the stage's limit; every group
+    is accounted for (two sessions' buffers)."""
+    steps = 5
+    fit("rollout.max_new_tokens=8", "rollout.max_batch_size=3", "reward.functions=[test_async_grpo:parity_reward]",
+        "stages=[{at_step: 2, max_new_tokens: 16}]", f"train.max_steps={steps}", f"logging.output_dir={tmp_path}")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["async/dropped_stage"] > 0 for r in rows] == [False, False, True, False, False]
+    lengths = [[n for g in logged_groups(tmp_path, r["step"]).values() for n, _ in g] for r in rows]
+    assert all(len(x) == P * G for x in lengths)
+    assert max(lengths[0] + lengths[1]) <= 8 and max(x for step in lengths[2:] for x in step) == 16
+    assert_groups_conserved(rows, 1, sessions=2)
 
 
 class ScriptedSession:
@@ -307,7 +348,6 @@ def test_kill_9_after_a_checkpoint_resumes_with_the_same_rows(tmp_path, recomput
 
 @pytest.mark.parametrize("override, message", [
     ("grpo.rollout_is=none", "grpo.rollout_is must correct"),
-    ("grpo.use_dynamic_sampling=true", "grpo.use_dynamic_sampling is not supported"),
     ("train.strategy=fsdp2", "fsdp2 is not supported"),
     ("grpo.async_grpo.in_flight_weight_updates=false", "in_flight_weight_updates must be true"),
     ("grpo.async_grpo.max_trajectory_age_steps=0", "max_trajectory_age_steps"),
@@ -315,3 +355,8 @@ def test_kill_9_after_a_checkpoint_resumes_with_the_same_rows(tmp_path, recomput
 def test_config_refuses_what_async_does_not_support(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(overrides=[*SMALL, override])
+
+
+def test_config_refuses_model_rewards_with_dynamic_sampling(tmp_path):
+    with pytest.raises(ValueError, match="not supported with async GRPO and grpo.use_dynamic_sampling"):
+        load_config(overrides=[*SMALL, "grpo.use_dynamic_sampling=true", f"reward.models=[{{path: {tmp_path}}}]"])

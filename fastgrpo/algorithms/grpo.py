@@ -400,7 +400,8 @@ class GRPO:
                 kept.append(groups)
                 break
             kept.append([grp for grp in groups if grp.signal])
-            n = all_reduce(torch.tensor([len(kept[-1]), len(groups) - len(kept[-1])],
+            dropped_here = len(groups) - len(kept[-1]) + sums.get("async/dropped_zero_std/sum", 0)  # async: refilled
+            n = all_reduce(torch.tensor([len(kept[-1]), dropped_here],
                                         device=t.coll_device())).tolist()  # sync: the decision to generate more
             have, dropped = have + n[0], dropped + n[1]
             if have >= P:

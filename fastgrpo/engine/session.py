@@ -127,6 +127,11 @@ class GenerationSession:
         return self._added - self._returned
 
     @property
+    def added(self) -> int:
+        """Prompts (groups) added so far: the key the next one gets."""
+        return self._added
+
+    @property
     def in_flight_tokens(self) -> int:
         """Tokens sampled (or appended, multi-turn) so far by the groups not yet returned: their finished samples'
         and the unfinished ones' (host bookkeeping only: the running rows' counts as of the last harvest)."""
