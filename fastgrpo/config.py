@@ -1048,8 +1048,6 @@ class Config:
             ("reward.models", "set", self.grpo.use_dynamic_sampling and bool(self.reward.models or self.reward.judges),
              "and reward.judges are not supported with async GRPO and grpo.use_dynamic_sampling (a group's signal is "
              "decided when it finishes, before the model rewards score the step's groups)"),
-            ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
-             "async GRPO: the engine would keep reading gathered weights that are freed after each generation"),
             ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO")]
         for name, value, bad, message in checks:
             if bad:

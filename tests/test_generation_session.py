@@ -134,7 +134,7 @@ def perturbed(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.abs().mean())
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.05 * p.abs().mean())
 
 
 class RecordingScheduler(CheckedScheduler):
@@ -285,6 +285,37 @@ def test_async_schedules_sample_each_token_from_its_version(case, recompute, sch
             for a, b in zip(group, again[key], strict=True):
                 assert (a.token_ids, a.logprobs, a.versions, a.finish_reason) == (b.token_ids, b.logprobs,
                                                                                    b.versions, b.finish_reason)
+
+
+@pytest.mark.gpu
+def test_a_session_follows_weights_that_move_between_runs():
+    """``moving_weights`` (FSDP2 gathers the weights afresh for each run): after each run every parameter moves to
+    new storage, the old storage is zeroed, and the weights change (an update, K/V recomputed). Every token's log-prob
+    is the teacher-forced forward's under its version: CUDA graphs replaying the old addresses would read zeros."""
+    model = tiny_model("qwen2", seed=9).cuda()
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=3, stop_token_ids=tuple(range(0, 96, 16)))
+    prompts = random_prompts([5, 9, 3, 7, 11, 4, 8, 2])
+    models, got = [copy.deepcopy(model)], {}
+    eng = GenerationEngine(model, eos_token_ids=None, max_batch_size=8, max_total_tokens=4096)
+    with eng.session(params, max_prompt_tokens=MAX_PROMPT, moving_weights=True) as s:
+        s.add(prompts)
+        while s.in_flight:
+            got.update(s.run(1))
+            with torch.no_grad():
+                for p in model.parameters():
+                    old = p.data
+                    p.data = old.clone()
+                    old.zero_()
+            perturbed(model, len(models))
+            s.update(recompute_kv=True)
+            models.append(copy.deepcopy(model))
+    assert sorted(got) == list(range(len(prompts))) and len(models) > 2
+    for key, group in got.items():
+        for c in group:
+            for version in set(c.versions):
+                at = [i for i, v in enumerate(c.versions) if v == version]
+                want = teacher_forced_logp(models[version], prompts[key], c.token_ids)[at]
+                assert (torch.tensor(c.logprobs, device=want.device)[at] - want).abs().max() <= LOGPROB_ATOL
 
 
 def test_session_errors():

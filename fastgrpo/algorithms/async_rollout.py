@@ -69,9 +69,14 @@ unfinished ones are dropped (``async/dropped_stage``: finishing them would decod
 new session with the stage's settings is filled as at the start (``(max_trajectory_age_steps + 1)`` batches). A
 stage that changes only the learning rate, β or ε keeps the session.
 
+**FSDP2.** The step's generation runs inside one ``full_weights`` block (the full weights gathered once per step on
+every rank, held while the session decodes, freed for the update, as a synchronous step's generation does), and the
+session is told that the gathered storage may move between runs (``moving_weights``: its CUDA graphs are captured
+again each step).
+
 Not supported yet (refused at start-up, ``Config._check_async``): multi-turn environments (an environment's turn
-handler is built per batch of rows and its workers hold per-trajectory state that a checkpoint cannot save), FSDP2
-(the engine reads gathered weights that do not outlive one generation).
+handler is built per batch of rows, its groups' rewards are collected when the whole batch ends, and its workers
+hold per-trajectory state that a checkpoint cannot save).
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ import torch
 
 from fastgrpo.algorithms.advantages import scale_rewards
 from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
-from fastgrpo.distributed import all_reduce, print0
+from fastgrpo.distributed import all_reduce, full_weights, is_fsdp, print0
 from fastgrpo.engine.snapshot import completion_from_state, completion_state
 from fastgrpo.rewards import RewardResult, add_faults
 
@@ -126,7 +131,8 @@ class AsyncRollout:
         self.sampling = dict(saved["sampling"]) if saved else {k: settings[k] for k in SAMPLING_SETTINGS}
         params = sampling_params(cfg, {**settings, **self.sampling}, n=cfg.grpo.num_generations, seed=seed)
         longest = max(map(len, self.grpo.train_data.prompt_ids))
-        self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit)
+        self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit,
+                                        moving_weights=is_fsdp(t.wrapped))
         if saved:
             self.session.load_state_dict(saved["session"])
             self.base, self.rows = saved["base"], dict(saved["rows"])
@@ -208,12 +214,12 @@ class AsyncRollout:
         if self.session is not None and self.sampling != {k: settings[k] for k in SAMPLING_SETTINGS}:
             changed = self._new_stage()
         first = self.session is None and self.saved is None
-        if self.session is None:
-            self._open(settings)
         self.at_boundary = False
         faults: dict[str, dict[str, int]] = {}
         times: dict[str, float] = {}
-        with t.timer("generation"):
+        with t.timer("generation"), full_weights(t.wrapped):  # FSDP2: gathered once a step, on every rank
+            if self.session is None:
+                self._open(settings)
             self._add(indices)
             for _ in range(age if first else 0):  # the buffer: B groups in flight
                 self._add(t.sampler.next(self.grpo.rows_per_step))

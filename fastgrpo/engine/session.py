@@ -47,9 +47,13 @@ preempted samples whose K/V are recomputed at admission. Taken right after ``upd
 restored session continues bit for bit as the saved one would have; otherwise its samples continue on K/V of the
 current weights instead of the older ones they had (``fastgrpo.engine.snapshot``).
 
-**Limits.** The weights must be updated in place (one process, DDP): under FSDP2 the engine reads gathered full
-weights that do not outlive one ``full_weights`` block, so a session there would read freed storage (not supported).
-Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
+**FSDP2.** The engine reads the full weights, which FSDP2 gathers for a ``full_weights`` block and frees after it:
+each :meth:`~GenerationSession.run` must be inside such a block (every rank's, together: the gather is a
+collective), and the session made with ``moving_weights=True``, since the gathered storage may be at another address
+at each run (the CUDA graphs, which read the parameters' addresses, are captured again; the page pool and every
+sequence stay). Outside the runs the session reads no weight (``update``, ``state_dict``).
+
+**Limits.** Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
 ``generate``.
 """
 
@@ -73,12 +77,13 @@ class GenerationSession:
     Made by :meth:`fastgrpo.engine.engine.GenerationEngine.session`. ``max_prompt_tokens``: the longest prompt it
     will take (it sizes the block tables and buffers). ``on_group_done(key, completions)``: called as each group
     finishes, inside :meth:`run` (a reward pool can score it while the rest decode). ``turns``: a multi-turn handler,
-    as for ``generate``.
+    as for ``generate``. ``moving_weights``: the parameters may be at other addresses at each :meth:`run` (FSDP2
+    gathers them for each run): the CUDA graphs and the CPU step's packs are made again at each run.
     """
 
     def __init__(self, engine, params: SamplingParams, *, max_prompt_tokens: int,
                  on_group_done: Callable[[int, list[Completion]], None] | None = None,
-                 turns: TurnHandler | None = None):
+                 turns: TurnHandler | None = None, moving_weights: bool = False):
         engine._check_call(params, on_group_done, turns)
         if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
@@ -87,6 +92,7 @@ class GenerationSession:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for a response within the "
                              f"sequence budget of {context} tokens")
         self.engine, self.params, self.turns = engine, params, turns
+        self.moving_weights = moving_weights
         self._user_done = on_group_done
         self._finished: list[tuple[int, list[Completion]]] = []
         self._added = 0
@@ -160,6 +166,8 @@ class GenerationSession:
         if not isinstance(groups, int) or groups < 0:
             raise ValueError(f"groups must be an integer >= 0, got {groups!r}")
         with self._calling():
+            if self.moving_weights:
+                self._run.runner.weights_moved()
             while len(self._finished) < groups and next(self._steps):
                 pass
         out, self._finished = self._finished, []
