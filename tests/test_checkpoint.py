@@ -218,6 +218,8 @@ def test_bad_input(tmp_path):
         C.save_checkpoint(tmp_path, 1, model={"w": 1})
     with pytest.raises(ValueError, match=r"trainer_state\['pos'\]"):
         C.save_checkpoint(tmp_path, 1, model=model, trainer_state={"pos": np.int64(3)})
+    with pytest.raises(ValueError, match=r"rank_state\['queue'\]\[0\]"):
+        C.save_checkpoint(tmp_path, 1, model=model, rank_state={"queue": [object()]})
     assert C.latest_checkpoint(tmp_path) is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         C.load_checkpoint(tmp_path, model=model)
@@ -345,7 +347,7 @@ def test_two_processes_save_and_resume(tmp_path):
         assert sorted(report) == sorted(cases + [f"bf16:{c}" for c in cases])
         for case, rep in report.items():
             assert rep["path"] == f"{case.split('->')[0]}/checkpoints/step_00000002"
-            assert rep["trainer"] == {"data_pos": 16, "step": 2}
+            assert rep["trainer"] == {"data_pos": 16, "step": 2, "rank_state": None}  # none saved
             assert rep["rng_files"] == ["rng_rank0.pt", "rng_rank1.pt"]
             assert rep["rng_equal"], (case, r)
             # Bit for bit, across strategies too: with 2 ranks the all-reduce and the reduce-scatter both compute
