@@ -437,7 +437,7 @@ class AsyncGRPOConfig:
     """Turn it on (needs grpo.rollout_is: the tokens of an older policy are corrected by importance sampling)."""
     max_trajectory_age_steps: int = 1
     """Most optimizer steps between the oldest token of a trained group and the policy it trains (>= 1); a group
-    older than that is dropped and counted (async/stale_groups), never trained. It also sizes the buffer: a rank
+    older than that is dropped and counted (async/dropped_stale), never trained. It also sizes the buffer: a rank
     keeps (max_trajectory_age_steps + 1) x its share of num_prompts_per_step groups in flight."""
     in_flight_weight_updates: bool = True
     """Sequences in flight continue on the updated weights (NeMo-RL's name). Always true here: the engine reads the
@@ -1128,12 +1128,10 @@ class Config:
             ("algorithm", self.algorithm, self.algorithm != "grpo", "must be grpo with grpo.async_grpo.enabled"),
             ("grpo.rollout_is", self.grpo.rollout_is, self.grpo.rollout_is == "none", "must correct the older "
              "policies' tokens (e.g. token_truncate, NeMo-RL's tis) with grpo.async_grpo.enabled"),
-            ("grpo.use_dynamic_sampling", True, self.grpo.use_dynamic_sampling, "is not supported with async GRPO"),
-            ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
-             "async GRPO: the engine would keep reading gathered weights that are freed after each generation"),
-            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO"),
-            ("stages", len(self.stages), bool(self.stages), "are not supported with async GRPO (a stage would change "
-             "the sampling of sequences already in flight)")]
+            ("reward.models", "set", self.grpo.use_dynamic_sampling and bool(self.reward.models or self.reward.judges),
+             "and reward.judges are not supported with async GRPO and grpo.use_dynamic_sampling (a group's signal is "
+             "decided when it finishes, before the model rewards score the step's groups)"),
+            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO")]
         for name, value, bad, message in checks:
             if bad:
                 _fail(name, message, value)

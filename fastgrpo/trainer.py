@@ -90,6 +90,8 @@ class Trainer:
       ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps in this step);
     - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
     - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
+      optionally ``rank_state_dict()`` / ``load_rank_state_dict(state or None)``: each rank's own (async GRPO's
+      sequences in flight);
     - ``check_world_size(cfg, world_size)`` (static): its batch splits over the processes;
     - ``prerequisites(cfg)`` (static): recipe runs to complete before it is built (:func:`run_recipe`);
     - ``warmup_examples()``: the supervised warm-up's examples (``fastgrpo.algorithms.sft.sft_warmup``);
@@ -200,6 +202,8 @@ class Trainer:
         self.sampler.load_state_dict(ts["sampler"])
         self.bad_in_a_row, self.total_bad = int(ts["bad_in_a_row"]), int(ts["total_bad"])
         self.algorithm.load_state_dict(ts.get("algorithm", {}))
+        if hasattr(self.algorithm, "load_rank_state_dict"):
+            self.algorithm.load_rank_state_dict(ts["rank_state"])
         self.last_saved = self.step
         print0(f"resumed from {path} at step {self.step}")
         return self.step
@@ -211,7 +215,8 @@ class Trainer:
                                               "total_bad": self.total_bad,
                                               "algorithm": self.algorithm.state_dict()},
                                keep_last=self.cfg.checkpoint.keep_last, state=self.state,
-                               dtype=DTYPES[self.cfg.model.dtype])
+                               dtype=DTYPES[self.cfg.model.dtype],
+                               rank_state=getattr(self.algorithm, "rank_state_dict", lambda: None)())
         self.last_saved = self.step
         return path
 
