@@ -69,7 +69,7 @@ from fastgrpo.distributed import (
     unwrap_model,
 )
 from fastgrpo.models.lora import adapter_names, is_lora, read_adapter
-from fastgrpo.models.saving import module_keys, save_model
+from fastgrpo.models.saving import converted_weights, module_keys, save_model
 from fastgrpo.precision import MasterAdamW
 
 CHECKPOINT_DIR = "checkpoints"
@@ -360,8 +360,20 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_weights(path: Path, inner: nn.Module) -> dict[str, torch.Tensor]:
-    """The saved weights by ``inner``'s parameter names: the adapters' for a LoRA model, else the full model's."""
-    return read_adapter(path, inner) if is_lora(inner) else module_keys(_read_safetensors(path), inner)
+    """The saved weights by ``inner``'s parameter names: the adapters' for a LoRA model, else the full model's.
+
+    ``save_pretrained`` writes some models' weights in their original layout (a mixture-of-experts model's experts one
+    tensor per expert and projection, where the module holds them fused): renamings are undone by name
+    (:func:`~fastgrpo.models.saving.module_keys`); when file keys remain that no parameter has, transformers' own
+    loading converts them: the checkpoint is loaded as a model of ``inner``'s class on the CPU, in the saved dtype,
+    and its state dict read (host memory: one more copy of the model, on the rank that reads, once per resume)."""
+    if is_lora(inner):
+        return read_adapter(path, inner)
+    sd = module_keys(_read_safetensors(path), inner)
+    own = set(inner.state_dict())
+    if set(sd) - own and hasattr(inner, "from_pretrained"):  # a plain module's mismatch is refused below
+        sd = {k: v for k, v in converted_weights(path, inner).items() if k in own}
+    return sd
 
 
 def _complete_tied(sd: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:

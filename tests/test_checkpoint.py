@@ -135,6 +135,40 @@ def test_round_trip_and_resume(tmp_path):
     assert AutoTokenizer.from_pretrained(path)("1+2=3").input_ids == tok("1+2=3").input_ids
 
 
+@pytest.mark.parametrize("moe_type", ["qwen3_moe", "qwen2_moe"])
+def test_a_mixture_of_experts_model_resumes(tmp_path, moe_type):
+    """save_pretrained writes an MoE model's experts one tensor per expert and projection (transformers' original
+    layout) while the module holds them fused: a resume converts them back (transformers' loading), the weights and
+    the optimizer state land exactly, in place, and the next step is the uninterrupted one's."""
+    import transformers
+
+    cfg_cls, model_cls = {"qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+                          "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM)}[moe_type]
+    dims = {k: getattr(tiny_config(2), k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                   "num_attention_heads", "num_key_value_heads")}
+
+    def moe_model(seed):
+        torch.manual_seed(seed)
+        return model_cls(cfg_cls(**dims, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
+                                 num_experts_per_tok=2, shared_expert_intermediate_size=16, tie_word_embeddings=False))
+
+    model = moe_model(0)
+    if not any(".experts." in k and k.endswith("gate_up_proj") for k in model.state_dict()):
+        pytest.skip(f"{moe_type}: this transformers keeps the experts unfused (nothing to convert)")
+    opt, sched = make_optim(model)
+    train_step(model, opt, sched, batch(0))
+    path = C.save_checkpoint(tmp_path, 1, model=model, tokenizer=tiny_tokenizer(), optimizer=opt, scheduler=sched)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = train_step(model, opt, sched, batch(1))
+    fresh = moe_model(1)
+    fresh_opt, fresh_sched = make_optim(fresh)
+    ptrs = {n: p.data_ptr() for n, p in fresh.named_parameters()}
+    C.load_checkpoint(path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert_same_tensors(fresh.state_dict(), saved)
+    assert all(p.data_ptr() == ptrs[n] for n, p in fresh.named_parameters())
+    assert train_step(fresh, fresh_opt, fresh_sched, batch(1)) == loss
+
+
 def test_save_before_any_optimizer_step(tmp_path):
     """A checkpoint of a fresh optimizer holds no state and leaves the optimizer untouched (no fake step)."""
     model = nn.Linear(4, 3)

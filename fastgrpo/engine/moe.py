@@ -142,6 +142,18 @@ class RoutingLog:
         """Prompt ``p``'s group has finished: its record is no longer needed."""
         self.prompts.pop(p, None)
 
+    def state(self, keys, n: int) -> dict:
+        """The record of prompts ``keys`` (a session's unfinished groups, ``n`` samples each) as plain tensors, for a
+        checkpoint: each prompt's ids and each of its samples' recorded positions."""
+        keys = set(keys)
+        return {"prompts": {p: ids for p, ids in self.prompts.items() if p in keys},
+                "samples": {s: buf[:m].clone() for s, (buf, m) in self.samples.items() if s // n in keys}}
+
+    def restore(self, state: dict) -> None:
+        """Take back :meth:`state` (a restored session: its samples are recomputed, which records nothing new)."""
+        self.prompts.update(state["prompts"])
+        self.samples.update({s: (ids, ids.shape[0]) for s, ids in state["samples"].items()})
+
 
 class RoutingRecorder:
     """The record of one call (module docstring): the device buffers the forwards write, and the host

@@ -221,6 +221,8 @@ class GenerationSession:
                                     "returned": self._returned, "pending": pending})
         if self._vision is not None:  # the unfinished groups' images (their tower output is recomputed)
             state["images"] = self._vision.state(state["prompts"])
+        if self._run.recorder is not None:  # an MoE model's routing record (router replay) of those groups
+            state["routing"] = self._run.recorder.log.state(state["prompts"], self.params.n)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -234,6 +236,10 @@ class GenerationSession:
         if self._vision is not None:
             self._vision.restore(state["added"], {p: ids.tolist() for p, ids in state["prompts"].items()},
                                  state.get("images", {}))
+        if self._run.recorder is not None:
+            if "routing" not in state:
+                raise ValueError("the session state holds no routing record (saved without record_routing)")
+            self._run.recorder.log.restore(state["routing"])
         self.version = self._run.conversations.version = state["version"]
         self._added, self._returned = state["added"], state["returned"]
         self._counted = {k: -v for k, v in state["pending"].items()}  # the next run reports them

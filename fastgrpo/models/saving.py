@@ -67,3 +67,12 @@ def module_keys(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torc
     name_of = {id(t): n for n, t in own.items()}
     renamed = {k: name_of[id(t)] for k, t in revert_weight_conversion(inner, dict(own)).items() if id(t) in name_of}
     return {renamed.get(k, k): v for k, v in sd.items()}
+
+
+def converted_weights(path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights ``save_pretrained`` wrote to ``path`` as ``model``'s own parameters, through transformers'
+    loading conversion (merges such as a mixture-of-experts model's per-expert tensors into the fused ones): a model
+    of ``unwrap_model(model)``'s class loaded from ``path`` on the CPU, its state dict."""
+    inner = unwrap_model(model)
+    loaded = type(inner).from_pretrained(str(path), dtype="auto", device_map="cpu")
+    return loaded.state_dict()
