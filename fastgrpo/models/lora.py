@@ -156,8 +156,11 @@ def check_modules(model: nn.Module) -> None:
         if any(name.split(".")[-1] == r for r in LORA_REFUSED_TARGETS):
             raise ValueError(f"model: the LoRA layer {name} adapts the LM head or the embedding: not supported")
         if not isinstance(m.get_base_layer(), nn.Linear):
+            hint = (" (PEFT adapts a mixture-of-experts model's fused experts for the names gate_proj / up_proj / "
+                    "down_proj, whatever exclude_modules says: set model.lora.target_modules=[q_proj,k_proj,v_proj,"
+                    "o_proj])" if name.endswith("mlp.experts") else "")
             raise ValueError(f"model: the LoRA layer {name} adapts a {type(m.get_base_layer()).__name__}: only "
-                             "nn.Linear projections are supported")
+                             f"nn.Linear projections are supported{hint}")
         if getattr(m, "lora_variant", None):
             raise ValueError(f"model: the LoRA layer {name} is a variant ({sorted(m.lora_variant)}: DoRA, ...): "
                              "not supported")
