@@ -116,7 +116,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES", "DEFAULT_CPU_TOTAL_TOKENS", "CUDA_MEMORY_FRACTION", "CUDA_SYNC_EVERY", "DEFAULT_PAGE_SIZE",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", *VLM_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", *VLM_MODEL_TYPES)
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
 CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
@@ -156,8 +156,8 @@ class GenerationEngine:
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
-        record_routing: a mixture-of-experts model (Qwen3-MoE): record the experts each token was routed to, every
-            ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
+        record_routing: a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): record the experts each token was routed
+            to, every ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
     """
 
     def __init__(
