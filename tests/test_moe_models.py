@@ -64,6 +64,15 @@ def hf_reference(model, dtype):
     return ref
 
 
+def hf_aux_loss(ref, seqs):
+    """transformers' ``aux_loss`` (``load_balancing_loss_func``) of ``seqs`` as one right-padded batch with its
+    attention mask: the real tokens only."""
+    T = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
+    return ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
+
+
 def sequences(lengths, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
@@ -214,11 +223,8 @@ def test_load_balancing_loss_equals_transformers_aux_loss_over_real_tokens():
     routing = MoERouting(keep_logits=True)
     packed_hidden(model, seqs, routing)
     got = routing.aux_loss(model.config.num_experts, model.config.num_experts_per_tok)
-    T = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
     with torch.no_grad():
-        want = hf_reference(model, torch.float32)(ids, attention_mask=mask, output_router_logits=True).aux_loss
+        want = hf_aux_loss(hf_reference(model, torch.float32), seqs)
     torch.testing.assert_close(got.detach(), want, atol=64 * EPS32 * want.abs().item(), rtol=0)
 
 
@@ -257,13 +263,7 @@ def test_grpo_update_adds_the_aux_loss_as_trl_does():
 
     ref = hf_reference(model, torch.float32)
     plan = plan_microbatches([len(s.tokens) for s in samples], 24)
-    aux = 0.0
-    for group in plan:
-        seqs = [samples[i].tokens for i in group]
-        T = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
-        aux = aux + ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    aux = sum(hf_aux_loss(ref, [samples[i].tokens for i in group]) for group in plan)
     (coef * aux / len(plan)).backward()
     for (_, block), (_, ref_block) in zip(moe_blocks(model), moe_blocks(ref)):
         name = next(n for n, p in model.named_parameters() if p is block.gate.weight)
