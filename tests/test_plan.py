@@ -374,3 +374,14 @@ def test_lora_params_of_an_moe_model_match_peft(family):
     want = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     cfg = load_config("tiny", overrides=["model.lora.r=8", f"model.lora.target_modules=[{','.join(targets)}]"])
     assert lora_params(s, cfg) == want
+
+
+@pytest.mark.parametrize("recipe", ["moe-tiny", "sft-tiny", "dpo-tiny"])
+def test_the_router_logits_of_the_aux_loss_count_in_every_algorithm(recipe):
+    """The load-balancing loss keeps each MoE layer's ``[T, E]`` router logits until the loss, in GRPO, SFT and DPO
+    alike: ``T·c·E·L_moe`` more activation bytes with a coefficient than without (fp32 tiny MoE)."""
+    plans = [memory_plan(load_config(recipe, overrides=["model.moe.tiny_num_experts=8",
+                                                        f"model.moe.router_aux_loss_coef={coef}"]), 1, 80)
+             for coef in (0.01, 0.0)]
+    m = plans[0].shape.moe
+    assert plans[0].activations - plans[1].activations == plans[0].tokens * 4 * m.experts * m.layers > 0
