@@ -331,7 +331,7 @@ class DPO:
             # sync: an MoE policy's load-balancing term is a mean over the step's real micro-batches, all ranks
             count = float(all_reduce(torch.tensor(float(sum(real)), device=st.device))) if aux else 1.0
             for i, ((idx, mb), weight) in enumerate(padded):
-                routing = aux.routing(train=real[i]) if aux else None
+                routing = aux.training_routing(real[i]) if aux else None
                 with train_mode(t.wrapped), accumulate(t.wrapped, t.optimizer, last=i == len(padded) - 1):
                     loss, metrics = self._loss(t.wrapped, "train", idx, mb, routing)
                     objective = loss * (weight * len(idx) * st.world_size / len(indices))

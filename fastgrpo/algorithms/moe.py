@@ -57,9 +57,9 @@ class RouterAuxLoss:
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.sums: dict[str, torch.Tensor | float] = {}
 
-    def routing(self, mb=None, *, train: bool = False) -> MoERouting | None:
-        """The routing of one forward (``mb``: its micro-batch, unused here): the router logits kept for the
-        load-balancing loss in a training forward (``train``: a real micro-batch); None: the router as it is."""
+    def training_routing(self, train: bool) -> MoERouting | None:
+        """The routing of one forward: the router logits kept for the load-balancing loss in a training forward
+        (``train``: a real micro-batch with gradients); None: the router as it is."""
         return MoERouting(keep_logits=True) if train and self.coef > 0 else None
 
     def aux_term(self, routing: MoERouting | None, micro_batches: float) -> torch.Tensor | float:
@@ -104,7 +104,7 @@ class MoEUpdate(RouterAuxLoss):
         self.replay = moe.router_replay
         self.gap = moe.replay_gap
 
-    def routing(self, mb=None, *, train: bool = False, replay: bool = True) -> MoERouting | None:
+    def routing(self, mb, *, train: bool = False, replay: bool = True) -> MoERouting | None:
         """The routing of one forward of ``mb``: its samples' recorded experts (when replaying), the router logits
         kept for the load-balancing loss (a policy forward with gradients, ``train``); None: the router as it is."""
         ids = mb.routing if self.replay and replay else None

@@ -65,7 +65,7 @@ def sft_backward(model, optimizer, examples: list[SFTExample], max_tokens: int, 
     padded = same_count(mbs, device)
     for i, (mb, weight) in enumerate(padded):
         weight = weight if examples else 0.0
-        routing = None if aux is None else aux.routing(train=weight > 0)
+        routing = None if aux is None else aux.training_routing(weight > 0)
         with train_mode(model), accumulate(model, optimizer, last=i == len(padded) - 1):
             hidden_NH, weight_VH, bias_V = forward_packed(model, mb, routing)
             targets = torch.where(mb.mask, mb.targets, -100)
