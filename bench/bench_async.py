@@ -2,7 +2,8 @@
 (fastgrpo.engine.session, what ``grpo.async_grpo`` runs on) against one ``generate`` per step.
 
 Run: ``python bench/bench_async.py`` (CPU: about a minute; ``--smoke``: seconds, records nothing; on CUDA the same
-with ``--device cuda``).
+with ``--device cuda``; ``--weight-bound``: a wider model whose CPU decode step costs about the same at 1 and at 16
+rows, as a GPU's does, several minutes).
 
 Workload: ``STEPS`` optimizer steps of ``PROMPTS`` prompts × ``N`` samples, prompts of 8 tokens. Each prompt's
 response length is drawn once, log-normal with median 0.12 · cap and σ = 1.2, capped at the cap (256 tokens): most
@@ -20,8 +21,9 @@ that the count reaches the stop token after exactly the drawn length. Its layers
 
 Reported per mode, from one run: trained tokens, decode steps per trained token, the decode batch's mean occupancy
 (``active_row_steps / decode_steps``), wall time of generation per trained token, dropped (stale) groups, and the
-ratio of sync's wall time per trained token to the mode's (> 1: async is faster). Rows go to
-``bench/results/async.csv``.
+ratio of sync's wall time per trained token to the mode's (> 1: async is faster), and how a decode step's time grows
+from 1 row to the workload's rows (measured in the same run: near 1x, reading the weights dominates a step, as on a
+GPU; near the rows' count, the rows do, as for the default model on CPU). Rows go to ``bench/results/async.csv``.
 """
 
 from __future__ import annotations
@@ -42,26 +44,41 @@ STOP = 0  # the counting model's completions end at this token
 STEPS, PROMPTS, N = 12, 16, 4
 
 
-def counting_model(vocab: int, positions: int, device: str) -> torch.nn.Module:
-    """A Qwen2 of 2 layers whose next token is always the last one + 1 (mod ``vocab``), with a logit margin of ~68
-    over every other token, so that sampling at temperature 1 follows it (the other tokens together have probability
-    ~``vocab · e^-68``). The layers run at full cost but write nothing to the residual (o_proj and down_proj are 0):
-    the embedding is the one-hot of the token, the head maps one-hot ``i`` to ``i + 1``."""
+def counting_model(vocab: int, positions: int, device: str, hidden: int | None = None, layers: int = 2,
+                   intermediate: int | None = None) -> torch.nn.Module:
+    """A Qwen2 (``layers`` layers, ``hidden`` ≥ ``vocab`` wide, default ``vocab``; MLP ``intermediate``, default
+    2 · hidden) whose next token is always the last one + 1 (mod ``vocab``), with a logit margin of
+    ``3 · sqrt(hidden)`` (≥ 68 from hidden = 512) over every other token, so that sampling at temperature 1 follows
+    it (the other tokens together have probability ~``vocab · e^-68``). The layers run at full cost but write nothing
+    to the residual (o_proj and down_proj are 0): the embedding is the one-hot of the token (in the first ``vocab``
+    features), the head maps one-hot ``i`` to ``i + 1``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    hidden = hidden or vocab
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=vocab, intermediate_size=2 * vocab, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=positions,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=positions, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config)
+    one_hot_VH = torch.eye(vocab, hidden)  # [V, H]
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        model.model.embed_tokens.weight.copy_(one_hot_VH)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.copy_(3.0 * torch.roll(torch.eye(vocab), 1, dims=0))  # row i + 1 reads column i
+        model.lm_head.weight.copy_(3.0 * torch.roll(one_hot_VH, 1, dims=0))  # row i + 1 reads feature i
     return model.to(device).eval()
+
+
+def decode_step_ms(engine, rows: int, vocab: int) -> float:
+    """The engine's mean decode step (ms) with ``rows`` rows running: ``rows`` samples of one prompt, 32 tokens."""
+    params = SamplingParams(n=rows, temperature=1.0, max_new_tokens=32, seed=0)
+    prompt = [prompt_for(32, vocab, random.Random(0))]
+    engine.generate(prompt, params)
+    start = time.perf_counter()
+    engine.generate(prompt, params)
+    return 1e3 * (time.perf_counter() - start) / engine.last_stats["decode_steps"]
 
 
 def draw_lengths(count: int, cap: int, seed: int) -> list[int]:
@@ -123,10 +140,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="toy sizes, nothing recorded")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ages", default="1,2")
+    ap.add_argument("--weight-bound", action="store_true",
+                    help="a model whose decode step is dominated by reading its weights at these rows (hidden 1024, "
+                         "8 layers, MLP 4096: 0.5 GB fp32), 8 steps x 4 prompts x 4 samples, cap 64")
     args = ap.parse_args()
-    steps, per_step, cap = (3, 4, 32) if args.smoke else (STEPS, PROMPTS, CAP)
+    steps, per_step, cap = (3, 4, 32) if args.smoke else (8, 4, 64) if args.weight_bound else (STEPS, PROMPTS, CAP)
     vocab = 2 * cap
-    model = counting_model(vocab, PROMPT_TOKENS + cap + 1, args.device)
+    shape = dict(hidden=1024, layers=8, intermediate=4096) if args.weight_bound else {}
+    model = counting_model(vocab, PROMPT_TOKENS + cap + 1, args.device, **shape)
     ages = [int(a) for a in args.ages.split(",")]
     count = (steps + max(ages) + 1) * per_step  # every prompt any mode may add
     rng = random.Random(1)
@@ -137,6 +158,11 @@ def main() -> None:
                               max_total_tokens=4 * per_step * N * (PROMPT_TOKENS + cap))
     run_sync(engine, params, prompts, 1, per_step)  # warm-up (first-call costs: the CPU products' timing, allocations)
     run_async(engine, params, prompts, 1, per_step, 1)
+    rows = per_step * N
+    steps_ms = {r: decode_step_ms(engine, r, vocab) for r in (1, rows)}  # how a step's cost grows with its rows
+    packed = sorted(k for k, v in engine.last_stats["cpu_packed"].items() if v)  # the CPU products packed for MKL
+    print(f"decode step: {steps_ms[1]:.1f} ms at 1 row, {steps_ms[rows]:.1f} ms at {rows} "
+          f"({steps_ms[rows] / steps_ms[1]:.2f}x; 1.00x: the weights' read dominates, {rows}x: the rows do)")
     runs = {"sync": run_sync(engine, params, prompts, steps, per_step)}
     for age in ages:
         runs[f"async age {age}"] = run_async(engine, params, prompts, steps, per_step, age)
@@ -144,7 +170,9 @@ def main() -> None:
     table = []
     for mode, r in runs.items():
         per_token = r["wall_s"] / r["trained_tokens"]
-        table.append(dict(mode=mode, shape=f"{steps} steps x {per_step} x {N}, cap {cap}",
+        table.append(dict(mode=mode, shape=f"{steps} steps x {per_step} x {N}, cap {cap}" + (
+                              ", weight-bound" if args.weight_bound else ""),
+                          step_ms_rows_over_1=steps_ms[rows] / steps_ms[1], cpu_packed="+".join(packed) or "none",
                           trained_tokens=r["trained_tokens"],
                           decode_steps_per_trained_token=r["decode_steps"] / r["trained_tokens"],
                           occupancy=r["row_steps"] / max(r["decode_steps"], 1), stale_groups=r["stale_groups"],

@@ -8,6 +8,8 @@ Layout of ``run_dir/checkpoints/step_{step:08d}/``::
     trainer_state.pt                      {"step", "world_size", "trainer_state", "optimizer", "scheduler",
                                           "masters"}; the optimizer state keyed by parameter name (see below)
     rng_rank{r}.pt                        python / numpy / torch CPU / CUDA RNG states of rank r
+    state_rank{r}.pt                      the trainer's own state of rank r (``rank_state``; e.g. async GRPO's
+                                          sequences in flight), when given
     COMPLETE                              marker, written last (JSON: step, world size, time)
 
 so ``AutoModelForCausalLM.from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)`` load it directly.
@@ -213,6 +215,7 @@ def save_checkpoint(
     keep_last: int | None = 3,
     state: DistState | None = None,
     dtype: torch.dtype | None = None,
+    rank_state: Mapping | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:08d}/`` atomically and return its path (on every rank).
 
@@ -221,7 +224,9 @@ def save_checkpoint(
     checkpoints to keep (older ones are deleted, never the one just written); ``None`` keeps all. A checkpoint
     already at this step is replaced. ``dtype``: the compute dtype the safetensors are written in (None: the
     parameters' own); FSDP2's fp32 sharded parameters behind a bf16 compute dtype, like ``MasterAdamW``'s masters,
-    are also saved in fp32 as ``"masters"``. Every rank must call this (FSDP2 gathers are collectives).
+    are also saved in fp32 as ``"masters"``. ``rank_state``: this rank's own resumable state (the same kinds of
+    values as ``trainer_state``), written by each rank to ``state_rank{r}.pt``. Every rank must call this (FSDP2
+    gathers are collectives).
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -231,6 +236,8 @@ def save_checkpoint(
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     trainer_state = dict(trainer_state or {})
     _check_plain(trainer_state, "trainer_state")
+    if rank_state is not None:
+        _check_plain(rank_state, "rank_state")
     rank, world = _rank_world(state)
     ckpt_dir = Path(run_dir) / CHECKPOINT_DIR
     final = ckpt_dir / checkpoint_name(step)
@@ -268,6 +275,8 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()  # the temporary directory exists before any rank writes into it
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank_state is not None:
+        torch.save(dict(rank_state), tmp / f"state_rank{rank}.pt")
     if rank == 0:
         save_model(model, tmp, model_sd, dtype)
         if tokenizer is not None:
@@ -282,7 +291,7 @@ def save_checkpoint(
             "masters": masters,
         }
         torch.save(payload, tmp / TRAINER_STATE)
-    barrier()  # every rank's RNG file is on disk
+    barrier()  # every rank's RNG (and state) file is on disk
     if rank == 0:
         _fsync_tree(tmp)
         marker = {"step": step, "world_size": world, "time": time.time()}
@@ -383,7 +392,8 @@ def load_checkpoint(
     The weights are copied into the current parameters (never replaced); the model may be wrapped (DDP, FSDP2,
     compiled) and must have the saved architecture (missing or unexpected weights raise ``ValueError``). With
     ``restore_rng`` each rank restores the RNG states it saved; a rank absent from the checkpoint (the world size
-    changed) keeps its current RNG state, with a warning. Every rank must call this.
+    changed) keeps its current RNG state, with a warning. The returned dict's ``"rank_state"`` is this rank's
+    ``rank_state`` as saved, or None (none saved, or not for this rank). Every rank must call this.
     """
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -444,5 +454,7 @@ def load_checkpoint(
         else:
             warnings.warn(f"{rng_file.name} not in {path} (saved with world size {payload['world_size']}): "
                           f"rank {rank} keeps its current RNG state", stacklevel=2)
+    own = path / f"state_rank{rank}.pt"
+    rank_state = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
     barrier()
-    return dict(payload["trainer_state"])
+    return {**payload["trainer_state"], "rank_state": rank_state}

@@ -8,7 +8,7 @@ value fails at start-up with the field's dotted name in the message (``grpo.epsi
 
 ``algorithm`` (grpo, dpo, sft, distill or rm) picks what one training step does. Groups: ``model``, ``data``,
 ``reward``, ``grpo``, ``reward_scaling``, ``reward_shaping``, ``dpo``, ``rm``, ``sft``, ``distill``, ``rollout``,
-``train``, ``stages`` (a list), ``checkpoint``, ``logging``, ``eval``.
+``train``, ``stages`` (a list), ``checkpoint``, ``logging``, ``eval``, ``numerics``.
 """
 
 from __future__ import annotations
@@ -441,7 +441,7 @@ class AsyncGRPOConfig:
     """Turn it on (needs grpo.rollout_is: the tokens of an older policy are corrected by importance sampling)."""
     max_trajectory_age_steps: int = 1
     """Most optimizer steps between the oldest token of a trained group and the policy it trains (>= 1); a group
-    older than that is dropped and counted (async/stale_groups), never trained. It also sizes the buffer: a rank
+    older than that is dropped and counted (async/dropped_stale), never trained. It also sizes the buffer: a rank
     keeps (max_trajectory_age_steps + 1) x its share of num_prompts_per_step groups in flight."""
     in_flight_weight_updates: bool = True
     """Sequences in flight continue on the updated weights (NeMo-RL's name). Always true here: the engine reads the
@@ -1011,6 +1011,16 @@ class EvalConfig:
 
 
 @dataclass
+class NumericsConfig:
+    """How the generation engine and the trainer compute (the README's "True on-policy numerics")."""
+
+    batch_invariant: bool = False
+    """Batch-invariant ops in the engine and the trainer's forward: each sampled token's log-prob equals the trainer's
+    packed forward's bit for bit, so the first optimizer step of a rollout takes the engine's log-probs as its old ones
+    (no separate forward) and sampling/sampling_logp_difference/max is exactly 0 (CPU, dense Llama/Qwen2/Qwen3)."""
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -1036,6 +1046,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
 
     def __post_init__(self):
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
@@ -1112,6 +1123,8 @@ class Config:
         if self.algorithm == "sft" and self.sft.warmup_steps:
             _fail("sft.warmup_steps", "must be 0 with algorithm sft (the warm-up precedes grpo or dpo)",
                   self.sft.warmup_steps)
+        if self.numerics.batch_invariant:
+            self._check_batch_invariant()
 
     def _check_async(self) -> None:
         """What grpo.async_grpo needs of the other groups (fastgrpo.algorithms.async_rollout)."""
@@ -1119,12 +1132,10 @@ class Config:
             ("algorithm", self.algorithm, self.algorithm != "grpo", "must be grpo with grpo.async_grpo.enabled"),
             ("grpo.rollout_is", self.grpo.rollout_is, self.grpo.rollout_is == "none", "must correct the older "
              "policies' tokens (e.g. token_truncate, NeMo-RL's tis) with grpo.async_grpo.enabled"),
-            ("grpo.use_dynamic_sampling", True, self.grpo.use_dynamic_sampling, "is not supported with async GRPO"),
-            ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
-             "async GRPO: the engine would keep reading gathered weights that are freed after each generation"),
-            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO"),
-            ("stages", len(self.stages), bool(self.stages), "are not supported with async GRPO (a stage would change "
-             "the sampling of sequences already in flight)")]
+            ("reward.models", "set", self.grpo.use_dynamic_sampling and bool(self.reward.models or self.reward.judges),
+             "and reward.judges are not supported with async GRPO and grpo.use_dynamic_sampling (a group's signal is "
+             "decided when it finishes, before the model rewards score the step's groups)"),
+            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO")]
         for name, value, bad, message in checks:
             if bad:
                 _fail(name, message, value)
@@ -1145,6 +1156,21 @@ class Config:
         betas = [g.beta] + [s.beta for s in self.stages if s.beta is not None]
         if max(betas) > 0:  # the teacher is the anchor; a KL reference would be a third model
             _fail("grpo.beta", "must be 0 with algorithm distill (as must every stage's beta)", max(betas))
+
+    def _check_batch_invariant(self) -> None:
+        """What numerics.batch_invariant needs of the other groups (fastgrpo.models.batch_invariant refuses the rest
+        at start-up: the device, the architecture, the attention)."""
+        checks = [
+            ("algorithm", self.algorithm, self.algorithm not in ("grpo", "distill"), "must be grpo or distill with "
+             "numerics.batch_invariant (it makes the sampler's log-probs the trainer's)"),
+            ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
+             "numerics.batch_invariant"),
+            ("model.lora.dropout", self.model.lora and self.model.lora.dropout,
+             bool(self.model.lora and self.model.lora.dropout), "must be 0 with numerics.batch_invariant (the "
+             "trainer's forward would not be the sampler's)")]
+        for name, value, bad, message in checks:
+            if bad:
+                _fail(name, message, value)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -100,6 +100,10 @@ or the longest sequence) and fp32 logits for the decoding batch; the rest is the
 per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size, sequences
 per rank)``, at full length (:func:`longest_sequence`).
 Training peaks at its static part + activations + the loss workspace.
+Async GRPO (``grpo.async_grpo``) holds its generation session's page pool through the update: the KV cache is that
+pool (``rollout.max_total_tokens``; unset, the engine takes ``CUDA_MEMORY_FRACTION`` of what generation leaves
+free at the session's start) and the training peak adds it; the cure of a training peak over the GPU names the pool
+that leaves the update its room.
 A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation and kernels' scratch.
 """
 
@@ -113,7 +117,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.config import Config, load_config, stage_settings
-from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
+from fastgrpo.engine.engine import CUDA_MEMORY_FRACTION, PREFILL_CHUNK_TOKENS
 from fastgrpo.models.vlm import image_token_range
 from fastgrpo.shapes import (
     ModelShape,
@@ -186,8 +190,17 @@ class MemoryPlan:
         return self.static + self.weights + self.generation_workspace + self.vision_generation
 
     @property
+    def session_pool(self) -> int:
+        """Async GRPO: the session's page pool, held through the update (module docstring); 0 otherwise."""
+        if not (self.batch and self.cfg.grpo.async_grpo.enabled):
+            return 0
+        tokens = self.cfg.rollout.max_total_tokens
+        return tokens * self.kv_bytes_per_token if tokens else int(CUDA_MEMORY_FRACTION * max(
+            0, self.usable - self.generation_base))
+
+    @property
     def kv_cache(self) -> int:
-        return max(0, self.usable - self.generation_base)
+        return self.session_pool or max(0, self.usable - self.generation_base)
 
     @property
     def kv_tokens(self) -> int:
@@ -204,7 +217,7 @@ class MemoryPlan:
     @property
     def training_peak(self) -> int:
         return (self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
-                + self.vision_train)
+                + self.vision_train + self.session_pool)
 
     @property
     def scoring_peak(self) -> int:
@@ -214,7 +227,7 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return (self.training_peak <= self.usable and self.scoring_peak <= self.usable
-                and self.kv_sequences >= self.batch)
+                and self.kv_sequences >= self.batch and self.generation_base + self.session_pool <= self.usable)
 
     def verdict(self) -> str:
         """``fits: ...`` or ``does not fit: ...`` with the cure."""
@@ -249,6 +262,10 @@ class MemoryPlan:
             options.append(f"train.max_tokens_per_microbatch<={fit_tokens}")
         if self.cfg.train.strategy != "fsdp2" and self.nproc > 1:
             options.append("train.strategy=fsdp2")
+        if self.session_pool:  # async: the pool the update leaves room for
+            spare = self.usable - (self.training_peak - self.session_pool)
+            options.append(f"rollout.max_total_tokens<={max(spare, 0) // self.kv_bytes_per_token} (the async "
+                           "session's pool, held through the update)")
         if not options:
             options.append("a GPU with more memory, or a shorter rollout.max_new_tokens")
         return " or ".join(options)
@@ -303,7 +320,8 @@ class MemoryPlan:
                 row("generation workspace", self.generation_workspace),
                 *([row("images (generation)", self.vision_generation, "kept tower output, a tower pass")]
                   if s.vision else []),
-                row("KV cache the rest allows", self.kv_cache,
+                row("KV pool (async, kept in the update)" if self.session_pool else "KV cache the rest allows",
+                    self.kv_cache,
                     f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
                     f"{self.seq_len} (decoding batch {self.batch})"),
                 row("generation peak", self.generation_peak),

@@ -3,6 +3,7 @@ torchrun), the same for every algorithm; ``fastgrpo/train.py`` is its command li
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from fastgrpo.distributed import (
 from fastgrpo.engine.engine import GenerationEngine
 from fastgrpo.eval import evaluate, write_eval_samples
 from fastgrpo.metrics import MetricsLogger, ProgressBar, Timer, peak_memory_gib, plot_metrics
+from fastgrpo.models.attention import ATTN_IMPLEMENTATION
+from fastgrpo.models.batch_invariant import enable_batch_invariant
 from fastgrpo.models.loading import (
     DTYPES,
     enable_activation_checkpointing,
@@ -87,6 +90,8 @@ class Trainer:
       ``tokens`` (all ranks) and ``bad_steps`` (non-finite optimizer steps in this step);
     - ``validate() -> metrics`` (``eval/...``; empty when there is nothing to validate on);
     - ``state_dict()`` / ``load_state_dict()``: what a resume needs beyond weights, optimizer and data position;
+      optionally ``rank_state_dict()`` / ``load_rank_state_dict(state or None)``: each rank's own (async GRPO's
+      sequences in flight);
     - ``check_world_size(cfg, world_size)`` (static): its batch splits over the processes;
     - ``prerequisites(cfg)`` (static): recipe runs to complete before it is built (:func:`run_recipe`);
     - ``warmup_examples()``: the supervised warm-up's examples (``fastgrpo.algorithms.sft.sft_warmup``);
@@ -124,12 +129,16 @@ class Trainer:
             enable_activation_checkpointing(model)
         wrapped = wrap_model(model, st, cfg.train.strategy, forward=getattr(algorithm, "forward", packed_forward),
                              whole=data_dependent_module(model))  # a VLM's tower: not sharded block by block
+        self.numerics = contextlib.ExitStack()  # numerics.batch_invariant: its ops registered until close()
+        if cfg.numerics.batch_invariant:
+            self.numerics.enter_context(enable_batch_invariant(model, ATTN_IMPLEMENTATION))
         engine = None
         if getattr(algorithm, "generates", True):
             engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),
                                       max_batch_size=cfg.rollout.max_batch_size, tokenizer=tokenizer,
                                       max_total_tokens=cfg.rollout.max_total_tokens or None,
-                                      record_routing=cfg.model.moe.router_replay)
+                                      record_routing=cfg.model.moe.router_replay,
+                                      batch_invariant=cfg.numerics.batch_invariant)
         t = cfg.train
         # fp32 AdamW; with model.dtype=bfloat16 it steps fp32 master weights (fastgrpo.precision)
         optimizer = make_optimizer(wrapped, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2))
@@ -193,6 +202,8 @@ class Trainer:
         self.sampler.load_state_dict(ts["sampler"])
         self.bad_in_a_row, self.total_bad = int(ts["bad_in_a_row"]), int(ts["total_bad"])
         self.algorithm.load_state_dict(ts.get("algorithm", {}))
+        if hasattr(self.algorithm, "load_rank_state_dict"):
+            self.algorithm.load_rank_state_dict(ts["rank_state"])
         self.last_saved = self.step
         print0(f"resumed from {path} at step {self.step}")
         return self.step
@@ -204,15 +215,18 @@ class Trainer:
                                               "total_bad": self.total_bad,
                                               "algorithm": self.algorithm.state_dict()},
                                keep_last=self.cfg.checkpoint.keep_last, state=self.state,
-                               dtype=DTYPES[self.cfg.model.dtype])
+                               dtype=DTYPES[self.cfg.model.dtype],
+                               rank_state=getattr(self.algorithm, "rank_state_dict", lambda: None)())
         self.last_saved = self.step
         return path
 
     def close(self) -> None:
-        """Stop the algorithm's helpers (GRPO's reward worker processes); safe to call more than once."""
+        """Stop the algorithm's helpers (GRPO's reward worker processes) and unregister numerics.batch_invariant's
+        ops; safe to call more than once."""
         close = getattr(self.algorithm, "close", None)
         if close is not None:
             close()
+        self.numerics.close()
 
     # ------------------------------------------------------------------ the shared validation
 

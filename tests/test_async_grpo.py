@@ -3,12 +3,21 @@
 Every step trains exactly ``num_prompts_per_step`` groups, none older than ``max_trajectory_age_steps``; groups are
 conserved (every prompt added is trained, dropped as stale, still in flight or finished and waiting: none is lost
 or trained twice), small KV budgets and few rows make groups straddle updates so that old tokens and stale drops
-occur; the config refuses what the mode does not support."""
+occur; a run resumed from a checkpoint (in-process, and after a SIGKILL of torchrun's processes) continues with the
+sequences that were in flight and logs the uninterrupted run's rows; the config refuses what the mode does not
+support."""
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 from checks import one_thread  # noqa: F401  (one_thread: a module fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,9 +32,54 @@ SMALL = [f"grpo.num_prompts_per_step={P}", f"grpo.num_generations={G}", "sft.war
          "grpo.rollout_is=token_truncate"]
 
 
+TIMING = ("time", "tokens_per_second", "peak_memory_gib")  # the wall clock's and the process's, not the run's
+RESUMABLE = ["rollout.max_new_tokens=24", "rollout.max_batch_size=3", "checkpoint.every_steps=2",
+             "checkpoint.keep_last=10", "reward.functions=[test_async_grpo:parity_reward]"]
+
+
 def parity_reward(prompts, completions, **_):
     """1 for a completion of odd length: the tiny untrained model's groups get rewards that differ (a loss)."""
     return [float(len(c) % 2) for c in completions]
+
+
+def fit(*overrides):
+    from fastgrpo.trainer import Trainer
+
+    trainer = Trainer(load_config(overrides=[*SMALL, *overrides]))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
+def rows_of(run_dir):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl(Path(run_dir) /
+                                                                                        "metrics.jsonl")]
+
+
+def assert_same_rows(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        diff = {k: (ra[k], rb[k]) for k in ra if ra[k] != rb[k] and not (ra[k] != ra[k] and rb[k] != rb[k])}  # nan
+        assert not diff, f"step {ra['step']}: {diff}"
+
+
+def assert_groups_conserved(rows, age, sessions=1):
+    """Every group added (each session's first buffer, each step's batch, the refills) is trained, dropped (stale,
+    without signal, at a stage change), in flight or waiting at the end: none lost, none trained twice."""
+    added = P * (len(rows) + age * sessions + sum(r["async/refill_batches"] for r in rows))
+    dropped = sum(r[f"async/dropped_{why}"] for r in rows for why in ("stale", "zero_std", "stage"))
+    assert added == P * len(rows) + dropped + rows[-1]["async/in_flight"] + rows[-1]["async/waiting"]
+
+
+def logged_groups(run_dir, step):
+    """The step's trained groups from its rollout log: group index -> [(tokens, reward)] of its samples."""
+    groups = {}
+    for line in (Path(run_dir) / "rollouts" / f"step_{step:08d}.jsonl").read_text().splitlines():
+        x = json.loads(line)
+        groups.setdefault(x["group"], []).append((x["completion_tokens"], x["reward"]))
+    return groups
 
 
 @pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])  # the engine's recompute:
@@ -47,17 +101,59 @@ def test_async_steps_train_fresh_groups_and_lose_none(tmp_path, recompute):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        assert 0 <= r["async/group_age/mean"] <= r["async/group_age/max"] <= age
+        assert 0 <= r["async/age_mean"] <= r["async/age_max"] <= age
         logged = (tmp_path / "rollouts" / f"step_{r['step']:08d}.jsonl").read_text().splitlines()
         assert len(logged) == P * G and {json.loads(x)["sample"] for x in logged} == set(range(G))
-    added = P * (steps + age + sum(r["async/extra_batches/max"] for r in rows))
-    last = rows[-1]
-    kept = P * steps + sum(r["async/stale_groups/sum"] for r in rows) + last["async/in_flight_groups/sum"] + \
-        last["async/waiting_groups/sum"]
-    assert added == kept  # every group added is trained, dropped as stale, in flight or waiting
-    assert max(r["async/group_age/max"] for r in rows) == age  # some trained groups straddled an update
+    assert_groups_conserved(rows, age)
+    assert max(r["async/age_max"] for r in rows) == age  # some trained groups straddled an update
     # their older tokens: the behaviour log-probs differ from the policy's (nan: a step with no trained token)
-    assert max(r["sampling/sampling_logp_difference/max"] for r in rows if r["async/group_age/max"]) > 0
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows if r["async/age_max"]) > 0
+
+
+def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path):
+    """With the K/V recomputed after each update, a run resumed from its step-2 checkpoint (the sequences in flight,
+    the finished groups waiting, the session's counters) logs steps 3 and 4 exactly as the run that kept going."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run = [*RESUMABLE, "train.max_steps=4", "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true"]
+    fit(*run, f"logging.output_dir={full}")
+    shutil.copytree(full, resumed)  # its latest checkpoint: step 2 (checkpoint.save_final is off)
+    state = torch.load(resumed / "checkpoints" / "step_00000002" / "state_rank0.pt", weights_only=True)
+    assert state["async"]["session"]["queue"]  # something was in flight
+    fit(*run, f"logging.output_dir={resumed}", "checkpoint.resume=auto")
+    assert_same_rows(rows_of(full), rows_of(resumed))
+
+
+def test_dynamic_sampling_refills_with_groups_that_have_signal(tmp_path):
+    """grpo.use_dynamic_sampling with async: a group whose rewards are all equal is dropped when it finishes and the
+    refill replaces it; every step trains P groups, each with rewards that differ, and every group is accounted
+    for (groups of 2: about half tie under the parity reward)."""
+    steps = 4
+    fit(*RESUMABLE, "checkpoint.every_steps=0", "grpo.num_generations=2", "grpo.use_dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_gen_batches=30", f"train.max_steps={steps}", f"logging.output_dir={tmp_path}")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        groups = logged_groups(tmp_path, r["step"])
+        assert len(groups) == P and all(len({x[1] for x in g}) == 2 for g in groups.values())
+        assert r["frac_reward_zero_std"] == 0 and r["dynamic_sampling/dropped_groups"] == r["async/dropped_zero_std"]
+        assert r["loss"] == r["loss"]  # a finite update on every step
+    assert sum(r["async/dropped_zero_std"] for r in rows) > 0 and sum(r["async/refill_batches"] for r in rows) > 0
+    assert_groups_conserved(rows, 1)
+
+
+def test_a_stage_change_trains_the_finished_groups_and_drops_the_unfinished(tmp_path):
+    """A stage that raises max_new_tokens from 8 to 16 at step 2: the groups still unfinished then are dropped
+    (async/dropped_stage), the finished ones are trained, a new session samples with the stage's limit; every group
+    is accounted for (two sessions' buffers)."""
+    steps = 5
+    fit("rollout.max_new_tokens=8", "rollout.max_batch_size=3", "reward.functions=[test_async_grpo:parity_reward]",
+        "stages=[{at_step: 2, max_new_tokens: 16}]", f"train.max_steps={steps}", f"logging.output_dir={tmp_path}")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["async/dropped_stage"] > 0 for r in rows] == [False, False, True, False, False]
+    lengths = [[n for g in logged_groups(tmp_path, r["step"]).values() for n, _ in g] for r in rows]
+    assert all(len(x) == P * G for x in lengths)
+    assert max(lengths[0] + lengths[1]) <= 8 and max(x for step in lengths[2:] for x in step) == 16
+    assert_groups_conserved(rows, 1, sessions=2)
 
 
 class ScriptedSession:
@@ -72,6 +168,8 @@ class ScriptedSession:
     @property
     def in_flight(self):
         return len(self.pending)
+
+    in_flight_tokens = 0  # a scripted group samples all its tokens when it finishes
 
     def add(self, prompts):
         keys = list(range(self.added, self.added + len(prompts)))
@@ -108,7 +206,7 @@ class ScriptedEngine:
     def __init__(self, tok, durations):
         self.tok, self.durations, self.last_stats, self.sessions = tok, durations, {}, []
 
-    def session(self, params, *, max_prompt_tokens, on_group_done):
+    def session(self, params, *, max_prompt_tokens, on_group_done, moving_weights):
         self.sessions.append(ScriptedSession(self.tok, self.durations, on_group_done, params.n))
         return self.sessions[-1]
 
@@ -118,7 +216,8 @@ class ScriptedEngine:
 def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, age):
     """Groups finish in a scripted order (some straddle several updates): no trained group is older than
     max_trajectory_age_steps, every group whose age at its finish already exceeds it is dropped, and every group
-    added is trained, dropped, in flight or waiting."""
+    added is trained, dropped, in flight or waiting. The age metrics are those of the trained tokens (recomputed
+    from the groups the step scored and the session's version), the carried tokens those of the waiting groups."""
     import tempfile
 
     from fastgrpo.trainer import Trainer
@@ -128,22 +227,33 @@ def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, ag
         cfg = load_config(overrides=[*SMALL, f"train.max_steps={steps}", "rollout.max_new_tokens=8",
                                      f"grpo.async_grpo.max_trajectory_age_steps={age}", f"logging.output_dir={out}"])
         trainer = Trainer(cfg)
+        ages = []  # per step: the trained tokens' ages
+        score_groups = trainer.algorithm.score_groups
+
+        def spy(idx, prompts, outs, *args):
+            ages.append([engine.sessions[0].version - v for group in outs for c in group for v in c.versions])
+            return score_groups(idx, prompts, outs, *args)
+
+        trainer.algorithm.score_groups = spy
         try:
             trainer.ctx.engine = engine = ScriptedEngine(trainer.tokenizer, durations)
             trainer.fit()
         finally:
             trainer.close()
         rows = read_jsonl(f"{out}/metrics.jsonl")
-        for r in rows:
+        for r, a in zip(rows, ages, strict=True):
             logged = open(f"{out}/rollouts/step_{r['step']:08d}.jsonl").read().splitlines()
-            assert len(logged) == P * G and r["async/group_age/max"] <= age
+            assert len(logged) == P * G and r["async/age_max"] <= age
+            assert r["async/age_mean"] == pytest.approx(sum(a) / len(a), rel=1e-12) and r["async/age_max"] == max(a)
+            L = len(engine.sessions[0].tok("\\boxed{3}", add_special_tokens=False)["input_ids"]) + 1
+            assert r["async/carried_tokens"] == r["async/waiting"] * G * L
     (session,) = engine.sessions
-    stale = sum(r["async/stale_groups/sum"] for r in rows)
+    stale = sum(r["async/dropped_stale"] for r in rows)
     assert stale >= sum(a > age for _, a in session.returned)
-    added = P * (steps + age + sum(r["async/extra_batches/max"] for r in rows))
-    assert added == session.added == P * steps + stale + rows[-1]["async/in_flight_groups/sum"] + \
-        rows[-1]["async/waiting_groups/sum"]
-    assert rows[-1]["async/in_flight_groups/sum"] == session.in_flight
+    added = P * (steps + age + sum(r["async/refill_batches"] for r in rows))
+    assert added == session.added == P * steps + stale + rows[-1]["async/in_flight"] + \
+        rows[-1]["async/waiting"]
+    assert rows[-1]["async/in_flight"] == session.in_flight
 
 
 @pytest.mark.slow  # 2 torchrun processes
@@ -162,20 +272,112 @@ def test_two_processes_each_train_their_share(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["async/group_age/max"] <= 1 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["async/age_max"] <= 1 for r in rows)
     for step in (1, 2, 3):
         for rank in (0, 1):
             logged = (tmp_path / "rollouts" / f"step_{step:08d}.rank{rank}.jsonl").read_text().splitlines()
             assert len(logged) == P // 2 * G
 
 
+def torchrun(run_dir, *overrides, nproc=2, wait=True):
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])  # parity_reward
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(root / "fastgrpo" / "train.py"), *SMALL, *overrides, f"logging.output_dir={run_dir}"]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def kill_9(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it (torchrun starts each worker in a session of its own, so its
+    process group would not reach them): the tree is read from /proc first, then each is killed by its id."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow  # 3 torchrun runs of 2 processes
+@pytest.mark.parametrize("recompute", [True, False])
+def test_kill_9_after_a_checkpoint_resumes_with_the_same_rows(tmp_path, recompute):
+    """torchrun with 2 ranks, killed with SIGKILL (every process) once its step-2 checkpoint is complete, resumed
+    from its latest checkpoint: each rank takes back its own sequences in flight (``state_rank{r}.pt``). With the
+    K/V recomputed after each update the resumed run logs every row as the uninterrupted run does; without, the rows
+    up to the checkpoint are the same and every group is still accounted for (the resumed samples continue on K/V of
+    the loaded weights: fastgrpo.algorithms.async_rollout)."""
+    steps = 5
+    run = [*RESUMABLE, f"grpo.async_grpo.recompute_kv_cache_after_weight_updates={str(recompute).lower()}"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    torchrun(full, *run, f"train.max_steps={steps}")
+    proc = torchrun(killed, *run, "train.max_steps=1000", wait=False)
+    marker = killed / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kill_9(proc.pid)
+    _, err = proc.communicate(timeout=60)
+    assert marker.exists(), err[-3000:]
+    out = torchrun(killed, *run, f"train.max_steps={steps}", "checkpoint.resume=auto")
+    at = int(out.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert 2 <= at < steps  # its latest complete checkpoint
+    a, b = rows_of(full), rows_of(killed)
+    if recompute:
+        assert_same_rows(a, b)
+    else:
+        assert_same_rows(a[:at], b[:at])
+        assert [r["step"] for r in b] == list(range(1, steps + 1))
+        assert_groups_conserved(b, 1)
+        assert all(r["async/age_max"] <= 1 for r in b)
+
+
+@pytest.mark.slow  # 2 torchrun runs of 2 processes
+def test_fsdp2_trains_as_ddp_does(tmp_path):
+    """train.strategy=fsdp2 with async: the session decodes inside one full_weights block per step and its gathered
+    weights may move between steps (moving_weights). Its rows equal DDP's run of the same steps up to the rounding
+    of the sharded update (the same tokens and rewards; the losses and norms to 1e-4): had the session read freed
+    or stale storage, the tokens and their behaviour log-probs would differ."""
+    run = [*RESUMABLE, "checkpoint.every_steps=0", "train.max_steps=4", "grpo.async_grpo.max_trajectory_age_steps=1"]
+    torchrun(tmp_path / "ddp", *run)
+    torchrun(tmp_path / "fsdp2", *run, "train.strategy=fsdp2")
+    a, b = rows_of(tmp_path / "ddp"), rows_of(tmp_path / "fsdp2")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-6, nan_ok=True), (ra["step"], k)
+    for step in (1, 2, 3, 4):
+        for rank in (0, 1):
+            name = f"step_{step:08d}.rank{rank}.jsonl"
+            assert (tmp_path / "ddp" / "rollouts" / name).read_text() == (tmp_path / "fsdp2" / "rollouts" /
+                                                                          name).read_text()
+
+
 @pytest.mark.parametrize("override, message", [
     ("grpo.rollout_is=none", "grpo.rollout_is must correct"),
-    ("grpo.use_dynamic_sampling=true", "grpo.use_dynamic_sampling is not supported"),
-    ("train.strategy=fsdp2", "fsdp2 is not supported"),
     ("grpo.async_grpo.in_flight_weight_updates=false", "in_flight_weight_updates must be true"),
     ("grpo.async_grpo.max_trajectory_age_steps=0", "max_trajectory_age_steps"),
 ])
 def test_config_refuses_what_async_does_not_support(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(overrides=[*SMALL, override])
+
+
+def test_config_refuses_model_rewards_with_dynamic_sampling(tmp_path):
+    with pytest.raises(ValueError, match="not supported with async GRPO and grpo.use_dynamic_sampling"):
+        load_config(overrides=[*SMALL, "grpo.use_dynamic_sampling=true", f"reward.models=[{{path: {tmp_path}}}]"])

@@ -100,7 +100,8 @@ def test_round_trip_and_resume(tmp_path):
     seed_all(7)
     torch.randn(5)  # advance the streams off their seed
     path = C.save_checkpoint(tmp_path, 2, model=model, tokenizer=tok, optimizer=opt, scheduler=sched,
-                             trainer_state={"data_pos": 8, "history": [0.5, 0.25], "name": "tiny"})
+                             trainer_state={"data_pos": 8, "history": [0.5, 0.25], "name": "tiny"},
+                             rank_state={"in_flight": {3: torch.arange(5, dtype=torch.int32)}, "order": [3]})
     assert path == tmp_path / "checkpoints" / "step_00000002" and C.latest_checkpoint(tmp_path) == path
     expected_draws = draws()
     saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -113,7 +114,9 @@ def test_round_trip_and_resume(tmp_path):
     params_before = {n: (p, p.data_ptr()) for n, p in fresh.named_parameters()}
     seed_all(99)
     trainer = C.load_checkpoint(path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    own = trainer.pop("rank_state")  # this rank's own file
     assert trainer == {"data_pos": 8, "history": [0.5, 0.25], "name": "tiny", "step": 2}
+    assert own["order"] == [3] and torch.equal(own["in_flight"][3], torch.arange(5, dtype=torch.int32))
     assert draws() == expected_draws
     assert_same_tensors(fresh.state_dict(), saved_weights)
     assert_same_tensors(optim_tensors(fresh_opt), saved_optim)
@@ -215,6 +218,8 @@ def test_bad_input(tmp_path):
         C.save_checkpoint(tmp_path, 1, model={"w": 1})
     with pytest.raises(ValueError, match=r"trainer_state\['pos'\]"):
         C.save_checkpoint(tmp_path, 1, model=model, trainer_state={"pos": np.int64(3)})
+    with pytest.raises(ValueError, match=r"rank_state\['queue'\]\[0\]"):
+        C.save_checkpoint(tmp_path, 1, model=model, rank_state={"queue": [object()]})
     assert C.latest_checkpoint(tmp_path) is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         C.load_checkpoint(tmp_path, model=model)
@@ -342,7 +347,7 @@ def test_two_processes_save_and_resume(tmp_path):
         assert sorted(report) == sorted(cases + [f"bf16:{c}" for c in cases])
         for case, rep in report.items():
             assert rep["path"] == f"{case.split('->')[0]}/checkpoints/step_00000002"
-            assert rep["trainer"] == {"data_pos": 16, "step": 2}
+            assert rep["trainer"] == {"data_pos": 16, "step": 2, "rank_state": None}  # none saved
             assert rep["rng_files"] == ["rng_rank0.pt", "rng_rank1.pt"]
             assert rep["rng_equal"], (case, r)
             # Bit for bit, across strategies too: with 2 ranks the all-reduce and the reduce-scatter both compute

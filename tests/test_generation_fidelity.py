@@ -92,15 +92,15 @@ def cases(draw, max_prompts=4, max_samples=32):
     return draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, schedules
 
 
-def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, spare_pages, row_cache):
+def engine_for(model, params, prompts, max_batch_size, sync_every, page_size, spare_pages, row_cache, **engine):
     """``spare_pages``: None = the default budget; k = the fewest pages that hold the longest sequence, plus k (small:
     admission waits for pages and running samples get preempted). ``row_cache``: the CPU decode attention from the
-    row cache (refreshed from the pages) or through the pages at every step."""
+    row cache (refreshed from the pages) or through the pages at every step. ``engine``: more engine arguments."""
     longest = max(len(p) for p in prompts) + params.max_new_tokens
     total = None if spare_pages is None else (-(-longest // page_size) + 2 + spare_pages) * page_size
     return GenerationEngine(
         model, eos_token_ids=[], max_batch_size=max_batch_size, max_total_tokens=total, sync_every=sync_every,
-        page_size=page_size, row_cache=row_cache,
+        page_size=page_size, row_cache=row_cache, **engine,
     )
 
 
@@ -212,14 +212,15 @@ def turn_cases(draw, max_prompts=3, max_samples=12):
 
 
 def run_turns(model, tokenizer, prompts, params, script, max_batch_size, sync_every, page_size, spare_pages,
-              row_cache):
+              row_cache, **engine_args):
     """One multi-turn call under a schedule (``spare_pages`` as in :func:`engine_for`, over the conversation budget)
-    with the scheduler's invariants checked every round; returns (completions, handler, engine)."""
+    with the scheduler's invariants checked every round; returns (completions, handler, engine). ``engine_args``:
+    more engine arguments."""
     budget = min(params.max_sequence_tokens or MAX_POS, MAX_POS)
     total = None if spare_pages is None else (-(-budget // page_size) + 2 + spare_pages) * page_size
     engine = GenerationEngine(
         model, eos_token_ids=[], max_batch_size=max_batch_size, max_total_tokens=total, sync_every=sync_every,
-        page_size=page_size, row_cache=row_cache, tokenizer=tokenizer,
+        page_size=page_size, row_cache=row_cache, tokenizer=tokenizer, **engine_args,
     )  # fmt: skip
     turns = ScriptedTurns(vocab=VOCAB, **script)
     CheckedScheduler.instances.clear()

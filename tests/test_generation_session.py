@@ -15,14 +15,15 @@
 """
 
 import copy
-import dataclasses
 import inspect
+import io
 import itertools
+from unittest import mock
 
 import pytest
 import torch
 from checks import one_thread  # noqa: F401  (an autouse fixture)
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generation import LOGPROB_ATOL, VOCAB, CheckedScheduler, random_prompts, teacher_forced_logp, tiny_model
 
@@ -46,20 +47,24 @@ def engine(model, case):
 
 
 @st.composite
-def cases(draw):
+def cases(draw, staggered=False):
+    """``staggered``: 20 tokens at most, 6 stop ids of 96, groups of 2 or more, batches of 2 prompts or more, 2 rows
+    or more: the completions end at staggered times, so that updates find samples mid-way."""
     greedy = draw(st.booleans())
-    n = draw(st.integers(1, 4))
+    n = draw(st.integers(2 if staggered else 1, 4))
     params = SamplingParams(
         n=n, temperature=0.0 if greedy else draw(st.sampled_from([0.7, 1.0])),
         top_k=0 if greedy else draw(st.sampled_from([0, 20])),
         top_p=1.0 if greedy else draw(st.sampled_from([1.0, 0.8])),
-        max_new_tokens=draw(st.integers(1, 14)), seed=draw(st.integers(0, 2**20)),
-        stop_token_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6, unique=True))))
-    batches = draw(st.lists(st.lists(st.integers(1, MAX_PROMPT), min_size=1, max_size=3), min_size=1, max_size=3))
+        max_new_tokens=20 if staggered else draw(st.integers(1, 14)), seed=draw(st.integers(0, 2**20)),
+        stop_token_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=6 if staggered else 1,
+                                           max_size=6, unique=True))))
+    batches = draw(st.lists(st.lists(st.integers(1, MAX_PROMPT), min_size=1 + staggered, max_size=3), min_size=1,
+                            max_size=3))
     # the pool must hold one sequence: its pages (prompt + response, page size 4), a partial prompt page, the scratch
     fits = 4 * (-(-(MAX_PROMPT + params.max_new_tokens) // 4) + 3)
     return dict(params=params, batches=batches, arch=draw(st.sampled_from(["qwen2", "llama", "qwen3"])),
-                max_batch_size=draw(st.integers(1, 8)), budget=draw(st.sampled_from([fits, 2 * fits, 512])),
+                max_batch_size=draw(st.integers(1 + staggered, 8)), budget=draw(st.sampled_from([fits, 2 * fits, 512])),
                 sync_every=draw(st.sampled_from([1, 3, 8])), cpu_packed=draw(st.booleans()),
                 pieces=draw(st.lists(st.integers(0, 3), min_size=1, max_size=6)))
 
@@ -129,58 +134,188 @@ def perturbed(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.abs().mean())
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.05 * p.abs().mean())
 
 
-def hf_after_update(old, new, prompt, ids, b):
-    """log p of ``ids[b:]`` under ``new`` reading ``old``'s K/V of ``prompt + ids[:b-1]`` (what a sample decoding at
-    the update keeps: the K/V of its last version-0 token are written when it is fed, after the update)."""
-    head = torch.tensor([prompt + ids[: b - 1]])
-    key = "cache" if "cache" in inspect.signature(new.forward).parameters else "past_key_values"  # transformers 5.2x
+class RecordingScheduler(CheckedScheduler):
+    """The checked scheduler, recording where each sample's K/V came from (the test sets ``version`` after each
+    update): the version each prompt was last prefilled with, the one each fresh sample's prompt K/V (and its first
+    token's hidden state) had at its admission, and the token counts at which a preempted (or restored) sample's K/V
+    were recomputed. Class-level, so that a restored session's scheduler adds to the same records."""
+
+    version, prefilled, prompt_version, rewrites = 0, {}, {}, {}
+
+    @classmethod
+    def reset(cls):
+        cls.version, cls.prefilled, cls.prompt_version, cls.rewrites = 0, {}, {}, {}
+
+    def admit(self, steps):
+        out = super().admit(steps)
+        cls = RecordingScheduler
+        cls.prefilled.update({p: cls.version for p in out.prefill})
+        cls.prompt_version.update({s.sample: cls.prefilled[s.prompt] for s in out.fresh})
+        for s in out.recompute:
+            cls.rewrites.setdefault(s.sample, []).append(s.generated)
+        return out
+
+
+def cached_forward(model, ids, cache=None):
+    """Hugging Face's forward of ``ids`` after the K/V of ``cache`` (None: from position 0): ``(logits [T, V] fp32,
+    the cache with theirs, the residual before the final norm at the last position)``."""
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # transformers 5.2x
+    seen = {}
+
+    def keep(module, args, out):  # returns None: the output stays
+        seen["h"] = args[0][0, -1]
+
+    hook = model.model.norm.register_forward_hook(keep)
+    try:
+        out = model(torch.tensor([ids]), use_cache=True, **({key: cache} if cache is not None else {}))
+    finally:
+        hook.remove()
+    return out.logits[0].float(), out[key], seen["h"]
+
+
+def engine_logp(models, prompt, ids, versions, prompt_version, rewrites, temperature):
+    """log p of each of ``ids`` (its ``versions``) as the engine samples them across weight updates, by Hugging Face
+    forwards with a cache, ``models[v]`` the weights of version v. Token i's logits are version ``versions[i]``'s (its
+    layers at the fed token i - 1, its norm and head) reading K/V that each position's writer left: the prompt's by
+    ``prompt_version`` (its prefill, whose last hidden state also gives token 0 under version ``versions[0]``'s norm
+    and head), token j's by ``versions[j + 1]`` (it is fed at the step that samples token j + 1), except that at each
+    count c of ``rewrites`` the sample was recomputed: prompt + ids[:c - 1] prefilled again by ``versions[c]``. With
+    every K/V recomputed at each update this is the teacher-forced forward under ``versions[i]``."""
+    out = torch.empty(len(ids))
+    starts = [0, *sorted(set(rewrites))]
     with torch.no_grad():
-        out = old(head, use_cache=True)
-        logits = new(torch.tensor([ids[b - 1 :]]), **{key: out[key]}).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[b:])[:, None]).squeeze(1)
+        for k, c in enumerate(starts):
+            end = starts[k + 1] if k + 1 < len(starts) else len(ids)
+            if c == 0:
+                _, cache, h = cached_forward(models[prompt_version], prompt)
+                head = models[versions[0]]
+                out[0] = torch.log_softmax(head.lm_head(head.model.norm(h)).float() / temperature, -1)[ids[0]]
+                i = 1
+            else:
+                _, cache, _ = cached_forward(models[versions[c]], prompt + ids[: c - 1])
+                i = c
+            while i < end:  # a run of tokens of one version: one forward
+                j = next((j for j in range(i, end) if versions[j] != versions[i]), end)
+                logits, cache, _ = cached_forward(models[versions[i]], ids[i - 1 : j - 1], cache)
+                out[i:j] = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids[i:j])[:, None])[:, 0]
+                i = j
+    return out
 
 
-@given(cases(), st.booleans(), st.integers(1, 4), st.lists(st.integers(0, VOCAB - 1), min_size=12, max_size=12,
-                                                        unique=True))
-@settings(max_examples=8, deadline=None, derandomize=True)
-def test_tokens_after_a_weight_update_are_sampled_with_the_new_weights(case, recompute, first_groups, stops):
-    model = tiny_model(case["arch"], seed=9)
-    # 12 stop ids of 96: completions end at staggered times, so the update finds samples mid-completion
-    params = dataclasses.replace(case["params"], stop_token_ids=tuple(stops), max_new_tokens=14)
-    prompts = [p for batch in prompts_of(case) for p in batch]
-    if not recompute:
-        case = {**case, "budget": 4096}  # no preemption: a sample keeps the K/V the old weights wrote
-    eng = engine(model, case)
-    with eng.session(params, max_prompt_tokens=MAX_PROMPT) as s:
-        s.add(prompts)
-        got = dict(s.run(first_groups))
-        old = copy.deepcopy(model)
-        perturbed(model, case["params"].seed)
-        assert s.update(recompute_kv=recompute) == 1
+def run_schedule(model, case, schedule, recompute, save):
+    """The first batch, then per step of ``schedule`` (add the next batch?, run(k), save and restore into a new
+    engine's session after the update?) and an update that moves the weights (``perturbed``), then the batches left.
+    Returns the groups by key, the weights of every version (copies, kept only here), the prompts, each run's
+    ``engine.last_stats`` and, after each update, ``(version, in_flight_tokens, keys returned so far)``."""
+    batches, params = prompts_of(case), case["params"]
+    got, prompts, models, stats, carried = {}, list(batches[0]), [copy.deepcopy(model)], [], []
+    s = engine(model, case).session(params, max_prompt_tokens=MAX_PROMPT)
+    s.add(batches.pop(0))
+    try:
+        for step, (add, k, restore) in enumerate(schedule):
+            if add and batches:
+                prompts += batches[0]
+                s.add(batches.pop(0))
+            got.update(s.run(k))
+            stats.append(s.engine.last_stats)
+            perturbed(model, params.seed + step)
+            RecordingScheduler.version = s.update(recompute_kv=recompute)
+            models.append(copy.deepcopy(model))
+            carried.append((s.version, s.in_flight_tokens, set(got)))
+            if save and restore:  # a checkpoint: through torch.save, into a fresh engine (a new process)
+                buf = io.BytesIO()
+                torch.save(s.state_dict(), buf)
+                s.close()
+                s = engine(model, case).session(params, max_prompt_tokens=MAX_PROMPT)
+                s.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+                assert s.in_flight_tokens == carried[-1][1] and s.version == carried[-1][0]
+        for batch in batches:
+            prompts += batch
+            s.add(batch)
         got.update(s.run(10**6))
+        stats.append(s.engine.last_stats)
+        assert s.in_flight == 0
+    finally:
+        s.close()
+    return got, models, prompts, stats, carried
+
+
+@given(cases(staggered=True), st.booleans(), st.lists(st.tuples(st.booleans(), st.integers(1, 2), st.booleans()),
+                                                      min_size=2, max_size=5))
+@settings(max_examples=10, deadline=None, derandomize=True)
+def test_async_schedules_sample_each_token_from_its_version(case, recompute, schedule):
+    """The fidelity harness's async schedules: prompts added at random times, ``run(k)`` of random sizes, an update
+    that moves the weights after each, ``sync_every``, small KV budgets (preemption), rows below the samples,
+    checkpoints (``state_dict`` into a fresh engine), K/V recomputed or kept. Every token's log-prob equals Hugging
+    Face's under the weights of its version reading the K/V the engine's schedule left (:func:`engine_logp`); with
+    ``recompute_kv`` every token is the teacher-forced forward's under its version (sampled from the weights of the
+    moment), and a run restored after an update is bit for bit the run that was not interrupted (its runs' counts
+    and peaks too). ``in_flight_tokens`` after each update counts the tokens sampled so far by the groups not
+    returned yet: those of older versions among the groups returned later."""
+    t = case["params"].temperature or 1.0
+    RecordingScheduler.reset()
+    with mock.patch.object(engine_loop, "Scheduler", RecordingScheduler):
+        got, models, prompts, stats, carried = run_schedule(tiny_model(case["arch"], seed=9), case, schedule,
+                                                            recompute, save=True)
+    records = (dict(RecordingScheduler.prompt_version), dict(RecordingScheduler.rewrites))
     assert sorted(got) == list(range(len(prompts)))
-    if not recompute:
-        assert eng.last_stats["preemptions"] == 0
-    straddling = [c for g in got.values() for c in g if 0 < c.versions.count(0) < len(c.token_ids)]
-    assume(straddling)  # a case where the update caught no sample mid-completion checks little
-    t = params.temperature or 1.0
+    for version, count, returned in carried:  # the tokens sampled before that update by groups returned after it
+        assert count == sum(x < version for key in set(got) - returned for c in got[key] for x in c.versions)
+    n = case["params"].n
+    for key, group in got.items():
+        assert len(group) == n
+        for j, c in enumerate(group):
+            ids, v, sample = c.token_ids, c.versions, key * n + j
+            assert v == sorted(v) and 0 <= v[0] and v[-1] < len(models)
+            ref = engine_logp(models, prompts[key], ids, v, records[0][sample], records[1].get(sample, []), t)
+            assert (torch.tensor(c.logprobs) - ref).abs().max() <= LOGPROB_ATOL, (key, j, v)
+            if recompute:  # every K/V of the weights that sampled the token: the teacher-forced forward's
+                for version in set(v):
+                    at = [i for i, x in enumerate(v) if x == version]
+                    want = teacher_forced_logp(models[version], prompts[key], ids, t)[at]
+                    assert (torch.tensor(c.logprobs)[at] - want).abs().max() <= LOGPROB_ATOL
+    if recompute and any(restore for *_, restore in schedule):
+        again, _, _, stats_again, _ = run_schedule(tiny_model(case["arch"], seed=9), case, schedule, recompute,
+                                                   save=False)
+        assert stats == stats_again
+        for key, group in got.items():
+            for a, b in zip(group, again[key], strict=True):
+                assert (a.token_ids, a.logprobs, a.versions, a.finish_reason) == (b.token_ids, b.logprobs,
+                                                                                   b.versions, b.finish_reason)
+
+
+@pytest.mark.gpu
+def test_a_session_follows_weights_that_move_between_runs():
+    """``moving_weights`` (FSDP2 gathers the weights afresh for each run): after each run every parameter moves to
+    new storage, the old storage is zeroed, and the weights change (an update, K/V recomputed). Every token's log-prob
+    is the teacher-forced forward's under its version: CUDA graphs replaying the old addresses would read zeros."""
+    model = tiny_model("qwen2", seed=9).cuda()
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=3, stop_token_ids=tuple(range(0, 96, 16)))
+    prompts = random_prompts([5, 9, 3, 7, 11, 4, 8, 2])
+    models, got = [copy.deepcopy(model)], {}
+    eng = GenerationEngine(model, eos_token_ids=None, max_batch_size=8, max_total_tokens=4096)
+    with eng.session(params, max_prompt_tokens=MAX_PROMPT, moving_weights=True) as s:
+        s.add(prompts)
+        while s.in_flight:
+            got.update(s.run(1))
+            with torch.no_grad():
+                for p in model.parameters():
+                    old = p.data
+                    p.data = old.clone()
+                    old.zero_()
+            perturbed(model, len(models))
+            s.update(recompute_kv=True)
+            models.append(copy.deepcopy(model))
+    assert sorted(got) == list(range(len(prompts))) and len(models) > 2
     for key, group in got.items():
         for c in group:
-            ids, b = c.token_ids, c.versions.count(0)
-            assert c.versions == [0] * b + [1] * (len(ids) - b)  # the update splits each completion once
-            if b:
-                ref = teacher_forced_logp(old, prompts[key], ids[:b], t)
-                assert (torch.tensor(c.logprobs[:b]) - ref).abs().max() <= LOGPROB_ATOL
-            if b == len(ids) or (not recompute and b == 0):
-                continue  # (not started at the update, no recompute: its prompt's K/V may be the old weights')
-            if recompute:
-                ref = teacher_forced_logp(model, prompts[key], ids, t)[b:]
-            else:
-                ref = hf_after_update(old, model, prompts[key], ids, b)
-            assert (torch.tensor(c.logprobs[b:]) - ref).abs().max() <= LOGPROB_ATOL
+            for version in set(c.versions):
+                at = [i for i, v in enumerate(c.versions) if v == version]
+                want = teacher_forced_logp(models[version], prompts[key], c.token_ids)[at]
+                assert (torch.tensor(c.logprobs, device=want.device)[at] - want).abs().max() <= LOGPROB_ATOL
 
 
 def test_session_errors():

@@ -203,6 +203,27 @@ def test_deepscaler_fits_8x80():
     assert not ddp.fits and "rollout.max_batch_size<=" in ddp.verdict() and "fsdp2" in ddp.verdict()
 
 
+def test_async_deepscaler_holds_its_pool_through_the_update():
+    """deepscaler-1.5b-async fits 8 x 80 GiB with its session's pool in the training peak (the sync plan's peak plus
+    rollout.max_total_tokens x 28 KiB); with a micro-batch twice as large the update does not fit next to the pool,
+    and the cure is the pool that leaves it room."""
+    cfg = load_config("deepscaler-1.5b-async", overrides=[f"model.path={QWEN_1P5B}"])
+    s = model_shape(cfg)
+    plan = memory_plan(cfg, 8, 80, shape=s)
+    sync_cfg = load_config("deepscaler-1.5b-async",
+                           overrides=[f"model.path={QWEN_1P5B}", "grpo.async_grpo.enabled=false"])
+    sync = memory_plan(sync_cfg, 8, 80, shape=s)
+    pool = cfg.rollout.max_total_tokens * 2 * 28 * 2 * 128 * 2
+    assert plan.fits, plan.verdict()
+    assert plan.session_pool == plan.kv_cache == pool and plan.training_peak == sync.training_peak + pool
+    assert plan.kv_sequences >= cfg.rollout.max_batch_size and sync.session_pool == 0
+    big = memory_plan(load_config("deepscaler-1.5b-async", overrides=[f"model.path={QWEN_1P5B}",
+                                                                       "train.max_tokens_per_microbatch=65536"]),
+                      8, 80, shape=s)  # 7.5 GiB more activations than the pool leaves room for
+    room = (big.usable - big.training_peak + pool) // plan.kv_bytes_per_token  # tokens the update leaves
+    assert not big.fits and f"rollout.max_total_tokens<={room} " in big.verdict()
+
+
 def _qwen3_1p7b_shape():
     """Qwen3-1.7B's shape (its config.json: hidden 2048, MLP 6144, 28 layers, 16 / 8 heads of 128, q_norm / k_norm,
     tied embeddings), read from a meta-device model."""

@@ -133,3 +133,38 @@ def test_async_grpo_trains_vlm_tiny(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(lm0, trainer.model.model.language_model.parameters()))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum("loss" in r for r in rows) == 3
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 2**16), st.integers(0, 2), st.sampled_from([2, 9]))
+def test_a_restored_session_keeps_its_images(seed, first_groups, batch):
+    """A checkpoint of a session with images (``state_dict`` after ``update(recompute_kv=True)``, through
+    ``torch.save``) restored into a fresh session continues bit for bit as the saved one: the unfinished groups'
+    images travel with it (their tower output recomputed), the finished groups' are freed."""
+    import io
+
+    model = tiny_vlm(seed % 4)
+    extra = torch.randperm(100, generator=torch.Generator().manual_seed(seed))[:16].tolist()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=seed, stop_token_ids=stops(model, extra))
+    _, inputs = vlm_prompts([1, 0, 2], seed)
+    prompts = [p for p, _ in inputs]
+
+    def session():
+        eng = GenerationEngine(model, eos_token_ids=[], max_batch_size=batch, page_size=4)
+        return eng.session(params, max_prompt_tokens=max(map(len, prompts)))
+
+    with session() as a:
+        a.add(prompts, images=[im for _, im in inputs])
+        a.run(first_groups)
+        a.update(recompute_kv=True)
+        buf = io.BytesIO()
+        torch.save(a.state_dict(), buf)
+        want = dict(a.run(10**6))
+    buf.seek(0)
+    with session() as b:
+        b.load_state_dict(torch.load(buf, weights_only=True))
+        got = dict(b.run(10**6))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert [c.token_ids for c in got[key]] == [c.token_ids for c in want[key]]
+        assert [c.logprobs for c in got[key]] == [c.logprobs for c in want[key]]

@@ -18,14 +18,19 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
    (one prefill of its prompt and tokens), otherwise the K/V the older weights wrote is kept.
 4. **Staleness.** Every sampled token records the policy version (optimizer steps taken) that sampled it and its
    behaviour log-prob (the engine's). A group's age is the trained policy's version minus its oldest token's; a
-   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/stale_groups``), never trained.
+   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/dropped_stale``), never trained.
    The policy update corrects the older tokens by importance sampling against their behaviour log-probs
-   (``grpo.rollout_is``, required). When a rank runs out of work before it has ``P_r`` trainable groups (stale
+   (``grpo.rollout_is``, required). When a rank's groups in flight cannot give it ``P_r`` trainable groups (stale
    drops), every rank adds another batch from the data sampler (one collective decides), as dynamic sampling does.
 
-Metrics (summed or maxed over ranks): ``async/group_age/mean`` and ``/max`` of the trained groups,
-``async/stale_groups/sum`` (dropped this step), ``async/in_flight_groups/sum`` (in the session at the step's end),
-``async/waiting_groups/sum`` (finished, waiting for the next step), ``async/extra_batches/max``.
+Metrics (over all ranks; NeMo-RL-style names): ``async/age_mean`` and ``async/age_max``, the age (the trained
+policy's version minus the token's) of the trained tokens (loss-mask 1), mean and max; ``async/in_flight`` (groups
+added and not finished at the step's end), ``async/dropped_stale`` (groups dropped this step),
+``async/carried_tokens`` (tokens already sampled by the groups carried into the next step: in flight, or finished
+and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/refill_batches`` (batches added
+this step beyond its own, the most on any rank), ``async/dropped_zero_std`` and ``async/dropped_stage`` (below).
+``time/generation``, ``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous
+step's.
 
 **Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
 and the update's activations fit together (``python -m fastgrpo.plan`` gives both; on CUDA the engine otherwise
@@ -35,20 +40,53 @@ token) a rank keeping B = 2 · 16 groups of 8 samples in flight at 12K tokens on
 are preempted and recomputed), so on an 80 GiB GPU size the pool at the plan's KV share (e.g. 40 GiB) and let the
 queue hold the rest. The host keeps the in-flight samples' tokens and log-probs (about 70 bytes a token).
 
-**What is lost on a crash.** A checkpoint holds the weights, the optimizer and the data sampler, not the sequences
-in flight: a resumed run starts a new session from the sampler's next prompts (the in-flight ones are not
-trained).
+**Checkpoints.** Each rank saves its sequences in flight with the checkpoint (``state_rank{r}.pt``:
+:meth:`AsyncRollout.state_dict`): the session's state (every unfinished sample's tokens, behaviour log-probs,
+versions, finish state and random stream position, the queue's order, the counters;
+``fastgrpo.engine.snapshot``), the finished groups waiting with their scores, each key's training row. A resumed
+run opens its session with them (their K/V recomputed by prefill on the loaded weights) and goes on. With
+``recompute_kv_cache_after_weight_updates`` the uninterrupted run had just recomputed every K/V on the same
+weights, so the resumed run's metrics rows equal the uninterrupted run's (tests/test_async_grpo.py kills a run with
+SIGKILL after a checkpoint and compares). Without it the uninterrupted run's running samples kept K/V of the older
+weights, which the checkpoint does not hold (the pages: up to the pool, e.g. 40 GiB per GPU at the DeepScaleR
+scale): the resumed run's samples continue on K/V of the newest weights, so from the resumed step its rows differ
+from the uninterrupted run's by that (every token's version and behaviour log-prob stay exact). A checkpoint taken
+mid-step (an interruption) holds no session: the resumed run starts a new one (those prompts are not trained).
 
-Not supported yet (refused at start-up, ``Config._check_async``): dynamic sampling, multi-turn environments,
-stages, FSDP2 (the engine reads gathered weights that do not outlive one generation).
+**Refill.** A rank refills (every rank adds a batch from the data sampler, one collective decides) as soon as the
+groups it has in flight can no longer make up its step, not only once they have all finished: the decode batch
+drains less.
+
+**Dynamic sampling** (``grpo.use_dynamic_sampling``): the over-sampling is the refill. A group whose rewards
+(before shaping) are all equal is dropped the moment it is scored (``async/dropped_zero_std``, also counted in
+``dynamic_sampling/dropped_groups``) and the refill replaces it, at most ``dynamic_sampling_max_gen_batches - 1``
+batches a step; groups with signal beyond the step's wait for the next one (none is discarded). Not with
+``reward.models`` / ``reward.judges``: their scores come after the step's groups are chosen (refused).
+
+**Stages.** A stage that changes the sampling (``max_new_tokens``, ``max_sequence_tokens``) drains the buffer at its
+first step: the finished groups waiting are kept and trained (sampled under the previous stage's limit), the
+unfinished ones are dropped (``async/dropped_stage``: finishing them would decode the old stage's long tail), and a
+new session with the stage's settings is filled as at the start (``(max_trajectory_age_steps + 1)`` batches). A
+stage that changes only the learning rate, β or ε keeps the session.
+
+**FSDP2.** The step's generation runs inside one ``full_weights`` block (the full weights gathered once per step on
+every rank, held while the session decodes, freed for the update, as a synchronous step's generation does), and the
+session is told that the gathered storage may move between runs (``moving_weights``: its CUDA graphs are captured
+again each step).
+
+Not supported yet (refused at start-up, ``Config._check_async``): multi-turn environments (an environment's turn
+handler is built per batch of rows, its groups' rewards are collected when the whole batch ends, and its workers
+hold per-trajectory state that a checkpoint cannot save).
 """
 
 from __future__ import annotations
 
 import torch
 
+from fastgrpo.algorithms.advantages import scale_rewards
 from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
-from fastgrpo.distributed import all_reduce
+from fastgrpo.distributed import all_reduce, full_weights, is_fsdp, print0
+from fastgrpo.engine.snapshot import completion_from_state, completion_state
 from fastgrpo.rewards import RewardResult, add_faults
 
 
@@ -57,17 +95,28 @@ def oldest_version(group: list) -> int:
     return min(min(c.versions) for c in group)
 
 
+SAMPLING_SETTINGS = ("max_new_tokens", "max_sequence_tokens")
+"""The stage settings the session's sampling depends on: a stage that changes one opens a new session."""
+
+
 class AsyncRollout:
-    """The generation session and the finished groups of one rank (module docstring); made by ``GRPO``."""
+    """The generation session and the finished groups of one rank (module docstring); made by ``GRPO``.
+
+    Groups are keyed ``base + k``, ``k`` the session's own key: a stage change opens a new session, whose keys start
+    again at 0, after ``base`` (the keys of the sessions before it)."""
 
     def __init__(self, grpo):
         self.grpo = grpo
         self.ctx, self.cfg = grpo.ctx, grpo.cfg
         self.session = None
-        self.rows: dict[int, int] = {}  # session key -> its training row
+        self.base = 0  # the run's key of the session's key 0
+        self.sampling: dict = {}  # SAMPLING_SETTINGS of the session
+        self.rows: dict[int, int] = {}  # key -> its training row
         self.ready: list[tuple[int, list, list[float], dict[str, list[float]]]] = []
         """Finished groups not trained yet, in finishing order: (key, completions, total, per-function scores)."""
         self.prompt_texts: dict[int, str] = {}
+        self.at_boundary = True  # between a step's end (after_update) and the next step's start
+        self.saved: dict | None = None  # a checkpoint's state, taken back when the session opens
 
     @property
     def share(self) -> int:
@@ -75,17 +124,29 @@ class AsyncRollout:
         return self.cfg.grpo.num_prompts_per_step // self.ctx.state.world_size
 
     def _open(self, settings: dict) -> None:
-        t, cfg = self.ctx, self.cfg
-        params = sampling_params(cfg, settings, n=cfg.grpo.num_generations,
-                                 seed=(cfg.train.seed * SEED_STRIDE + t.step) * 1024 + t.state.rank)
+        """The session, fresh or (after a resume) with the checkpoint's sequences in flight and waiting groups (and
+        the sampling settings they were started with, so that a stage change after the resume is seen)."""
+        t, cfg, saved = self.ctx, self.cfg, self.saved
+        seed = saved["session"]["seed"] if saved else (cfg.train.seed * SEED_STRIDE + t.step) * 1024 + t.state.rank
+        self.sampling = dict(saved["sampling"]) if saved else {k: settings[k] for k in SAMPLING_SETTINGS}
+        params = sampling_params(cfg, {**settings, **self.sampling}, n=cfg.grpo.num_generations, seed=seed)
         longest = max(map(len, self.grpo.train_data.prompt_ids))
-        self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit)
+        self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit,
+                                        moving_weights=is_fsdp(t.wrapped))
+        if saved:
+            self.session.load_state_dict(saved["session"])
+            self.base, self.rows = saved["base"], dict(saved["rows"])
+            self.prompt_texts = {key: t.tokenizer.decode(self.grpo.train_data.prompt_ids[row])
+                                 for key, row in self.rows.items()}
+            self.ready = [(g["key"], [completion_from_state(c) for c in g["group"]], g["total"], g["per_function"])
+                          for g in saved["ready"]]
+            self.saved = None
 
-    def _submit(self, key: int, group: list) -> None:
+    def _submit(self, k: int, group: list) -> None:
         """A finished group goes to the reward pool at once (scored while the others decode)."""
         if self.grpo.rewards is None:
             return
-        tok, data = self.ctx.tokenizer, self.grpo.train_data
+        tok, data, key = self.ctx.tokenizer, self.grpo.train_data, self.base + k
         row = self.rows[key]
         texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in group]
         columns = data.columns([row])
@@ -98,16 +159,22 @@ class AsyncRollout:
         per_rank = len(indices) // st.world_size
         idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
         prompts = [self.grpo.train_data.prompt_ids[i] for i in idx]
-        for key, i, p in zip(self.session.add(prompts), idx, prompts, strict=True):
-            self.rows[key] = i
-            self.prompt_texts[key] = self.ctx.tokenizer.decode(p)
+        for k, i, p in zip(self.session.add(prompts), idx, prompts, strict=True):
+            self.rows[self.base + k] = i
+            self.prompt_texts[self.base + k] = self.ctx.tokenizer.decode(p)
 
-    def _collect(self, finished: list, faults: dict) -> dict:
+    def _forget(self, keys) -> None:
+        for key in keys:
+            del self.rows[key], self.prompt_texts[key]
+
+    def _collect(self, finished: list, faults: dict) -> tuple[dict, int]:
         """Score the groups the session just returned (the reward pool's scores, in key order) into ``ready``;
-        returns the pool's times and adds its fault counts to ``faults``."""
+        returns the pool's times and how many groups dynamic sampling dropped (all rewards equal, before shaping),
+        and adds the pool's fault counts to ``faults``."""
         if not finished:
-            return {}
+            return {}, 0
         G = self.cfg.grpo.num_generations
+        finished = [(self.base + k, group) for k, group in finished]
         if self.grpo.rewards is not None:
             result, times = self.grpo.rewards.gather()
             for name, counts in result.faults.items():
@@ -115,42 +182,72 @@ class AsyncRollout:
         else:
             result, times = RewardResult(total=[0.0] * (len(finished) * G), per_function={}), {}
         at = {key: i * G for i, key in enumerate(sorted(key for key, _ in finished))}
+        dropped = 0
         for key, group in finished:
-            a = at[key]
-            self.ready.append((key, group, result.total[a : a + G],
-                               {name: s[a : a + G] for name, s in result.per_function.items()}))
-        return times
+            total = result.total[at[key] : at[key] + G]
+            raw = scale_rewards(total, self.cfg.reward_scaling)
+            if self.cfg.grpo.use_dynamic_sampling and max(raw) == min(raw):  # no signal: the refill replaces it
+                self._forget([key])
+                dropped += 1
+                continue
+            self.ready.append((key, group, total, {name: s[at[key] : at[key] + G]
+                                                   for name, s in result.per_function.items()}))
+        return times, dropped
+
+    def _new_stage(self) -> int:
+        """The stage changed the sampling settings: the unfinished groups are dropped (their rows forgotten), the
+        finished ones stay to be trained, and the session is closed (the next :meth:`_open` starts one with the
+        stage's settings). Returns the groups dropped."""
+        dropped = self.session.in_flight
+        waiting = {key for key, *_ in self.ready}
+        self._forget([key for key in self.rows if key not in waiting])
+        self.base += self.session.added
+        self.close()
+        return dropped
 
     def groups(self, indices: list[int], settings: dict) -> tuple[list, dict]:
         """This step's groups (``GRPO.score_groups``: rewards, advantages' inputs, sums) from the session, after
         queueing the rows ``indices`` (module docstring)."""
-        t, a = self.ctx, self.cfg.grpo.async_grpo
-        first = self.session is None
-        if first:
-            self._open(settings)
+        t, g = self.ctx, self.cfg.grpo
+        age = g.async_grpo.max_trajectory_age_steps
+        changed = 0
+        if self.session is not None and self.sampling != {k: settings[k] for k in SAMPLING_SETTINGS}:
+            changed = self._new_stage()
+        first = self.session is None and self.saved is None
+        self.at_boundary = False
         faults: dict[str, dict[str, int]] = {}
         times: dict[str, float] = {}
-        with t.timer("generation"):
+        with t.timer("generation"), full_weights(t.wrapped):  # FSDP2: gathered once a step, on every rank
+            if self.session is None:
+                self._open(settings)
             self._add(indices)
-            for _ in range(a.max_trajectory_age_steps if first else 0):  # the buffer: B groups in flight
+            for _ in range(age if first else 0):  # the buffer: B groups in flight
                 self._add(t.sampler.next(self.grpo.rows_per_step))
-            stale = extra = 0
+            stale = extra = zero_std = 0
             while True:
                 version = self.session.version
-                fresh = [g for g in self.ready if version - oldest_version(g[1]) <= a.max_trajectory_age_steps]
-                kept = {g[0] for g in fresh}
-                for key in [g[0] for g in self.ready if g[0] not in kept]:  # dropped: its row is forgotten
-                    del self.rows[key], self.prompt_texts[key]
+                fresh = [x for x in self.ready if version - oldest_version(x[1]) <= age]
+                kept = {x[0] for x in fresh}
+                self._forget([x[0] for x in self.ready if x[0] not in kept])  # dropped as stale
                 stale += len(self.ready) - len(fresh)
                 self.ready = fresh
                 short = self.share - len(self.ready)
-                if short > 0 and self.session.in_flight:
-                    for key, value in self._collect(self.session.run(short), faults).items():
+                starving = short > 0 and self.session.in_flight < short  # what is in flight cannot fill the step
+                if short > 0 and not starving:
+                    got, dropped = self._collect(self.session.run(short), faults)
+                    zero_std += dropped
+                    for key, value in got.items():
                         times[key] = times.get(key, 0.0) + value
                     continue
-                starved = all_reduce(torch.tensor([float(short > 0)], device=t.coll_device())).item()
-                if not starved:  # sync: every rank decides together whether to refill
+                refill = all_reduce(torch.tensor([float(starving)], device=t.coll_device())).item()
+                if not refill:  # sync: every rank decides together whether to refill
                     break
+                if g.use_dynamic_sampling and extra + 1 >= g.dynamic_sampling_max_gen_batches:
+                    raise RuntimeError(
+                        f"dynamic sampling (async, step {t.step}): grpo.dynamic_sampling_max_gen_batches="
+                        f"{g.dynamic_sampling_max_gen_batches} batches added and still fewer than the step's groups "
+                        f"with rewards that differ ({zero_std} dropped on this rank); raise it, or train on prompts "
+                        "the policy neither always solves nor always fails")
                 self._add(t.sampler.next(self.grpo.rows_per_step))
                 extra += 1
         chosen, self.ready = self.ready[: self.share], self.ready[self.share :]
@@ -164,17 +261,51 @@ class AsyncRollout:
                               per_function={n: [s for *_, per in chosen for s in per[n]] for n in names},
                               faults=faults)
         groups, sums = self.grpo.score_groups(idx, prompts, outs, result, times, settings)
-        ages = [self.session.version - oldest_version(group) for group in outs]
-        sums.update({"async/group_age/sum": float(sum(ages)), "async/group_age/max": float(max(ages)),
-                     "async/stale_groups/sum": float(stale), "async/extra_batches/max": float(extra),
-                     "async/in_flight_groups/sum": float(self.session.in_flight),
-                     "async/waiting_groups/sum": float(len(self.ready))})
+        version = self.session.version
+        ages = [version - v for group in outs for c in group for v, bit in zip(c.versions, c.loss_mask) if bit]
+        waiting = sum(len(c.token_ids) for _, group, _, _ in self.ready for c in group)
+        sums.update({"async/age/sum": float(sum(ages)), "async/age_tokens/sum": float(len(ages)),
+                     "async/age_max/max": float(max(ages, default=0)), "async/dropped_stale/sum": float(stale),
+                     "async/dropped_stage/sum": float(changed), "async/dropped_zero_std/sum": float(zero_std),
+                     "async/refill_batches/max": float(extra), "async/in_flight/sum": float(self.session.in_flight),
+                     "async/waiting/sum": float(len(self.ready)),
+                     "async/carried_tokens/sum": float(self.session.in_flight_tokens + waiting)})
         return groups, sums
+
+    @staticmethod
+    def finish_metrics(m: dict) -> None:
+        """The step's ``async/`` metrics (module docstring) from their sums over ranks, in place."""
+        m["async/age_mean"] = m.pop("async/age/sum") / max(m.pop("async/age_tokens/sum"), 1.0)
+        for key in [k for k in m if k.startswith("async/") and k.endswith(("/sum", "/max"))]:
+            m[key.rsplit("/", 1)[0]] = m.pop(key)
 
     def after_update(self) -> None:
         """The optimizer step is done: in-flight sequences continue on the new weights (version + 1)."""
         if self.session is not None:
             self.session.update(recompute_kv=self.cfg.grpo.async_grpo.recompute_kv_cache_after_weight_updates)
+        self.at_boundary = True
+
+    def state_dict(self) -> dict | None:
+        """This rank's part of a checkpoint: the session's sequences in flight (``GenerationSession.state_dict``),
+        the sampling settings it was opened with, the finished groups waiting with their scores, each key's training
+        row. None when there is no session at a step boundary (an interruption mid-step: the resumed run opens a new
+        session)."""
+        if self.session is None or not self.at_boundary:
+            return None
+        return {"world_size": self.ctx.state.world_size, "session": self.session.state_dict(), "base": self.base,
+                "sampling": dict(self.sampling), "rows": dict(self.rows),
+                "ready": [{"key": key, "group": [completion_state(c) for c in group], "total": list(total),
+                           "per_function": {k: list(v) for k, v in per.items()}}
+                          for key, group, total, per in self.ready]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Take back :meth:`state_dict` (the session opens with it at the next step). None, or a state saved under
+        another world size: the run goes on with a new session (what was in flight is not trained)."""
+        if state is not None and state["world_size"] != self.ctx.state.world_size:
+            state = None
+            print0("async GRPO: the checkpoint's sequences in flight were saved under another world size: a new "
+                   "generation session starts (they are not trained)")
+        self.saved = state
 
     def close(self) -> None:
         if self.session is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fastgrpo.kernels.batch_invariant import forward_scope
 from fastgrpo.kernels.linear_logprobs import masked_linear_logprobs
 from fastgrpo.models.attention import packed_hidden_states
 from fastgrpo.models.loading import lm_head_params
@@ -15,13 +16,15 @@ from fastgrpo.models.vlm import packed_vlm_hidden_states
 def packed_forward(model, input_ids, position_ids, cu_seqlens, max_seqlen, vision=None, moe_routing=None):
     """The training forward (run as the DDP/FSDP-wrapped model's forward): hidden ``[N, H]``, LM head weight, bias.
     ``vision``: a VLM micro-batch's images and 3-D positions (``fastgrpo.models.vlm.packed_vlm_hidden_states``).
-    ``moe_routing``: an MoE model's routing of this forward (``fastgrpo.models.moe.MoERouting``)."""
+    ``moe_routing``: an MoE model's routing of this forward (``fastgrpo.models.moe.MoERouting``). With
+    ``numerics.batch_invariant`` on, on the batch-invariant ops (``fastgrpo.kernels.batch_invariant``)."""
     if vision is not None:
         hidden_NH = packed_vlm_hidden_states(model, input_ids, cu_seqlens, max_seqlen, vision)
         weight_VH, bias_V = lm_head_params(model)
         return hidden_NH, weight_VH, bias_V
     batch = PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-    hidden_NH = packed_hidden_states(model, batch, moe_routing)
+    with forward_scope():
+        hidden_NH = packed_hidden_states(model, batch, moe_routing)
     weight_VH, bias_V = lm_head_params(model)
     return hidden_NH, weight_VH, bias_V
 

@@ -181,6 +181,14 @@ class GRPO:
         self.ref_model.load_state_dict(torch.load(path, map_location=self.ctx.state.device, weights_only=True))
         self.reference_step = step
 
+    def rank_state_dict(self) -> dict | None:
+        """This rank's own resumable state: async GRPO's sequences in flight (``AsyncRollout.state_dict``)."""
+        return {"async": self.async_rollout.state_dict()} if self.async_rollout is not None else None
+
+    def load_rank_state_dict(self, state: dict | None) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.load_state_dict((state or {}).get("async"))
+
     def _reference_path(self, step: int):
         return self.ctx.run_dir / "reference" / f"step_{step:08d}.pt"
 
@@ -392,7 +400,8 @@ class GRPO:
                 kept.append(groups)
                 break
             kept.append([grp for grp in groups if grp.signal])
-            n = all_reduce(torch.tensor([len(kept[-1]), len(groups) - len(kept[-1])],
+            dropped_here = len(groups) - len(kept[-1]) + sums.get("async/dropped_zero_std/sum", 0)  # async: refilled
+            n = all_reduce(torch.tensor([len(kept[-1]), dropped_here],
                                         device=t.coll_device())).tolist()  # sync: the decision to generate more
             have, dropped = have + n[0], dropped + n[1]
             if have >= P:
@@ -485,6 +494,6 @@ class GRPO:
         if "generation/decode_steps/sum" in m:  # the decode batch's mean occupancy, over every rank's decode steps
             m["generation/rows_active_mean"] = m.pop("generation/active_row_steps/sum") / max(
                 m.pop("generation/decode_steps/sum"), 1.0)
-        if self.async_rollout is not None:  # over the step's trained groups, all ranks
-            m["async/group_age/mean"] = m.pop("async/group_age/sum") / self.cfg.grpo.num_prompts_per_step
+        if self.async_rollout is not None:  # over the step's trained tokens and groups, all ranks
+            self.async_rollout.finish_metrics(m)
         return m

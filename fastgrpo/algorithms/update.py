@@ -68,6 +68,9 @@ class PolicyUpdate:
         self.world_size = world_size
         self.uses_old_logprobs = True
         """The loss has an importance ratio: several optimizer steps per rollout need the old log-probs."""
+        self.engine_logprobs_are_old = cfg.numerics.batch_invariant and not cfg.grpo.async_grpo.enabled
+        """The engine's log-probs are the pre-update policy's bit for bit: no old-log-prob forward
+        (``numerics.batch_invariant``; an async rollout's tokens come from older policies)."""
         self.options = loss_options(cfg)
         """The loss options of the config's base settings (:func:`loss_options`)."""
         self._stage_options: dict[tuple, GRPOLossOptions] = {}  # by (β, ε_high, max_new_tokens): the stages met
@@ -119,7 +122,14 @@ class PolicyUpdate:
             self._policy_logprobs(plans[:1], n_mbs[:1], "fresh_logprobs", temperature, replay=False)
             for mb in plans[0]:
                 self.moe.no_replay_gap(mb.fresh_logprobs, mb)
-        if len(steps) > 1 and self.uses_old_logprobs:
+        # With numerics.batch_invariant (and a synchronous rollout) the engine's log-probs are the policy's before
+        # any update, bit for bit: the first optimizer step is on-policy (its own log-probs, which equal them: the
+        # sampling metrics measure it), later ones take them as the old ones, and the forward is not run.
+        if len(steps) > 1 and self.uses_old_logprobs and self.engine_logprobs_are_old:
+            for mbs in plans[1:]:
+                for mb in mbs:
+                    mb.old_logprobs = mb.sample_logprobs
+        elif len(steps) > 1 and self.uses_old_logprobs:
             self._policy_logprobs(plans, n_mbs, "old_logprobs", temperature)
         if beta > 0 and self.ref_forward is None:  # LoRA: the policy with its adapters disabled is the reference
             with adapters_disabled(unwrap_model(self.model)):

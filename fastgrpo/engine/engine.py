@@ -97,6 +97,7 @@ H hidden size, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 
@@ -107,6 +108,7 @@ from fastgrpo.engine.loop import CallSettings, Run
 from fastgrpo.engine.runner import PREFILL_CHUNK_TOKENS
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult
 from fastgrpo.engine.vision import CallVision, prompt_images
+from fastgrpo.models.batch_invariant import check_model
 from fastgrpo.models.lora import check_modules, unwrap_peft
 from fastgrpo.models.vlm import VLM_MODEL_TYPES, ImageInputs, is_vlm, text_config, text_decoder
 
@@ -156,6 +158,9 @@ class GenerationEngine:
         tokenizer: decodes a turn's tokens (anything with ``decode(list[int]) -> str``, e.g. a Hugging Face
             tokenizer): needed for ``SamplingParams.stop_strings`` (matched on the decoded tail) and for a turn
             handler (its ``turn_text``). Never used to encode.
+        batch_invariant: ``numerics.batch_invariant``: the model's own decoder on the batch-invariant ops, so that
+            every sampled token's log-prob equals the trainer's packed forward's bit for bit
+            (``fastgrpo.engine.batch_invariant``; CPU, dense Llama / Qwen2 / Qwen3: refused otherwise).
         record_routing: a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): record the experts each token was routed
             to, every ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
     """
@@ -176,6 +181,7 @@ class GenerationEngine:
         cpu_packed: bool | None = None,
         tokenizer=None,
         record_routing: bool = False,
+        batch_invariant: bool = False,
     ):
         model = unwrap_peft(model)  # a PeftModel: its model, LoRA layers in place (read unmerged, fastgrpo.models.lora)
         check_modules(model)
@@ -234,7 +240,9 @@ class GenerationEngine:
         self._cpu_packed = cpu_packed
         self._record_routing = record_routing
 
-        self.forward = ModelForward(model, compile)  # the forward pieces, read from the model's own modules
+        if batch_invariant:
+            check_model(model)
+        self.forward = ModelForward(model, compile, batch_invariant)  # the forward pieces, from the model's modules
         if record_routing not in (True, False) or (record_routing and self.forward.moe is None):
             raise ValueError(f"record_routing={record_routing!r}: True records a mixture-of-experts model's routing "
                              f"({model_type!r} has no MoE layers), else False")
@@ -314,14 +322,14 @@ class GenerationEngine:
 
     def session(self, params: SamplingParams, *, max_prompt_tokens: int,
                 on_group_done: Callable[[int, list[Completion]], None] | None = None,
-                turns: TurnHandler | None = None):
+                turns: TurnHandler | None = None, moving_weights: bool = False):
         """A :class:`fastgrpo.engine.session.GenerationSession`: prompts added over time, decoded across weight
         updates (asynchronous RL: generation that never drains); ``max_prompt_tokens`` bounds the prompts it will
-        take."""
+        take; ``moving_weights``: FSDP2 (see the session's module docstring)."""
         from fastgrpo.engine.session import GenerationSession
 
         return GenerationSession(self, params, max_prompt_tokens=max_prompt_tokens, on_group_done=on_group_done,
-                                 turns=turns)
+                                 turns=turns, moving_weights=moving_weights)
 
     @contextmanager
     def calling(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
@@ -331,8 +339,9 @@ class GenerationEngine:
         was_training = model.training
         model.eval()
         forward.read_adapters()  # LoRA: base + adapters, unmerged (fastgrpo.models.lora)
+        invariant = forward.invariant.calling() if forward.invariant is not None else contextlib.nullcontext()
         try:
-            with torch.inference_mode(), forward.autocast(device, dtype, param_dtype):
+            with torch.inference_mode(), forward.autocast(device, dtype, param_dtype), invariant:
                 yield
         finally:
             model.train(was_training)
@@ -347,8 +356,10 @@ class GenerationEngine:
             sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
             cuda_graphs=cuda and self._cuda_graphs is not False,
             page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
-            row_cache=self._row_cache, cpu_packed=self._cpu_packed, record_routing=self._record_routing,
+            row_cache=self._row_cache, cpu_packed=False if self.forward.invariant else self._cpu_packed,
+            record_routing=self._record_routing,
             stop_ids=frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids), max_context=max_context,
+            batch_invariant=self.forward.invariant is not None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ validation and planning

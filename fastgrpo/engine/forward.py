@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.engine.batch_invariant import BatchInvariantForward
 from fastgrpo.engine.cache import KVCache
 from fastgrpo.engine.moe import EngineMoE
 from fastgrpo.engine.ops import EAGER_OPS, Ops
@@ -34,9 +35,11 @@ class ModelForward:
 
     ``compile``: fuse the elementwise ops with ``torch.compile`` (None: on CUDA only; compiled once, on first use).
     ``read_adapters`` / ``clear_adapters`` bracket one ``generate`` call (the LoRA adapters do not change within it).
+    ``batch_invariant``: prefill, decode and the LM head run the model's own decoder on the batch-invariant ops
+    (``invariant``: ``fastgrpo.engine.batch_invariant.BatchInvariantForward``; hidden states after the final norm).
     """
 
-    def __init__(self, model: torch.nn.Module, compile: bool | None):
+    def __init__(self, model: torch.nn.Module, compile: bool | None, batch_invariant: bool = False):
         inner = text_decoder(model)  # a VLM's language model (fastgrpo.models.vlm)
         config = text_config(model)
         self.model = model
@@ -54,6 +57,7 @@ class ModelForward:
         self._compile = compile
         self._compiled_ops: Ops | None = None
         self._lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per call
+        self.invariant = BatchInvariantForward(model) if batch_invariant else None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K/V one token takes in the page pool: ``2 · layers · Hkv · D · element size``."""
@@ -195,6 +199,8 @@ class ModelForward:
         Token i's K/V go to flat slot ``slot_N[i]`` of the page pool (page · page_size + offset). Its attention reads
         the same K/V values it writes (the fresh tensors, before the write), so it equals attention through the pages.
         """
+        if self.invariant is not None:
+            return self.invariant.prefill(tokens_N, pos_N, groups, cache, slot_N)
         G = self.num_heads // self.num_kv_heads
 
         def attend(li, q, k, v):
@@ -227,6 +233,8 @@ class ModelForward:
         math path holds ``Hq · count · (kv + count)`` fp32 scores per layer, a few MiB for an observation of a few
         hundred tokens in a few thousand).
         """
+        if self.invariant is not None:
+            return self.invariant.prefill_onto(tokens_N, pos_N, spans, tables, cache, slot_N)
         G, Hkv, D = self.num_heads // self.num_kv_heads, self.num_kv_heads, self.head_dim
         masks = [
             torch.arange(kv + m, device=tokens_N.device) <= torch.arange(kv, kv + m, device=tokens_N.device)[:, None]
@@ -267,6 +275,8 @@ class ModelForward:
         return x, delta
 
     def logits(self, ops, residual_PH: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:  # its prefill's hidden states are after the final norm
+            return self.invariant.logits(residual_PH)
         norm = self.inner.norm
         return self.lm_head(ops.rms_norm(residual_PH, norm.weight, norm.variance_epsilon))  # [P, V] fp32
 
@@ -312,6 +322,8 @@ class ModelForward:
         only the table columns the longest row uses), else through the pages by the torch path. ``rope_S``: each
         row's rotary position minus its cache position (M-RoPE's ``rope_delta``, ``fastgrpo.engine.vision``; None: 0).
         """
+        if self.invariant is not None:
+            return self.invariant.decode(cache, tok_S, pos_S, table_SP)
         work = cache.work  # None: the paged kernel (CUDA)
         ps = cache.kv.shape[4]
         if cache.rows is not None:

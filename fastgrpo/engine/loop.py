@@ -51,6 +51,7 @@ class CallSettings:
     stop_ids: frozenset  # eos_token_ids and params.stop_token_ids
     max_context: int | None  # multi-turn: a conversation's token budget; None: single-turn
     record_routing: bool = False  # an MoE model: record each token's experts (Completion.routing)
+    batch_invariant: bool = False  # log-probs by the LM head's fixed vocabulary tiles (numerics.batch_invariant)
 
 
 def bucket(n: int, cap: int) -> int:
@@ -319,7 +320,8 @@ class Run:
         stream_A = sample_streams(self.settings.seed, sample_A)
         trajectories = self.conversations.trajectories
         t0_A = torch.tensor([trajectories[s.sample].sampled for s in starts], device=dev)
-        tok, lp = sample_tokens(logits, params, row_seeds(stream_A, t0_A))
+        tok, lp = sample_tokens(logits, params, row_seeds(stream_A, t0_A),
+                                batch_invariant=self.settings.batch_invariant)
         limits = torch.tensor([s.limit for s in starts], device=dev)
         state.tok[idx] = tok
         state.pos[idx] = torch.tensor([s.context for s in starts], device=dev)
@@ -381,15 +383,16 @@ class Run:
         """``sync_every`` decode steps of rows ``[0, S_b)`` without reading anything back: each step samples one
         token per row and advances the live rows (a done row's draw lands past its tokens, read by nothing)."""
         state, params = self.state, self.params
-        steps = self.settings.sync_every
+        steps, invariant = self.settings.sync_every, self.settings.batch_invariant
         rows = torch.arange(S_b, device=self.settings.device)
         for i in range(steps):
             logits = self.runner.decode(S_b, n_pages)  # [S_b, V] fp32
             col = state.n_gen[:S_b]
             if state.u.shape[1]:
-                tok, lp = sample_tokens(logits, params, None, state.u[rows, col])
+                tok, lp = sample_tokens(logits, params, None, state.u[rows, col], batch_invariant=invariant)
             else:
-                tok, lp = sample_tokens(logits, params, row_seeds(state.stream[:S_b], state.t0[:S_b] + col))
+                tok, lp = sample_tokens(logits, params, row_seeds(state.stream[:S_b], state.t0[:S_b] + col),
+                                        batch_invariant=invariant)
             live_S = ~state.done[:S_b]
             if self.recorder is not None:  # the experts of the tokens this step fed, at their positions
                 self.recorder.keep_step(i, S_b, state.pos[:S_b], live_S)

@@ -76,6 +76,14 @@ class ModelRunner:
         if work is not None and work.packs is not None:
             work.packs.clear()
 
+    def weights_moved(self) -> None:
+        """The parameters may live at other addresses now (FSDP2 gathers them afresh for each run of a session): as
+        :meth:`weights_changed`, and the CUDA graphs, which read the old addresses, are captured again on use."""
+        self.weights_changed()
+        if self.graphs is not None:
+            g = self.graphs
+            self.graphs = DecodeGraphs(g.forward, g.logits_RV.shape[0], g.logits_RV.shape[1], g.logits_RV.device)
+
     # ------------------------------------------------------------------ prefill
 
     def _slots(self, pages: list[int], positions) -> list[int]:

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from fastgrpo.kernels.batch_invariant import logsumexp_tiles, token_logprobs
 from fastgrpo.kernels.sampling import SEED_MASK, gumbel_sample, inverse_cdf_sample, uniform_rows
 from fastgrpo.kernels.utils import use_triton
 
@@ -216,14 +217,25 @@ def stream_uniforms(stream_A: torch.Tensor, t0_A: torch.Tensor, width: int) -> t
     return row_uniforms(row_seeds(stream_A[:, None], index_AW))
 
 
-def sample_tokens(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor | None, u_S=None):
+def sample_tokens(logits_SV: torch.Tensor, params: SamplingParams, seeds_S: torch.Tensor | None, u_S=None,
+                  batch_invariant: bool = False):
     """Draw one token per row (row r from its stream ``seeds_S[r]``); returns (token [S] int64, log-prob [S] fp32
     before top-p/top-k truncation). ``logits_SV`` is consumed: the unfused path works in place on it.
 
     On CUDA (the Triton kernels) the draw is Gumbel-max over the row's uniforms ``U(seed, v)``; elsewhere it is the
     inverse CDF with one uniform per row (``inverse_cdf_sample``): the same distribution, no ``[S, V]`` noise. That
     uniform is ``row_uniforms(seeds_S)``, or ``u_S`` when the caller has it (the engine's table,
-    ``stream_uniforms``: the same values; ``seeds_S`` may then be None)."""
+    ``stream_uniforms``: the same values; ``seeds_S`` may then be None).
+
+    ``batch_invariant`` (``numerics.batch_invariant``): the same draw, and the log-prob is
+    ``logits[token] / T − logsumexp_tiles(logits / T)`` (``fastgrpo.kernels.batch_invariant``: the LM head's fixed
+    vocabulary tiles, the trainer's log-prob bit for bit; T = 1 when greedy), read from a copy of the logits."""
+    if batch_invariant:
+        inv_temp = 1.0 if params.greedy else 1.0 / params.temperature
+        lse_S = logsumexp_tiles(logits_SV, inv_temp)
+        kept_SV = logits_SV.clone()
+        tok, _ = sample_tokens(logits_SV, params, seeds_S, u_S)
+        return tok, token_logprobs(kept_SV, tok, inv_temp, lse_S)
     if u_S is None and not params.greedy and not use_fused_sampling(logits_SV):
         u_S = row_uniforms(seeds_S)
     if params.greedy:

@@ -250,6 +250,15 @@ class Scheduler:
         seq.limit = limit
         self.resuming.append(seq)
 
+    def add_resuming(self, seq: Seq) -> None:
+        """A restored sample between turns whose handler had answered (``fastgrpo.engine.snapshot``): paused with no
+        pages (its whole conversation is prefilled at admission) and queued to resume."""
+        seq.pages, seq.kv, seq.paused = [], 0, self._paused_counter
+        self._paused_counter += 1
+        self.paused[seq.sample] = seq
+        self.resuming.append(seq)
+        self.peak_paused = max(self.peak_paused, len(self.paused))
+
     def _evict_paused(self, keep: Seq | None = None) -> bool:
         """Free the pages of the latest-paused sample that holds any (not ``keep``); False when there is none."""
         holders = [s for s in self.paused.values() if s.pages and s is not keep]

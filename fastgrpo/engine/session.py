@@ -40,12 +40,23 @@ holds ~1.5M tokens, 128 sequences at 12K on average; the update's activations (t
 ``python -m fastgrpo.plan``) must fit next to it, and paused sequences keep their pages meanwhile. Host state: the
 samples' tokens, O(tokens of the in-flight samples).
 
-**Limits.** The weights must be updated in place (one process, DDP): under FSDP2 the engine reads gathered full
-weights that do not outlive one ``full_weights`` block, so a session there would read freed storage (not supported).
-Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
+**Checkpoints.** :meth:`~GenerationSession.state_dict` holds the sequences in flight as plain data (their tokens,
+behaviour log-probs, versions, finish states, random streams' positions; not their K/V) and
+:meth:`~GenerationSession.load_state_dict` puts them into a fresh session of the same parameters and seed, as
+preempted samples whose K/V are recomputed at admission. Taken right after ``update(recompute_kv=True)``, the
+restored session continues bit for bit as the saved one would have; otherwise its samples continue on K/V of the
+current weights instead of the older ones they had (``fastgrpo.engine.snapshot``).
+
+**FSDP2.** The engine reads the full weights, which FSDP2 gathers for a ``full_weights`` block and frees after it:
+each :meth:`~GenerationSession.run` must be inside such a block (every rank's, together: the gather is a
+collective), and the session made with ``moving_weights=True``, since the gathered storage may be at another address
+at each run (the CUDA graphs, which read the parameters' addresses, are captured again; the page pool and every
+sequence stay). Outside the runs the session reads no weight (``update``, ``state_dict``).
+
+**Limits.** Prompt keys number the prompts in the order they were added; the random streams are keyed by them, as in
 ``generate``. A vision-language model's prompts carry their images (``add(prompts, images=)``,
-``fastgrpo.engine.vision``: the tower once per prompt, its output kept while the group is in flight); images are
-single-turn, as in ``generate``.
+``fastgrpo.engine.vision``: the tower once per prompt, its output kept while the group is in flight; a checkpoint
+keeps the unfinished groups' images, not the tower's output); images are single-turn, as in ``generate``.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from contextlib import contextmanager
 
 from fastgrpo.engine.loop import Run
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler
+from fastgrpo.engine.snapshot import capture, restore
 from fastgrpo.engine.vision import CallVision, prompt_images
 from fastgrpo.models.vlm import ImageInputs, is_vlm
 
@@ -69,12 +81,13 @@ class GenerationSession:
     Made by :meth:`fastgrpo.engine.engine.GenerationEngine.session`. ``max_prompt_tokens``: the longest prompt it
     will take (it sizes the block tables and buffers). ``on_group_done(key, completions)``: called as each group
     finishes, inside :meth:`run` (a reward pool can score it while the rest decode). ``turns``: a multi-turn handler,
-    as for ``generate``.
+    as for ``generate``. ``moving_weights``: the parameters may be at other addresses at each :meth:`run` (FSDP2
+    gathers them for each run): the CUDA graphs and the CPU step's packs are made again at each run.
     """
 
     def __init__(self, engine, params: SamplingParams, *, max_prompt_tokens: int,
                  on_group_done: Callable[[int, list[Completion]], None] | None = None,
-                 turns: TurnHandler | None = None):
+                 turns: TurnHandler | None = None, moving_weights: bool = False):
         engine._check_call(params, on_group_done, turns)
         if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
@@ -83,6 +96,7 @@ class GenerationSession:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for a response within the "
                              f"sequence budget of {context} tokens")
         self.engine, self.params, self.turns = engine, params, turns
+        self.moving_weights = moving_weights
         self._user_done = on_group_done
         self._finished: list[tuple[int, list[Completion]]] = []
         self._added = 0
@@ -126,6 +140,21 @@ class GenerationSession:
         """Groups added and not yet returned by :meth:`run`."""
         return self._added - self._returned
 
+    @property
+    def added(self) -> int:
+        """Prompts (groups) added so far: the key the next one gets."""
+        return self._added
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """Tokens sampled (or appended, multi-turn) so far by the groups not yet returned: their finished samples'
+        and the unfinished ones' (host bookkeeping only: the running rows' counts as of the last harvest)."""
+        conv, sched = self._run.conversations, self._run.scheduler
+        finished = sum(len(c.token_ids) for p, left in enumerate(conv.unfinished) if left for c in conv.results[p]
+                       if c is not None)
+        turns = sum(s.generated for s in sched.rows if s is not None) + sum(len(s.tokens) for s in sched.waiting)
+        return finished + turns + sum(len(t.ids) for t in conv.trajectories.values())
+
     def add(self, prompt_token_ids: Sequence[Sequence[int]], images: Sequence[ImageInputs | None] | None = None
             ) -> list[int]:
         """Queue ``params.n`` samples of each prompt behind the waiting ones; returns their keys (consecutive, from
@@ -154,10 +183,14 @@ class GenerationSession:
         if not isinstance(groups, int) or groups < 0:
             raise ValueError(f"groups must be an integer >= 0, got {groups!r}")
         with self._calling():
+            if self.moving_weights:
+                self._run.runner.weights_moved()
             while len(self._finished) < groups and next(self._steps):
                 pass
         out, self._finished = self._finished, []
         self._returned += len(out)
+        for key, _ in out:  # the caller has them: the session forgets them (host memory stays O(in flight))
+            self._run.conversations.results[key] = None
         stats = self._run.stats()
         self.engine.last_stats = {k: v - self._counted.get(k, 0) if k in RUN_COUNTS else v for k, v in stats.items()}
         self._counted = {k: stats[k] for k in RUN_COUNTS}
@@ -176,6 +209,34 @@ class GenerationSession:
                 if self._vision is not None:
                     self._vision.forget_embeddings()
         return self.version
+
+    def state_dict(self) -> dict:
+        """The sequences in flight and the session's counters as plain data (tensors, numbers, strings; what a
+        checkpoint keeps): :mod:`fastgrpo.engine.snapshot` says what it holds and what a restore recomputes (the
+        K/V). Refused while a sample waits on its turn handler."""
+        self._check_open("state_dict")
+        stats = self._run.stats()
+        pending = {k: stats[k] - self._counted.get(k, 0) for k in RUN_COUNTS}  # reported by the next run
+        state = capture(self._run, {"seed": self._run.settings.seed, "version": self.version, "added": self._added,
+                                    "returned": self._returned, "pending": pending})
+        if self._vision is not None:  # the unfinished groups' images (their tower output is recomputed)
+            state["images"] = self._vision.state(state["prompts"])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back a :meth:`state_dict` into this fresh session (nothing added yet; the same ``params``, seed
+        included): every unfinished sample continues where it was, its K/V recomputed at its admission on the
+        current weights."""
+        self._check_open("load_state_dict")
+        if self._added or self.version:
+            raise RuntimeError("GenerationSession.load_state_dict needs a fresh session (nothing added, no update)")
+        restore(self._run, state)
+        if self._vision is not None:
+            self._vision.restore(state["added"], {p: ids.tolist() for p, ids in state["prompts"].items()},
+                                 state.get("images", {}))
+        self.version = self._run.conversations.version = state["version"]
+        self._added, self._returned = state["added"], state["returned"]
+        self._counted = {k: -v for k, v in state["pending"].items()}  # the next run reports them
 
     def close(self) -> None:
         """Free the page pool and the buffers (idempotent); the unfinished samples are dropped. ``engine.last_stats``

@@ -97,10 +97,31 @@ class CallVision:
             self.deltas.append(delta)
 
     def release(self, p: int) -> None:
-        """Prompt ``p``'s group has finished (a session): no sequence of it is prefilled again; free its kept
-        embeddings and positions."""
+        """Prompt ``p``'s group has finished (a session): no sequence of it is prefilled again; free its images,
+        kept embeddings and positions."""
         self.embeds.pop(p, None)
         self.positions[p] = None
+        self.images[p] = None
+
+    def state(self, keys) -> dict[int, dict[str, torch.Tensor]]:
+        """The images of prompts ``keys`` (a session's unfinished groups) as plain tensors, for a checkpoint."""
+        return {p: {"pixel_values": im.pixel_values.cpu(), "grid_thw": im.grid_thw.cpu()} for p in keys
+                if (im := self.images[p]) is not None}
+
+    def restore(self, added: int, prompts: dict[int, list[int]], images: dict[int, dict]) -> None:
+        """Take back :meth:`state` into a fresh session's vision: ``added`` prompts so far, of which ``prompts``
+        (key -> ids) are unfinished; their positions are computed again, their tower output at first use."""
+        if self.images:
+            raise RuntimeError("CallVision.restore needs a fresh session's vision (no prompt added)")
+        self.images = [None] * added
+        self.positions = [None] * added
+        self.deltas = [0] * added
+        for p, ids in prompts.items():
+            im = images.get(p)
+            self.images[p] = im = None if im is None else ImageInputs(im["pixel_values"], im["grid_thw"])
+            self.check([ids], [im], p)
+            pos_3L, self.deltas[p] = rope_positions(self.model, ids, None if im is None else im.grid_thw)
+            self.positions[p] = pos_3L.to(self.cos_TD.device)
 
     def forget_embeddings(self) -> None:
         """The weights changed and every K/V is recomputed (``GenerationSession.update(recompute_kv=True)``): the

@@ -27,7 +27,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from fastgrpo.kernels import batch_invariant
 from fastgrpo.kernels.varlen_attention import varlen_attention_torch, varlen_attention_unchecked
+from fastgrpo.models.batch_invariant import KV_CONTEXT, invariant_attention
 from fastgrpo.models.packing import PackedBatch
 
 ATTN_IMPLEMENTATION = "fastgrpo_varlen"
@@ -68,6 +70,8 @@ def fastgrpo_varlen_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``[B, H, S, D]`` in, ``[B, S, Hq, D]`` out (like the flash-attention one)."""
+    if kwargs.get(KV_CONTEXT) is not None:  # the engine's batch-invariant forward: K/V through its cache
+        return kwargs[KV_CONTEXT].attend(module.layer_idx, query, key, value, scaling), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
@@ -94,6 +98,8 @@ def fastgrpo_varlen_attention_forward(
     v = value.transpose(1, 2).reshape(B * S, value.shape[1], D)  # [N, Hkv, D]
     causal = getattr(module, "is_causal", True)
     attend = varlen_attention_unchecked if query.is_cuda else varlen_attention_torch  # CPU: torch path, see there
+    if batch_invariant.active():  # numerics.batch_invariant: the attention the engine runs too
+        attend = invariant_attention
     out = attend(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scaling)
     return out.view(B, S, Hq, D), None
 

@@ -1,0 +1,83 @@
+"""``numerics.batch_invariant`` on Hugging Face models: what the mode refuses, and the attention it runs.
+
+The mode's ops are ``fastgrpo.kernels.batch_invariant`` (products, RMSNorm's mean, SiLU, the LM head) and
+``fastgrpo.kernels.batch_invariant_attention``; the trainer's packed forward and the generation engine run the
+same Hugging Face modules on them (``fastgrpo.algorithms.forward.packed_forward``,
+``fastgrpo.engine.batch_invariant``), and the ``fastgrpo_varlen`` attention (``fastgrpo.models.attention``) takes
+:func:`invariant_attention` while a forward runs in the mode.
+
+What breaks invariance, refused at start-up (:func:`check_model`) with the reason:
+
+- a CUDA model: the mode is built for CPU. On CUDA it needs a persistent Triton matmul with one fixed tile
+  schedule and no split-K (or the exact-product scheme here on the tensor cores: an fp64-exact GEMM is not
+  available there), one attention kernel for prefill, decode and varlen reading key blocks in this fixed order,
+  and the LM head's fixed vocabulary tiles in ``fused_linear_logprobs``' Triton kernel;
+- an architecture other than dense Llama / Qwen2 / Qwen3 (MoE: the grouped GEMM and the router are a follow-up),
+  an activation other than SiLU, sliding-window layers, attention dropout, a rope whose frequencies depend on the
+  sequence length (dynamic, longrope: the engine's growing sequence and the trainer's full one would differ);
+- another attention implementation than ``fastgrpo_varlen`` (an SDPA or flash kernel we do not own picks its
+  reduction order by shape), a ``torch.compile``d model (inductor fuses and reorders the reductions), fp64
+  weights (fp64 products are not exact on the grids);
+- LoRA dropout (the trainer's forward would not be the sampler's): refused by the config (``model.lora.dropout``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.kernels.batch_invariant import invariant_ops
+from fastgrpo.kernels.batch_invariant_attention import varlen_attention
+
+KV_CONTEXT = "batch_invariant_kv"  # the engine's K/V for one forward, passed to each layer's attention
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+CUDA_REFUSAL = ("numerics.batch_invariant runs on CPU only: on CUDA it needs a persistent Triton matmul with a fixed "
+                "tile schedule (no split-K), one attention kernel for prefill, decode and the packed forward with a "
+                "fixed key-block order, and the LM head's fixed vocabulary tiles in the log-prob kernel (not built)")
+
+
+def check_model(model: torch.nn.Module, attn_implementation: str | None = None) -> None:
+    """Refuse a model the batch-invariant mode cannot make invariant (module docstring); ``attn_implementation``:
+    the attention the forward must use (None: not checked, the engine sets its own for its calls)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError("numerics.batch_invariant: a torch.compile'd model reorders its reductions; refused")
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        raise ValueError(CUDA_REFUSAL)
+    if param.dtype == torch.float64:
+        raise ValueError("numerics.batch_invariant: fp64 weights are not supported (model.dtype float32 or bfloat16)")
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"numerics.batch_invariant: architecture {config.model_type!r} is not supported (dense "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}; MoE is a follow-up)")
+    if getattr(config, "hidden_act", None) != "silu":
+        raise ValueError(f"numerics.batch_invariant: activation {config.hidden_act!r} is not supported (silu)")
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in
+                                                          getattr(config, "layer_types", None) or ()):
+        raise ValueError("numerics.batch_invariant: sliding-window attention layers are not supported")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"numerics.batch_invariant: attention_dropout={config.attention_dropout} makes the trainer's "
+                         "forward differ from the sampler's; set it to 0")
+    rope_type = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or "longrope" in rope_type:
+        raise ValueError(f"numerics.batch_invariant: rope type {rope_type!r} depends on the sequence length")
+    if attn_implementation is not None and config._attn_implementation != attn_implementation:
+        raise ValueError(f"numerics.batch_invariant: the model's attention is {config._attn_implementation!r}, not "
+                         f"{attn_implementation!r} (whose batch-invariant path the mode runs)")
+
+
+def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str):
+    """The trainer's switch: the model checked (:func:`check_model`), then the invariant ops registered for as long
+    as the returned context is open (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs
+    there); the packed forward and the log-prob kernels take them while it is."""
+    check_model(model, attn_implementation)
+    return invariant_ops()
+
+
+def invariant_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int, *, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+    """``varlen_attention``'s signature on the batch-invariant attention
+    (:func:`fastgrpo.kernels.batch_invariant_attention.varlen_attention`), causal only."""
+    if not causal:
+        raise ValueError("numerics.batch_invariant: only causal attention is supported")
+    scale = softmax_scale if softmax_scale is not None else q_THD.shape[-1] ** -0.5
+    return varlen_attention(q_THD, k_THD, v_THD, cu_seqlens, scale)

@@ -1,0 +1,396 @@
+"""Batch-invariant numerics (``numerics.batch_invariant``): ops whose value for a row depends on that row's data
+alone, never on how many rows share the call, where the row sits, the product's shape, or the code path a
+library picks for that shape. The generation engine and the trainer's packed forward both run them, so a token's
+log-prob is the same number, bit for bit, whether it was sampled in a batched decode or scored in a packed forward.
+
+**Why it holds (exact products).** A BLAS's result depends on its blocking: measured on this code's hosts, MKL's
+AVX-512 sgemm gives a row the same bits at every position of a fixed ``[T, K] x [K, N]`` shape, but its AVX2 path
+(the one AMD EPYC hosts run) does not, whatever the orientation, and single-row (gemv) and batched calls differ
+from both. So the products here do not rest on a BLAS property: each operand is put on a power-of-two grid, and
+the product is then computed exactly, so every order of summation gives the same number.
+
+For ``y = x Wᵀ`` with ``x [M, K]``, ``W [N, K]``: row ``m`` of ``x`` is rounded to ``x̃_m = 2^(e_m − b) ·
+round(x_m · 2^(b − e_m))`` where ``2^e_m > max|x_m|`` (``e_m``: the exponent of the row's largest entry), and
+``W``'s row ``n`` alike with ``e'_n``. The integers have at most ``b`` bits, so with ``2b + ⌈log₂ K⌉ ≤ 53``
+(:func:`product_bits`) every product and every partial sum of ``Σ_k x̃_mk w̃_nk`` is an integer below ``2^53``
+times ``2^(e_m + e'_n − 2b)``: exact in fp64, whatever the order, the blocking, FMA or not. fp64 GEMM computes
+it (``torch.mm`` on the rounded operands held in fp64), and the one rounding is the final cast to the output
+dtype. ``b`` is 23 at K = 64, 21 at K = 1536, 19 at K = 18944: the
+rounding of the operands costs an error of at most ``2^-b (max|x_m| Σ_k|w_nk| + max|w_n| Σ_k|x_mk|)``, the size
+of fp32 GEMM's own error (tests: against an fp64 reference with that bound).
+
+The other reductions are made exact the same way: a row's mean of squares (RMSNorm) sums its terms on a grid of
+``53 − ⌈log₂ n⌉`` bits below its largest (:func:`last_dim_mean`); the LM head's ``Σ exp`` sums per vocabulary
+tile on a fixed grid (:func:`vocab_tile_stats`), and the tiles combine in one fixed order. The elementwise ops
+(``+ − × ÷``, ``round``, the conversions) are correctly rounded, the same in a SIMD lane and in scalar code; the
+transcendental ones the forward uses (fp32 ``exp``, ``cos``, ``sin``, ``rsqrt``; fp64 ``exp``, ``log``) are
+position-independent in this torch build on AVX-512, AVX2 and the default ISA (checked at start-up by
+:func:`self_check`), while torch's fp32 ``silu`` / ``sigmoid`` are not (their scalar tail differs from the vector
+body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` from the ops above.
+
+**Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU kernels of ``aten::mm``,
+``addmm``, ``bmm``, ``silu`` and ``mean.dim`` (a ``torch.library`` registration, counted: the last exit removes
+it); inside :func:`invariant_forward` (the model's forward, engine and trainer) those kernels compute the
+invariant values, outside it they call PyTorch's own (``.out`` overloads: the same kernels), so autograd's
+backward of the forward runs the fast products. Attention is ``fastgrpo.kernels.batch_invariant_attention``; the
+LM head and log-probs are :func:`linear_logprobs` (trainer) and :func:`logsumexp_tiles` (engine).
+
+Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids (a few elementwise passes over each
+operand; the engine keeps the weights' grids for a call, ``invariant_forward(weight_cache=)``). Memory: the fp64
+integer copy of an operand, 2x its fp32 bytes (the engine's cache: 2x the fp32 weights, 4x bf16 ones; for
+DeepSeek-R1-Distill-Qwen-1.5B bf16 that is 12 GiB, which is why the mode is for CPU-sized models).
+
+Shape legend: M rows, K reduced dim, N output columns, V vocabulary, C vocabulary tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import warnings
+
+import torch
+
+FP64_BITS = 53  # significand bits of fp64: integers below 2^53 are exact
+VOCAB_TILE = 2048  # vocabulary columns per tile of the LM head's log-sum-exp (engine and trainer alike)
+TILE_EXP_BITS = FP64_BITS - 11  # exp(z − m_c) ≤ 1 on a grid of 2^-42: 2048 of them sum exactly
+INVARIANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the overrides compute for
+
+_local = threading.local()  # .active, .cache (weight grids of a call), .params (their storages)
+_registry = {"lib": None, "refs": 0}
+
+
+def product_bits(k: int) -> int:
+    """Grid bits of each operand of a product over ``k`` terms: ``⌊(53 − ⌈log₂ k⌉) / 2⌋`` (exact sums)."""
+    return (FP64_BITS - math.ceil(math.log2(max(k, 1)))) // 2
+
+
+def pow2(n: torch.Tensor) -> torch.Tensor:
+    """``2^n`` in fp64 for integer ``n`` in [-1022, 1023], built from its bits (exact by construction)."""
+    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def to_grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """``x`` rounded onto a per-slice grid along ``dim`` (fp64): ``x̃ = 2^(e − bits) · round(x · 2^(bits − e))``,
+    ``2^e > max|x|`` over the slice, so ``x̃ / 2^(e − bits)`` is an integer of at most ``bits`` bits (plus sign).
+    ``x``: fp32, bf16 or fp16 (its exponents keep ``2^(bits − e)`` finite)."""
+    up = pow2(bits - torch.frexp(x.abs().amax(dim, keepdim=True).float()).exponent)
+    return (x * up).round_().mul_(up.reciprocal())  # scalings by powers of two: exact
+
+
+def grid_values(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`to_grid` over the last dim, in ``x``'s own dtype (exact for ``bits`` ≤ 24 in fp32, and in bf16: an
+    entry of more than 8 significant bits is already on the grid): keys stored on their grid."""
+    return to_grid(x, -1, min(bits, 24)).to(x.dtype)
+
+
+def exact_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
+                 b_grid: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+    """``alpha · (a @ b) + beta · bias`` cast to ``out_dtype``, the product exact on the operands' grids (rows of
+    ``a [..., M, K]``, columns of ``b [..., K, N]``; module docstring): each entry depends on its row of ``a`` and
+    column of ``b`` alone. ``b_grid``: ``b``'s grid when the caller keeps it (a weight, for a call). The fp64
+    result ``[..., M, N]`` is the one temporary (8 bytes an entry) besides the grids."""
+    bits = product_bits(a.shape[-1])
+    b_tilde = b_grid if b_grid is not None else to_grid(b, -2, bits)
+    out = torch.matmul(to_grid(a, -1, bits), b_tilde)  # exact: every partial sum is on the grid, below 2^53 units
+    if alpha != 1.0:
+        out.mul_(alpha)
+    if bias is not None:
+        out.add_(bias, alpha=beta)
+    return out.to(out_dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x / (1 + exp(−x))`` in fp32 (cast back to ``x``'s dtype): correctly rounded ops and ``exp``, so an
+    element's value does not depend on where it sits (torch's fp32 silu kernel does: module docstring)."""
+    xf = x.float()
+    return (xf / (torch.exp(-xf) + 1.0)).to(x.dtype)
+
+
+def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean over the last dim (keepdim), exact sum: each row's terms on a grid of ``53 − ⌈log₂ n⌉`` bits
+    below its largest, summed in fp64 (exact in any order), divided by ``n`` and cast to ``x``'s dtype."""
+    n = x.shape[-1]
+    return (to_grid(x, -1, FP64_BITS - math.ceil(math.log2(max(n, 1)))).sum(-1, keepdim=True) / n).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The LM head: logits, the log-sum-exp over fixed vocabulary tiles, log-probs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def weight_grid(weight_NK: torch.Tensor) -> torch.Tensor:
+    """The grid of a weight as the right operand ``Wᵀ [K, N]`` of :func:`exact_matmul` (per output row ``n``)."""
+    return to_grid(weight_NK.t(), -2, product_bits(weight_NK.shape[1]))
+
+
+def linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` by :func:`exact_matmul` (``grid``: :func:`weight_grid` of ``weight`` when kept)."""
+    bias = None if bias_N is None else bias_N.double()
+    return exact_matmul(x_MK, weight_NK.t(), out_dtype or x_MK.dtype, bias=bias, b_grid=grid)
+
+
+def vocab_tile_stats(z_MC: torch.Tensor, inv_temp: float, entropy: bool = False):
+    """One vocabulary tile's part of the log-sum-exp, per row (``[..., C]`` columns of the tile): with ``t = z ·
+    inv_temp`` (fp32) its max ``m_c``, ``s_c = Σ_v round(exp(t_v − m_c) · 2^42)`` (exact in fp64: at most 2048 terms
+    ≤ 2^42, so any order gives it) and, with ``entropy``, ``a_c = Σ_v exp(t_v − m_c) (t_v − m_c)`` (fp64, not needed
+    bit for bit; else None). Returns ``(m_c fp32, s_c fp64, a_c)``, each ``[...]``."""
+    t = z_MC * inv_temp
+    m = t.amax(-1, keepdim=True)
+    d = t - m
+    e = torch.exp(d)
+    s_c = (e * 2.0**TILE_EXP_BITS).double().round_().sum(-1)  # e · 2^42 exact in fp32 (a power of two)
+    a_c = (e.double() * d.double()).sum(-1) if entropy else None
+    return m.squeeze(-1), s_c, a_c
+
+
+def combine_tiles(m_MC: torch.Tensor, s_MC: torch.Tensor, a_MC: torch.Tensor | None = None):
+    """The tiles' parts (:func:`vocab_tile_stats`, tile ``c`` in column ``c``, always in vocabulary order) as
+    ``lse = m + log S``, ``S = Σ_c g_c s_c 2^-42``, ``g_c = exp(m_c − m)``, ``m = max_c m_c``; the sum over tiles runs
+    left to right (``cumsum``), so the result depends on the tiles alone. With ``a``: also the entropy
+    ``H = log S − Σ_c g_c (a_c + s_c 2^-42 (m_c − m)) / S`` (every term of the sum ≤ 0: no cancellation).
+    Returns ``(lse fp32 [M], H fp32 [M] or None)``."""
+    m_M = m_MC.amax(-1)
+    shift_MC = m_MC.double() - m_M.double()[:, None]
+    g_MC = torch.exp(shift_MC)
+    mass_MC = s_MC * 2.0**-TILE_EXP_BITS
+    total_M = (mass_MC * g_MC).cumsum(-1)[:, -1]
+    lse_M = (m_M.double() + total_M.log()).float()
+    if a_MC is None:
+        return lse_M, None
+    tilt_M = (g_MC * (a_MC + mass_MC * shift_MC)).sum(-1)
+    return lse_M, (total_M.log() - tilt_M / total_M).float()
+
+
+def logsumexp_tiles(logits_MV: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """``logsumexp(logits · inv_temp)`` per row over the fixed vocabulary tiles (the engine's sampled log-probs:
+    the same numbers :func:`linear_logprobs` computes tile by tile from the hidden states). fp32 ``[M]``."""
+    M, V = logits_MV.shape
+    full = V // VOCAB_TILE * VOCAB_TILE
+    parts = []
+    if full:
+        parts.append(vocab_tile_stats(logits_MV[:, :full].reshape(M, -1, VOCAB_TILE), inv_temp))
+    if full < V:
+        parts.append(tuple(x[:, None] for x in vocab_tile_stats(logits_MV[:, full:], inv_temp)[:2]))
+    m_MC, s_MC = (torch.cat([part[i] for part in parts], 1) for i in range(2))
+    return combine_tiles(m_MC, s_MC)[0]
+
+
+def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, inv_temp: float,
+                   lse_M: torch.Tensor) -> torch.Tensor:
+    """``logits[token] · inv_temp − lse`` (fp32 ``[M]``): the same ops as :func:`linear_logprobs`' target term."""
+    return logits_MV.gather(1, tokens_M[:, None]).squeeze(1) * inv_temp - lse_M
+
+
+ROWS_PER_CHUNK = 1024  # hidden rows per chunk of linear_logprobs (bounds the fp64 grid copies: 8 bytes · H each)
+
+
+def linear_logprobs(h_NH: torch.Tensor, w_VH: torch.Tensor, b_V: torch.Tensor | None, y_N: torch.Tensor,
+                    inv_temp: float, entropy: bool):
+    """The trainer's log-probs of targets ``y`` under ``softmax((h Wᵀ + b) · inv_temp)``, bit for bit the engine's:
+    logits by :func:`linear` (fp32), one vocabulary tile at a time, the tiles' parts combined by
+    :func:`combine_tiles`, the target's logit read from its tile (the value the engine's sampled row holds).
+    Returns ``(logp [N], lse [N], entropy [N] or None)`` fp32. Memory: per chunk of ``ROWS_PER_CHUNK`` rows one
+    ``[rows, VOCAB_TILE]`` fp64 logit tile and its grid, the hidden rows' grid, and ``[rows, C]`` tile parts; the
+    weight's grid per tile (``[VOCAB_TILE, H]`` fp64). Nothing of ``[N, V]``."""
+    N, V = h_NH.shape[0], w_VH.shape[0]
+    C = -(-V // VOCAB_TILE)
+    logp_N, lse_N = (h_NH.new_empty(N, dtype=torch.float32) for _ in range(2))
+    ent_N = h_NH.new_empty(N, dtype=torch.float32) if entropy else None
+    for n0 in range(0, N, ROWS_PER_CHUNK):
+        h_nH, y_n = h_NH[n0 : n0 + ROWS_PER_CHUNK], y_N[n0 : n0 + ROWS_PER_CHUNK]
+        n = h_nH.shape[0]
+        m_nC, s_nC, a_nC = (h_NH.new_empty(n, C, dtype=dt) for dt in (torch.float32, torch.float64, torch.float64))
+        zy_n = h_NH.new_zeros(n, dtype=torch.float32)
+        for c in range(C):
+            v0, v1 = c * VOCAB_TILE, min((c + 1) * VOCAB_TILE, V)
+            z_nv = linear(h_nH, w_VH[v0:v1], None if b_V is None else b_V[v0:v1], out_dtype=torch.float32)
+            inside = (y_n >= v0) & (y_n < v1)
+            zy_n = torch.where(inside, z_nv.gather(1, (y_n - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zy_n)
+            m_nC[:, c], s_nC[:, c], a_c = vocab_tile_stats(z_nv, inv_temp, entropy)
+            if entropy:
+                a_nC[:, c] = a_c
+        lse_n, ent_n = combine_tiles(m_nC, s_nC, a_nC if entropy else None)
+        lse_N[n0 : n0 + n] = lse_n
+        logp_N[n0 : n0 + n] = zy_n * inv_temp - lse_n
+        if entropy:
+            ent_N[n0 : n0 + n] = ent_n
+    return logp_N, lse_N, ent_N
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The overrides of PyTorch's CPU kernels, and their scopes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def active() -> bool:
+    """Whether the calling thread runs a model forward under the invariant ops (:func:`invariant_forward`)."""
+    return getattr(_local, "active", False)
+
+
+def enabled() -> bool:
+    """Whether the overrides are registered (:func:`invariant_ops`): the trainer's log-prob kernels then take
+    :func:`linear_logprobs` (``fastgrpo.kernels.linear_logprobs``)."""
+    return _registry["refs"] > 0
+
+
+def _computes(t: torch.Tensor) -> bool:
+    return active() and t.dtype in INVARIANT_DTYPES
+
+
+def _weight_grid(b_KN: torch.Tensor):
+    """``b``'s grid from the call's cache when ``b`` is a weight the cache covers (its storage is a parameter's)."""
+    cache = getattr(_local, "cache", None)
+    if cache is None or b_KN.untyped_storage().data_ptr() not in _local.params:
+        return None
+    key = (b_KN.data_ptr(), tuple(b_KN.shape), b_KN.stride(), b_KN.dtype)
+    if key not in cache:
+        cache[key] = to_grid(b_KN, -2, product_bits(b_KN.shape[0]))
+    return cache[key]
+
+
+def _mm(a, b):
+    if _computes(a):
+        return exact_matmul(a, b, a.dtype, b_grid=_weight_grid(b))
+    return torch.ops.aten.mm.out(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    if _computes(a):
+        return exact_matmul(a, b, a.dtype, bias=bias.double(), b_grid=_weight_grid(b), alpha=alpha, beta=beta)
+    return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty((a.shape[0], b.shape[1])))
+
+
+def _bmm(a, b):
+    if _computes(a):
+        return exact_matmul(a, b, a.dtype)
+    return torch.ops.aten.bmm.out(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
+
+
+def _silu(x):
+    if _computes(x):
+        return silu(x)
+    return torch.ops.aten.silu.out(x, out=torch.empty_like(x))
+
+
+def _mean_dim(x, dim, keepdim=False, *, dtype=None):
+    if _computes(x):
+        dims = [d % x.dim() for d in (dim if dim is not None else range(x.dim()))]
+        if dims != [x.dim() - 1] or dtype not in (None, x.dtype):
+            raise NotImplementedError(f"numerics.batch_invariant: aten::mean over dims {dim} (dtype {dtype}) is not "
+                                      "batch-invariant; only the last dim is (RMSNorm)")
+        out = last_dim_mean(x)
+        return out if keepdim else out.squeeze(-1)
+    out_dtype = dtype or x.dtype
+    return torch.ops.aten.mean.out(x, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=out_dtype))
+
+
+OVERRIDES = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "silu": _silu, "mean.dim": _mean_dim}
+
+
+@contextlib.contextmanager
+def invariant_ops():
+    """Register the invariant kernels in place of PyTorch's CPU ``aten::mm``, ``addmm``, ``bmm``, ``silu`` and
+    ``mean.dim`` (counted: nested and repeated scopes share one registration; the last exit removes it). On the
+    first registration of the process the host is checked (:func:`self_check`). Outside :func:`invariant_forward`
+    they call PyTorch's kernels (about 7 µs more a call)."""
+    if _registry["refs"] == 0:
+        host_checked()
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": the point
+            warnings.simplefilter("ignore")
+            for name, fn in OVERRIDES.items():
+                lib.impl(name, fn, "CPU")
+        _registry["lib"] = lib
+    _registry["refs"] += 1
+    try:
+        yield
+    finally:
+        _registry["refs"] -= 1
+        if _registry["refs"] == 0:
+            _registry["lib"]._destroy()
+            _registry["lib"] = None
+
+
+@contextlib.contextmanager
+def invariant_forward(weight_cache: dict | None = None, params=()):
+    """Run a model forward on the invariant ops (inside :func:`invariant_ops`). ``weight_cache``: a dict that keeps
+    the grids of the weights among ``params`` (the model's parameters, unchanged while the dict lives: the engine's
+    call); None computes each weight's grid at each product (the trainer: its weights change every step)."""
+    if not enabled():
+        raise RuntimeError("invariant_forward needs the invariant ops registered (invariant_ops())")
+    saved = (active(), getattr(_local, "cache", None), getattr(_local, "params", None))
+    _local.active, _local.cache = True, weight_cache
+    _local.params = {p.untyped_storage().data_ptr() for p in params} if weight_cache is not None else None
+    try:
+        yield
+    finally:
+        _local.active, _local.cache, _local.params = saved
+
+
+def forward_scope():
+    """The scope of the trainer's packed forward: :func:`invariant_forward` while the invariant ops are registered
+    (the trainer's ``numerics.batch_invariant``), else nothing."""
+    return invariant_forward() if enabled() else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The start-up check
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def host_checked() -> bool:
+    """:func:`self_check`, once per process (the host does not change), on one thread (what it checks does not
+    depend on the thread count: exact sums in any order, elementwise ops; a tiny multi-threaded fp64 gemv can take
+    40 ms on a loaded 2-core host)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        self_check()
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def self_check() -> None:
+    """What the mode rests on, checked on this host (a few milliseconds); raises ``RuntimeError`` naming the
+    property that fails, so the mode is refused rather than silently not invariant:
+
+    - fp64 GEMM is exact on integer operands whose sums stay below 2^53 (against int64 products), single rows
+      (gemv), whole matrices and batches alike;
+    - fp32 ``exp``, ``cos``, ``sin``, ``rsqrt`` and fp64 ``exp``, ``log`` give an element the same value wherever
+      it sits in the tensor (offsets and lengths that move it between SIMD body and tail);
+    - ``cumsum`` sums left to right (the order the LM head's tiles are combined in)."""
+    gen = torch.Generator().manual_seed(0)
+    for K in (5, 64, 300):
+        bits = product_bits(K)
+        a = torch.randint(-(2**bits), 2**bits + 1, (9, K), generator=gen)
+        b = torch.randint(-(2**bits), 2**bits + 1, (K, 7), generator=gen)
+        want = torch.mm(a, b).double()
+        got = [torch.mm(a.double(), b.double()), torch.bmm(a.double().expand(3, 9, K), b.double().expand(3, K, 7))[1]]
+        got += [torch.mm(a[i : i + 1].double(), b.double()) for i in (0, 8)]  # single rows: a gemv
+        want = [want, want, want[:1], want[8:]]
+        if not all(torch.equal(g, w) for g, w in zip(got, want)):
+            raise RuntimeError(f"numerics.batch_invariant refused: fp64 GEMM on this host is not exact on integer "
+                               f"operands (K={K}); the invariant products rest on it")
+    x = torch.randn(1031, generator=gen) * 8
+    checks = {"exp": (torch.exp, x), "cos": (torch.cos, x), "sin": (torch.sin, x),
+              "rsqrt": (torch.rsqrt, x.abs() + 1e-3), "exp fp64": (torch.exp, x.double()),
+              "log fp64": (torch.log, x.double().abs() + 1e-3)}
+    for name, (fn, t) in checks.items():
+        whole = fn(t)
+        for start, length in ((0, 1), (3, 17), (5, 64), (1, 1029), (512, 519), (77, 33)):
+            if not torch.equal(fn(t[start : start + length]), whole[start : start + length]):
+                raise RuntimeError(f"numerics.batch_invariant refused: torch's {name} on this host gives an element "
+                                   "a value that depends on its position in the tensor")
+    terms = torch.randn(40, 3, generator=gen, dtype=torch.float64) * torch.logspace(-8, 8, 40, dtype=torch.float64)[
+        :, None]
+    seq = terms[0].clone()
+    for row in terms[1:]:
+        seq = seq + row
+    if not torch.equal(terms.cumsum(0)[-1], seq):
+        raise RuntimeError("numerics.batch_invariant refused: torch's cumsum on this host does not sum left to right")

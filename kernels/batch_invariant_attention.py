@@ -1,0 +1,315 @@
+"""Batch-invariant causal attention: one function for the engine's prefill, its decode (row cache or pages) and the
+trainer's packed forward (``numerics.batch_invariant``; the exact-product idea is ``batch_invariant``'s).
+
+For a query at position ``p`` of its sequence, over that sequence's keys ``0..p`` (GQA: query head ``h`` reads kv
+head ``h // G``). Keys fall in big blocks of ``BB = 64`` and small blocks of ``BK = 8`` at fixed absolute positions;
+``p_B = BB ⌊p / BB⌋`` and ``p_b = BK ⌊p / BK⌋`` start the query's own big and small block::
+
+    s_j  = scale · (q̃ · k̃_j)                 exact dot on per-vector grids (q over D, each key over D), then fp32
+    m    = max_{j ≤ p} s_j ;  P_j = exp(s_j − m) (fp32) ;  π_j = round(P_j · 2^24)   (π integer, ≤ 2^24)
+    l    = Σ_{j ≤ p} π_j                                                          exact in fp64
+    O_c  = Σ_{j ∈ big block c} π_j ṽ_j         c < p_B / BB: exact, v on a per-(big block, feature) grid
+                                                  (24 + 23 bits + 6 for 64 keys ≤ 53)
+    O'_t = Σ_{j ∈ small block t} π_j ṽ_j       the small blocks of the query's big block below p_b: exact, v on a
+                                                  per-(small block, feature) grid (24 + 26 + 3 ≤ 53)
+    Δ    = ((0 + π_{p_b} v_{p_b}) + π_{p_b+1} v_{p_b+1}) + …     the query's small block key by key (π = 0 past p)
+    O    = ((((0 + O_0) + O_1) + …) + (((0 + O'_0) + O'_1) + …)) + Δ      fixed order, fp64
+    out  = O / l                                  cast to the input dtype
+
+Every quantity of a query depends on its own keys ``0..p`` and on the fixed block structure, never on the other
+queries, the padding or the layout: a block whose grid is used holds only keys below ``p_b`` (present alike in the
+trainer's sequence and in the engine's cache at decode time), the query's own small block (whose later keys the
+trainer has and the engine does not yet) is summed key by key in order (each ``π_j v_j`` exact in fp64: 24 + 24
+bits), and keys past ``p`` count ``π = 0``. Padding, blocks past a query's and keys of queries further on
+contribute exact zeros, which leave sums unchanged; the masked values must be finite (``0 · v``): the caller's
+padding is zeros and the engine's caches are zero-initialised. The keys are rounded onto their grid once
+(:func:`key_grid`: the engine stores them so), the query at each call. The fixed orders are loops of additions
+from 0, whose association does not depend on how a call gathers its blocks: by index per query (the engine's decode
+and prefill onto cached K/V: :func:`small_blocks`, :func:`diagonal_block`) or by reshaping (a packed forward,
+whose queries run along the positions: :func:`dense_blocks`), the same bits (tested).
+
+Memory per call: the scores ``[B, Hq, M, L]`` in fp32 and π in fp64 (12 bytes a query-key pair), the big blocks'
+products ``[B, Hkv, L / 64, G·M, D]`` fp64 (in pieces of ``BLOCK_PRODUCTS``), the small blocks' ``[B, Hq, M, 8,
+D]``, the grids of q and v (fp64 copies). :func:`varlen_attention` splits a packed batch so that a call holds at
+most ``PAIRS_PER_CALL`` query-key pairs per head. Cost: fp64 GEMMs for the scores and the blocks (about 2x fp32
+SDPA's arithmetic there), the grids (a few elementwise passes over q and v per call), and 8 multiply-adds per
+query and feature for the query's own small block, elementwise in fp64; measured by bench/bench_batch_invariant.py
+(10-30x PyTorch's SDPA on CPU, its fused kernel being one pass). All on CPU.
+
+Shape legend: B sequences, M queries each, L keys each (padded to a multiple of BK), Hq/Hkv heads, G = Hq / Hkv,
+D head dim, T packed tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .batch_invariant import FP64_BITS, grid_values, product_bits, to_grid
+from .varlen_attention import varlen_attention_torch
+
+BIG_BLOCK = 64  # keys per big block: the exact products below the query's big block
+KEY_BLOCK = 8  # keys per small block: exact products inside a big block; the query's own summed key by key
+PROB_BITS = 24  # π = round(P · 2^24): the probabilities' grid
+VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(KEY_BLOCK))  # 26: the values' grid in a small block's product
+BIG_VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(BIG_BLOCK))  # 23: in a big block's
+PAIRS_PER_CALL = 1 << 18  # query-key pairs per head in one call of varlen_attention (12 bytes each: 3 MiB a head)
+BLOCK_PRODUCTS = 1 << 22  # fp64 entries of the blocks' products held at once (32 MiB)
+
+
+def key_grid(k: torch.Tensor) -> torch.Tensor:
+    """Keys on their grid (per key vector, :func:`fastgrpo.kernels.batch_invariant.grid_values`, in ``k``'s dtype):
+    what :func:`attention` reads. The engine stores keys this way in its cache (rounded once, when written), the
+    packed forward rounds them before its call: the same values either way."""
+    return grid_values(k, product_bits(k.shape[-1]))
+
+
+def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor,
+              scale: float, dense_from: int | None = None) -> torch.Tensor:
+    """Causal attention of queries ``q [B, Hq, M, D]`` at positions ``qpos [B, M]`` over their sequence's keys
+    ``k, v [B, Hkv, L, D]`` (key ``j`` at position ``j``; a query at ``p`` reads keys ``0..p``, ``p < L``; ``k`` on
+    its grid, :func:`key_grid`), as the module docstring computes it. Returns ``[B, Hq, M, D]`` in ``q``'s dtype.
+    Keys past a query's position are never read into its result (any finite values there, zeros for padding).
+
+    ``dense_from``: the queries of every row are the positions ``dense_from + [0, M)`` with ``dense_from`` a multiple
+    of ``BIG_BLOCK`` (a packed forward's): their own big and small blocks are then read by reshaping
+    (:func:`dense_blocks`) instead of by index per query; the same numbers."""
+    B, Hq, M, D = q_BHMD.shape
+    Hkv, L = k_BHLD.shape[1], k_BHLD.shape[2]
+    G, BK = Hq // Hkv, KEY_BLOCK
+    Lp = -(-L // BK) * BK
+    if Lp != L:  # zero keys: a masked key's value must be finite
+        pad = (0, 0, 0, Lp - L)
+        k_BHLD, v_BHLD = torch.nn.functional.pad(k_BHLD, pad), torch.nn.functional.pad(v_BHLD, pad)
+    R = G * M  # the G query heads of a kv head as G·M rows
+    pos_B1R1 = qpos_BM.repeat(1, G).view(B, 1, R, 1)
+    keys_L = torch.arange(Lp, device=q_BHMD.device)
+
+    q_tilde = to_grid(q_BHMD.reshape(B, Hkv, R, D), -1, min(product_bits(D), 24))  # [B, Hkv, R, D] fp64
+    s = torch.matmul(q_tilde, k_BHLD.double().transpose(-1, -2))  # [B, Hkv, R, Lp], exact
+    s_BHRL = (s * scale).float().masked_fill_(keys_L > pos_B1R1, -math.inf)
+    del s
+    p_BHRL = torch.exp(s_BHRL - s_BHRL.amax(-1, keepdim=True))
+    pi_BHRL = (p_BHRL * 2.0**PROB_BITS).double().round_()  # P · 2^24 exact in fp32 (a power of two)
+    del p_BHRL, s_BHRL
+    l_BHR1 = pi_BHRL.sum(-1, keepdim=True)  # exact: integers, at most Lp · 2^24
+    out = big_blocks(pi_BHRL, v_BHLD, pos_B1R1 - pos_B1R1 % BIG_BLOCK)
+    if dense_from is not None:
+        small, diagonal = dense_blocks(pi_BHRL, v_BHLD, dense_from, M)
+    else:
+        small, diagonal = small_blocks(pi_BHRL, v_BHLD, qpos_BM), diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
+    out = (out + small) + diagonal
+    return (out / l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)
+
+
+def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Tensor) -> torch.Tensor:
+    """``S₁ = ((0 + O_0) + O_1) + …``: the big blocks of ``BIG_BLOCK`` keys below each query's (``start``), each
+    ``O_b = Σ_{j ∈ b} π_j ṽ_j`` exact (``v`` on a per-(block, feature) grid of ``BIG_VALUE_BITS``: 24 + 23 + 6 ≤ 53
+    bits), then left to right (the blocks at and past the query's contribute exact zeros), in products of
+    at most ``BLOCK_PRODUCTS`` entries. Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
+    Every "left to right" here and below is a loop of additions from 0 (``cumsum`` would write every prefix)."""
+    B, Hkv, R, Lp = pi_BHRL.shape
+    D, nb = v_BHLD.shape[-1], Lp // BIG_BLOCK
+    out_BHRD = pi_BHRL.new_zeros(B, Hkv, R, D)
+    if nb == 0:
+        return out_BHRD
+    keys = torch.arange(nb * BIG_BLOCK, device=pi_BHRL.device)
+    full = pi_BHRL[..., : nb * BIG_BLOCK].masked_fill(keys >= start_B1R1, 0.0)
+    full = full.view(B, Hkv, R, nb, BIG_BLOCK).transpose(2, 3)  # [B, Hkv, nb, R, BB]
+    v_tilde = to_grid(v_BHLD[:, :, : nb * BIG_BLOCK].reshape(B, Hkv, nb, BIG_BLOCK, D), -2, BIG_VALUE_BITS)
+    step = max(1, BLOCK_PRODUCTS // max(B * Hkv * R * D, 1))  # blocks per product: bounds [B, Hkv, step, R, D]
+    for b0 in range(0, nb, step):
+        blocks = torch.matmul(full[:, :, b0 : b0 + step], v_tilde[:, :, b0 : b0 + step])  # [B, Hkv, step, R, D]
+        for b in range(blocks.shape[2]):
+            out_BHRD += blocks[:, :, b]
+    return out_BHRD
+
+
+def _whole_big_blocks(x: torch.Tensor, dim: int, size: int = BIG_BLOCK) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to a multiple of ``size`` (a query's own big block may end past the keys
+    there are: its keys past the query are zeros)."""
+    extra = -x.shape[dim] % size
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x, pad)
+
+
+def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor) -> torch.Tensor:
+    """``S₂ = ((0 + O'_0) + O'_1) + … + O'_7``: the ``KEY_BLOCK``-key blocks of each query's big block, below the
+    block that holds the query (the others contribute exact zeros), each exact (``v`` on a per-(small block,
+    feature) grid of ``VALUE_BITS``: 24 + 26 + 3 ≤ 53 bits), left to right. Per query its own big block is picked by
+    index: at once when ``[B, M, Hkv, BIG_BLOCK, D]`` fits ``BLOCK_PRODUCTS`` (a decode step), else one small block
+    at a time; with no key past the first big block, its small blocks are all the keys' (no index). ``[B, Hkv, R,
+    D]`` fp64."""
+    B, Hkv, R, Lp = pi_BHRL.shape
+    M, D, BK = qpos_BM.shape[1], v_BHLD.shape[-1], KEY_BLOCK
+    G = R // M
+    if Lp <= BIG_BLOCK:  # every query in the first big block, whose small blocks past the keys would add zeros
+        nsb = Lp // BK
+        below = torch.arange(nsb, device=qpos_BM.device) < (qpos_BM // BK)[..., None]  # [B, M, nsb]
+        pi_s = pi_BHRL.view(B, Hkv, G, M, nsb, BK).masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0)
+        parts = torch.matmul(pi_s.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nsb, R, BK),
+                             to_grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2, VALUE_BITS))  # [B, Hkv, nsb, R, D]
+        out = pi_BHRL.new_zeros(B, Hkv, R, D)
+        for i in range(nsb):
+            out += parts[:, :, i]
+        return out
+    nsb = BIG_BLOCK // BK
+    rows_B1 = torch.arange(B, device=qpos_BM.device)[:, None]
+    base_BM = qpos_BM - qpos_BM % BIG_BLOCK  # the query's big block's first key
+    below_BM = (qpos_BM % BIG_BLOCK) // BK  # how many of its small blocks lie below the query's
+    out = pi_BHRL.new_zeros(B, Hkv, M, G, D)
+    if B * M * Hkv * BIG_BLOCK * D <= BLOCK_PRODUCTS:
+        # its big block's keys by index, those past the keys clamped: they lie past the query (π = 0 there)
+        keys_BMK = (base_BM[..., None] + torch.arange(BIG_BLOCK, device=qpos_BM.device)).clamp_(max=Lp - 1)
+        v_own = v_BHLD.transpose(1, 2)[rows_B1[..., None], keys_BMK]  # [B, M, BB, Hkv, D]
+        v_tilde = to_grid(v_own.view(B, M, nsb, BK, Hkv, D), -3, VALUE_BITS).permute(0, 4, 1, 2, 3, 5)
+        pi_own = pi_BHRL.view(B, Hkv, G, M, Lp).gather(4, keys_BMK.view(B, 1, 1, M, BIG_BLOCK).expand(
+            B, Hkv, G, M, BIG_BLOCK)).view(B, Hkv, G, M, nsb, BK)
+        below = torch.arange(nsb, device=qpos_BM.device) < below_BM[..., None]  # [B, M, nsb]
+        pi_own = pi_own.masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0).permute(0, 1, 3, 4, 2, 5)
+        parts = torch.matmul(pi_own, v_tilde)  # [B, Hkv, M, nsb, G, D], exact each
+        for i in range(nsb):
+            out += parts[:, :, :, i]
+        return out.transpose(2, 3).reshape(B, Hkv, R, D)
+    pi_BHRL, v_BHLD = _whole_big_blocks(pi_BHRL, 3), _whole_big_blocks(v_BHLD, 2)
+    Lp = pi_BHRL.shape[-1]
+    v_BSHKD = v_BHLD.view(B, Hkv, Lp // BK, BK, D).transpose(1, 2)  # [B, Lp / BK, Hkv, BK, D] view
+    pi_BHGMSK = pi_BHRL.view(B, Hkv, G, M, Lp // BK, BK)
+    for i in range(nsb):
+        block_BM = base_BM // BK + i
+        v_tilde = to_grid(v_BSHKD[rows_B1, block_BM], -2, VALUE_BITS).transpose(1, 2)  # [B, Hkv, M, BK, D]
+        pi_i = pi_BHGMSK.gather(4, block_BM.view(B, 1, 1, M, 1, 1).expand(B, Hkv, G, M, 1, BK)).squeeze(4)
+        pi_i = pi_i.masked_fill((i >= below_BM).view(B, 1, 1, M, 1), 0.0)  # [B, Hkv, G, M, BK]
+        out += torch.matmul(pi_i.permute(0, 1, 3, 2, 4), v_tilde)  # [B, Hkv, M, G, D], exact per query
+    return out.transpose(2, 3).reshape(B, Hkv, R, D)
+
+
+def dense_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, first: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`small_blocks` and :func:`diagonal_block` for queries at positions ``first + [0, M)`` of every row
+    (``first`` a multiple of ``BIG_BLOCK``), the same additions in the same order: a query's big block (and small
+    block) is the keys' one at the same place, so both are read by reshaping π and v, no index per query. Rows past
+    ``M`` up to a whole big block are zeros. Two ``[B, Hkv, R, D]`` fp64 tensors. Memory: ``[B, Hkv, G·M', 8, D]``
+    fp64 (``M'``: M rounded up to ``BIG_BLOCK``): the small blocks' products."""
+    B, Hkv, R, _ = pi_BHRL.shape
+    D, G, BK = v_BHLD.shape[-1], R // M, KEY_BLOCK
+    # a call inside the first big block (short sequences) reads only the small blocks it has: the same blocks
+    BB = -(-M // BK) * BK if first == 0 and M <= BIG_BLOCK else BIG_BLOCK
+    nsb = BB // BK
+    pi_BHGML = _whole_big_blocks(_whole_big_blocks(pi_BHRL, 3, BB).view(B, Hkv, G, M, -1), 3, BB)
+    v_BHLD = _whole_big_blocks(v_BHLD, 2, BB)
+    nq, c0 = pi_BHGML.shape[3] // BB, first // BB
+    keys = pi_BHGML.view(B, Hkv, G, nq, BB, -1, BB).diagonal(offset=c0, dim1=3, dim2=5)  # [B, Hkv, G, BB, BB, nq]
+    own = keys.permute(0, 1, 2, 5, 3, 4).reshape(B, Hkv, G, nq, BB, nsb, BK)  # [.., q, key small block, key]
+    v_own = v_BHLD[:, :, first : first + nq * BB].reshape(B, Hkv, nq, nsb, BK, D)
+    # the small blocks below the query's: key small block s < the query's t
+    below = torch.arange(BB, device=own.device)[:, None] // BK > torch.arange(nsb, device=own.device)  # [BB, nsb]
+    pi_s = own.masked_fill(~below[..., None], 0.0).permute(0, 1, 3, 5, 2, 4, 6).reshape(B, Hkv, nq, nsb, G * BB, BK)
+    parts = torch.matmul(pi_s, to_grid(v_own, -2, VALUE_BITS))  # [B, Hkv, nq, nsb, G·BB, D], exact each
+    small = parts.new_zeros(B, Hkv, nq, G * BB, D)
+    for i in range(nsb):
+        small += parts[:, :, :, i]
+    small = small.view(B, Hkv, nq, G, BB, D)
+    # the query's own small block, key by key: key small block s = the query's t
+    pi_t = own.view(B, Hkv, G, nq, nsb, BK, nsb, BK).diagonal(dim1=4, dim2=6)  # [B, Hkv, G, nq, BK q, BK k, nsb]
+    pi_t = pi_t.permute(0, 1, 2, 3, 6, 4, 5)  # [B, Hkv, G, nq, nsb t, BK q, BK k]
+    v_t = v_own[:, :, None, :, :, None].double()  # [B, Hkv, 1, nq, nsb, 1, BK k, D]
+    diagonal = pi_t.new_zeros(B, Hkv, G, nq, nsb, BK, D)
+    for j in range(BK):
+        diagonal.addcmul_(pi_t[..., j, None], v_t[..., j, :])  # π_j v_j exact
+    diagonal = diagonal.reshape(B, Hkv, G, nq * BB, D)
+    small = small.permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, G, nq * BB, D)
+    return small[:, :, :, :M].reshape(B, Hkv, R, D), diagonal[:, :, :, :M].reshape(B, Hkv, R, D)
+
+
+def diagonal_block(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor) -> torch.Tensor:
+    """``Σ_{j=0}^{BK−1} π_{p₀+j} v_{p₀+j}`` per query row (``p₀``: the start of the small block holding the query),
+    added from 0 in key order (each term exact in fp64: 24 + 24 bits; keys past the query have π = 0): the block's
+    π and v picked by index. ``[B, Hkv, R, D]`` fp64."""
+    B, Hkv, R, Lp = pi_BHRL.shape
+    M, D, BK = qpos_BM.shape[1], v_BHLD.shape[-1], KEY_BLOCK
+    G = R // M
+    block_BM = qpos_BM // BK
+    rows_B1 = torch.arange(B, device=qpos_BM.device)[:, None]
+    v_BMHKD = v_BHLD.view(B, Hkv, Lp // BK, BK, D).transpose(1, 2)[rows_B1, block_BM]  # [B, M, Hkv, BK, D]
+    v_BH1MKD = v_BMHKD.permute(0, 2, 1, 3, 4).unsqueeze(2).double()  # [B, Hkv, 1, M, BK, D]
+    pi_BHGMK = pi_BHRL.view(B, Hkv, G, M, Lp // BK, BK).gather(
+        4, block_BM.view(B, 1, 1, M, 1, 1).expand(B, Hkv, G, M, 1, BK)).squeeze(4)  # [B, Hkv, G, M, BK]
+    acc_BHGMD = pi_BHRL.new_zeros(B, Hkv, G, M, D)
+    for j in range(BK):
+        acc_BHGMD.addcmul_(pi_BHGMK[..., j, None], v_BH1MKD[..., j, :])
+    return acc_BHGMD.view(B, Hkv, R, D)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """The invariant forward; the backward differentiates PyTorch's attention (``varlen_attention_torch``, the
+    trainer's CPU path) recomputed on the same inputs: only forward values must be invariant."""
+
+    @staticmethod
+    def forward(ctx, q_THD, k_THD, v_THD, cu_seqlens, scale):
+        ctx.save_for_backward(q_THD, k_THD, v_THD, cu_seqlens)
+        ctx.scale = scale
+        return invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale)
+
+    @staticmethod
+    def backward(ctx, do_THD):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            out = varlen_attention_torch(q, k, v, cu_seqlens, longest, softmax_scale=ctx.scale)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), do_THD)
+        return dq, dk, dv, None, None
+
+
+def varlen_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """:func:`invariant_varlen` on the keys put on their grid (:func:`key_grid`), differentiable in q, k and v (the
+    backward is PyTorch's attention's, recomputed: one more attention forward per layer in the backward)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q_THD, k_THD, v_THD)):
+        return _VarlenAttention.apply(q_THD, k_THD, v_THD, cu_seqlens, scale)
+    return invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale)
+
+
+def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of a packed batch (``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``k`` on its grid, sequence
+    ``b`` at tokens ``[cu[b], cu[b + 1])``, positions restarting at 0): :func:`attention` on sequences of close
+    length padded into batches (shortest first), a sequence too long for one call in query chunks, at most
+    ``PAIRS_PER_CALL`` query-key pairs a head per call. Each query's result is the one :func:`attention` gives it in
+    any batch (the split only bounds memory). Returns ``[T, Hq, D]``. One host read of ``cu_seqlens``."""
+    out = torch.empty_like(q_THD)
+    bounds = cu_seqlens.tolist()
+    lengths = {b: bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)}
+    order = sorted(lengths, key=lengths.get)
+    dev = q_THD.device
+    i = 0
+    while i < len(order):
+        group = [order[i]]
+        while i + len(group) < len(order) and (len(group) + 1) * lengths[order[i + len(group)]] ** 2 <= PAIRS_PER_CALL:
+            group.append(order[i + len(group)])
+        i += len(group)
+        L = lengths[group[-1]]
+        start_B1 = torch.tensor([bounds[b] for b in group], device=dev)[:, None]
+        n_B1 = torch.tensor([lengths[b] for b in group], device=dev)[:, None]
+        chunk = L if L * L <= PAIRS_PER_CALL else max(BIG_BLOCK, PAIRS_PER_CALL // L // BIG_BLOCK * BIG_BLOCK)
+        for m0 in range(0, L, chunk):  # a sequence too long for one call: query chunks from big-block starts
+            m1 = min(L, m0 + chunk)
+            kpos_BL = torch.arange(m1, device=dev).expand(len(group), m1)
+            qpos_BM = kpos_BL[:, m0:m1]
+            k, v = _padded(k_THD, start_B1, kpos_BL, n_B1), _padded(v_THD, start_B1, kpos_BL, n_B1)
+            q = _padded(q_THD, start_B1, qpos_BM, n_B1)
+            o_BMHD = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qpos_BM, scale,
+                               dense_from=m0).transpose(1, 2)
+            live_BM = qpos_BM < n_B1
+            out.index_copy_(0, (start_B1 + qpos_BM)[live_BM], o_BMHD[live_BM])
+    return out
+
+
+def _padded(x_THD: torch.Tensor, start_B1: torch.Tensor, pos_BL: torch.Tensor, n_B1: torch.Tensor) -> torch.Tensor:
+    """Tokens ``start + pos`` of each sequence as ``[B, L, H, D]``, zeros past its length ``n`` (one gather)."""
+    live_BL = pos_BL < n_B1
+    rows = x_THD.index_select(0, (start_B1 + pos_BL).clamp(max=x_THD.shape[0] - 1).flatten())
+    return rows.view(*pos_BL.shape, *x_THD.shape[1:]).masked_fill_(~live_BL[..., None, None], 0.0)

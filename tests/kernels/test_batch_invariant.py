@@ -1,0 +1,270 @@
+"""The batch-invariant ops (``numerics.batch_invariant``): each op's value for a row is the same bits whatever else
+shares the call (random row counts, positions, splits, padding, dtypes, threads), and each is accurate against an
+fp64 reference within a bound that follows from its grids and the output's rounding.
+
+Bounds (``b``: the grid bits of the op, ``eps``: the output dtype's unit roundoff):
+
+- product ``x Wᵀ``: rounding row ``x_m`` to ``b`` bits below its largest moves the sum by at most
+  ``2^-b max|x_m| Σ_k|w_nk|``, and ``W``'s rows alike; then one rounding to the output: ``eps |ref|``;
+- RMSNorm's mean: the terms on ``53 − ⌈log₂ n⌉`` bits, then fp32: ``eps |ref|`` with a factor for the division;
+- attention (``checks.attention_floor`` carries fp32's own rounding of the scores): the q/k grids move each score by
+  ``scale 2^-b (max|q| Σ|k| + max|k| Σ|q|)``, the probabilities' grid (2^-24 each, L of them over a sum ≥ 1) and the
+  values' grid add ``(2 L 2^-24 + 2^-26) max|v|``;
+- log-probs: the logits' own rounding at their magnitude through the temperature, twice (the target's and the
+  log-sum-exp's), plus the product bound.
+"""
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checks import EPS32, attention_floor
+from fastgrpo.kernels import batch_invariant as bi
+from fastgrpo.kernels import batch_invariant_attention as ba
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+EPS = {torch.float32: EPS32 / 2, torch.bfloat16: 2.0**-8}
+
+
+def _rows_alone_equal(fn, x, *args):
+    """``fn`` on all rows of ``x`` at once equals ``fn`` on random splits and permutations of its rows."""
+    whole = fn(x, *args)
+    g = torch.Generator().manual_seed(x.shape[0])
+    perm = torch.randperm(x.shape[0], generator=g)
+    assert torch.equal(fn(x[perm], *args), whole[perm])
+    cut = int(torch.randint(1, max(x.shape[0], 2), (1,), generator=g))
+    assert torch.equal(torch.cat([fn(x[:cut], *args), fn(x[cut:], *args)]), whole)
+    assert torch.equal(fn(x[-1:], *args), whole[-1:])  # one row: a gemv for a plain BLAS
+    return whole
+
+
+@settings(max_examples=12)
+@given(M=st.integers(1, 70), K=st.integers(1, 300), N=st.integers(1, 90), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 1000))
+def test_linear_rows_invariant_and_accurate(M, K, N, bias, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    y = _rows_alone_equal(bi.linear, x, w, b)
+    assert y.dtype == dtype
+    perm = torch.randperm(K, generator=g)  # an exact sum does not depend on its order; a rounded one does
+    assert torch.equal(bi.linear(x[:, perm], w[:, perm], b), y)
+    xd, wd = x.double(), w.double()
+    ref = xd @ wd.t() + (0 if b is None else b.double())
+    bits = bi.product_bits(K)
+    grid = 2.0**-bits * (xd.abs().amax(1, keepdim=True) * wd.abs().sum(1) + xd.abs().sum(1, keepdim=True)
+                         * wd.abs().amax(1))
+    assert ((y.double() - ref).abs() <= 2 * grid + EPS[dtype] * ref.abs() + 1e-300).all()
+
+
+def test_linear_inside_the_forward_scope_and_passthrough_outside():
+    """In ``invariant_forward`` ``F.linear`` (aten addmm / mm) gives ``bi.linear``'s bits for any row count; outside
+    it (registered) and after the registration is gone, PyTorch's own kernel's."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(37, 48, generator=g), torch.randn(20, 48, generator=g), torch.randn(20, generator=g)
+    plain = F.linear(x, w, b), F.linear(x, w)
+    with bi.invariant_ops():
+        assert torch.equal(F.linear(x, w, b), plain[0]) and torch.equal(F.linear(x, w), plain[1])
+        with bi.invariant_forward():
+            for rows in (slice(None), slice(3, 4), slice(5, 30)):
+                assert torch.equal(F.linear(x[rows], w, b), bi.linear(x[rows], w, b))
+                assert torch.equal(F.linear(x[rows], w), bi.linear(x[rows], w))
+            assert torch.equal(torch.bmm(x[None], w.t()[None])[0], bi.linear(x, w))
+    assert not bi.enabled() and torch.equal(F.linear(x, w, b), plain[0])
+
+
+def test_backward_runs_pytorchs_kernels():
+    """Only forward values change in the mode: the gradients of ``Σ g · linear(x)`` (which do not depend on the
+    forward's output) are PyTorch's bits, in and out of the mode."""
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(24, 16)
+    x, up = torch.randn(9, 24, generator=g, requires_grad=True), torch.randn(9, 16, generator=g)
+    grads = []
+    for mode in (False, True):
+        x.grad, lin.weight.grad, lin.bias.grad = None, None, None
+        with contextlib.ExitStack() as stack:
+            if mode:
+                stack.enter_context(bi.invariant_ops())
+                with bi.invariant_forward():
+                    out = lin(x)
+                assert torch.equal(out, bi.linear(x.detach(), lin.weight.detach(), lin.bias.detach()))
+            else:
+                out = lin(x)
+            (out * up).sum().backward()
+        grads.append([t.grad.clone() for t in (x, lin.weight, lin.bias)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@settings(max_examples=8)
+@given(M=st.integers(1, 40), n=st.integers(1, 3000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 1000))
+def test_row_mean_invariant_and_accurate(M, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, n, generator=g) * torch.rand(M, 1, generator=g) * 30).to(dtype)
+    sq = x.float().pow(2)
+    mean = _rows_alone_equal(bi.last_dim_mean, sq)
+    assert torch.equal(bi.last_dim_mean(sq[:, torch.randperm(n, generator=g)]), mean)  # exact: any order
+    ref = sq.double().mean(-1, keepdim=True)
+    assert ((mean.double() - ref).abs() <= 2 * EPS32 * ref + 2.0**-40 * sq.double().amax(-1, keepdim=True)).all()
+    with bi.invariant_ops(), bi.invariant_forward():
+        assert torch.equal(sq.mean(-1, keepdim=True), mean)
+        with pytest.raises(NotImplementedError, match="mean over dims"):
+            sq.mean(0)
+
+
+@settings(max_examples=8)
+@given(n=st.integers(1, 5000), start=st.integers(0, 40), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_silu_position_independent_and_accurate(n, start, dtype):
+    """torch's own fp32 silu differs between its SIMD body and scalar tail; ``bi.silu`` gives an element the same
+    bits wherever it sits (here: shifted by ``start`` and cut to ``n``)."""
+    x = (torch.randn(n + 64) * 6).to(dtype)
+    whole = bi.silu(x)
+    assert torch.equal(bi.silu(x[start : start + n]), whole[start : start + n])
+    ref = x.double() * torch.sigmoid(x.double())
+    assert ((whole.double() - ref).abs() <= 4 * EPS[dtype] * ref.abs() + 1e-30).all()
+
+
+def _attention_ref(q, k, v, lengths, scale):
+    """fp64 causal attention per sequence of a packed batch (GQA by repeating the kv heads)."""
+    out, G, s = [], q.shape[1] // k.shape[1], 0
+    for n in lengths:
+        qq, kk, vv = (x[s : s + n].double().transpose(0, 1) for x in (q, k, v))
+        kk, vv = kk.repeat_interleave(G, 0), vv.repeat_interleave(G, 0)
+        sc = (qq @ kk.transpose(1, 2) * scale).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        out.append((torch.softmax(sc, -1) @ vv).transpose(0, 1))
+        s += n
+    return torch.cat(out)
+
+
+@settings(max_examples=10)
+@given(lengths=st.lists(st.integers(1, 150), min_size=1, max_size=4), heads=st.sampled_from([(1, 1), (4, 2), (6, 2)]),
+       D=st.sampled_from([4, 8, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       pairs=st.sampled_from([ba.PAIRS_PER_CALL, 60]), products=st.sampled_from([ba.BLOCK_PRODUCTS, 30]),
+       seed=st.integers(0, 1000))
+def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, products, seed):
+    """The packed forward's attention of a token equals the same sequence's alone, the decode step's (one query,
+    keys up to its position read from a cache padded with other finite values), and another split of the work
+    (``PAIRS_PER_CALL``, ``BLOCK_PRODUCTS``: query chunks, block chunks, the diagonal key by key)."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    # values spread over 2^24 in magnitude: their sums round in fp64, so only a fixed order gives fixed bits
+    q, k, v = q.to(dtype), k.to(dtype), (v * 2.0 ** torch.randint(-12, 12, (T, 1, 1), generator=g)).to(dtype)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    scale = D**-0.5
+    packed = ba.varlen_attention(q, k, v, cu, scale)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ba, "PAIRS_PER_CALL", pairs)
+        mp.setattr(ba, "BLOCK_PRODUCTS", products)
+        assert torch.equal(ba.varlen_attention(q, k, v, cu, scale), packed)
+    perm = torch.randperm(D, generator=g)  # the scores are exact: the order of the head dims does not matter
+    assert torch.equal(ba.varlen_attention(q[..., perm], k[..., perm], v, cu, scale), packed)
+    k_grid = ba.key_grid(k)
+    for i, n in enumerate(lengths):
+        s = int(cu[i])
+        alone = ba.varlen_attention(q[s : s + n], k[s : s + n], v[s : s + n], torch.tensor([0, n], dtype=torch.int32),
+                                    scale)
+        assert torch.equal(alone, packed[s : s + n])
+        p = int(torch.randint(0, n, (1,), generator=g))
+        width = p + 1 + int(torch.randint(0, 20, (1,), generator=g))
+        kc, vc = (torch.randn(1, Hkv, width, D, generator=g).to(dtype) for _ in range(2))  # stale, finite
+        kc[0, :, : p + 1], vc[0, :, : p + 1] = k_grid[s : s + p + 1].transpose(0, 1), v[s : s + p + 1].transpose(0, 1)
+        one = ba.attention(q[s + p][None, :, None], kc, vc, torch.tensor([[p]]), scale)
+        assert torch.equal(one[0, :, 0], packed[s + p])
+    ref = _attention_ref(q, k, v, lengths, scale)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    bits = min(bi.product_bits(D), 24)
+    score_grid = scale * 2.0**-bits * 2 * qd.abs().amax() * kd.abs().sum(-1).amax()
+    L = max(lengths)
+    vmax = vd.abs().max().item()
+    bound = (attention_floor(scale * (qd.abs().sum(-1).amax() * kd.abs().amax()).item(), v.float())
+             + (4 * score_grid.item() + 2 * L * 2.0**-24 + 2.0**-26) * vmax)
+    assert ((packed.double() - ref).abs() <= bound + EPS[dtype] * ref.abs()).all()
+
+
+@settings(max_examples=6)
+@given(B=st.integers(1, 3), blocks=st.integers(1, 3), first=st.integers(0, 2), G=st.sampled_from([1, 3]),
+       D=st.sampled_from([3, 16]), seed=st.integers(0, 1000))
+def test_blocks_sum_in_one_order(B, blocks, first, G, D, seed):
+    """The fp64 sums before the final rounding (where a change of order would show only rarely): a packed forward's
+    reshaped reading of each query's own blocks (``dense_blocks``) gives the bits of the per-query reading
+    (``small_blocks``, ``diagonal_block``), and the diagonal is the plain left-to-right sum from 0; values spread
+    over 2^48 so that the order matters."""
+    g = torch.Generator().manual_seed(seed)
+    BB = ba.BIG_BLOCK
+    M = blocks * BB - int(torch.randint(0, BB, (1,), generator=g))  # the last big block of queries partial
+    L = -(-(first * BB + M) // ba.KEY_BLOCK) * ba.KEY_BLOCK  # keys padded to whole small blocks, as attention's
+    qpos = torch.arange(first * BB, first * BB + M).expand(B, M)
+    pi = (torch.rand(B, 2, G * M, L, generator=g) * 2**24).round().double()
+    pi = pi.masked_fill(torch.arange(L) > qpos.repeat(1, G).view(B, 1, G * M, 1), 0.0)
+    v = torch.randn(B, 2, L, D, generator=g) * 2.0 ** torch.randint(-24, 24, (B, 2, L, D), generator=g)
+    small, diagonal = ba.dense_blocks(pi, v, first * BB, M)
+    assert torch.equal(small, ba.small_blocks(pi, v, qpos))
+    with pytest.MonkeyPatch.context() as mp:  # one small block at a time
+        mp.setattr(ba, "BLOCK_PRODUCTS", 0)
+        assert torch.equal(small, ba.small_blocks(pi, v, qpos))
+    assert torch.equal(diagonal, ba.diagonal_block(pi, v, qpos))
+    for b, m, row in ((0, 0, 0), (B - 1, M - 1, G * M - 1)):
+        p = int(qpos[b, m])
+        want = torch.zeros(D, dtype=torch.float64)
+        for j in range(p - p % ba.KEY_BLOCK, p - p % ba.KEY_BLOCK + ba.KEY_BLOCK):
+            want = want + pi[b, 1, row, j] * v[b, 1, j].double()
+        assert torch.equal(diagonal[b, 1, row], want)
+
+
+@settings(max_examples=10)
+@given(N=st.integers(1, 30), H=st.integers(1, 48), V=st.sampled_from([7, 300, bi.VOCAB_TILE, bi.VOCAB_TILE + 5, 5000]),
+       temperature=st.sampled_from([1.0, 0.7, 1.3]), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.sampled_from([bi.ROWS_PER_CHUNK, 3]),
+       seed=st.integers(0, 1000))
+def test_logprobs_equal_the_engine_head_and_are_accurate(N, H, V, temperature, bias, dtype, rows, seed):
+    """The trainer's ``linear_logprobs`` (one vocabulary tile at a time, rows in chunks) gives every token the bits the
+    engine gets from its full logits row (``linear`` then ``logsumexp_tiles`` and ``token_logprobs``)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 3 / math.sqrt(H)).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype) if bias else None
+    y = torch.randint(0, V, (N,), generator=g)
+    inv_temp = 1.0 / temperature
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bi, "ROWS_PER_CHUNK", rows)
+        logp, lse, ent = bi.linear_logprobs(h, w, b, y, inv_temp, True)
+    logits = bi.linear(h, w, b, out_dtype=torch.float32)
+    engine_lse = bi.logsumexp_tiles(logits, inv_temp)
+    assert torch.equal(engine_lse, lse)
+    assert torch.equal(bi.token_logprobs(logits, y, inv_temp, engine_lse), logp)
+    z = (h.double() @ w.double().t() + (0 if b is None else b.double())) * inv_temp
+    ref = torch.log_softmax(z, -1)
+    bits = bi.product_bits(H)
+    zmax = z.abs().amax(-1)
+    grid = 2.0**-bits * 2 * h.double().abs().amax(-1) * w.double().abs().sum(-1).amax() * inv_temp
+    bound = 4 * EPS32 * zmax + 2 * grid + 2.0**-30
+    assert ((logp.double() - ref.gather(1, y[:, None]).squeeze(1)).abs() <= bound).all()
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    assert ((ent.double() - ref_ent).abs() <= 8 * EPS32 * (zmax + ref_ent.abs()) + 2 * grid).all()
+
+
+def test_self_check_passes_here_and_refuses_a_position_dependent_exp(monkeypatch):
+    bi.self_check()
+    exp = torch.exp
+
+    def tail_differs(x):  # a kernel whose scalar tail rounds otherwise: the last element of an odd length
+        out = exp(x)
+        if x.numel() % 2:
+            out[-1:] = torch.nextafter(out[-1:], torch.full_like(out[-1:], math.inf))
+        return out
+
+    monkeypatch.setattr(torch, "exp", tail_differs)
+    with pytest.raises(RuntimeError, match="exp on this host"):
+        bi.self_check()
+
+
+def test_invariant_forward_needs_the_ops_registered():
+    assert not bi.enabled()
+    with pytest.raises(RuntimeError, match="registered"), bi.invariant_forward():
+        pass

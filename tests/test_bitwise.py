@@ -1,0 +1,267 @@
+"""The bitwise tier of the differential harness (``numerics.batch_invariant``, issue 35): the engine's log-prob of
+every sampled token is ``torch.equal`` to the trainer's packed-forward log-prob of that token, through the real
+``packed_logprobs`` path (``ForwardWrapper(model, packed_forward)``, ``fused_linear_logprobs``) the trainer runs.
+
+The schedules are those of ``test_generation_fidelity`` (random tiny Qwen2 / Llama / Qwen3, prompts, n, stop ids,
+``max_batch_size`` below the samples (refill), small KV budgets (admission waits, preemption and recompute),
+``sync_every`` 1 / 3 / 8, page sizes 1 / 3 / 16, the CPU row cache or the pages, greedy, temperatures, top-k/top-p)
+and more: fp32 and bf16, the engine and the trainer on 1 or 2 threads each (2: the slow tier), the trainer's
+micro-batch token budget (which sequences are packed together), multi-turn conversations (observations appended, the
+turns resumed against their cached K/V, paused samples evicted and recomputed), LoRA, and a generation session across
+a weight update.
+For every case 0 tokens differ, and two schedules give the same tokens and the same log-prob bits.
+
+The fast tier runs a few derandomized examples of each; ``-m slow`` runs a larger sweep.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from fastgrpo.kernels.batch_invariant import invariant_ops
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_generation import random_prompts, tiny_model
+from test_generation_fidelity import cases, engine_for, run_turns, turn_cases
+from test_lora import random_lora
+from turn_script import CharTokenizer
+
+from fastgrpo.algorithms.batch import Sample, pack_microbatches
+from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
+from fastgrpo.distributed import ForwardWrapper
+from fastgrpo.engine.engine import GenerationEngine, SamplingParams
+from fastgrpo.models.attention import enable_packed_attention
+
+peft = pytest.importorskip("peft")
+
+
+def trainer_mismatches(model, prompts, outs, temperature, budget, threads) -> tuple[int, int]:
+    """(tokens whose engine log-prob differs from the trainer's, sampled tokens): every trajectory of ``outs``
+    packed into micro-batches of at most ``budget`` tokens, scored by ``packed_logprobs`` with the invariant ops on
+    ``threads`` threads."""
+    enable_packed_attention(model)
+    samples = [Sample(p, list(c.token_ids), list(c.logprobs), 0.0, True, loss_mask=list(c.loss_mask))
+               for p, comps in zip(prompts, outs) for c in comps]
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    differ = total = 0
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with invariant_ops():
+            for mb in pack_microbatches(samples, max(budget, longest), torch.device("cpu")):
+                logp = packed_logprobs(ForwardWrapper(model, packed_forward), mb, temperature)
+                sampled = mb.mask != 0
+                differ += int((logp[sampled] != mb.sample_logprobs[sampled]).sum())
+                total += int(sampled.sum())
+    finally:
+        torch.set_num_threads(saved)
+    return differ, total
+
+
+@contextlib.contextmanager
+def one_thread_scope():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def assert_same_runs(runs):
+    """Two schedules: the same tokens, masks, finish reasons and log-prob bits."""
+    for comps_a, comps_b in zip(*runs):
+        for a, b in zip(comps_a, comps_b):
+            assert (a.token_ids, a.loss_mask, a.finish_reason) == (b.token_ids, b.loss_mask, b.finish_reason)
+            assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
+@st.composite
+def bitwise_cases(draw, base, max_threads=1):
+    """A schedule of ``base`` and: the dtype, the engine's and the trainer's thread counts (2 only in the slow tier:
+    a small multi-threaded fp64 GEMM can take tens of milliseconds on a loaded 2-core host), the trainer's token
+    budget per micro-batch."""
+    return (draw(base), draw(st.sampled_from([torch.float32, torch.bfloat16])), draw(st.integers(1, max_threads)),
+            draw(st.integers(1, max_threads)), draw(st.sampled_from([16, 64, 4096])))
+
+
+def check_bitwise(case, dtype, engine_threads, trainer_threads, budget, adapt=None):
+    arch, seed, lengths, params, schedules = case
+    model = tiny_model(arch, seed=seed % 5).to(dtype)
+    model = model if adapt is None else adapt(model, seed)
+    prompts = random_prompts(lengths, seed=seed)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(engine_threads)
+    try:
+        runs = [engine_for(model, params, prompts, **s, batch_invariant=True).generate(prompts, params)
+                for s in schedules]
+    finally:
+        torch.set_num_threads(saved)
+    differ, total = trainer_mismatches(model, prompts, runs[0], params.temperature or 1.0, budget, trainer_threads)
+    assert total > 0 and differ == 0, f"{differ} of {total} sampled tokens differ from the trainer's log-prob"
+    assert_same_runs(runs)
+
+
+@settings(max_examples=6, deadline=None)
+@given(bitwise_cases(cases()))
+def test_engine_logprobs_equal_the_trainers_bit_for_bit(case):
+    check_bitwise(*case)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(bitwise_cases(cases(max_prompts=6, max_samples=64), max_threads=2))
+def test_engine_logprobs_equal_the_trainers_sweep(case):
+    check_bitwise(*case)
+
+
+def lora(model, seed):
+    """Random non-zero adapters (test_lora's) without dropout (the mode refuses LoRA dropout)."""
+    return random_lora(model, seed, dropout=0.0)
+
+
+@settings(max_examples=3, deadline=None)
+@given(bitwise_cases(cases(max_prompts=3, max_samples=12)))
+def test_lora_engine_logprobs_equal_the_trainers(case):
+    check_bitwise(*case, adapt=lora)
+
+
+def check_turns_bitwise(case, dtype, budget):
+    arch, seed, lengths, params, script, schedules = case
+    model = tiny_model(arch, seed=seed % 5).to(dtype)
+    tokenizer = CharTokenizer(96, seed=seed)
+    prompts = random_prompts(lengths, seed=seed)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = [run_turns(model, tokenizer, prompts, params, script, **s, batch_invariant=True)[0] for s in schedules]
+    finally:
+        torch.set_num_threads(saved)
+    differ, total = trainer_mismatches(model, prompts, runs[0], params.temperature or 1.0, budget, 1)
+    assert total > 0 and differ == 0, f"{differ} of {total} sampled tokens differ from the trainer's log-prob"
+    assert_same_runs(runs)
+
+
+@settings(max_examples=3, deadline=None)
+@given(turn_cases(), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([32, 4096]))
+def test_multi_turn_logprobs_equal_the_trainers(case, dtype, budget):
+    check_turns_bitwise(case, dtype, budget)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(turn_cases(max_prompts=5, max_samples=32), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.sampled_from([32, 4096]))
+def test_multi_turn_logprobs_equal_the_trainers_sweep(case, dtype, budget):
+    check_turns_bitwise(case, dtype, budget)
+
+
+@pytest.mark.parametrize("row_cache", [True, False])
+def test_session_after_a_weight_update(row_cache):
+    """A generation session across an in-place weight update with its K/V recomputed: the tokens sampled after the
+    update have the trainer's log-probs under the new weights (the engine's weight grids are made again)."""
+    model = tiny_model("qwen2", seed=3)
+    prompts = random_prompts([4, 9, 6], seed=3)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=11)
+    engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=4, row_cache=row_cache, batch_invariant=True)
+    with engine.session(params, max_prompt_tokens=16) as session, one_thread_scope():
+        session.add(prompts)
+        done = session.run(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        session.update(recompute_kv=True)
+        done += session.run(len(prompts))
+    outs = [comps for _, comps in sorted(done, key=lambda kc: kc[0])]
+    for comps in outs:  # only the tokens of the new version are the new weights' samples
+        for c in comps:
+            c.loss_mask = [int(v == 1) for v in c.versions]
+    differ, total = trainer_mismatches(model, prompts, outs, 1.0, 4096, 1)
+    assert total > 0 and differ == 0
+
+
+def test_refusals():
+    """What breaks invariance is refused when the engine is built, naming the reason."""
+    model = tiny_model("qwen2")
+    for change, match in [(dict(hidden_act="gelu"), "activation"), (dict(attention_dropout=0.1), "attention_dropout"),
+                          (dict(model_type="mistral"), "architecture 'mistral'")]:
+        bad = tiny_model("qwen2")
+        for key, value in change.items():
+            setattr(bad.config, key, value)
+        with pytest.raises(ValueError, match=match):
+            GenerationEngine(bad, eos_token_ids=[], batch_invariant=True)
+    with pytest.raises(ValueError, match="fp64"):
+        GenerationEngine(tiny_model("llama").double(), eos_token_ids=[], batch_invariant=True)
+    with pytest.raises(ValueError, match="torch.compile"):
+        GenerationEngine(torch.compile(model), eos_token_ids=[], batch_invariant=True)
+    from fastgrpo.models.batch_invariant import check_model
+
+    with pytest.raises(ValueError, match="attention is 'sdpa'"):
+        check_model(model, "fastgrpo_varlen")
+
+
+# ---------------------------------------------------------------- the GRPO step on the engine's log-probs
+
+GRPO_SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6",
+              "sft.warmup_steps=0", "reward.num_workers=0", "grpo.mask_zero_std_groups=false",
+              "grpo.rollout_is=token_truncate", "logging.progress_bar=false", "train.num_threads=1",
+              "data.shuffle=false"]
+
+
+def grpo_update(tmp_path, mode: bool, *overrides):
+    """One GRPO rollout of the tiny recipe (the mode on or off), the same fixed advantages (±1 by completion: the
+    untrained policy's rewards are all 0), then the policy update; returns (samples, metrics, old-log-prob forwards,
+    the parameters after)."""
+    from fastgrpo.config import load_config, stage_settings
+    from fastgrpo.trainer import Trainer
+
+    cfg = load_config(overrides=[*GRPO_SMALL, f"numerics.batch_invariant={str(mode).lower()}",
+                                 f"logging.output_dir={tmp_path / str(mode)}", *overrides])
+    trainer = Trainer(cfg)
+    try:
+        settings = stage_settings(cfg, 0)
+        samples, _ = trainer.algorithm.rollout(trainer.sampler.next(trainer.algorithm.rows_per_step), settings)
+        for i, s in enumerate(samples):
+            s.advantage = 1.0 if i % 2 else -1.0
+        update = trainer.algorithm.update
+        forwards = []
+        policy_logprobs = update._policy_logprobs
+        update._policy_logprobs = lambda plans, n_mbs, attr, t: (forwards.append(attr),
+                                                                policy_logprobs(plans, n_mbs, attr, t))
+        m = update.run(samples, beta=0.0, epsilon_high=settings["epsilon_high"],
+                       max_new_tokens=settings["max_new_tokens"])
+        params = [p.detach().clone() for p in trainer.model.parameters()]
+    finally:
+        trainer.close()
+    return samples, m, forwards, params
+
+
+@pytest.mark.parametrize("optimizer_steps", [1, 2])
+def test_grpo_update_on_the_engine_logprobs(tmp_path, optimizer_steps):
+    """With the mode on the training forward's log-probs are the engine's bit for bit: the gate
+    ``sampling/sampling_logp_difference/max`` is exactly 0.0 and the rollout IS weights exactly 1, and with two
+    optimizer steps per rollout the old-log-prob forward is not run (the engine's log-probs are the old ones). The
+    update is the mode-off one up to the log-prob rounding (the same samples, loss, gradient norm)."""
+    extra = [f"train.sequences_per_optimizer_step={16 // optimizer_steps}"]
+    on, m_on, forwards_on, params_on = grpo_update(tmp_path, True, *extra)
+    off, m_off, forwards_off, params_off = grpo_update(tmp_path, False, *extra)
+    assert [s.completion_ids for s in on] == [s.completion_ids for s in off]
+    assert m_on["sampling/sampling_logp_difference/max"] == 0.0
+    assert m_on["sampling/importance_sampling_ratio/min"] == m_on["sampling/importance_sampling_ratio/max"] == 1.0
+    assert m_on["optimizer_steps"] == m_off["optimizer_steps"] == optimizer_steps
+    assert forwards_on == [] and forwards_off == (["old_logprobs"] if optimizer_steps > 1 else [])
+    # the log-probs differ by fp32 rounding between the modes (the tiny model's ~1e-6), the update with them
+    assert m_off["sampling/sampling_logp_difference/max"] < 1e-4
+    assert m_on["loss"] == pytest.approx(m_off["loss"], rel=1e-4, abs=1e-6)
+    assert m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-3)
+    lr = 3e-4  # the tiny recipe's: an Adam step moves a parameter by at most ~lr per optimizer step
+    assert max((a - b).abs().max().item() for a, b in zip(params_on, params_off)) <= 2 * lr * optimizer_steps
+
+
+def test_config_refusals():
+    from fastgrpo.config import load_config
+
+    for overrides, name in [(["algorithm=dpo"], "algorithm"), (["train.strategy=fsdp2"], "train.strategy"),
+                            (["model.lora={r: 4, dropout: 0.1}"], "model.lora.dropout")]:
+        with pytest.raises(ValueError, match=name):
+            load_config(overrides=["numerics.batch_invariant=true", *overrides])
