@@ -10,10 +10,13 @@ training micro-batch's forward keeps every MoE layer's router logits and adds
     coef · aux_mb / M        aux_mb = E · Σ_e f_e P_e over the micro-batch's tokens (all real: no padding)
 
 to its loss, M the real micro-batches of the optimizer step over all ranks, so the step's gradient is that of
-``coef · mean(aux)`` over its micro-batches whatever their sizes, the ranks and the algorithm. ``coef`` is
+``coef · mean(aux)`` over its micro-batches whatever their sizes, the ranks and the algorithm. ``aux_mb`` itself is
+not a sum over tokens: another packing (``train.max_tokens_per_microbatch``, the number of ranks) gives other terms,
+as TRL's depend on its per-device batch size. ``coef`` is
 ``model.moe.router_aux_loss_coef``, else the model config's (0.001 in Qwen3-MoE's and Qwen2-MoE's; 0 turns it off).
 Logged: ``moe/aux_loss``, the mean of ``aux_mb`` over the step's micro-batches (TRL's ``aux_loss``), and the step's
-``loss`` includes the term, as TRL's does. Against TRL, per trainer:
+``loss`` includes the term, as TRL's does. Against TRL (huggingface/trl @f2cd577, ``trl/trainer/grpo_trainer.py``,
+``dpo_trainer.py``, ``sft_trainer.py``), per trainer:
 
 - GRPOTrainer (and distillation, whose update is GRPO's): ``coef · aux / gradient_accumulation_steps`` per
   micro-batch, its ranks holding equal counts: the same mean.
