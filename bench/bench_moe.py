@@ -2,7 +2,9 @@
 replay's effect on the engine-vs-trainer log-prob gap.
 
 Run: ``python bench/bench_moe.py`` (CPU sizes without CUDA, GPU sizes with it; ``--quick`` shrinks either);
-``python bench/bench_moe.py --replay-gap`` (CPU, bf16). Rows go to ``bench/results/moe.csv``.
+``python bench/bench_moe.py --replay-gap`` (CPU, bf16). Rows go to ``bench/results/moe.csv``. ``--family qwen2_moe``:
+the same sizes as a Qwen2-MoE, each MoE layer with a shared expert 4 experts wide (Qwen1.5-MoE-A2.7B's ratio, 5632 to
+1408), q/k/v biases and its top-k weights not renormalised.
 
 - **Engine** (default): one sampling workload (the median of 3 alternating calls on CPU, 1 on GPU), the engine and
   transformers' ``generate`` (its own experts implementation, ``grouped_mm`` on CUDA, ``eager`` on CPU) on the same
@@ -33,7 +35,7 @@ import time
 
 import torch
 from common import append_rows, copy_bandwidth_gbps, peak_extra_bytes, print_table
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
@@ -46,10 +48,15 @@ GPU_CONFIG = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, m
 GAP_CONFIG = dict(CPU_CONFIG, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=64, initializer_range=0.02)
 
 
-def build(config: dict, device: str, dtype: torch.dtype, seed: int = 0):
+def build(config: dict, device: str, dtype: torch.dtype, seed: int = 0, family: str = "qwen3_moe"):
+    """A random model of ``config``'s sizes: a Qwen3-MoE, or a Qwen2-MoE with a shared expert (module docstring)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).to(dtype).eval()
+        if family == "qwen3_moe":
+            return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).to(dtype).eval()
+        kw = {k: v for k, v in config.items() if k not in ("head_dim", "norm_topk_prob")}
+        config = Qwen2MoeConfig(**kw, shared_expert_intermediate_size=4 * config["moe_intermediate_size"])
+        return Qwen2MoeForCausalLM(config).to(dtype).eval()
 
 
 def prompts_of(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -88,7 +95,7 @@ def decode_step_bytes(model, rows: int, context: int) -> float:
     return (weights + kv) * elt
 
 
-def engine_rows(quick: bool) -> list[dict]:
+def engine_rows(quick: bool, family: str) -> list[dict]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if cuda:
@@ -97,7 +104,7 @@ def engine_rows(quick: bool) -> list[dict]:
     else:
         config, dtype = CPU_CONFIG, torch.float32
         num, n, length, new = (4, 4, 32, 16) if quick else (8, 4, 48, 64)
-    model = build(config, device, dtype)
+    model = build(config, device, dtype, family=family)
     hf_impl = "grouped_mm" if cuda else "eager"
     model.set_experts_implementation(hf_impl)
     prompts = prompts_of(num, length, config["vocab_size"])
@@ -113,7 +120,8 @@ def engine_rows(quick: bool) -> list[dict]:
         eng_runs.append(eng_s)
         hf_runs.append(timed(lambda: hf_generate(model, prompts, n, hf_new), device)[0])
     eng_s, hf_s = statistics.median(eng_runs), statistics.median(hf_runs)
-    shape = (f"{num}x{n} prompts {length} new {new} E {config['num_experts']} top-{config['num_experts_per_tok']} "
+    shape = (f"{family} {num}x{n} prompts {length} new {new} E {config['num_experts']} "
+             f"top-{config['num_experts_per_tok']} "
              f"params {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M {str(dtype).split('.')[-1]}")
     eng_tps, hf_tps = num * n * new / eng_s, num * n * hf_new / hf_s
     rows = [dict(impl="engine", shape=shape, seconds=eng_s, tokens_per_s=eng_tps, speedup_vs_hf=eng_tps / hf_tps,
@@ -133,14 +141,14 @@ def engine_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def replay_gap_rows() -> list[dict]:
+def replay_gap_rows(family: str) -> list[dict]:
     from fastgrpo.algorithms.batch import Sample, pack_microbatches
     from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
     from fastgrpo.distributed import ForwardWrapper
     from fastgrpo.models.attention import enable_packed_attention
     from fastgrpo.models.moe import MoERouting, enable_moe
 
-    model = build(GAP_CONFIG, "cpu", torch.bfloat16)
+    model = build(GAP_CONFIG, "cpu", torch.bfloat16, family=family)
     prompts = prompts_of(16, 32, GAP_CONFIG["vocab_size"], seed=1)
     engine = GenerationEngine(model, eos_token_ids=[], max_batch_size=64, record_routing=True)
     out = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=48, seed=0))
@@ -162,7 +170,7 @@ def replay_gap_rows() -> list[dict]:
         rows.append(dict(replay=replay, tokens=gap.numel(), mean_abs_dlogp=gap.mean().item(),
                          p99_abs_dlogp=gap.quantile(0.99).item(), max_abs_dlogp=gap.max().item(),
                          replay_mismatch=differ / compared if replay else float("nan"),
-                         shape="4 layers, hidden 256, 128 experts top-8, bf16, 16x4x48"))
+                         shape=f"{family} 4 layers, hidden 256, 128 experts top-8, bf16, 16x4x48"))
     return rows
 
 
@@ -170,15 +178,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
     parser.add_argument("--replay-gap", action="store_true", help="router replay's effect on the bf16 gap (CPU)")
+    parser.add_argument("--family", choices=["qwen3_moe", "qwen2_moe"], default="qwen3_moe",
+                        help="the model's architecture (qwen2_moe: with a shared expert)")
     args = parser.parse_args()
     if args.replay_gap:
-        rows = replay_gap_rows()
+        rows = replay_gap_rows(args.family)
         print_table(rows, "engine-vs-trainer log-prob gap, bf16, with and without router replay")
         print(f"rows appended to {append_rows('moe_replay_gap', rows, 'cpu')}")
         return
-    rows = engine_rows(args.quick)
+    rows = engine_rows(args.quick, args.family)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print_table(rows, f"Qwen3-MoE generation on {device}")
+    print_table(rows, f"{args.family} generation on {device}")
     print(f"rows appended to {append_rows('moe', rows, device)}")
 
 

@@ -111,12 +111,12 @@ class LoRAConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-experts models (Qwen3-MoE): the router's load-balancing loss, router replay, and the built-in tiny
+    """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE): the router's load-balancing loss, router replay, and the tiny
     model as an MoE; nothing here acts on a dense model (see fastgrpo/models/moe.py)."""
 
     router_aux_loss_coef: float | None = None
-    """Weight of the router's load-balancing loss added to GRPO's policy loss (TRL's router_aux_loss_coef; 0 = off);
-    null: the model config's router_aux_loss_coef (0.001 in Qwen3-MoE's)."""
+    """Weight of the router's load-balancing loss added to the training loss of GRPO, SFT (the warm-up too), DPO and
+    distillation (TRL's router_aux_loss_coef; 0 = off); null: the model config's (0.001 in Qwen3-MoE's, Qwen2-MoE's)."""
     router_replay: bool = False
     """Router replay (R3): the engine records every token's top-k experts per MoE layer, and the trainer's old-policy,
     reference and policy forwards route those tokens to those experts, the weights from the current router logits."""
@@ -126,9 +126,9 @@ class MoEConfig:
     freeze_router: bool = False
     """Keep every MoE layer's router weight fixed (NeMo-RL's Megatron freeze_moe_router); the experts still train."""
     tiny_num_experts: int = 0
-    """Built-in tiny model: 0 = dense (Qwen2-shaped); > 0 = a Qwen3-MoE model with this many experts per MoE layer."""
+    """Built-in tiny model: 0 = dense (Qwen2-shaped); > 0 = an MoE model with this many experts per MoE layer."""
     tiny_num_experts_per_tok: int = 2
-    """Built-in tiny MoE: experts per token (top-k), their weights renormalised (norm_topk_prob)."""
+    """Built-in tiny MoE: experts per token (top-k), their weights renormalised in a Qwen3-MoE (norm_topk_prob)."""
     tiny_moe_intermediate_size: int = 64
     """Built-in tiny MoE: one expert's MLP width."""
     tiny_decoder_sparse_step: int = 1
@@ -136,6 +136,9 @@ class MoEConfig:
     and i is not in tiny_mlp_only_layers; the others are dense MLP layers of model.tiny_intermediate_size."""
     tiny_mlp_only_layers: list[int] = field(default_factory=list)
     """Built-in tiny MoE: layers that keep a dense MLP (Qwen3-MoE's mlp_only_layers)."""
+    tiny_shared_expert_intermediate_size: int = 0
+    """Built-in tiny MoE: 0 = a Qwen3-MoE; > 0 = a Qwen2-MoE whose MoE layers add a shared expert of this width (its
+    defaults: q/k/v biases, top-k weights not renormalised)."""
 
     def __post_init__(self):
         if self.router_aux_loss_coef is not None:
@@ -146,6 +149,7 @@ class MoEConfig:
         _check_min("model.moe.tiny_num_experts", self.tiny_num_experts, 0)
         for name in ("tiny_num_experts_per_tok", "tiny_moe_intermediate_size", "tiny_decoder_sparse_step"):
             _check_min(f"model.moe.{name}", getattr(self, name), 1)
+        _check_min("model.moe.tiny_shared_expert_intermediate_size", self.tiny_shared_expert_intermediate_size, 0)
         if self.tiny_num_experts and self.tiny_num_experts_per_tok > self.tiny_num_experts:
             _fail("model.moe.tiny_num_experts_per_tok", f"must be <= model.moe.tiny_num_experts="
                   f"{self.tiny_num_experts}", self.tiny_num_experts_per_tok)

@@ -82,10 +82,12 @@ layer) it keeps each layer's input ``L·c·h`` and recomputes one layer at a tim
 ``tests/test_plan.py`` checks ``A`` against the bytes autograd actually saves (storages counted once).
 A mixture-of-experts model (``fastgrpo.models.moe.MoEShape``: E experts of width I, top-K, per MoE layer) counts every
 expert in P (the weights, masters, state and gradients) but only the chosen ones in its active parameters (the FLOP
-line: 6 x active per trained token); an MoE layer saves its block's router softmax, ids and weights and the experts'
-``2·c·K·I`` pre-activations in place of ``4·c·I`` (checked against autograd too), keeps the kernel's routing
-(``16·K``), with the load-balancing loss each MoE layer's ``c·E`` router logits, and its experts' transient is
-``c·K·(3·I + h)``; router replay's record is host memory, ``L_moe·K`` bytes a token.
+line: 6 x active per trained token; a Qwen2-MoE shared expert of width I_s and its gate are always active); an MoE
+layer saves its block's router softmax, ids and weights and the experts' ``2·c·K·I`` pre-activations in place of
+``4·c·I`` (a shared expert adds ``4·c·I_s + c·h + c``; checked against autograd too), keeps the kernel's routing
+(``16·K``), with the load-balancing loss (any algorithm) each MoE layer's ``c·E`` router logits, and its block's
+transient is ``c·K·(3·I + h)`` or the shared expert's ``c·(3·I_s + h)``; router replay's record is host memory,
+``L_moe·K`` bytes a token. LoRA's MLP targets adapt the dense layers and the shared experts, never the experts.
 
 The fused loss (``kernels/linear_logprobs.py``) in backward: fp32 accumulators ``grad_W`` ``[V, H]`` and
 ``grad_h`` ``[T, H]``, their casts to the compute dtype (c < 4), the scatter of ``grad_h`` back into ``[T, H]``;
@@ -406,8 +408,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
     # per token and layer: the adapters' x·A, minus the frozen norms' normalised rows (module docstring)
     lora_act = c * cfg.model.lora.r * len(cfg.model.lora.target_modules) - 2 * c * s.hidden if p else 0
     moe = cfg.model.moe
-    aux = s.moe is not None and generates and (s.moe.aux_loss_coef if moe.router_aux_loss_coef is None
-                                               else moe.router_aux_loss_coef) > 0  # GRPO's load-balancing loss
+    aux = s.moe is not None and (s.moe.aux_loss_coef if moe.router_aux_loss_coef is None
+                                 else moe.router_aux_loss_coef) > 0  # the load-balancing loss (every algorithm)
     vision_train = vision_gen = 0
     if vs is not None:  # v: a prompt's image tokens at most; a micro-batch's at most its T tokens (module docstring)
         v, q, a = cfg.data.max_prompt_tokens, vs.merge**2, layer_saved_bytes_per_token(vs, c)

@@ -143,16 +143,19 @@ def vision_pass_bytes(s: ModelShape, c: int, tokens: int) -> int:
     return 4 * s.vision.patch_values * patches + s.vision.forward_bytes(c, patches) + c * tokens * s.hidden
 
 
-def lora_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
-    """``(in, out)`` features of each projection LoRA may target (``model.lora.target_modules``)."""
+def lora_dims(s: ModelShape, intermediate: int | None = None) -> dict[str, tuple[int, int]]:
+    """``(in, out)`` features of each projection LoRA may target (``model.lora.target_modules``); the MLP's of width
+    ``intermediate`` (None: the dense MLP's)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    i = s.intermediate if intermediate is None else intermediate
     return {"q_proj": (s.hidden, q), "k_proj": (s.hidden, kv), "v_proj": (s.hidden, kv), "o_proj": (q, s.hidden),
-            "gate_proj": (s.hidden, s.intermediate), "up_proj": (s.hidden, s.intermediate),
-            "down_proj": (s.intermediate, s.hidden)}
+            "gate_proj": (s.hidden, i), "up_proj": (s.hidden, i), "down_proj": (i, s.hidden)}
 
 
 def lora_params(s: ModelShape, cfg: Config) -> int:
-    """Adapter parameters of ``model.lora`` (0 without it): ``r · (in + out)`` per targeted projection and layer."""
+    """Adapter parameters of ``model.lora`` (0 without it): ``r · (in + out)`` per targeted projection and layer. In
+    an MoE model the MLP targets adapt the dense layers' MLPs and the MoE layers' shared experts (width I_s; none
+    without one: the experts are never targets, ``fastgrpo.models.moe.check_moe``)."""
     lora = cfg.model.lora
     if lora is None:
         return 0
@@ -160,7 +163,15 @@ def lora_params(s: ModelShape, cfg: Config) -> int:
     unknown = [t for t in lora.target_modules if t not in dims]
     if unknown:
         raise ValueError(f"model.lora.target_modules: the plan knows {sorted(dims)}, not {unknown}")
-    return s.layers * sum(lora.r * sum(dims[t]) for t in lora.target_modules)
+    moe_layers, width = (s.moe.layers, s.moe.shared_intermediate) if s.moe else (0, 0)
+    shared = lora_dims(s, width)
+
+    def per_target(t: str) -> int:  # in + out features, summed over the layers that hold projection t
+        if t not in ("gate_proj", "up_proj", "down_proj"):
+            return s.layers * sum(dims[t])
+        return (s.layers - moe_layers) * sum(dims[t]) + (moe_layers * sum(shared[t]) if width else 0)
+
+    return lora.r * sum(per_target(t) for t in lora.target_modules)
 
 
 def layer_saved_bytes_per_token(s: ModelShape, c: int, moe_layer: bool = False) -> int:
@@ -168,7 +179,7 @@ def layer_saved_bytes_per_token(s: ModelShape, c: int, moe_layer: bool = False) 
     layer's block saves ``MoEShape.saved_bytes_per_token`` in place of the dense MLP's ``4·c·I``."""
     qk = (s.heads + s.kv_heads) * s.head_dim
     qk_norm = (4 + c) * qk + 4 * (s.heads + s.kv_heads) if s.qk_norm else 0
-    mlp = s.moe.saved_bytes_per_token(c) if moe_layer else 4 * c * s.intermediate
+    mlp = s.moe.saved_bytes_per_token(c, s.hidden) if moe_layer else 4 * c * s.intermediate
     return 2 * (4 * s.hidden + 4 + 2 * c * s.hidden) + qk_norm + c * 2 * qk + 4 * s.heads + mlp
 
 

@@ -20,6 +20,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -52,11 +54,17 @@ ARCHS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 LOGPROB_ATOL = 1e-4  # fp32: engine vs teacher-forced forward differ only by summation order (~1e-6 seen)
-# Qwen3-MoE (tests/test_moe_generation.py): 3 layers, the middle one dense, 8 experts of width 16, top-2 renormalised;
-# Hugging Face's reference runs its eager experts (a loop over experts)
-MOE_ARCH = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
-MOE_FIELDS = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                  mlp_only_layers=[1], norm_topk_prob=True)
+# Mixture-of-experts models (tests/test_moe_generation.py), 8 experts of width 16, top-2, two MoE layers; Hugging
+# Face's reference runs its eager experts (a loop over experts). Qwen3-MoE: 3 layers, the middle one dense
+# (mlp_only_layers), top-2 renormalised. Qwen2-MoE: 4 layers, MoE at layers 1 and 3 (decoder_sparse_step 2), the
+# dense ones of width 64, a shared expert of width 24, q/k/v biases, top-2 not renormalised (its defaults).
+MOE_ARCH = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
+MOE_FIELDS = {
+    "qwen3_moe": dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      mlp_only_layers=[1], norm_topk_prob=True),
+    "qwen2_moe": dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      decoder_sparse_step=2, shared_expert_intermediate_size=24),
+}
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
@@ -73,7 +81,7 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
         initializer_range=0.3,
         attention_bias=arch == "llama",  # exercise the optional biases where the architecture allows them
     )
-    config = config_cls(**{**fields, **(MOE_FIELDS if arch in MOE_ARCH else {})})
+    config = config_cls(**{**fields, **MOE_FIELDS.get(arch, {})})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if arch in MOE_ARCH:

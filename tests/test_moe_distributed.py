@@ -51,6 +51,42 @@ def test_fsdp2_moe_update_matches_ddp(tmp_path):
     assert any("experts" in k and ddp["delta"][k].abs().max() > 0 for k in ddp["delta"])
 
 
+# SFT and DPO on a tiny MoE policy with its load-balancing term, shrunk (2 steps, no evaluation)
+AUX_RUN = ["model.moe.tiny_num_experts=4", "model.tiny_hidden_size=32", "model.tiny_intermediate_size=64",
+           "model.moe.tiny_moe_intermediate_size=16", "model.moe.router_aux_loss_coef=0.5",
+           "data.synthetic_num_terms=2", "data.synthetic_eval_size=8", "data.max_length=12",
+           "sft.batch_size=8", "dpo.batch_size=8", "sft.warmup_steps=0",
+           "train.max_steps=2", "eval.every_steps=0", "eval.at_start=false", "eval.at_end=false",
+           "checkpoint.every_steps=0", "logging.progress_bar=false", "train.num_threads=1", "train.max_grad_norm=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, tokens", [("sft-tiny", 16), ("dpo-tiny", 24)])
+def test_aux_loss_of_two_processes_equals_one(recipe, tokens, tmp_path):
+    """SFT and DPO with the load-balancing term (``fastgrpo.algorithms.moe``): 2 torchrun processes (each half of every
+    batch, DDP; the term a mean over the micro-batches of both ranks) log the same loss, ``moe/aux_loss`` and gradient
+    norm as one process, fp32 sums in another order (rel 1e-5). A micro-batch holds one sequence (SFT: 10-11 tokens
+    of 16) or one pair (DPO: 20-22 of 24), so both runs' micro-batches hold the same tokens: a micro-batch's aux is
+    not a sum over its tokens (``E · Σ_e f_e P_e``), and other packings give other terms."""
+    from fastgrpo.metrics import read_jsonl
+
+    train = Path(__file__).resolve().parents[1] / "fastgrpo" / "train.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = []
+    for n in (1, 2):
+        run = tmp_path / str(n)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(train),
+               "--recipe", recipe, *AUX_RUN, f"train.max_tokens_per_microbatch={tokens}", f"logging.output_dir={run}"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows.append([r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r])
+    assert len(rows[0]) == len(rows[1]) == 2
+    for one, two in zip(*rows):
+        for key in ("loss", "grad_norm", METRICS[0]):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), (one["step"], key)
+        assert one[METRICS[0]] > 0
+
+
 def _worker(out: str) -> None:
     from fastgrpo.algorithms.batch import pack_microbatches
     from fastgrpo.distributed import all_reduce, barrier, destroy, init_distributed

@@ -1,8 +1,10 @@
 """The engine on mixture-of-experts models (``fastgrpo.engine.moe``) in the differential harness, router replay's record
 and the trainer's replayed forward.
 
-Random tiny Qwen3-MoE models (``test_generation.tiny_model("qwen3_moe")``: 3 layers, the middle one dense, 8 experts,
-top-2 renormalised, ``initializer_range`` 0.3; Hugging Face's reference runs its eager experts) under the harness's
+Random tiny Qwen3-MoE and Qwen2-MoE models (``test_generation.tiny_model``: 8 experts, top-2, two MoE layers;
+Qwen3-MoE's 3 layers with the middle one dense and the top-2 renormalised, Qwen2-MoE's 4 layers with MoE every second
+one, a shared expert, q/k/v biases and the top-2 weights as they are; ``initializer_range`` 0.3; Hugging Face's
+reference runs its eager experts) under the harness's
 schedules (``test_generation_fidelity``: refill, small KV budgets with preemption, ``sync_every`` 1/3/8, page sizes,
 the CPU row cache or the pages, top-k/top-p, temperatures, multi-turn with a scripted handler, stop strings seen late
 and trimmed), with ``record_routing`` on. For every drawn case and completion:
@@ -30,7 +32,7 @@ import pytest
 import torch
 from checks import EPS32, one_thread  # noqa: F401  (an autouse fixture)
 from hypothesis import given, reject, settings
-from test_generation import random_prompts, teacher_forced_logp, tiny_model, truncated_distribution
+from test_generation import MOE_ARCH, random_prompts, teacher_forced_logp, tiny_model, truncated_distribution
 from test_generation_fidelity import cases, check_case, check_turn_case, turn_cases
 
 from fastgrpo.algorithms.batch import Sample, make_microbatch
@@ -43,11 +45,11 @@ from fastgrpo.models.moe import MoERouting, enable_moe
 
 ROUTER_MARGIN = 1e-6  # fp32 router probabilities of two summation orders differ by ~1e-7
 DRAW_MARGIN = 1e-5  # two schedules' CDFs differ by fp32 rounding of the logits (~1e-6 relative at most seen)
-MOE = "qwen3_moe"
 
 
-def moe_case(case):
-    return (MOE, *case[1:])
+def moe_case(arch, case):
+    """A harness case (drawn for a dense architecture) on the mixture-of-experts architecture ``arch``."""
+    return (arch, *case[1:])
 
 
 def hf_routing(model, ids):
@@ -94,7 +96,7 @@ def check_record(model, prompt, c):
     """``c.routing``: Hugging Face's choices at every token but the last, E at the last."""
     E, seq = model.config.num_experts, prompt + c.token_ids
     want, _ = hf_routing(model, seq)
-    assert c.routing.shape == (len(seq), 2, 2) and c.routing.dtype == torch.uint8
+    assert c.routing.shape == (len(seq), 2, 2) and c.routing.dtype == torch.uint8  # two MoE layers, top-2
     assert torch.equal(c.routing[:-1].long().sort(-1).values, want[:-1])
     assert (c.routing[-1] == E).all()
 
@@ -132,17 +134,19 @@ def check_moe_case(case):
     check_replay(model, prompts, runs[0], params.temperature or 1.0)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCH)
 @settings(max_examples=4)
-@given(cases().map(moe_case))
-def test_moe_engine_matches_hf_records_routing_and_replays(case):
-    check_moe_case(case)
+@given(case=cases())
+def test_moe_engine_matches_hf_records_routing_and_replays(arch, case):
+    check_moe_case(moe_case(arch, case))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", MOE_ARCH)
 @settings(max_examples=40)
-@given(cases(max_prompts=6, max_samples=48).map(moe_case))
-def test_moe_engine_matches_hf_records_routing_and_replays_sweep(case):
-    check_moe_case(case)
+@given(case=cases(max_prompts=6, max_samples=48))
+def test_moe_engine_matches_hf_records_routing_and_replays_sweep(arch, case):
+    check_moe_case(moe_case(arch, case))
 
 
 def check_moe_turn_case(case):
@@ -154,23 +158,26 @@ def check_moe_turn_case(case):
                 check_record(model, p, c)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCH)
 @settings(max_examples=3)
-@given(turn_cases().map(moe_case))
-def test_moe_multi_turn_matches_hf_and_records_every_turn(case):
-    check_moe_turn_case(case)
+@given(case=turn_cases())
+def test_moe_multi_turn_matches_hf_and_records_every_turn(arch, case):
+    check_moe_turn_case(moe_case(arch, case))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", MOE_ARCH)
 @settings(max_examples=30)
-@given(turn_cases(max_prompts=4, max_samples=24).map(moe_case))
-def test_moe_multi_turn_matches_hf_and_records_every_turn_sweep(case):
-    check_moe_turn_case(case)
+@given(case=turn_cases(max_prompts=4, max_samples=24))
+def test_moe_multi_turn_matches_hf_and_records_every_turn_sweep(arch, case):
+    check_moe_turn_case(moe_case(arch, case))
 
 
-def test_a_session_records_routing_across_runs_and_updates():
+@pytest.mark.parametrize("arch", MOE_ARCH)
+def test_a_session_records_routing_across_runs_and_updates(arch):
     """A generation session (async GRPO's engine side): prompts added between runs, ``update()`` between them (no
     weight change): every completion's record is Hugging Face's routing of its sequence."""
-    model = tiny_model(MOE, seed=2)
+    model = tiny_model(arch, seed=2)
     params = SamplingParams(n=2, max_new_tokens=8, seed=5)
     engine = GenerationEngine(model, eos_token_ids=None, max_batch_size=3, sync_every=3, page_size=4,
                               record_routing=True)
@@ -199,10 +206,11 @@ def router_guard_strict(model, prompt, c):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_engine_runs_moe_layers_and_records_them():
+@pytest.mark.parametrize("arch", MOE_ARCH)
+def test_cuda_graph_engine_runs_moe_layers_and_records_them(arch):
     """On CUDA: the decode step with its MoE layers (Triton grouped GEMMs, few-rows tiles) captured in CUDA graphs;
     log-probs within the harness's tolerance of Hugging Face's fp32 forward, and the record equal to its routing."""
-    model = tiny_model(MOE, seed=1).cuda()
+    model = tiny_model(arch, seed=1).cuda()
     prompts = random_prompts([5, 9, 2], seed=4)
     engine = GenerationEngine(model, eos_token_ids=None, max_batch_size=8, record_routing=True)
     out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=12, seed=1))

@@ -1,8 +1,11 @@
-"""Qwen3-MoE in training (``fastgrpo.models.moe``, ``fastgrpo.algorithms.moe``) against transformers' own model.
+"""Qwen3-MoE and Qwen2-MoE in training (``fastgrpo.models.moe``, ``fastgrpo.algorithms.moe``) against transformers'
+own models.
 
-References: transformers' Qwen3-MoE run per sequence with its eager experts (a loop over experts) and SDPA attention,
-in fp32 and fp64; its ``aux_loss`` (``load_balancing_loss_func`` on a padded batch with the attention mask); router
-replay spelled out in the test (weights ``p[ids] / Σ p[ids]`` from the current router's fp32 softmax).
+References: transformers' Qwen3-MoE / Qwen2-MoE run per sequence with its eager experts (a loop over experts) and SDPA
+attention, in fp32 and fp64; its ``aux_loss`` (``load_balancing_loss_func`` on a padded batch with the attention
+mask); router replay spelled out in the test (weights ``p[ids]``, over ``Σ p[ids]`` when ``norm_topk_prob``, from the
+current router's fp32 softmax). Qwen2-MoE's cases have a shared expert, q/k/v biases, ``norm_topk_prob`` False and
+``decoder_sparse_step`` 2.
 
 Tolerances (flash-attn's rule, ``checks.assert_flash``): the packed forward with the grouped experts against the fp64
 model within twice the fp32 model's own error plus ``16 · eps32 · max|ref|``; the two fp32 computations differ only
@@ -33,28 +36,41 @@ VOCAB = 96
 ROUTER_MARGIN = 1e-5  # fp32 and fp64 probabilities differ by ~1e-7 here: a gap this wide cannot flip
 
 
-def tiny_moe(seed=0, *, layers=3, experts=8, top_k=2, mlp_only=(1,), init=0.3, act="silu"):
-    """A random tiny Qwen3-MoE causal LM (fp32, eval mode) with fastgrpo's experts and routing hooks."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def tiny_moe(seed=0, *, arch="qwen3_moe", layers=3, experts=8, top_k=2, mlp_only=(1,), init=0.3, act="silu"):
+    """A random tiny MoE causal LM (fp32, eval mode) with fastgrpo's experts and routing hooks: a Qwen3-MoE (top-k
+    renormalised), or a Qwen2-MoE with a shared expert of width 24 and MoE every second layer (``mlp_only`` unused)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                            mlp_only_layers=list(mlp_only), max_position_embeddings=64, initializer_range=init,
-                            hidden_act=act)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+                  num_experts_per_tok=top_k, max_position_embeddings=64, initializer_range=init, hidden_act=act)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).eval()
+    if arch == "qwen2_moe":
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**common, shared_expert_intermediate_size=24, decoder_sparse_step=2))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=8, norm_topk_prob=True,
+                                                   mlp_only_layers=list(mlp_only)))
+    model.eval()
     enable_moe(model)
     return model
 
 
 def hf_reference(model, dtype):
-    """transformers' own Qwen3-MoE on the same weights: eager experts, SDPA attention, in ``dtype``."""
+    """transformers' own model on the same weights: eager experts, SDPA attention, in ``dtype``."""
     ref = copy.deepcopy(model).to(dtype)
     ref.zero_grad(set_to_none=True)
     ref.set_experts_implementation("eager")
     ref.set_attn_implementation("sdpa")
     return ref
+
+
+def hf_aux_loss(ref, seqs):
+    """transformers' ``aux_loss`` (``load_balancing_loss_func``) of ``seqs`` as one right-padded batch with its
+    attention mask: the real tokens only."""
+    T = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
+    return ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
 
 
 def sequences(lengths, seed=1):
@@ -90,9 +106,26 @@ def test_the_tiny_model_becomes_a_qwen3_moe_with_the_configured_layers():
     assert dense.config.model_type == "qwen2"
 
 
-@pytest.mark.parametrize("mlp_only", [(1,), ()], ids=["dense-between", "all-moe"])
-def test_packed_forward_with_grouped_experts_equals_transformers_per_sequence(mlp_only):
-    model = tiny_moe(seed=3, mlp_only=mlp_only)
+def test_the_tiny_model_becomes_a_qwen2_moe_with_a_shared_expert():
+    moe = MoEConfig(tiny_num_experts=4, tiny_decoder_sparse_step=2, tiny_mlp_only_layers=[1],
+                    tiny_shared_expert_intermediate_size=40)
+    cfg = ModelConfig(tiny_num_layers=4, moe=moe)
+    model, _ = load_model(cfg, torch.device("cpu"))
+    c = model.config
+    assert c.model_type == "qwen2_moe" and not c.norm_topk_prob and c.qkv_bias
+    assert [i for i, _ in moe_blocks(model)] == [3]  # layer 1 would be one ((1 + 1) % 2 == 0) but keeps its MLP
+    block = dict(moe_blocks(model))[3]
+    assert block.shared_expert.gate_proj.out_features == 40 and block.experts.gate_up_proj.shape == (4, 128, 64)
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+
+
+QWEN2_MOE = dict(arch="qwen2_moe", layers=4)  # MoE at layers 1 and 3, a shared expert, q/k/v biases, top-k as is
+
+
+@pytest.mark.parametrize("kind", [dict(mlp_only=(1,)), dict(mlp_only=()), QWEN2_MOE],
+                         ids=["dense-between", "all-moe", "qwen2-moe"])
+def test_packed_forward_with_grouped_experts_equals_transformers_per_sequence(kind):
+    model = tiny_moe(seed=3, **kind)
     seqs = sequences([7, 1, 12])
     assert_routing_decisive(model, seqs)
     h_NH = packed_hidden(model, seqs)
@@ -130,7 +163,8 @@ def replay_reference(model, seqs, replay_NLK):
                 fresh.append(chosen_by_router)
                 chosen = torch.where(want < E, want, chosen_by_router)
                 p = torch.softmax(logits.float(), -1).gather(1, chosen)
-                return logits, (p / p.sum(-1, keepdim=True)).to(logits.dtype), chosen
+                w = p / p.sum(-1, keepdim=True) if model.config.norm_topk_prob else p
+                return logits, w.to(logits.dtype), chosen
             handles.append(block.gate.register_forward_hook(forced))
         hidden.append(ref.model(torch.tensor([s])).last_hidden_state[0])
         own.append(torch.stack(fresh, 1))
@@ -139,8 +173,9 @@ def replay_reference(model, seqs, replay_NLK):
     return torch.cat(hidden), ref, torch.cat(own)
 
 
-def test_replay_routes_each_token_to_the_recorded_experts():
-    model = tiny_moe(seed=4)
+@pytest.mark.parametrize("kind", [{}, QWEN2_MOE], ids=["qwen3-moe", "qwen2-moe"])
+def test_replay_routes_each_token_to_the_recorded_experts(kind):
+    model = tiny_moe(seed=4, **kind)
     seqs = sequences([9, 5])
     N, L, K, E = 14, 2, 2, model.config.num_experts
     g = torch.Generator().manual_seed(2)
@@ -188,11 +223,8 @@ def test_load_balancing_loss_equals_transformers_aux_loss_over_real_tokens():
     routing = MoERouting(keep_logits=True)
     packed_hidden(model, seqs, routing)
     got = routing.aux_loss(model.config.num_experts, model.config.num_experts_per_tok)
-    T = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
     with torch.no_grad():
-        want = hf_reference(model, torch.float32)(ids, attention_mask=mask, output_router_logits=True).aux_loss
+        want = hf_aux_loss(hf_reference(model, torch.float32), seqs)
     torch.testing.assert_close(got.detach(), want, atol=64 * EPS32 * want.abs().item(), rtol=0)
 
 
@@ -231,13 +263,7 @@ def test_grpo_update_adds_the_aux_loss_as_trl_does():
 
     ref = hf_reference(model, torch.float32)
     plan = plan_microbatches([len(s.tokens) for s in samples], 24)
-    aux = 0.0
-    for group in plan:
-        seqs = [samples[i].tokens for i in group]
-        T = max(map(len, seqs))
-        ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs])
-        aux = aux + ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    aux = sum(hf_aux_loss(ref, [samples[i].tokens for i in group]) for group in plan)
     (coef * aux / len(plan)).backward()
     for (_, block), (_, ref_block) in zip(moe_blocks(model), moe_blocks(ref)):
         name = next(n for n, p in model.named_parameters() if p is block.gate.weight)
@@ -280,21 +306,28 @@ def test_refused_at_start_up_with_their_names(tmp_path):
             load_config("moe-tiny", overrides=overrides)
 
 
-def test_lora_on_the_attention_of_an_moe_model():
-    """Adapters on q/k/v/o of a Qwen3-MoE model: the engine's log-probs equal transformers' teacher-forced forward
-    of the adapted model, and the packed training forward gives the adapters their gradients."""
+@pytest.mark.parametrize("shared", [0, 40], ids=["qwen3-moe-attention", "qwen2-moe-attention-and-shared-expert"])
+def test_lora_on_the_attention_and_the_shared_expert_of_an_moe_model(shared):
+    """Adapters on q/k/v/o of a Qwen3-MoE model, and on those and the MLP projections of a Qwen2-MoE model (its
+    shared experts' and its dense layer's gate/up/down): the engine's log-probs equal transformers' teacher-forced
+    forward of the adapted model, and the packed training forward gives the adapters their gradients."""
     from test_generation import assert_logprobs_match_hf
 
     from fastgrpo.engine.engine import SamplingParams
 
-    cfg = ModelConfig(tiny_initializer_range=0.3, moe=MoEConfig(tiny_num_experts=4),
-                      lora=LoRAConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    mlp = ["gate_proj", "up_proj", "down_proj"] if shared else []
+    cfg = ModelConfig(tiny_initializer_range=0.3, tiny_num_layers=3,
+                      moe=MoEConfig(tiny_num_experts=4, tiny_mlp_only_layers=[1],
+                                    tiny_shared_expert_intermediate_size=shared),
+                      lora=LoRAConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *mlp]))
     model, _ = load_model(cfg, torch.device("cpu"))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5)  # B = 0 at the start: make the adapters count
-    assert not any("lora" in n for n, _ in model.named_parameters() if ".mlp." in n)
+    adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if "lora_A" in n and ".mlp." in n}
+    want = {f"model.layers.{i}.mlp.shared_expert.{m}" for i in (0, 2) for m in mlp}
+    assert adapted == want | {f"model.layers.1.mlp.{m}" for m in mlp}  # the experts and the router never
     prompts = sequences([5, 3])
     out = GenerationEngine(model, eos_token_ids=[], max_batch_size=4).generate(
         prompts, SamplingParams(n=2, max_new_tokens=6, seed=0))
@@ -307,17 +340,19 @@ def test_lora_on_the_attention_of_an_moe_model():
     assert lora_grads and all(g is not None and g.abs().max() > 0 for g in lora_grads)
 
 
-def test_a_grpo_step_on_the_moe_tiny_recipe_replays_and_logs(tmp_path):
-    """The trainer end to end on the moe-tiny recipe (smaller): the engine records the routing, every sample carries
-    it (prompt + completion rows), and the step logs the MoE metrics: the aux loss, the replay mismatch (a fraction),
-    and the gap without replay next to the one with it."""
+@pytest.mark.parametrize("shared", [0, 64], ids=["qwen3-moe", "qwen2-moe"])
+def test_a_grpo_step_on_the_moe_tiny_recipe_replays_and_logs(tmp_path, shared):
+    """The trainer end to end on the moe-tiny recipe (smaller; as a Qwen2-MoE too): the engine records the routing,
+    every sample carries it (prompt + completion rows), and the step logs the MoE metrics: the aux loss, the replay
+    mismatch (a fraction), and the gap without replay next to the one with it."""
     from fastgrpo.config import stage_settings
     from fastgrpo.trainer import Trainer
 
     cfg = load_config("moe-tiny", overrides=[
         "grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.max_new_tokens=6", "sft.warmup_steps=0",
         "grpo.mask_zero_std_groups=false", "reward.num_workers=0", "eval.at_start=false", "eval.at_end=false",
-        "logging.progress_bar=false", f"logging.output_dir={tmp_path}"])
+        "logging.progress_bar=false", f"logging.output_dir={tmp_path}",
+        f"model.moe.tiny_shared_expert_intermediate_size={shared}"])
     trainer = Trainer(cfg)
     try:
         captured = {}

@@ -85,21 +85,26 @@ def test_layer_saved_bytes_match_autograd(monkeypatch, family, dtype):
     assert expected <= per_layer[0] <= expected + 8 * 16 * T + 64
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_layer_saved_bytes_match_autograd(monkeypatch, dtype):
-    """A Qwen3-MoE model (layer 1 dense, layers 0 and 2 MoE: 8 experts of width 24, top-2 renormalised) through
-    fastgrpo's grouped experts: the later MoE layer saves exactly ``layer_saved_bytes_per_token(moe_layer=True)``
-    (the router's softmax, ids and renormalisation, the routing weights, the experts' gate/up pre-activations), the
-    dense layer the dense figure."""
+def test_moe_layer_saved_bytes_match_autograd(monkeypatch, dtype, family):
+    """A Qwen3-MoE model (layer 1 dense, layers 0 and 2 MoE: 8 experts of width 24, top-2 renormalised) and a
+    Qwen2-MoE one (the same, top-2 not renormalised, a shared expert of width 40, q/k/v biases) through fastgrpo's
+    grouped experts: the later MoE layer saves exactly ``layer_saved_bytes_per_token(moe_layer=True)`` (the router's
+    softmax, ids and renormalisation, the routing weights, the experts' gate/up pre-activations, the shared expert's
+    MLP, output and gate), the dense layer the dense figure."""
     import transformers
 
     from fastgrpo.models.moe import enable_moe
 
     monkeypatch.setattr(attention, "varlen_attention_torch", varlen_attention_unchecked)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                                      num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
-                                      norm_topk_prob=True, max_position_embeddings=256)
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+              mlp_only_layers=[1], max_position_embeddings=256)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**kw, head_dim=16, norm_topk_prob=True)
+    else:
+        cfg = transformers.Qwen2MoeConfig(**kw, shared_expert_intermediate_size=40)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     attention.enable_packed_attention(model)
     enable_moe(model)
@@ -345,3 +350,59 @@ def test_lora_7b_verdicts(name):
     full = memory_plan(load_config("lora-deepscaler-7b", overrides=[f"model.path={QWEN_7B[name]}", "model.lora=null"]),
                        1, 80, shape=s)
     assert not full.fits
+
+
+def test_the_plan_counts_a_qwen2_moe_shared_expert_as_active():
+    """Qwen1.5-MoE-A2.7B (transformers' ``Qwen2MoeConfig`` defaults: 24 layers of 60 experts of width 1408, top-4, a
+    shared expert of width 5632, q/k/v biases) on the meta device: its parameters summed by hand, the active ones all
+    but the 56 unchosen experts of every layer (the shared expert and its gate always run), 14.3B and 2.7B as Qwen
+    publishes them; a shared expert's bytes in the block's saved bytes and transient."""
+    import transformers
+
+    with torch.device("meta"):
+        s = shape_of(transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig()))
+    H, L, E, K, I, I_s, V = 2048, 24, 60, 4, 1408, 5632, 151936
+    layer = 4 * H * H + 3 * H + 2 * H + E * H + E * 3 * H * I + 3 * H * I_s + H  # attn + biases, norms, router, ...
+    assert s.params == L * layer + 2 * V * H + H
+    assert s.active_params == s.params - L * (E - K) * 3 * H * I
+    assert (round(s.params / 1e8), round(s.active_params / 1e8)) == (143, 27)
+    m, c = s.moe, 2
+    assert (m.shared_intermediate, m.layers, m.norm_topk_prob) == (I_s, L, False)
+    assert m.saved_bytes_per_token(c, H) == 4 * E + (12 + c) * K + 2 * c * K * I + c * (4 * I_s + H + 1)
+    assert m.transient_bytes_per_token(c, H) == max(c * K * (3 * I + H), c * (3 * I_s + H))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_lora_params_of_an_moe_model_match_peft(family):
+    """LoRA on a tiny MoE model with a dense layer between two MoE layers: the plan's count is PEFT's. Qwen2-MoE: the
+    seven projections (the MLP targets adapt the dense layer and the shared experts); Qwen3-MoE: the attention's (PEFT
+    maps its MLP targets onto the fused experts, which ``fastgrpo.models.lora.check_modules`` refuses at load)."""
+    import peft
+    import transformers
+
+    from fastgrpo.config import LORA_TARGETS
+    from fastgrpo.shapes import lora_params
+
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+              mlp_only_layers=[1], max_position_embeddings=256)
+    cfg = (transformers.Qwen3MoeConfig(**kw, head_dim=16) if family == "qwen3_moe"
+           else transformers.Qwen2MoeConfig(**kw, shared_expert_intermediate_size=40))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    s = shape_of(model)
+    targets = list(LORA_TARGETS) if family == "qwen2_moe" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+    want = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    cfg = load_config("tiny", overrides=["model.lora.r=8", f"model.lora.target_modules=[{','.join(targets)}]"])
+    assert lora_params(s, cfg) == want
+
+
+@pytest.mark.parametrize("recipe", ["moe-tiny", "sft-tiny", "dpo-tiny"])
+def test_the_router_logits_of_the_aux_loss_count_in_every_algorithm(recipe):
+    """The load-balancing loss keeps each MoE layer's ``[T, E]`` router logits until the loss, in GRPO, SFT and DPO
+    alike: ``T·c·E·L_moe`` more activation bytes with a coefficient than without (fp32 tiny MoE)."""
+    plans = [memory_plan(load_config(recipe, overrides=["model.moe.tiny_num_experts=8",
+                                                        f"model.moe.router_aux_loss_coef={coef}"]), 1, 80)
+             for coef in (0.01, 0.0)]
+    m = plans[0].shape.moe
+    assert plans[0].activations - plans[1].activations == plans[0].tokens * 4 * m.experts * m.layers > 0

@@ -79,7 +79,7 @@ def test_warmup_noise_swaps_responses_only(tmp_path, monkeypatch):
     from fastgrpo.trainer import Trainer
 
     seen = []
-    monkeypatch.setattr(S, "sft_backward", lambda model, opt, batch, *a: (seen.extend(batch), (0.0, 1.0))[1])
+    monkeypatch.setattr(S, "sft_backward", lambda model, opt, batch, *a: (seen.extend(batch), (0.0, 1.0, {}))[1])
     t = Trainer(load_config("tiny", overrides=["sft.warmup_steps=3", "sft.batch_size=16", "sft.answer_noise=0.5",
                                                f"logging.output_dir={tmp_path}", "train.num_threads=1"]))
     try:

@@ -48,7 +48,9 @@ completions of 8K tokens). Nothing of size tokens × vocabulary is allocated in 
 Metrics (token means over the loss tokens): ``distill/divergence`` (full: the kernel's D, the configured
 divergence; sampled-token: ``logp_student − logp_teacher``, the sampled-token estimate of KL(student ‖ teacher)),
 ``distill/teacher_logp`` and ``distill/student_logp`` (of the sampled tokens, the student's from the engine), and
-GRPO's ``accuracy`` / ``eval/accuracy`` from the reward functions and the held-out prompts.
+GRPO's ``accuracy`` / ``eval/accuracy`` from the reward functions and the held-out prompts. A mixture-of-experts
+student's loss also gets the router's load-balancing term in both modes, as GRPO's (``fastgrpo.algorithms.moe``;
+TRL's GKDTrainer adds none), logged as ``moe/aux_loss``; an MoE teacher routes its own tokens.
 """
 
 from __future__ import annotations
@@ -223,13 +225,14 @@ class DistillUpdate(PolicyUpdate):
 
     def _loss(self, mb, tokens: float, seqs: float, beta: float, epsilon_high: float | None, max_new_tokens: int,
               micro_batches: float = 1.0, weight: float = 1.0):
-        """The divergence (and the GRPO loss) of one micro-batch, re-weighted (``micro_batches``, ``weight``: unused,
-        no load-balancing term here)."""
+        """The divergence (and the GRPO loss) of one micro-batch, re-weighted; an MoE student's also gets the router's
+        load-balancing term, one of ``micro_batches`` (none for a padding copy, ``weight`` 0), as GRPO's."""
         d, T, V = self.cfg.distill, self.cfg.rollout.temperature, self.vocab_size
         reduction = LOSS_REDUCTION[self.cfg.grpo.loss_type]
         with torch.no_grad():  # first: its working set is gone before the student's activations exist
             t_hidden_NH, t_weight_VH, t_bias_V = forward_packed(self.teacher, mb)
-        hidden_NH, weight_VH, bias_V = forward_packed(self.model, mb)
+        routing = self._routing(mb, train=weight > 0)
+        hidden_NH, weight_VH, bias_V = forward_packed(self.model, mb, routing)
         loss, m = fused_linear_distill_loss(
             hidden_NH, weight_VH, t_hidden_NH, t_weight_VH, mb.mask, beta=d.beta, mixed_kl_weight=d.mixed_kl_weight,
             temperature=T, student_bias=bias_V, teacher_bias=t_bias_V, cu_seqlens=mb.batch.cu_seqlens, vocab_size=V,
@@ -245,7 +248,8 @@ class DistillUpdate(PolicyUpdate):
                                                             epsilon_high, max_new_tokens)
             loss = loss + policy_loss
             metrics.update(policy_metrics)
-        return self._reweight(loss, mb, tokens, seqs), metrics
+        loss = self._reweight(loss, mb, tokens, seqs)
+        return (loss if self.moe is None else loss + self.moe.aux_term(routing, micro_batches)), metrics
 
 
 class Distill(GRPO):

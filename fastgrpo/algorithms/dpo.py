@@ -11,7 +11,10 @@ from the last hidden state and the LM head weight (``fused_linear_logprobs``: no
 backward) and the loss (``kernels/dpo_loss.py`` states the math: sigmoid / ipo / hinge, label smoothing, the
 per-token average of ``dpo.average_logprobs``, the NLL term of ``dpo.sft_weight``), which is a mean over the
 micro-batch's pairs. Re-weighted by ``B_mb / B_step`` (and by ``world_size``, since DDP averages gradients), the
-micro-batches and ranks sum to the mean over the step's pairs: W processes equal one on the same pairs.
+micro-batches and ranks sum to the mean over the step's pairs: W processes equal one on the same pairs. A
+mixture-of-experts policy's loss also gets the router's load-balancing term, ``coef · aux_mb / M`` per real
+micro-batch (TRL's DPOTrainer: ``loss + coef · aux`` per micro-batch, averaged over its accumulation steps;
+``fastgrpo.algorithms.moe``), logged as ``moe/aux_loss``; the reference's and validation's forwards add nothing.
 
 The reference is the policy as DPO starts: ``model.path`` as loaded, or the model after the supervised warm-up
 (``sft.warmup_steps``) when one runs. With ``dpo.precompute_ref_logprobs`` (the default) the reference's sequence
@@ -56,6 +59,7 @@ import torch
 from fastgrpo.algorithms.batch import LMBatch, lm_batch, same_count
 from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.forward import forward_packed, no_grad_forward, packed_forward
+from fastgrpo.algorithms.moe import router_aux_loss
 from fastgrpo.algorithms.prerequisites import no_prerequisites
 from fastgrpo.algorithms.update import clip_and_step
 from fastgrpo.data.responses import PreferencePair, SFTExample, load_response_datasets
@@ -126,6 +130,7 @@ class DPO:
         self.ref_forward = None  # the frozen reference model (on the fly), as a packed-forward module
         self.reference_saved = False
         self.base_reference = is_lora(ctx.model)  # LoRA: the reference is the policy, adapters disabled
+        self.aux = router_aux_loss(self.cfg, ctx.model)  # an MoE policy's load-balancing term, else None
 
     @property
     def rows_per_step(self) -> int:
@@ -286,10 +291,10 @@ class DPO:
 
     # ------------------------------------------------------------------ step and validation
 
-    def _loss(self, model, split: str, idx: list[int], mb: LMBatch):
+    def _loss(self, model, split: str, idx: list[int], mb: LMBatch, routing=None):
         d = self.cfg.dpo
         ref_c, ref_r = self._reference(split, idx, mb)
-        hidden_NH, weight_VH, bias_V = forward_packed(model, mb)
+        hidden_NH, weight_VH, bias_V = forward_packed(model, mb, routing)
         return fused_linear_dpo_loss(hidden_NH, weight_VH, mb.targets, mb.mask, ref_c, ref_r, bias=bias_V,
                                      beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
                                      cu_seqlens=mb.batch.cu_seqlens, average_logprobs=d.average_logprobs,
@@ -318,18 +323,33 @@ class DPO:
         pairs = [self.train_data.items[i] for i in mine]
         keys = self._keys()
         sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=st.device)  # Σ B_mb · value, then tokens
+        aux = self.aux
         with t.updating():
             t.optimizer.zero_grad(set_to_none=True)
             padded = self._microbatches(pairs, mine)
+            real = [bool(weight and idx) for (idx, _), weight in padded]  # not a padding copy nor a stand-in
+            # sync: an MoE policy's load-balancing term is a mean over the step's real micro-batches, all ranks
+            count = float(all_reduce(torch.tensor(float(sum(real)), device=st.device))) if aux else 1.0
             for i, ((idx, mb), weight) in enumerate(padded):
+                routing = aux.training_routing(real[i]) if aux else None
                 with train_mode(t.wrapped), accumulate(t.wrapped, t.optimizer, last=i == len(padded) - 1):
-                    loss, metrics = self._loss(t.wrapped, "train", idx, mb)
-                    (loss * (weight * len(idx) * st.world_size / len(indices))).backward()
+                    loss, metrics = self._loss(t.wrapped, "train", idx, mb, routing)
+                    objective = loss * (weight * len(idx) * st.world_size / len(indices))
+                    if aux is not None:
+                        objective = objective + aux.aux_term(routing, count) * weight * st.world_size
+                    objective.backward()
                 values = torch.stack([loss.detach(), *(metrics[k] for k in keys[1:])]).double()
                 sums[:-1] += values * (weight * len(idx))
                 sums[-1] += float(mb.batch.num_tokens) * weight
-            *totals, tokens = all_reduce(sums).tolist()  # sync: once per step, the loss and the log row
-            m = {k: v / len(indices) for k, v in zip(keys, totals)}
+            if aux is not None:
+                sums = torch.cat([sums, aux.totals(st.device)])
+            reduced = all_reduce(sums).tolist()  # sync: once per step, the loss and the log row
+            tokens = reduced[len(keys)]
+            m = {k: v / len(indices) for k, v in zip(keys, reduced)}
+            if aux is not None:  # the aux term's sum and count follow the tokens
+                term, aux_metrics = aux.step_result(*reduced[len(keys) + 1 :])
+                m["loss"] += term
+                m.update(aux_metrics)
             grad_norm, stepped = clip_and_step(t.optimizer, t.scheduler, self.cfg.train.max_grad_norm, m["loss"])
         if not stepped:
             m["loss"] = math.nan

@@ -10,7 +10,9 @@ micro-batch's summed cross-entropy comes from ``fused_linear_cross_entropy`` on 
 in memory; untrained positions are targets ``-100``), divided by the global ``C`` and multiplied by ``world_size``
 (DDP averages gradients over ranks), so W processes give the gradients of one process on the whole batch. Every
 rank runs the same number of micro-batches (FSDP2 gathers weights in every forward): a rank with fewer repeats
-its last one with weight 0.
+its last one with weight 0. A mixture-of-experts policy's loss (the warm-up's too) also gets the router's
+load-balancing term, ``coef · aux_mb / M`` per micro-batch (``fastgrpo.algorithms.moe``, where its departure from
+TRL's SFTTrainer is stated), logged as ``moe/aux_loss``; validation's ``eval/loss`` stays the NLL alone.
 
 Under ``model.dtype=bfloat16`` the gradients are accumulated and reduced in fp32 and the step updates fp32 master
 weights (:mod:`fastgrpo.precision`); the warm-up's optimizer steps the main optimizer's masters.
@@ -37,6 +39,7 @@ import torch
 from fastgrpo.algorithms.batch import lm_batch, same_count
 from fastgrpo.algorithms.context import AlgorithmContext
 from fastgrpo.algorithms.forward import forward_packed, no_grad_forward
+from fastgrpo.algorithms.moe import RouterAuxLoss, router_aux_loss
 from fastgrpo.algorithms.prerequisites import no_prerequisites
 from fastgrpo.algorithms.update import clip_and_step
 from fastgrpo.data.responses import SFTExample, load_response_datasets
@@ -47,25 +50,35 @@ from fastgrpo.precision import accumulate, make_optimizer, train_mode
 
 
 def sft_backward(model, optimizer, examples: list[SFTExample], max_tokens: int, device: torch.device,
-                 world_size: int, fallback: SFTExample) -> tuple[float, float]:
+                 world_size: int, fallback: SFTExample,
+                 aux: RouterAuxLoss | None = None) -> tuple[float, float, dict[str, float]]:
     """Forward and backward of one SFT step's loss (module docstring) on this rank's ``examples`` (may be empty:
     ``fallback`` then stands in, with weight 0), accumulated into ``optimizer``'s gradients; returns ``(loss of the
-    whole step, its trained tokens)``."""
+    whole step, its trained tokens, metrics)``. ``aux``: an MoE policy's load-balancing term, ``coef · mean(aux)``
+    over the step's micro-batches added to the loss, ``moe/aux_loss`` in the metrics (``fastgrpo.algorithms.moe``)."""
     groups = plan_microbatches([len(ex.input_ids) for ex in examples], max_tokens) if examples else []
     mbs = [lm_batch([examples[i] for i in g], device) for g in groups] or [lm_batch([fallback], device)]
-    local = float(sum(mb.num_loss_tokens for mb in mbs)) if examples else 0.0
-    total = float(all_reduce(torch.tensor(local, dtype=torch.float64, device=device)))  # sync: the normaliser
+    local = [float(sum(mb.num_loss_tokens for mb in mbs)) if examples else 0.0, float(len(groups))]
+    # sync: the normalisers (trained tokens, real micro-batches) of all ranks
+    total, count = all_reduce(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     padded = same_count(mbs, device)
     for i, (mb, weight) in enumerate(padded):
         weight = weight if examples else 0.0
+        routing = None if aux is None else aux.training_routing(weight > 0)
         with train_mode(model), accumulate(model, optimizer, last=i == len(padded) - 1):
-            hidden_NH, weight_VH, bias_V = forward_packed(model, mb)
+            hidden_NH, weight_VH, bias_V = forward_packed(model, mb, routing)
             targets = torch.where(mb.mask, mb.targets, -100)
             loss = fused_linear_cross_entropy(hidden_NH, weight_VH, targets, bias=bias_V, reduction="sum")
-            (loss * weight * world_size / max(total, 1.0)).backward()
+            objective = loss * weight * world_size / max(total, 1.0)
+            if aux is not None:
+                objective = objective + aux.aux_term(routing, count) * weight * world_size
+            objective.backward()
         loss_sum += loss.detach().double() * weight
-    return float(all_reduce(loss_sum)) / max(total, 1.0), total  # sync: one per step, for the metrics
+    sums = loss_sum[None] if aux is None else torch.cat([loss_sum[None], aux.totals(device)])
+    ce_sum, *aux_totals = all_reduce(sums).tolist()  # sync: one per step, for the metrics
+    term, metrics = aux.step_result(*aux_totals) if aux is not None else (0.0, {})
+    return ce_sum / max(total, 1.0) + term, total, metrics
 
 
 @torch.no_grad()
@@ -93,6 +106,7 @@ def sft_warmup(ctx: AlgorithmContext, examples: list[SFTExample], responses: lis
     response is swapped for ``responses[j]`` of a random row ``j``."""
     s_cfg, st = ctx.cfg.sft, ctx.state
     opt = make_optimizer(ctx.wrapped, lr=s_cfg.lr, share_masters_with=ctx.optimizer)  # the same fp32 masters
+    aux = router_aux_loss(ctx.cfg, ctx.model)
     rng = random.Random(ctx.cfg.train.seed)  # the same examples on every rank; each takes its share
     start = time.perf_counter()
     for s in range(s_cfg.warmup_steps):
@@ -107,8 +121,8 @@ def sft_warmup(ctx: AlgorithmContext, examples: list[SFTExample], responses: lis
                                 [False] * n_prompt + [True] * len(responses[swap[j]]))
             batch.append(ex)
         opt.zero_grad(set_to_none=True)
-        loss, _ = sft_backward(ctx.wrapped, opt, batch, ctx.cfg.train.max_tokens_per_microbatch, st.device,
-                               st.world_size, examples[0])
+        loss, _, _ = sft_backward(ctx.wrapped, opt, batch, ctx.cfg.train.max_tokens_per_microbatch, st.device,
+                                  st.world_size, examples[0], aux)
         opt.step()
         if (s + 1) % max(1, s_cfg.warmup_steps // 4) == 0 or s + 1 == s_cfg.warmup_steps:
             print0(f"warm-up step {s + 1}/{s_cfg.warmup_steps}: loss {loss:.4f}")
@@ -133,6 +147,7 @@ class SFT:
         self.cfg = ctx.cfg
         self.train_data, self.held_out, self.held_out_prompts = load_response_datasets(
             self.cfg.data, ctx.tokenizer, "sft")
+        self.aux = router_aux_loss(self.cfg, ctx.model)  # an MoE policy's load-balancing term, else None
 
     @property
     def rows_per_step(self) -> int:
@@ -175,10 +190,11 @@ class SFT:
         mine = [self.train_data.items[i] for i in indices[st.rank * per_rank : (st.rank + 1) * per_rank]]
         with t.updating():
             t.optimizer.zero_grad(set_to_none=True)
-            loss, n_loss = sft_backward(t.wrapped, t.optimizer, mine, self.cfg.train.max_tokens_per_microbatch,
-                                        st.device, st.world_size, self.train_data.items[0])
+            loss, n_loss, aux_metrics = sft_backward(t.wrapped, t.optimizer, mine,
+                                                     self.cfg.train.max_tokens_per_microbatch, st.device,
+                                                     st.world_size, self.train_data.items[0], self.aux)
             grad_norm, stepped = clip_and_step(t.optimizer, t.scheduler, self.cfg.train.max_grad_norm, loss)
         tokens = float(all_reduce(torch.tensor(float(sum(len(ex.input_ids) for ex in mine)), dtype=torch.float64,
                                                device=t.coll_device())))  # sync: for the log row
         return {"loss": loss if stepped else math.nan, "grad_norm": grad_norm if stepped else math.nan,
-                "tokens": tokens, "loss_tokens": n_loss, "bad_steps": float(not stepped)}
+                "tokens": tokens, "loss_tokens": n_loss, "bad_steps": float(not stepped), **aux_metrics}

@@ -118,7 +118,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES", "DEFAULT_CPU_TOTAL_TOKENS", "CUDA_MEMORY_FRACTION", "CUDA_SYNC_EVERY", "DEFAULT_PAGE_SIZE",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", *VLM_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", *VLM_MODEL_TYPES)
 DEFAULT_CPU_TOTAL_TOKENS = 1 << 18  # KV-cache budget on CPU when max_total_tokens is not given
 CUDA_MEMORY_FRACTION = 0.8  # share of the free GPU memory the KV cache may take when max_total_tokens is not given
 CUDA_SYNC_EVERY = 8  # decode steps between reads of the stop flags on CUDA (a finished slot idles at most this long)
@@ -161,8 +161,8 @@ class GenerationEngine:
         batch_invariant: ``numerics.batch_invariant``: the model's own decoder on the batch-invariant ops, so that
             every sampled token's log-prob equals the trainer's packed forward's bit for bit
             (``fastgrpo.engine.batch_invariant``; CPU, dense Llama / Qwen2 / Qwen3: refused otherwise).
-        record_routing: a mixture-of-experts model (Qwen3-MoE): record the experts each token was routed to, every
-            ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
+        record_routing: a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): record the experts each token was routed
+            to, every ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
     """
 
     def __init__(

@@ -11,6 +11,7 @@ V vocabulary, Hq/Hkv query/key-value heads, G = Hq / Hkv, D head dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -165,7 +166,7 @@ class ModelForward:
         (``packed_linear``, when ``work.packed`` holds it) or into the workspace's buffers, the activation in place
         (the same values). A sparse MoE block: :meth:`fastgrpo.engine.moe.EngineMoE.block`."""
         if self.moe is not None and self.moe.owns(mlp):
-            return self.moe.block(mlp, h_MH)
+            return self.moe.block(mlp, h_MH, ops, functools.partial(_proj, lora=self._lora))
         lora = self._lora
         if work is not None and "mlp" in work.packed:  # fresh row-major [M, I], then in place
             gate = _proj(h_MH, mlp.gate_proj, lora, packs=work.packs)

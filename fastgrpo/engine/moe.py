@@ -1,10 +1,14 @@
-"""The engine's mixture-of-experts step (Qwen3-MoE): the MoE block of a layer in prefill and decode
+"""The engine's mixture-of-experts step (Qwen3-MoE, Qwen2-MoE): the MoE block of a layer in prefill and decode
 (:class:`EngineMoE`, called by ``ModelForward.mlp`` for the layers whose MLP is a sparse MoE block), and the record
 of each token's experts for router replay (:class:`RoutingLog`).
 
 **The block.** ``moe_router`` then ``moe_experts`` (``fastgrpo.kernels.moe``) on the block's own tensors (``gate``,
 ``experts.gate_up_proj``, ``experts.down_proj``): the ops of transformers' ``Qwen3MoeSparseMoeBlock`` (router logits
-in the activations' dtype, fp32 softmax, top-K, renormalised with ``norm_topk_prob``). On CUDA the experts are
+in the activations' dtype, fp32 softmax, top-K, renormalised with ``norm_topk_prob``). A Qwen2-MoE block then adds its
+shared expert, ``σ(h w_sᵀ) · down(silu(gate(h)) · up(h))`` on every row (``fastgrpo.models.moe``), its four
+projections through the engine's linear (the module's weight and bias, plus its live LoRA adapters) and its SiLU·up
+through the step's elementwise ops (fused on CUDA), as ``Qwen2MoeSparseMoeBlock`` computes it: a dense MLP of width
+``I_s`` per MoE layer, no host read. On CUDA the experts are
 Triton grouped GEMMs with no host synchronisation (the pairs sorted, the tile map built and the GEMMs launched over a
 grid fixed by the shapes), so the decode step, MoE layers included, is captured in the CUDA graphs. A decode step
 has few tokens per expert: 128 rows × top-8 over 128 experts is 8 pairs per expert on average, so the launchers
@@ -57,19 +61,28 @@ class EngineMoE:
         self.num_layers, self.top_k, self.num_experts = len(blocks), router.top_k, router.num_experts
         self.norm_topk_prob = router.norm_topk_prob
         self.out: torch.Tensor | None = None
+        act = model.config.hidden_act
+        if act != "silu":
+            raise ValueError(f"model: hidden_act {act!r}: the engine's MoE blocks compute SwiGLU (silu) only")
 
     def owns(self, mlp: torch.nn.Module) -> bool:
         return mlp in self.index
 
-    def block(self, mlp: torch.nn.Module, h_MH: torch.Tensor) -> torch.Tensor:
-        """The sparse MoE block on rows ``h [M, H]``; its ids go to ``out[:, its MoE layer]`` when recording."""
+    def block(self, mlp: torch.nn.Module, h_MH: torch.Tensor, ops, proj) -> torch.Tensor:
+        """The sparse MoE block on rows ``h [M, H]``; its ids go to ``out[:, its MoE layer]`` when recording.
+        ``ops``: the step's elementwise ops; ``proj(x, module)``: the engine's linear (a shared expert's)."""
         dt = h_MH.dtype
         experts = mlp.experts
         _, w_MK, ids_MK = moe_router(h_MH, mlp.gate.weight.to(dt), self.top_k, norm_topk_prob=self.norm_topk_prob)
         if self.out is not None:
             self.out[:, self.index[mlp]] = ids_MK
-        return moe_experts(h_MH, experts.gate_up_proj.to(dt), experts.down_proj.to(dt), ids_MK, w_MK,
-                           check_ids=False, kernel=h_MH.is_cuda)
+        out_MH = moe_experts(h_MH, experts.gate_up_proj.to(dt), experts.down_proj.to(dt), ids_MK, w_MK,
+                             check_ids=False, kernel=h_MH.is_cuda)
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is None:
+            return out_MH
+        act_MI = ops.silu_mul(proj(h_MH, shared.gate_proj), proj(h_MH, shared.up_proj))  # [M, I_s]
+        return out_MH + torch.sigmoid(proj(h_MH, mlp.shared_expert_gate)) * proj(act_MI, shared.down_proj)
 
     def buffer(self, M: int, device: torch.device) -> torch.Tensor:
         """A fresh ``[M, L_moe, K]`` record buffer."""

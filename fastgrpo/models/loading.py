@@ -109,7 +109,7 @@ def build_tiny_tokenizer():
 
 def build_tiny_model(cfg: ModelConfig, tokenizer, *, seed: int = 0):
     """A randomly initialised Qwen2 causal LM sized by ``cfg.tiny_*`` for ``tokenizer``'s vocabulary (tied head); a
-    Qwen3-MoE one with ``model.moe.tiny_num_experts`` > 0 (:func:`fastgrpo.models.moe.tiny_moe_model`)."""
+    Qwen3-MoE or Qwen2-MoE one with ``model.moe.tiny_num_experts`` > 0 (:func:`fastgrpo.models.moe.tiny_moe_model`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     common = dict(

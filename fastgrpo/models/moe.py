@@ -1,11 +1,19 @@
-"""Mixture-of-experts models in training: Qwen3-MoE (``model_type`` "qwen3_moe"), its experts on fastgrpo's grouped
-GEMMs, the router's load-balancing loss, router replay, and what fastgrpo refuses.
+"""Mixture-of-experts models in training: Qwen3-MoE (``model_type`` "qwen3_moe") and Qwen2-MoE ("qwen2_moe"), their
+experts on fastgrpo's grouped GEMMs, the router's load-balancing loss, router replay, and what fastgrpo refuses.
 
 A Qwen3-MoE decoder layer is attention then, in place of the dense MLP, transformers' ``Qwen3MoeSparseMoeBlock``:
 the router ``mlp.gate`` (``Qwen3MoeTopKRouter``: logits ``z = x W_rᵀ`` ``[T, E]``, fp32 softmax, top-K,
 renormalised when ``norm_topk_prob``) and the experts ``mlp.experts`` (``Qwen3MoeExperts``: ``gate_up_proj``
 ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``, one fused parameter each), no shared expert. Layers listed in
 ``mlp_only_layers``, or whose ``i + 1`` is not a multiple of ``decoder_sparse_step``, keep a dense MLP.
+A Qwen2-MoE layer (``Qwen2MoeSparseMoeBlock``) has the same router and experts (``norm_topk_prob`` False by default
+there: the top-K probabilities are the weights as they are) plus a shared expert that every token goes through, a
+dense SwiGLU MLP ``mlp.shared_expert`` of width ``I_s = shared_expert_intermediate_size`` scaled by a sigmoid gate::
+
+    out = Σ_k w_k y_{e_k}(x) + σ(x w_sᵀ) · (silu(x G_sᵀ) ⊙ x U_sᵀ) D_sᵀ        w_s: mlp.shared_expert_gate [1, H]
+
+and q/k/v projections with biases (``qkv_bias``). The shared expert is three ``nn.Linear`` and the gate a fourth:
+transformers runs them as they are, the routed part on the grouped experts below.
 
 - **Experts.** :func:`enable_moe` selects ``fastgrpo_grouped`` in transformers' experts interface
   (``config._experts_implementation``; registered when this module is imported, next to the attention interface's
@@ -20,17 +28,18 @@ renormalised when ``norm_topk_prob``) and the experts ``mlp.experts`` (``Qwen3Mo
   routes each token to the recorded experts.
 - **Router replay (R3).** ``replay [N, L_moe, K]``: the experts the generation engine chose for each token
   (``Completion.routing``). The block uses those ids, and their weights are recomputed from the current router:
-  ``w_k = p[e_k] / Σ_j p[e_j]`` (``p = softmax(z)`` in fp32, renormalised as ``norm_topk_prob``), so the router's
-  gradient flows through ``p`` as the paper defines it. A token without a record (id E: the sequence's last token,
-  which the engine never fed) is routed afresh. Counted per forward: token-layers compared and those whose fresh
-  top-K set differs from the replayed one.
+  ``w_k = p[e_k]`` (``p = softmax(z)`` in fp32), divided by ``Σ_j p[e_j]`` when ``norm_topk_prob``, so the router's
+  gradient flows through ``p`` as the paper defines it (a shared expert runs as it does without replay). A token
+  without a record (id E: the sequence's last token, which the engine never fed) is routed afresh. Counted per
+  forward: token-layers compared and those whose fresh top-K set differs from the replayed one.
 - **Load-balancing loss.** transformers' ``load_balancing_loss_func`` over the kept logits of every MoE layer
   (``fastgrpo.kernels.moe.load_balancing_loss``): every token of a packed micro-batch is real (no padding), so no mask.
-- **Refused at start-up**, naming what: another mixture-of-experts architecture (Mixtral, Qwen2-MoE, gpt-oss, ...:
+- **Refused at start-up**, naming what: another mixture-of-experts architecture (Mixtral, gpt-oss, DeepSeek, ...:
   ``model_type`` not in ``MOE_MODEL_TYPES``), an activation other than SiLU (the kernel's SwiGLU), and LoRA on the
   router or the experts: PEFT adapts fused 3-D expert parameters only through ``target_parameters`` (its
   ``ParamWrapper`` materialises the whole ``ΔW = B·A`` of every expert, ``[E, 2I, H]``, at each forward), which the
-  engine's unmerged LoRA and the grouped-GEMM kernel do not read.
+  engine's unmerged LoRA and the grouped-GEMM kernel do not read. A shared expert's projections are ``nn.Linear``:
+  ``gate_proj`` / ``up_proj`` / ``down_proj`` targets adapt them (with the dense layers' MLPs), as the attention's.
 
 Tensor names carry their shape: N packed tokens, T tokens, E experts, K experts per token, L_moe MoE layers.
 """
@@ -46,7 +55,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from fastgrpo.config import ModelConfig
 from fastgrpo.kernels.moe import load_balancing_loss, moe_experts
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 EXPERTS_IMPLEMENTATION = "fastgrpo_grouped"
 ROUTING_KWARG = "moe_routing"  # the decoder call's keyword that carries a MoERouting
 # config attributes that make a model a mixture of experts (transformers' names across architectures)
@@ -77,24 +86,27 @@ def is_moe(model) -> bool:
 
 
 def moe_blocks(model) -> list[tuple[int, torch.nn.Module]]:
-    """``(layer index, block)`` of every sparse MoE block of a Qwen3-MoE causal LM (``model.model.layers``), in layer
-    order; the position in this list is the block's MoE layer index (the middle axis of ``replay``)."""
+    """``(layer index, block)`` of every sparse MoE block of an MoE causal LM (``model.model.layers``), in layer order;
+    the position in this list is the block's MoE layer index (the middle axis of ``replay``)."""
     layers = model.get_decoder().layers
     return [(i, layer.mlp) for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
 
 
 def tiny_moe_model(cfg: ModelConfig, common: dict):
-    """The built-in tiny model as a Qwen3-MoE causal LM: ``common`` (the tiny model's vocabulary, sizes and token ids)
-    and ``cfg.moe.tiny_*`` (experts, top-k renormalised, expert width, sparse step, dense layers); random weights
-    from torch's current generator."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The built-in tiny model as an MoE causal LM: ``common`` (the tiny model's vocabulary, sizes and token ids) and
+    ``cfg.moe.tiny_*`` (experts, top-k, expert width, sparse step, dense layers): a Qwen3-MoE (top-k renormalised), or
+    with ``tiny_shared_expert_intermediate_size`` > 0 a Qwen2-MoE with that shared expert (its defaults: q/k/v biases,
+    top-k not renormalised); random weights from torch's current generator."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     m = cfg.moe
-    config = Qwen3MoeConfig(**common, head_dim=cfg.tiny_hidden_size // cfg.tiny_num_heads,
-                            num_experts=m.tiny_num_experts, num_experts_per_tok=m.tiny_num_experts_per_tok,
-                            moe_intermediate_size=m.tiny_moe_intermediate_size, norm_topk_prob=True,
-                            decoder_sparse_step=m.tiny_decoder_sparse_step,
-                            mlp_only_layers=list(m.tiny_mlp_only_layers))
+    moe = dict(num_experts=m.tiny_num_experts, num_experts_per_tok=m.tiny_num_experts_per_tok,
+               moe_intermediate_size=m.tiny_moe_intermediate_size, decoder_sparse_step=m.tiny_decoder_sparse_step,
+               mlp_only_layers=list(m.tiny_mlp_only_layers))
+    if m.tiny_shared_expert_intermediate_size:
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, **moe, shared_expert_intermediate_size=m.tiny_shared_expert_intermediate_size))
+    config = Qwen3MoeConfig(**common, **moe, head_dim=cfg.tiny_hidden_size // cfg.tiny_num_heads, norm_topk_prob=True)
     return Qwen3MoeForCausalLM(config)
 
 
@@ -116,10 +128,11 @@ def check_moe(model, cfg: ModelConfig) -> None:
     if refused:
         raise ValueError(
             f"model.lora.target_modules {refused}: the router (mlp.gate) and the experts (mlp.experts.gate_up_proj "
-            "[E, 2I, H], mlp.experts.down_proj [E, H, I], fused 3-D parameters) of a Qwen3-MoE model cannot be LoRA "
+            f"[E, 2I, H], mlp.experts.down_proj [E, H, I], fused 3-D parameters) of a {kind} model cannot be LoRA "
             "targets: PEFT adapts fused expert parameters only through target_parameters (its ParamWrapper adds the "
             "whole B·A of every expert to the weight at each forward), which the engine's unmerged LoRA and the "
-            "grouped-GEMM kernel do not read; adapt the attention projections (and the dense layers' MLPs)")
+            "grouped-GEMM kernel do not read; adapt the attention projections (and the dense layers' and shared "
+            "expert's MLPs: gate_proj, up_proj, down_proj)")
 
 
 def enable_moe(model) -> None:
@@ -215,7 +228,8 @@ def replay_routing(routing: torch.Tensor | None) -> MoERouting | None:
 @dataclass(frozen=True)
 class MoEShape:
     """What the memory plan (``fastgrpo.plan``) needs of a mixture-of-experts model: per MoE layer E experts of width
-    I, top-K, and the counts below (c: bytes of the compute dtype, H: hidden size)."""
+    I, top-K, a shared expert of width I_s (Qwen2-MoE; 0: none), and the counts below (c: bytes of the compute dtype,
+    H: hidden size)."""
 
     experts: int
     top_k: int
@@ -225,19 +239,24 @@ class MoEShape:
     norm_topk_prob: bool
     aux_loss_coef: float
     """The model config's router_aux_loss_coef."""
+    shared_intermediate: int = 0
+    """The shared expert's width I_s (Qwen2-MoE's shared_expert_intermediate_size; 0: no shared expert)."""
 
     def inactive_params(self, hidden: int) -> int:
-        """Expert parameters a token does not use: ``(E − K) · 3·H·I`` per MoE layer."""
+        """Expert parameters a token does not use: ``(E − K) · 3·H·I`` per MoE layer (the shared expert and its gate
+        are always active)."""
         return self.layers * (self.experts - self.top_k) * 3 * hidden * self.intermediate
 
-    def saved_bytes_per_token(self, c: int) -> int:
+    def saved_bytes_per_token(self, c: int, hidden: int) -> int:
         """What an MoE block's packed training forward saves for backward per token, in place of a dense MLP's
         ``4·c·I``: the router's fp32 softmax ``4·E``, its top-K ids (int64), with ``norm_topk_prob`` the fp32 top-K
-        values and their sum, the routing weights (compute dtype and fp32), and the experts' gate/up pre-activations
-        ``2·c·K·I`` (``fastgrpo.kernels.moe``)."""
+        values and their sum, the routing weights (compute dtype and fp32), the experts' gate/up pre-activations
+        ``2·c·K·I`` (``fastgrpo.kernels.moe``); a shared expert adds a dense MLP's ``4·c·I_s``, its output ``c·H``
+        and its gate's sigmoid ``c`` (the product's two operands)."""
         K = self.top_k
         norm = 4 + 4 * K if self.norm_topk_prob else 0
-        return 4 * self.experts + norm + (8 + c + 4) * K + 2 * c * K * self.intermediate
+        shared = c * (4 * self.shared_intermediate + hidden + 1) if self.shared_intermediate else 0
+        return 4 * self.experts + norm + (8 + c + 4) * K + 2 * c * K * self.intermediate + shared
 
     def routing_bytes_per_token(self) -> int:
         """The kernel's routing kept for backward besides autograd's saved tensors: per (token, expert) pair its sort
@@ -245,8 +264,9 @@ class MoEShape:
         return 16 * self.top_k
 
     def transient_bytes_per_token(self, c: int, hidden: int) -> int:
-        """The experts' largest buffers of a pass, per token: ``[S, 2I]``, ``[S, I]`` and ``[S, H]`` with S = K·T."""
-        return c * self.top_k * (3 * self.intermediate + hidden)
+        """The block's largest buffers of a pass, per token: the experts' ``[S, 2I]``, ``[S, I]`` and ``[S, H]`` with
+        S = K·T, or the shared expert's gate, up and product ``3·c·I_s`` next to the experts' output ``c·H``."""
+        return max(c * self.top_k * (3 * self.intermediate + hidden), c * (3 * self.shared_intermediate + hidden))
 
     def replay_bytes_per_token(self) -> int:
         """A token's router replay record: L_moe · K ids (``fastgrpo.engine.moe``: uint8 up to 255 experts)."""
@@ -261,4 +281,5 @@ def moe_shape(model) -> MoEShape | None:
     config = model.config
     return MoEShape(experts=config.num_experts, top_k=config.num_experts_per_tok,
                     intermediate=config.moe_intermediate_size, layers=len(blocks),
-                    norm_topk_prob=bool(config.norm_topk_prob), aux_loss_coef=float(config.router_aux_loss_coef))
+                    norm_topk_prob=bool(config.norm_topk_prob), aux_loss_coef=float(config.router_aux_loss_coef),
+                    shared_intermediate=int(getattr(config, "shared_expert_intermediate_size", 0) or 0))
