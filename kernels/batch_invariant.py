@@ -32,8 +32,9 @@ body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` fro
 ``addmm``, ``bmm``, ``silu`` and ``mean.dim`` (a ``torch.library`` registration, counted: the last exit removes
 it); inside :func:`invariant_forward` (the trainer's forward through the Hugging Face modules; the engine calls
 the ops directly) those kernels compute the invariant values, outside it they call PyTorch's own (``.out``
-overloads: the same kernels), so autograd's backward of the forward runs the fast products. Attention is ``fastgrpo.kernels.batch_invariant_attention``; the
-LM head and log-probs are :func:`linear_logprobs` (trainer) and :func:`logsumexp_tiles` (engine).
+overloads: the same kernels), so autograd's backward of the forward runs the fast products. Attention is
+``fastgrpo.kernels.batch_invariant_attention``; the LM head and log-probs are :func:`linear_logprobs` (trainer)
+and :func:`logsumexp_tiles` (engine).
 
 Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids: seven elementwise passes over an
 activation (:func:`to_grid`; the q, k and v projections share their input's, as the gate and up do), none over a
