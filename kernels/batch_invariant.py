@@ -122,7 +122,8 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """``x / (1 + exp(−x))`` in fp32 (cast back to ``x``'s dtype): correctly rounded ops and ``exp``, so an
     element's value does not depend on where it sits (torch's fp32 silu kernel does: module docstring)."""
     xf = x.float()
-    return (xf / (torch.exp(-xf) + 1.0)).to(x.dtype)
+    denominator = torch.neg(xf).exp_().add_(1.0)
+    return torch.div(xf, denominator, out=denominator).to(x.dtype)  # in place: elementwise, no other reader
 
 
 def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
