@@ -37,6 +37,8 @@ from fastgrpo.kernels.varlen_attention import varlen_attention_torch
 from fastgrpo.config import load_config
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.metrics import MetricsLogger
+from fastgrpo.models.attention import ATTN_IMPLEMENTATION
+from fastgrpo.models.batch_invariant import enable_batch_invariant
 from fastgrpo.models.loading import load_model
 
 STEP_OVERRIDES = ["sft.warmup_steps=0", "grpo.mask_zero_std_groups=false", "eval.at_start=false",
@@ -45,8 +47,9 @@ STEP_OVERRIDES = ["sft.warmup_steps=0", "grpo.mask_zero_std_groups=false", "eval
 
 
 def grpo_steps(steps: int, extra: list[str], out_dir: str) -> dict:
-    """Medians of the step's times per mode (module docstring), steps interleaved; the mode-on trainer's invariant
-    ops are registered only around its own steps (so the mode-off steps run PyTorch's kernels untouched)."""
+    """Medians of the step's times per mode (module docstring), steps interleaved; the mode-on trainer's switch
+    (its invariant ops, its kept weight grids) is on only around its own steps (so the mode-off steps run PyTorch's
+    kernels untouched)."""
     from fastgrpo.trainer import Trainer
 
     trainers = {}
@@ -60,7 +63,7 @@ def grpo_steps(steps: int, extra: list[str], out_dir: str) -> dict:
     try:
         for i in range(steps + 1):
             for mode, trainer in trainers.items():
-                with bi.invariant_ops() if mode else contextlib.nullcontext():
+                with enable_batch_invariant(trainer.model, ATTN_IMPLEMENTATION) if mode else contextlib.nullcontext():
                     assert_timing_state()
                     m = trainer.train_step(logger)
                 if i:  # the first step of each compiles nothing, but pays first-touch costs

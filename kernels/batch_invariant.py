@@ -30,15 +30,18 @@ body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` fro
 
 **Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU kernels of ``aten::mm``,
 ``addmm``, ``bmm``, ``silu`` and ``mean.dim`` (a ``torch.library`` registration, counted: the last exit removes
-it); inside :func:`invariant_forward` (the model's forward, engine and trainer) those kernels compute the
-invariant values, outside it they call PyTorch's own (``.out`` overloads: the same kernels), so autograd's
-backward of the forward runs the fast products. Attention is ``fastgrpo.kernels.batch_invariant_attention``; the
-LM head and log-probs are :func:`linear_logprobs` (trainer) and :func:`logsumexp_tiles` (engine).
+it); inside :func:`invariant_forward` (the trainer's forward through the Hugging Face modules; the engine calls
+the ops directly) those kernels compute the invariant values, outside it they call PyTorch's own (``.out``
+overloads: the same kernels), so autograd's backward of the forward runs the fast products. Attention is
+``fastgrpo.kernels.batch_invariant_attention``; the LM head and log-probs are :func:`linear_logprobs` (trainer)
+and :func:`logsumexp_tiles` (engine).
 
-Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids (a few elementwise passes over each
-operand; the engine keeps the weights' grids for a call, ``invariant_forward(weight_cache=)``). Memory: the fp64
-integer copy of an operand, 2x its fp32 bytes (the engine's cache: 2x the fp32 weights, 4x bf16 ones; for
-DeepSeek-R1-Distill-Qwen-1.5B bf16 that is 12 GiB, which is why the mode is for CPU-sized models).
+Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids: seven elementwise passes over an
+activation (:func:`to_grid`; the q, k and v projections share their input's, as the gate and up do), none over a
+weight once its grid is kept (:func:`keep_weight_grids`: made once per weight version and shared by the engine's
+call and the training forwards of that version). Memory: the fp64 integer copy of an operand, 2x its fp32 bytes
+(the kept grids: 2x the fp32 weights, 4x bf16 ones; for DeepSeek-R1-Distill-Qwen-1.5B bf16 that is 12 GiB, which is
+why the mode is for CPU-sized models).
 
 Shape legend: M rows, K reduced dim, N output columns, V vocabulary, C vocabulary tiles.
 """
@@ -57,9 +60,13 @@ FP64_BITS = 53  # significand bits of fp64: integers below 2^53 are exact
 VOCAB_TILE = 2048  # vocabulary columns per tile of the LM head's log-sum-exp (engine and trainer alike)
 TILE_EXP_BITS = FP64_BITS - 11  # exp(z − m_c) ≤ 1 on a grid of 2^-42: 2048 of them sum exactly
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the overrides compute for
+FP32_EXPONENT = 0x7F800000  # the exponent field of an fp32's bits: 2^⌊log₂ |x|⌋ once the rest is cleared
+FP32_NORMAL = 0x00800000  # the bits of 2^-126, the smallest normal fp32
 
-_local = threading.local()  # .active, .cache (weight grids of a call), .params (their storages)
+_local = threading.local()  # .active (a forward on the invariant ops), .last_input (_shared_input_grid's entry)
 _registry = {"lib": None, "refs": 0}
+_kept_storages: dict[int, int] = {}  # storage address of a kept parameter -> open keep_weight_grids scopes
+_kept_grids: dict[tuple, tuple] = {}  # (address, shape, strides, dtype) of a kept weight view -> (version, view, grid)
 
 
 def product_bits(k: int) -> int:
@@ -67,17 +74,18 @@ def product_bits(k: int) -> int:
     return (FP64_BITS - math.ceil(math.log2(max(k, 1)))) // 2
 
 
-def pow2(n: torch.Tensor) -> torch.Tensor:
-    """``2^n`` in fp64 for integer ``n`` in [-1022, 1023], built from its bits (exact by construction)."""
-    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
-
-
 def to_grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
-    """``x`` rounded onto a per-slice grid along ``dim`` (fp64): ``x̃ = 2^(e − bits) · round(x · 2^(bits − e))``,
-    ``2^e > max|x|`` over the slice, so ``x̃ / 2^(e − bits)`` is an integer of at most ``bits`` bits (plus sign).
-    ``x``: fp32, bf16 or fp16 (its exponents keep ``2^(bits − e)`` finite)."""
-    up = pow2(bits - torch.frexp(x.abs().amax(dim, keepdim=True).float()).exponent)
-    return (x * up).round_().mul_(up.reciprocal())  # scalings by powers of two: exact
+    """``x`` rounded onto a per-slice grid along ``dim`` (fp64): ``x̃ = u · round(x / u)`` (half to even) with the
+    unit ``u = 2^(e − bits)``, ``2^(e−1) ≤ max|x| < 2^e`` over the slice (``e ≥ −125``: a slice below fp32's normal
+    range takes that grid), so ``x̃ / u`` is an integer of at most ``bits`` bits (plus sign). ``x``: fp32, bf16 or
+    fp16.
+
+    In seven passes: ``f = 2^(e−1)`` is ``max|x|``'s fp32 exponent bits (a mask), and adding then subtracting
+    ``c = 1.5 · 2^52 · u`` rounds ``x`` (in fp64) to a multiple of ``u``: ``c + x`` lies in ``[2^52 u, 2^53 u)``,
+    whose spacing is ``u``, and both steps are single correctly rounded fp64 operations (the second exact)."""
+    top = x.abs().amax(dim, keepdim=True).float().view(torch.int32).bitwise_and_(FP32_EXPONENT).clamp_(min=FP32_NORMAL)
+    c = top.view(torch.float32).double().mul_(1.5 * 2.0 ** (FP64_BITS - bits))  # 1.5 · 2^52 · u, u = 2f · 2^-bits
+    return x.double().add_(c).sub_(c)
 
 
 def grid_values(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -87,14 +95,17 @@ def grid_values(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def exact_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bias: torch.Tensor | None = None,
-                 b_grid: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+                 a_grid: torch.Tensor | None = None, b_grid: torch.Tensor | None = None, alpha: float = 1.0,
+                 beta: float = 1.0) -> torch.Tensor:
     """``alpha · (a @ b) + beta · bias`` cast to ``out_dtype``, the product exact on the operands' grids (rows of
     ``a [..., M, K]``, columns of ``b [..., K, N]``; module docstring): each entry depends on its row of ``a`` and
-    column of ``b`` alone. ``b_grid``: ``b``'s grid when the caller keeps it (a weight, for a call). The fp64
-    result ``[..., M, N]`` is the one temporary (8 bytes an entry) besides the grids."""
+    column of ``b`` alone. ``a_grid`` / ``b_grid``: the operands' grids when the caller has them (an input shared by
+    several products, a kept weight). The fp64 result ``[..., M, N]`` is the one temporary (8 bytes an entry) besides
+    the grids."""
     bits = product_bits(a.shape[-1])
+    a_tilde = a_grid if a_grid is not None else to_grid(a, -1, bits)
     b_tilde = b_grid if b_grid is not None else to_grid(b, -2, bits)
-    out = torch.matmul(to_grid(a, -1, bits), b_tilde)  # exact: every partial sum is on the grid, below 2^53 units
+    out = torch.matmul(a_tilde, b_tilde)  # exact: every partial sum is on the grid, below 2^53 units
     if alpha != 1.0:
         out.mul_(alpha)
     if bias is not None:
@@ -102,11 +113,17 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, *, bi
     return out.to(out_dtype)
 
 
+def input_grid(x_MK: torch.Tensor) -> torch.Tensor:
+    """The grid of ``x``'s rows as the left operand of :func:`exact_matmul` over its last dim."""
+    return to_grid(x_MK, -1, product_bits(x_MK.shape[-1]))
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """``x / (1 + exp(−x))`` in fp32 (cast back to ``x``'s dtype): correctly rounded ops and ``exp``, so an
     element's value does not depend on where it sits (torch's fp32 silu kernel does: module docstring)."""
     xf = x.float()
-    return (xf / (torch.exp(-xf) + 1.0)).to(x.dtype)
+    denominator = torch.neg(xf).exp_().add_(1.0)
+    return torch.div(xf, denominator, out=denominator).to(x.dtype)  # in place: elementwise, no other reader
 
 
 def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
@@ -122,15 +139,19 @@ def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
 
 
 def weight_grid(weight_NK: torch.Tensor) -> torch.Tensor:
-    """The grid of a weight as the right operand ``Wᵀ [K, N]`` of :func:`exact_matmul` (per output row ``n``)."""
-    return to_grid(weight_NK.t(), -2, product_bits(weight_NK.shape[1]))
+    """The grid of a weight as the right operand ``Wᵀ [K, N]`` of :func:`exact_matmul` (per output row ``n``): the kept
+    one (:func:`keep_weight_grids`) when ``weight`` is a kept parameter, else made now."""
+    kept = kept_grid(weight_NK.t())
+    return kept if kept is not None else to_grid(weight_NK.t(), -2, product_bits(weight_NK.shape[1]))
 
 
 def linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None, grid: torch.Tensor | None = None) -> torch.Tensor:
-    """``x Wᵀ + b`` by :func:`exact_matmul` (``grid``: :func:`weight_grid` of ``weight`` when kept)."""
+           out_dtype: torch.dtype | None = None, grid: torch.Tensor | None = None,
+           x_grid: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ + b`` by :func:`exact_matmul` (``grid``: :func:`weight_grid` of ``weight``, ``x_grid``:
+    :func:`input_grid` of ``x``, when the caller has them)."""
     bias = None if bias_N is None else bias_N.double()
-    return exact_matmul(x_MK, weight_NK.t(), out_dtype or x_MK.dtype, bias=bias, b_grid=grid)
+    return exact_matmul(x_MK, weight_NK.t(), out_dtype or x_MK.dtype, bias=bias, a_grid=x_grid, b_grid=grid)
 
 
 def vocab_tile_stats(z_MC: torch.Tensor, inv_temp: float, entropy: bool = False):
@@ -194,20 +215,24 @@ def linear_logprobs(h_NH: torch.Tensor, w_VH: torch.Tensor, b_V: torch.Tensor | 
     logits by :func:`linear` (fp32), one vocabulary tile at a time, the tiles' parts combined by
     :func:`combine_tiles`, the target's logit read from its tile (the value the engine's sampled row holds).
     Returns ``(logp [N], lse [N], entropy [N] or None)`` fp32. Memory: per chunk of ``ROWS_PER_CHUNK`` rows one
-    ``[rows, VOCAB_TILE]`` fp64 logit tile and its grid, the hidden rows' grid, and ``[rows, C]`` tile parts; the
-    weight's grid per tile (``[VOCAB_TILE, H]`` fp64). Nothing of ``[N, V]``."""
+    ``[rows, VOCAB_TILE]`` fp64 logit tile, the hidden rows' grid, and ``[rows, C]`` tile parts; the weight's grid:
+    the kept one's columns (:func:`keep_weight_grids`: the engine's LM head made it) or one tile's at a time
+    (``[H, VOCAB_TILE]`` fp64). Nothing of ``[N, V]``."""
     N, V = h_NH.shape[0], w_VH.shape[0]
     C = -(-V // VOCAB_TILE)
+    kept_HV = kept_grid(w_VH.t())
     logp_N, lse_N = (h_NH.new_empty(N, dtype=torch.float32) for _ in range(2))
     ent_N = h_NH.new_empty(N, dtype=torch.float32) if entropy else None
     for n0 in range(0, N, ROWS_PER_CHUNK):
         h_nH, y_n = h_NH[n0 : n0 + ROWS_PER_CHUNK], y_N[n0 : n0 + ROWS_PER_CHUNK]
         n = h_nH.shape[0]
+        h_grid = input_grid(h_nH)
         m_nC, s_nC, a_nC = (h_NH.new_empty(n, C, dtype=dt) for dt in (torch.float32, torch.float64, torch.float64))
         zy_n = h_NH.new_zeros(n, dtype=torch.float32)
         for c in range(C):
             v0, v1 = c * VOCAB_TILE, min((c + 1) * VOCAB_TILE, V)
-            z_nv = linear(h_nH, w_VH[v0:v1], None if b_V is None else b_V[v0:v1], out_dtype=torch.float32)
+            z_nv = linear(h_nH, w_VH[v0:v1], None if b_V is None else b_V[v0:v1], out_dtype=torch.float32,
+                          grid=None if kept_HV is None else kept_HV[:, v0:v1], x_grid=h_grid)
             inside = (y_n >= v0) & (y_n < v1)
             zy_n = torch.where(inside, z_nv.gather(1, (y_n - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zy_n)
             m_nC[:, c], s_nC[:, c], a_c = vocab_tile_stats(z_nv, inv_temp, entropy)
@@ -237,30 +262,68 @@ def enabled() -> bool:
     return _registry["refs"] > 0
 
 
+@contextlib.contextmanager
+def keep_weight_grids(params):
+    """Keep the grids of these parameters (their products' right operands, :func:`kept_grid`) while the scope is open
+    (counted per storage: nested scopes share them; the last exit drops them): made at a weight's first product and
+    made again when its version counter has moved (every in-place write autograd tracks: torch's optimizers but the
+    fused ones, ``copy_``, checkpoint loads; not writes through ``.data``). The trainer keeps its policy's for its
+    run, so the engine's call and the training forwards of one weight version share them; an engine alone keeps them
+    for its call. Memory: an fp64 copy of each weight used in a product (2x its fp32 bytes)."""
+    ptrs = [p.untyped_storage().data_ptr() for p in params]
+    for ptr in ptrs:
+        _kept_storages[ptr] = _kept_storages.get(ptr, 0) + 1
+    try:
+        yield
+    finally:
+        for ptr in ptrs:
+            _kept_storages[ptr] -= 1
+            if not _kept_storages[ptr]:
+                del _kept_storages[ptr]
+                for key in [key for key, (_, b, _) in _kept_grids.items() if b.untyped_storage().data_ptr() == ptr]:
+                    del _kept_grids[key]
+
+
+def kept_grid(b_KN: torch.Tensor) -> torch.Tensor | None:
+    """The grid of ``b`` (per column over ``K``) when ``b`` is a view of a kept parameter (:func:`keep_weight_grids`),
+    made once per version of it; else None. An entry holds ``b``, so its storage (the key) cannot be reused."""
+    if b_KN.untyped_storage().data_ptr() not in _kept_storages:
+        return None
+    key = (b_KN.data_ptr(), tuple(b_KN.shape), b_KN.stride(), b_KN.dtype)
+    entry = _kept_grids.get(key)
+    if entry is None or entry[0] != b_KN._version:
+        entry = _kept_grids[key] = (b_KN._version, b_KN, to_grid(b_KN, -2, product_bits(b_KN.shape[0])))
+    return entry[2]
+
+
+def _shared_input_grid(a_MK: torch.Tensor) -> torch.Tensor:
+    """:func:`input_grid` of a product's left operand, reused by the next products of the same tensor (the q, k and v
+    projections of one normed input, the gate and up of the MLP's, a LoRA adapter's ``A`` after its base): one entry,
+    keyed by the tensor's address, shape, strides, dtype and version, holding the tensor (its storage cannot be
+    reused while the entry lives); dropped when the forward scope ends. Inference tensors (no version) are not kept."""
+    if a_MK.is_inference():
+        return input_grid(a_MK)
+    key = (a_MK.data_ptr(), tuple(a_MK.shape), a_MK.stride(), a_MK.dtype, a_MK._version)
+    last = getattr(_local, "last_input", None)
+    if last is None or last[0] != key:
+        last = _local.last_input = (key, a_MK, input_grid(a_MK))
+    return last[2]
+
+
 def _computes(t: torch.Tensor) -> bool:
     return active() and t.dtype in INVARIANT_DTYPES
 
 
-def _weight_grid(b_KN: torch.Tensor):
-    """``b``'s grid from the call's cache when ``b`` is a weight the cache covers (its storage is a parameter's)."""
-    cache = getattr(_local, "cache", None)
-    if cache is None or b_KN.untyped_storage().data_ptr() not in _local.params:
-        return None
-    key = (b_KN.data_ptr(), tuple(b_KN.shape), b_KN.stride(), b_KN.dtype)
-    if key not in cache:
-        cache[key] = to_grid(b_KN, -2, product_bits(b_KN.shape[0]))
-    return cache[key]
-
-
 def _mm(a, b):
     if _computes(a):
-        return exact_matmul(a, b, a.dtype, b_grid=_weight_grid(b))
+        return exact_matmul(a, b, a.dtype, a_grid=_shared_input_grid(a), b_grid=kept_grid(b))
     return torch.ops.aten.mm.out(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):
     if _computes(a):
-        return exact_matmul(a, b, a.dtype, bias=bias.double(), b_grid=_weight_grid(b), alpha=alpha, beta=beta)
+        return exact_matmul(a, b, a.dtype, bias=bias.double(), a_grid=_shared_input_grid(a), b_grid=kept_grid(b),
+                            alpha=alpha, beta=beta)
     return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty((a.shape[0], b.shape[1])))
 
 
@@ -316,19 +379,19 @@ def invariant_ops():
 
 
 @contextlib.contextmanager
-def invariant_forward(weight_cache: dict | None = None, params=()):
-    """Run a model forward on the invariant ops (inside :func:`invariant_ops`). ``weight_cache``: a dict that keeps
-    the grids of the weights among ``params`` (the model's parameters, unchanged while the dict lives: the engine's
-    call); None computes each weight's grid at each product (the trainer: its weights change every step)."""
+def invariant_forward():
+    """Run a model forward on the invariant ops (inside :func:`invariant_ops`): products of kept weights
+    (:func:`keep_weight_grids`) read their kept grids, the others make theirs at each product."""
     if not enabled():
         raise RuntimeError("invariant_forward needs the invariant ops registered (invariant_ops())")
-    saved = (active(), getattr(_local, "cache", None), getattr(_local, "params", None))
-    _local.active, _local.cache = True, weight_cache
-    _local.params = {p.untyped_storage().data_ptr() for p in params} if weight_cache is not None else None
+    saved = active()
+    _local.active = True
     try:
         yield
     finally:
-        _local.active, _local.cache, _local.params = saved
+        _local.active = saved
+        if not saved:
+            _local.last_input = None
 
 
 def forward_scope():

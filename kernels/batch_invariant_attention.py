@@ -87,20 +87,19 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     keys_L = torch.arange(Lp, device=q_BHMD.device)
 
     q_tilde = to_grid(q_BHMD.reshape(B, Hkv, R, D), -1, min(product_bits(D), 24))  # [B, Hkv, R, D] fp64
-    s = torch.matmul(q_tilde, k_BHLD.double().transpose(-1, -2))  # [B, Hkv, R, Lp], exact
-    s_BHRL = (s * scale).float().masked_fill_(keys_L > pos_B1R1, -math.inf)
-    del s
-    p_BHRL = torch.exp(s_BHRL - s_BHRL.amax(-1, keepdim=True))
-    pi_BHRL = (p_BHRL * 2.0**PROB_BITS).double().round_()  # P · 2^24 exact in fp32 (a power of two)
-    del p_BHRL, s_BHRL
+    s_BHRL = torch.matmul(q_tilde, k_BHLD.double().transpose(-1, -2)).mul_(scale)  # [B, Hkv, R, Lp]: exact, scaled
+    p_BHRL = s_BHRL.float().masked_fill_(keys_L > pos_B1R1, -math.inf)
+    del s_BHRL
+    p_BHRL.sub_(p_BHRL.amax(-1, keepdim=True)).exp_().mul_(2.0**PROB_BITS)  # P · 2^24, exact in fp32 (a power of two)
+    pi_BHRL = p_BHRL.round_().double()  # integers up to 2^24: exact in fp32
+    del p_BHRL
     l_BHR1 = pi_BHRL.sum(-1, keepdim=True)  # exact: integers, at most Lp · 2^24
     out = big_blocks(pi_BHRL, v_BHLD, pos_B1R1 - pos_B1R1 % BIG_BLOCK)
     if dense_from is not None:
         small, diagonal = dense_blocks(pi_BHRL, v_BHLD, dense_from, M)
     else:
         small, diagonal = small_blocks(pi_BHRL, v_BHLD, qpos_BM), diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
-    out = (out + small) + diagonal
-    return (out / l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)
+    return out.add_(small).add_(diagonal).div_(l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)  # ((S₁ + S₂) + Δ) / l
 
 
 def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Tensor) -> torch.Tensor:
@@ -188,40 +187,42 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
 
 
 def dense_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, first: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`small_blocks` and :func:`diagonal_block` for queries at positions ``first + [0, M)`` of every row
-    (``first`` a multiple of ``BIG_BLOCK``), the same additions in the same order: a query's big block (and small
-    block) is the keys' one at the same place, so both are read by reshaping π and v, no index per query. Rows past
-    ``M`` up to a whole big block are zeros. Two ``[B, Hkv, R, D]`` fp64 tensors. Memory: ``[B, Hkv, G·M', 8, D]``
-    fp64 (``M'``: M rounded up to ``BIG_BLOCK``): the small blocks' products."""
-    B, Hkv, R, _ = pi_BHRL.shape
-    D, G, BK = v_BHLD.shape[-1], R // M, KEY_BLOCK
-    # a call inside the first big block (short sequences) reads only the small blocks it has: the same blocks
-    BB = -(-M // BK) * BK if first == 0 and M <= BIG_BLOCK else BIG_BLOCK
+    """:func:`small_blocks` and :func:`diagonal_block` for queries at positions ``first + [0, M)`` of every row over
+    keys ``[0, first + M)``, the same additions in the same order: a query's big block (and small block) is the keys'
+    one at the same place, so both are read by reshaping π and v, no index per query (:func:`own_blocks`). Whole
+    blocks: ``first`` and ``M`` multiples of ``BIG_BLOCK``, or ``first = 0`` and ``M ≤ BIG_BLOCK`` a multiple of
+    ``KEY_BLOCK`` (a short call: its one big block holds only the small blocks there are). Two ``[B, Hkv, R, D]``
+    fp64 tensors."""
+    B, Hkv, R, L = pi_BHRL.shape
+    G = R // M
+    BB = M if first == 0 and M <= BIG_BLOCK else BIG_BLOCK
+    nq = M // BB
+    own = pi_BHRL.view(B, Hkv, G, nq, BB, L // BB, BB).diagonal(offset=first // BB, dim1=3, dim2=5).movedim(-1, 3)
+    small, diagonal = own_blocks(own, v_BHLD[:, :, first : first + M].reshape(B, Hkv, nq, BB, -1))
+    return small.reshape(B, Hkv, R, -1), diagonal.reshape(B, Hkv, R, -1)
+
+
+def own_blocks(pi_BHGNQK: torch.Tensor, v_BHNKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries of ``N`` whole (big) blocks over their own blocks' keys: ``π [B, Hkv, G, N, BB q, BB k]`` (query ``i``
+    and key ``j`` at the same offsets of the block), ``v [B, Hkv, N, BB, D]``. Returns ``S₂`` (each query's small
+    blocks below its own, each exact on its grid, added from 0 in block order) and ``Δ`` (its own small block key
+    by key from 0), ``[B, Hkv, G, N, BB, D]`` fp64 each. Small block ``t``'s product is one matmul over the queries
+    past it; key ``j`` of a small block is added to the queries at and past it (the others' π are 0: their skipped
+    terms are exact zeros). Memory: the two results and the values' grid, ``[B, Hkv, N, BB, D]`` fp64."""
+    B, Hkv, G, N, BB, _ = pi_BHGNQK.shape
+    D, BK = v_BHNKD.shape[-1], KEY_BLOCK
     nsb = BB // BK
-    pi_BHGML = _whole_big_blocks(_whole_big_blocks(pi_BHRL, 3, BB).view(B, Hkv, G, M, -1), 3, BB)
-    v_BHLD = _whole_big_blocks(v_BHLD, 2, BB)
-    nq, c0 = pi_BHGML.shape[3] // BB, first // BB
-    keys = pi_BHGML.view(B, Hkv, G, nq, BB, -1, BB).diagonal(offset=c0, dim1=3, dim2=5)  # [B, Hkv, G, BB, BB, nq]
-    own = keys.permute(0, 1, 2, 5, 3, 4).reshape(B, Hkv, G, nq, BB, nsb, BK)  # [.., q, key small block, key]
-    v_own = v_BHLD[:, :, first : first + nq * BB].reshape(B, Hkv, nq, nsb, BK, D)
-    # the small blocks below the query's: key small block s < the query's t
-    below = torch.arange(BB, device=own.device)[:, None] // BK > torch.arange(nsb, device=own.device)  # [BB, nsb]
-    pi_s = own.masked_fill(~below[..., None], 0.0).permute(0, 1, 3, 5, 2, 4, 6).reshape(B, Hkv, nq, nsb, G * BB, BK)
-    parts = torch.matmul(pi_s, to_grid(v_own, -2, VALUE_BITS))  # [B, Hkv, nq, nsb, G·BB, D], exact each
-    small = parts.new_zeros(B, Hkv, nq, G * BB, D)
-    for i in range(nsb):
-        small += parts[:, :, :, i]
-    small = small.view(B, Hkv, nq, G, BB, D)
-    # the query's own small block, key by key: key small block s = the query's t
-    pi_t = own.view(B, Hkv, G, nq, nsb, BK, nsb, BK).diagonal(dim1=4, dim2=6)  # [B, Hkv, G, nq, BK q, BK k, nsb]
-    pi_t = pi_t.permute(0, 1, 2, 3, 6, 4, 5)  # [B, Hkv, G, nq, nsb t, BK q, BK k]
-    v_t = v_own[:, :, None, :, :, None].double()  # [B, Hkv, 1, nq, nsb, 1, BK k, D]
-    diagonal = pi_t.new_zeros(B, Hkv, G, nq, nsb, BK, D)
-    for j in range(BK):
-        diagonal.addcmul_(pi_t[..., j, None], v_t[..., j, :])  # π_j v_j exact
-    diagonal = diagonal.reshape(B, Hkv, G, nq * BB, D)
-    small = small.permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, G, nq * BB, D)
-    return small[:, :, :, :M].reshape(B, Hkv, R, D), diagonal[:, :, :, :M].reshape(B, Hkv, R, D)
+    v_tilde = to_grid(v_BHNKD.reshape(B, Hkv, N, nsb, BK, D), -2, VALUE_BITS)  # [B, Hkv, N, nsb, BK, D]
+    small = pi_BHGNQK.new_zeros(B, Hkv, G, N, BB, D)
+    for t in range(nsb - 1):
+        q0 = BK * (t + 1)
+        small[..., q0:, :] += torch.matmul(pi_BHGNQK[..., q0:, BK * t : q0], v_tilde[:, :, None, :, t])
+    diagonal = pi_BHGNQK.new_zeros(B, Hkv, G, N, nsb, BK, D)
+    pi_d = pi_BHGNQK.reshape(B, Hkv, G, N, nsb, BK, nsb, BK).diagonal(dim1=4, dim2=6)  # [B, Hkv, G, N, BK q, BK k, nsb]
+    v_raw = v_BHNKD.reshape(B, Hkv, 1, N, nsb, BK, D)
+    for j in range(BK):  # π_j v_j exact in fp64 (24 + 24 bits)
+        diagonal[..., j:, :].addcmul_(pi_d[..., j:, j, :].transpose(-1, -2)[..., None], v_raw[..., j, None, :])
+    return small, diagonal.view(B, Hkv, G, N, BB, D)
 
 
 def diagonal_block(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor) -> torch.Tensor:
@@ -291,11 +292,12 @@ def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tens
         while i + len(group) < len(order) and (len(group) + 1) * lengths[order[i + len(group)]] ** 2 <= PAIRS_PER_CALL:
             group.append(order[i + len(group)])
         i += len(group)
-        L = lengths[group[-1]]
+        whole = KEY_BLOCK if lengths[group[-1]] <= BIG_BLOCK else BIG_BLOCK  # dense_blocks reads whole blocks
+        L = -(-lengths[group[-1]] // whole) * whole
         start_B1 = torch.tensor([bounds[b] for b in group], device=dev)[:, None]
         n_B1 = torch.tensor([lengths[b] for b in group], device=dev)[:, None]
         chunk = L if L * L <= PAIRS_PER_CALL else max(BIG_BLOCK, PAIRS_PER_CALL // L // BIG_BLOCK * BIG_BLOCK)
-        for m0 in range(0, L, chunk):  # a sequence too long for one call: query chunks from big-block starts
+        for m0 in range(0, L, chunk):  # a sequence too long for one call: query chunks of whole big blocks
             m1 = min(L, m0 + chunk)
             kpos_BL = torch.arange(m1, device=dev).expand(len(group), m1)
             qpos_BM = kpos_BL[:, m0:m1]

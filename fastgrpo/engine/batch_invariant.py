@@ -1,20 +1,28 @@
 """The engine's forward in ``numerics.batch_invariant`` mode (``GenerationEngine(batch_invariant=True)``): the
-model's own decoder, the modules the trainer's packed forward runs, on the batch-invariant ops
-(``fastgrpo.kernels.batch_invariant``), with K/V through the engine's cache.
+decoder of a dense Llama / Qwen2 / Qwen3 computed here, op for op as its Hugging Face modules compute it on the
+batch-invariant ops (``fastgrpo.kernels.batch_invariant``), with K/V through the engine's cache.
 
 Every forward of a call (a packed prefill, a prefill onto cached K/V, a decode step on pages or on the CPU row
-cache) is one call of ``model.model`` on a row of tokens ``[1, N]`` with their positions, as the trainer's packed
-forward (``fastgrpo.models.attention.packed_hidden_states``) calls it. The difference is attention only: each
-layer's ``fastgrpo_varlen`` attention finds a ``KV context`` in its keyword arguments (the keyword
-``fastgrpo.models.batch_invariant.KV_CONTEXT``) that writes the new K/V where the engine keeps them and attends
-over each query's sequence read back from there, by ``fastgrpo.kernels.batch_invariant_attention.attention``,
-the function the trainer's varlen attention runs. Since every op gives a row the same value whatever else is in the
-call, a token's hidden state, logits and log-prob are the trainer's, bit for bit, under every schedule.
+cache) runs the decoder on a row of ``N`` tokens at their positions. The trainer's packed forward runs the Hugging
+Face modules on the same ops (``fastgrpo.algorithms.forward.packed_forward``): the overrides of ``aten::addmm`` /
+``mm`` / ``silu`` / ``mean`` turn each module's product, activation and RMSNorm mean into the exact ones, and its
+``fastgrpo_varlen`` attention into ``fastgrpo.kernels.batch_invariant_attention``. This file makes the same calls in
+the same order with the same dtypes, without the modules' Python layers (hooks, keyword plumbing, output capture: on
+the demo's model they cost more than the arithmetic), and with what the modules cannot share: the input grid of the
+q, k and v projections made once (as the gate's and up's), the weights' grids kept (``keep_weight_grids``: for the
+call, or for the trainer's run when it keeps them). Every op gives a row the same value whatever else is in the call
+(exact products and sums, elementwise ops), so a token's hidden state, logits and log-prob are the trainer's, bit
+for bit, under every schedule (tests/test_bitwise.py).
+
+The modules' order, as transformers 5 writes it: ``x = embed(tokens)``; ``cos, sin = rotary_emb(x, positions)``;
+per layer ``h = norm₁(x)``; ``q, k, v = h Wᵀ + b`` (views ``[N, heads, D]``; Qwen3: RMSNorm over ``D`` of q and k);
+``q, k = q cos + rotate_half(q) sin, …``; ``x = x + o_proj(attention)``; ``x = x + down(silu(gate(norm₂(x))) ·
+up(norm₂(x)))``; the final norm; the LM head in fp32. RMSNorm: ``w · (x₃₂ · rsqrt(mean(x₃₂²) + eps)).to(dtype)``. A
+LoRA projection is PEFT's ``y + B(A(x)) · s``, cast back to the base's dtype (``fastgrpo.models.lora.lora_terms``).
 
 The LM head is :func:`fastgrpo.kernels.batch_invariant.linear` in fp32; the sampler's log-prob of the drawn token is
 ``logits[token] / T − logsumexp_tiles(logits / T)`` (``fastgrpo.engine.sampling.sample_tokens``), the trainer's
-``fastgrpo.kernels.batch_invariant.linear_logprobs``. A call keeps the weights' grids (``weight_cache``: 2x the fp32
-weights' bytes, freed when the call returns, so a session's next run after a weight update makes them again).
+``fastgrpo.kernels.batch_invariant.linear_logprobs``.
 
 Tensor names carry their shape: S rows, N packed tokens, P block-table width, H hidden, Hq/Hkv heads, D head dim.
 """
@@ -24,11 +32,21 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
-from fastgrpo.kernels.batch_invariant import invariant_forward, invariant_ops, linear, weight_grid
+from fastgrpo.engine.ops import rope
+from fastgrpo.kernels.batch_invariant import (
+    input_grid,
+    invariant_forward,
+    invariant_ops,
+    keep_weight_grids,
+    last_dim_mean,
+    linear,
+    silu,
+    weight_grid,
+)
 from fastgrpo.kernels.batch_invariant_attention import attention, invariant_varlen, key_grid
-from fastgrpo.models.attention import ATTN_IMPLEMENTATION
-from fastgrpo.models.batch_invariant import KV_CONTEXT
+from fastgrpo.models.lora import lora_terms
 
 
 class PrefillKV:
@@ -38,11 +56,10 @@ class PrefillKV:
     def __init__(self, cache, slot_N: torch.Tensor, cu_seqlens: torch.Tensor):
         self.cache, self.slot_N, self.cu_seqlens = cache, slot_N, cu_seqlens
 
-    def attend(self, layer: int, q_1HND, k_1HND, v_1HND, scale: float) -> torch.Tensor:
-        q, k, v = (x[0].transpose(0, 1) for x in (q_1HND, k_1HND, v_1HND))  # [N, H, D]
-        k = key_grid(k)  # stored on their grid, as the attention reads them
-        self.cache.write(layer, self.slot_N, k, v)
-        return invariant_varlen(q, k, v, self.cu_seqlens, scale)[None]  # [1, N, Hq, D]
+    def attend(self, layer: int, q_NHD, k_NHD, v_NHD, scale: float) -> torch.Tensor:
+        k_NHD = key_grid(k_NHD)  # stored on their grid, as the attention reads them
+        self.cache.write(layer, self.slot_N, k_NHD, v_NHD)
+        return invariant_varlen(q_NHD, k_NHD, v_NHD, self.cu_seqlens, scale)  # [N, Hq, D]
 
 
 class PagedKV:
@@ -54,17 +71,16 @@ class PagedKV:
                  table_BP: torch.Tensor):
         self.cache, self.slot_N, self.rows_BM, self.qpos_BM, self.table_BP = cache, slot_N, rows_BM, qpos_BM, table_BP
 
-    def attend(self, layer: int, q_1HND, k_1HND, v_1HND, scale: float) -> torch.Tensor:
-        self.cache.write(layer, self.slot_N, key_grid(k_1HND[0].transpose(0, 1)), v_1HND[0].transpose(0, 1))
+    def attend(self, layer: int, q_NHD, k_NHD, v_NHD, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.slot_N, key_grid(k_NHD), v_NHD)
         kv = self.cache.kv[layer][:, :, self.table_BP]  # [2, Hkv, B, P, page_size, D]
         _, Hkv, B, P, ps, D = kv.shape
         k, v = kv.permute(0, 2, 1, 3, 4, 5).reshape(2, B, Hkv, P * ps, D)
-        q = q_1HND[0][:, self.rows_BM].transpose(0, 1)  # [B, Hq, M, D]
-        o_BHMD = attention(q, k, v, self.qpos_BM, scale)
-        out = q_1HND.new_empty(q_1HND.shape[2], q_1HND.shape[1], D)  # [N, Hq, D]
+        o_BHMD = attention(q_NHD[self.rows_BM].transpose(1, 2), k, v, self.qpos_BM, scale)
+        out = q_NHD.new_empty(q_NHD.shape)  # [N, Hq, D]
         live = self.rows_BM >= 0
         out[self.rows_BM[live]] = o_BHMD.transpose(1, 2)[live]
-        return out[None]
+        return out
 
 
 class RowKV:
@@ -74,14 +90,20 @@ class RowKV:
     def __init__(self, kv_rows, pos_S: torch.Tensor, T: int):
         self.kv_rows, self.pos_S, self.T = kv_rows, pos_S, T
 
-    def attend(self, layer: int, q_1HSD, k_1HSD, v_1HSD, scale: float) -> torch.Tensor:
-        S = q_1HSD.shape[2]
+    def attend(self, layer: int, q_SHD, k_SHD, v_SHD, scale: float) -> torch.Tensor:
+        S = q_SHD.shape[0]
         rows = self.kv_rows[layer]  # [R, 2, Hkv, T_max, D]
-        kv = torch.stack((key_grid(k_1HSD[0]), v_1HSD[0]), 0)  # [2, Hkv, S, D], keys on their grid
-        rows[torch.arange(S), :, :, self.pos_S] = kv.permute(2, 0, 1, 3)
+        rows[torch.arange(S), :, :, self.pos_S] = torch.stack((key_grid(k_SHD), v_SHD), 1)  # keys on their grid
         k, v = rows[:S, 0, :, : self.T], rows[:S, 1, :, : self.T]  # [S, Hkv, T, D]
-        o = attention(q_1HSD[0].transpose(0, 1)[:, :, None], k, v, self.pos_S[:, None], scale)  # [S, Hq, 1, D]
-        return o.transpose(1, 2).transpose(0, 1)  # [1, S, Hq, D]
+        o = attention(q_SHD[:, :, None], k, v, self.pos_S[:, None], scale)  # [S, Hq, 1, D]
+        return o[:, :, 0]
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RMSNorm on the invariant mean: ``w · (x₃₂ · rsqrt(mean(x₃₂²) + eps)).to(x.dtype)``."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(last_dim_mean(x32.pow(2)) + norm.variance_epsilon)
+    return norm.weight * x32.to(x.dtype)
 
 
 class BatchInvariantForward:
@@ -90,41 +112,68 @@ class BatchInvariantForward:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.params: list[torch.Tensor] = []
-        self.grids: dict = {}  # the call's weight grids (invariant_forward's weight_cache)
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        attn = self.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
+        self.lora: dict = {}  # projection module -> its live LoRA adapters, read once per call
 
     @contextlib.contextmanager
     def calling(self):
-        """One ``generate`` call (or session): the invariant ops registered, the model on the ``fastgrpo_varlen``
-        attention (its previous implementation restored after), the weights' grids kept until the call ends."""
-        model = self.model
-        previous = model.config._attn_implementation
-        self.params = list(model.parameters())
-        with invariant_ops():
-            if previous != ATTN_IMPLEMENTATION:
-                model.set_attn_implementation(ATTN_IMPLEMENTATION)
-            try:
+        """One ``generate`` call (or session): the invariant ops registered, the weights' grids kept (for the call,
+        or longer when the trainer keeps them), the LoRA adapters read."""
+        self.lora = {m: t for layer in self.layers for m in layer.modules() if (t := lora_terms(m))}
+        try:
+            with invariant_ops(), keep_weight_grids(list(self.model.parameters())):
                 yield
-            finally:
-                if previous != ATTN_IMPLEMENTATION:
-                    model.set_attn_implementation(previous)
-                self.grids.clear()  # a session's weights may change before its next call
-                self.params = []
+        finally:
+            self.lora = {}
 
-    def hidden(self, tokens_N: torch.Tensor, pos_N: torch.Tensor, context, **kwargs) -> torch.Tensor:
-        """The decoder on one row of tokens at positions ``pos`` (the trainer's packed forward), attention through
-        ``context``: the final hidden states ``[N, H]`` (after the final norm)."""
-        with invariant_forward(self.grids, self.params):
-            out = self.model.model(input_ids=tokens_N[None], position_ids=pos_N[None], use_cache=False,
-                                   **{KV_CONTEXT: context}, **kwargs)
-        return out.last_hidden_state[0]
+    def proj(self, x_MK: torch.Tensor, x_grid: torch.Tensor | None, module: torch.nn.Module) -> torch.Tensor:
+        """A projection ``x Wᵀ + b`` on the exact product (``x_grid``: ``x``'s grid when shared), then each LoRA
+        adapter as PEFT adds it: ``y + B(A(x)) · s`` (its products the overrides' exact ones), cast to ``y``'s dtype."""
+        y = linear(x_MK, module.weight, module.bias, grid=weight_grid(module.weight), x_grid=x_grid)
+        terms = self.lora.get(module, ())
+        for A_RK, B_NR, s in terms:
+            y = y + F.linear(F.linear(x_MK.to(A_RK.dtype), A_RK), B_NR) * s
+        return y.to(x_MK.dtype) if terms else y
+
+    def layer(self, li: int, layer, x_NH: torch.Tensor, cos_N1D, sin_N1D, context) -> torch.Tensor:
+        """One decoder layer on ``x [N, H]`` (module docstring), attention through ``context``."""
+        attn, mlp = layer.self_attn, layer.mlp
+        N, D = x_NH.shape[0], self.head_dim
+        h_NH = rms_norm(layer.input_layernorm, x_NH)
+        h_grid = input_grid(h_NH)
+        q = self.proj(h_NH, h_grid, attn.q_proj).view(N, self.num_heads, D)
+        k = self.proj(h_NH, h_grid, attn.k_proj).view(N, self.num_kv_heads, D)
+        v = self.proj(h_NH, h_grid, attn.v_proj).view(N, self.num_kv_heads, D)
+        if self.qk_norm:
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q, k = rope(q, cos_N1D, sin_N1D), rope(k, cos_N1D, sin_N1D)
+        o_NQ = context.attend(li, q, k, v, self.scale).reshape(N, -1)  # [N, Hq · D]
+        x_NH = x_NH + self.proj(o_NQ, None, attn.o_proj)
+        h_NH = rms_norm(layer.post_attention_layernorm, x_NH)
+        h_grid = input_grid(h_NH)
+        act = silu(self.proj(h_NH, h_grid, mlp.gate_proj)) * self.proj(h_NH, h_grid, mlp.up_proj)
+        return x_NH + self.proj(act, None, mlp.down_proj)
+
+    def hidden(self, tokens_N: torch.Tensor, pos_N: torch.Tensor, context) -> torch.Tensor:
+        """The decoder on one row of tokens at positions ``pos`` (the trainer's packed forward's values), attention
+        through ``context``: the final hidden states ``[N, H]`` (after the final norm)."""
+        decoder = self.decoder
+        with invariant_forward():
+            x_NH = decoder.embed_tokens(tokens_N)
+            cos, sin = decoder.rotary_emb(x_NH[None], pos_N[None])  # [1, N, D] each, in x's dtype
+            for li, layer in enumerate(self.layers):
+                x_NH = self.layer(li, layer, x_NH, cos[0, :, None], sin[0, :, None], context)
+            return rms_norm(decoder.norm, x_NH)
 
     def logits(self, hidden_MH: torch.Tensor) -> torch.Tensor:
         """The LM head, fp32 ``[M, V]``: :func:`fastgrpo.kernels.batch_invariant.linear` on the kept grid."""
         head = self.model.lm_head
-        if "lm_head" not in self.grids:
-            self.grids["lm_head"] = weight_grid(head.weight)
-        return linear(hidden_MH, head.weight, head.bias, out_dtype=torch.float32, grid=self.grids["lm_head"])
+        return linear(hidden_MH, head.weight, head.bias, out_dtype=torch.float32, grid=weight_grid(head.weight))
 
     def prefill(self, tokens_N, pos_N, groups, cache, slot_N) -> torch.Tensor:
         """``ModelForward.prefill``'s packed prompts (``groups``: ``(start, count, length)``): their final hidden

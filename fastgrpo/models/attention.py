@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from fastgrpo.kernels import batch_invariant
 from fastgrpo.kernels.varlen_attention import varlen_attention_torch, varlen_attention_unchecked
-from fastgrpo.models.batch_invariant import KV_CONTEXT, invariant_attention
+from fastgrpo.models.batch_invariant import invariant_attention
 from fastgrpo.models.packing import PackedBatch
 
 ATTN_IMPLEMENTATION = "fastgrpo_varlen"
@@ -70,8 +70,6 @@ def fastgrpo_varlen_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``[B, H, S, D]`` in, ``[B, S, Hq, D]`` out (like the flash-attention one)."""
-    if kwargs.get(KV_CONTEXT) is not None:  # the engine's batch-invariant forward: K/V through its cache
-        return kwargs[KV_CONTEXT].attend(module.layer_idx, query, key, value, scaling), None
     if attention_mask is not None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)

@@ -1,10 +1,10 @@
 """``numerics.batch_invariant`` on Hugging Face models: what the mode refuses, and the attention it runs.
 
 The mode's ops are ``fastgrpo.kernels.batch_invariant`` (products, RMSNorm's mean, SiLU, the LM head) and
-``fastgrpo.kernels.batch_invariant_attention``; the trainer's packed forward and the generation engine run the
-same Hugging Face modules on them (``fastgrpo.algorithms.forward.packed_forward``,
-``fastgrpo.engine.batch_invariant``), and the ``fastgrpo_varlen`` attention (``fastgrpo.models.attention``) takes
-:func:`invariant_attention` while a forward runs in the mode.
+``fastgrpo.kernels.batch_invariant_attention``; the trainer's packed forward runs the Hugging Face modules on them
+(``fastgrpo.algorithms.forward.packed_forward``: the ``fastgrpo_varlen`` attention, ``fastgrpo.models.attention``,
+takes :func:`invariant_attention` while a forward runs in the mode), the generation engine the same calls in the
+same order without the modules (``fastgrpo.engine.batch_invariant``).
 
 What breaks invariance, refused at start-up (:func:`check_model`) with the reason:
 
@@ -23,12 +23,13 @@ What breaks invariance, refused at start-up (:func:`check_model`) with the reaso
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from fastgrpo.kernels.batch_invariant import invariant_ops
+from fastgrpo.kernels.batch_invariant import invariant_ops, keep_weight_grids
 from fastgrpo.kernels.batch_invariant_attention import varlen_attention
 
-KV_CONTEXT = "batch_invariant_kv"  # the engine's K/V for one forward, passed to each layer's attention
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 CUDA_REFUSAL = ("numerics.batch_invariant runs on CPU only: on CUDA it needs a persistent Triton matmul with a fixed "
                 "tile schedule (no split-K), one attention kernel for prefill, decode and the packed forward with a "
@@ -65,12 +66,15 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
                          f"{attn_implementation!r} (whose batch-invariant path the mode runs)")
 
 
+@contextlib.contextmanager
 def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str):
-    """The trainer's switch: the model checked (:func:`check_model`), then the invariant ops registered for as long
-    as the returned context is open (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs
-    there); the packed forward and the log-prob kernels take them while it is."""
+    """The trainer's switch: the model checked (:func:`check_model`), then, while the returned context is open, the
+    invariant ops registered (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs there;
+    the packed forward and the log-prob kernels take them) and the model's weight grids kept
+    (``keep_weight_grids``: made once per weight version, shared by the engine's call and the training forwards)."""
     check_model(model, attn_implementation)
-    return invariant_ops()
+    with invariant_ops(), keep_weight_grids(list(model.parameters())):
+        yield
 
 
 def invariant_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -41,6 +41,74 @@ def _rows_alone_equal(fn, x, *args):
     return whole
 
 
+@settings(max_examples=10)
+@given(M=st.integers(1, 40), n=st.integers(1, 90), bits=st.sampled_from([19, 23, 24, 26, 47]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), dim=st.sampled_from([-1, 0]),
+       seed=st.integers(0, 1000))
+def test_grid_is_the_closed_form(M, n, bits, dtype, dim, seed):
+    """``to_grid`` (an add and a subtract of 1.5 · 2^52 · u in fp64) rounds each slice to ``u · round(x / u)``, half to
+    even, ``u = 2^(e − bits)`` with ``2^(e−1) ≤ max|x| < 2^e`` (``e ≥ −125``): computed here with frexp and a division
+    by ``u``. Rows spread over 2^±60 (2^±6 in fp16), an all-zero row and a row below fp32's normal range."""
+    g = torch.Generator().manual_seed(seed)
+    span = 6 if dtype == torch.float16 else 60
+    x = torch.randn(M, n, generator=g) * 2.0 ** torch.randint(-span, span, (M, 1), generator=g).float()
+    x[0] = 0.0
+    if dtype != torch.float16 and M > 1:
+        x[1] = torch.randn(n, generator=g) * 2.0**-130  # subnormal fp32: the 2^-126 floor of the grid
+    x = x.to(dtype)
+    xd = x.double()
+    e = torch.frexp(xd.abs().amax(dim, keepdim=True)).exponent.clamp(min=-125)
+    u = torch.ldexp(torch.ones(e.shape, dtype=torch.float64), e - bits)  # 2^(e - bits), exact
+    assert torch.equal(bi.to_grid(x, dim, bits), torch.round(xd / u) * u)
+
+
+def test_kept_weight_grids_follow_the_weight_version():
+    """A kept weight's grid is made once per version of the weight (an AdamW step, an in-place write, a ``copy_`` as
+    the fp32 masters' rounding into bf16 weights does) and dropped when the last scope ends; the products in the
+    forward scope read it."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(24, 16)
+    x = torch.randn(5, 24, generator=g)
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+
+    def step():
+        lin(x).sum().backward()
+        opt.step()
+
+    @torch.no_grad()
+    def scale():
+        lin.weight.mul_(3.0)
+
+    @torch.no_grad()
+    def copy():
+        lin.weight.copy_(torch.randn(16, 24, generator=g))
+
+    with bi.invariant_ops(), bi.keep_weight_grids(list(lin.parameters())), bi.keep_weight_grids([lin.weight]):
+        first = bi.kept_grid(lin.weight.t())
+        assert first is bi.kept_grid(lin.weight.t())  # made once
+        assert torch.equal(first, bi.to_grid(lin.weight.detach().t(), -2, bi.product_bits(24)))
+        for update in (step, scale, copy):
+            update()
+            with bi.invariant_forward():
+                out = lin(x)
+            assert torch.equal(out, bi.linear(x, lin.weight.detach(), lin.bias.detach()))
+    assert bi.kept_grid(lin.weight.t()) is None
+
+
+def test_products_of_one_input_share_its_grid_until_it_changes():
+    """The q/k/v (and gate/up) products of one input reuse its grid; an in-place write to the input (a new version)
+    or another input of the same address makes a new one: the products are always those of the current values."""
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(7, 12, generator=g), torch.randn(9, 12, generator=g)
+    x = torch.randn(4, 12, generator=g)
+    with bi.invariant_ops(), bi.invariant_forward():
+        assert torch.equal(F.linear(x, w1), bi.linear(x, w1)) and torch.equal(F.linear(x, w2), bi.linear(x, w2))
+        x.mul_(3.0)
+        assert torch.equal(F.linear(x, w2), bi.linear(x, w2))
+        x.view(-1)[:] = torch.randn(48, generator=g)
+        assert torch.equal(F.linear(x, w1), bi.linear(x, w1))
+
+
 @settings(max_examples=12)
 @given(M=st.integers(1, 70), K=st.integers(1, 300), N=st.integers(1, 90), bias=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 1000))
@@ -197,8 +265,10 @@ def test_blocks_sum_in_one_order(B, blocks, first, G, D, seed):
     over 2^48 so that the order matters."""
     g = torch.Generator().manual_seed(seed)
     BB = ba.BIG_BLOCK
-    M = blocks * BB - int(torch.randint(0, BB, (1,), generator=g))  # the last big block of queries partial
-    L = -(-(first * BB + M) // ba.KEY_BLOCK) * ba.KEY_BLOCK  # keys padded to whole small blocks, as attention's
+    M = blocks * BB  # whole big blocks of queries; a short call (first 0, one block): whole small blocks
+    if first == 0 and blocks == 1:
+        M = ba.KEY_BLOCK * int(torch.randint(1, BB // ba.KEY_BLOCK + 1, (1,), generator=g))
+    L = first * BB + M
     qpos = torch.arange(first * BB, first * BB + M).expand(B, M)
     pi = (torch.rand(B, 2, G * M, L, generator=g) * 2**24).round().double()
     pi = pi.masked_fill(torch.arange(L) > qpos.repeat(1, G).view(B, 1, G * M, 1), 0.0)
