@@ -375,6 +375,9 @@ class Run:
         if running < S_b:
             state.done[running:S_b] = True  # padding rows: write to the scratch page, never recorded
             state.pos[running:S_b] = 0
+            # and feed token 0, whatever row left them: an MoE step's expert products take every row, so a stale
+            # token there (which differs between a session and its restored copy) changes the live rows' rounding
+            state.tok[running:S_b] = 0
         n_pages = max(len(seq.pages) for seq in sched.rows)
         self.runner.load_rows(sched.rows, n_pages)
         return S_b, n_pages
