@@ -21,20 +21,23 @@ of fp32 GEMM's own error (tests: against an fp64 reference with that bound).
 
 The other reductions are made exact the same way: a row's mean of squares (RMSNorm) sums its terms on a grid of
 ``53 − ⌈log₂ n⌉`` bits below its largest (:func:`last_dim_mean`); the LM head's ``Σ exp`` sums per vocabulary
-tile on a fixed grid (:func:`vocab_tile_stats`), and the tiles combine in one fixed order. The elementwise ops
+tile on a fixed grid (:func:`vocab_tile_stats`), and the tiles combine in one fixed order; an MoE router's
+softmax divides by such an exact sum (:func:`softmax`). The elementwise ops
 (``+ − × ÷``, ``round``, the conversions) are correctly rounded, the same in a SIMD lane and in scalar code; the
 transcendental ones the forward uses (fp32 ``exp``, ``cos``, ``sin``, ``rsqrt``; fp64 ``exp``, ``log``) are
 position-independent in this torch build on AVX-512, AVX2 and the default ISA (checked at start-up by
 :func:`self_check`), while torch's fp32 ``silu`` / ``sigmoid`` are not (their scalar tail differs from the vector
-body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` from the ops above.
+body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` from the ops above, :func:`sigmoid`
+``1 / (1 + exp(−x))``.
 
 **Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU kernels of ``aten::mm``,
-``addmm``, ``bmm``, ``silu`` and ``mean.dim`` (a ``torch.library`` registration, counted: the last exit removes
-it); inside :func:`invariant_forward` (the trainer's forward through the Hugging Face modules; the engine calls
-the ops directly) those kernels compute the invariant values, outside it they call PyTorch's own (``.out``
-overloads: the same kernels), so autograd's backward of the forward runs the fast products. Attention is
-``fastgrpo.kernels.batch_invariant_attention``; the LM head and log-probs are :func:`linear_logprobs` (trainer)
-and :func:`logsumexp_tiles` (engine).
+``addmm``, ``bmm``, ``silu``, ``sigmoid``, ``_softmax`` and ``mean.dim`` (a ``torch.library`` registration,
+counted: the last exit removes it); inside :func:`invariant_forward` (the trainer's forward through the Hugging Face
+modules; the engine calls the ops directly) those kernels compute the invariant values, outside it they call
+PyTorch's own (``.out`` overloads: the same kernels), so autograd's backward of the forward runs the fast products.
+Attention is ``fastgrpo.kernels.batch_invariant_attention``, an MoE block's router and experts
+``fastgrpo.kernels.batch_invariant_moe``; the LM head and log-probs are :func:`linear_logprobs` (trainer) and
+:func:`logsumexp_tiles` (engine).
 
 Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids: seven elementwise passes over an
 activation (:func:`to_grid`; the q, k and v projections share their input's, as the gate and up do), none over a
@@ -126,11 +129,31 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return torch.div(xf, denominator, out=denominator).to(x.dtype)  # in place: elementwise, no other reader
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(−x))`` in fp32 (cast back to ``x``'s dtype), for the reason :func:`silu` is: torch's fp32
+    sigmoid kernel gives an element a value that depends on where it sits (a Qwen2-MoE shared expert's gate)."""
+    denominator = torch.neg(x.float()).exp_().add_(1.0)
+    return denominator.reciprocal_().to(x.dtype)
+
+
+def exact_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dim (keepdim, fp64): the row's terms on a grid of ``53 − ⌈log₂ n⌉`` bits below its
+    largest, so the fp64 sum is exact in any order."""
+    return to_grid(x, -1, FP64_BITS - math.ceil(math.log2(max(x.shape[-1], 1)))).sum(-1, keepdim=True)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """The softmax over the last dim in fp32: ``e = exp(x − max x)`` (position-independent ops) divided by its
+    :func:`exact_sum` rounded to fp32 (an MoE router's probabilities, ``fastgrpo.kernels.batch_invariant_moe``)."""
+    x32 = x.float()
+    e = torch.exp(x32 - x32.amax(-1, keepdim=True))
+    return e.div_(exact_sum(e).float())
+
+
 def last_dim_mean(x: torch.Tensor) -> torch.Tensor:
     """The mean over the last dim (keepdim), exact sum: each row's terms on a grid of ``53 − ⌈log₂ n⌉`` bits
     below its largest, summed in fp64 (exact in any order), divided by ``n`` and cast to ``x``'s dtype."""
-    n = x.shape[-1]
-    return (to_grid(x, -1, FP64_BITS - math.ceil(math.log2(max(n, 1)))).sum(-1, keepdim=True) / n).to(x.dtype)
+    return (exact_sum(x) / x.shape[-1]).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -339,6 +362,22 @@ def _silu(x):
     return torch.ops.aten.silu.out(x, out=torch.empty_like(x))
 
 
+def _sigmoid(x):
+    if _computes(x):
+        return sigmoid(x)
+    return torch.ops.aten.sigmoid.out(x, out=torch.empty_like(x))
+
+
+def _softmax(x, dim, half_to_float):
+    out_dtype = torch.float32 if half_to_float else x.dtype
+    if _computes(x):
+        if dim % x.dim() != x.dim() - 1:
+            raise NotImplementedError(f"numerics.batch_invariant: aten::_softmax over dim {dim} is not "
+                                      "batch-invariant; only the last dim is (an MoE router)")
+        return softmax(x).to(out_dtype)
+    return torch.ops.aten._softmax.out(x, dim, half_to_float, out=x.new_empty(x.shape, dtype=out_dtype))
+
+
 def _mean_dim(x, dim, keepdim=False, *, dtype=None):
     if _computes(x):
         dims = [d % x.dim() for d in (dim if dim is not None else range(x.dim()))]
@@ -351,15 +390,16 @@ def _mean_dim(x, dim, keepdim=False, *, dtype=None):
     return torch.ops.aten.mean.out(x, dim, keepdim, dtype=dtype, out=x.new_empty(0, dtype=out_dtype))
 
 
-OVERRIDES = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "silu": _silu, "mean.dim": _mean_dim}
+OVERRIDES = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "silu": _silu, "sigmoid": _sigmoid, "_softmax": _softmax,
+             "mean.dim": _mean_dim}
 
 
 @contextlib.contextmanager
 def invariant_ops():
-    """Register the invariant kernels in place of PyTorch's CPU ``aten::mm``, ``addmm``, ``bmm``, ``silu`` and
-    ``mean.dim`` (counted: nested and repeated scopes share one registration; the last exit removes it). On the
-    first registration of the process the host is checked (:func:`self_check`). Outside :func:`invariant_forward`
-    they call PyTorch's kernels (about 7 µs more a call)."""
+    """Register the invariant kernels in place of PyTorch's CPU ``aten::mm``, ``addmm``, ``bmm``, ``silu``,
+    ``sigmoid``, ``_softmax`` and ``mean.dim`` (counted: nested and repeated scopes share one registration; the
+    last exit removes it). On the first registration of the process the host is checked (:func:`self_check`).
+    Outside :func:`invariant_forward` they call PyTorch's kernels (about 7 µs more a call)."""
     if _registry["refs"] == 0:
         host_checked()
         lib = torch.library.Library("aten", "IMPL")

@@ -21,7 +21,7 @@ import torch
 from fastgrpo.kernels.batch_invariant import invariant_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_generation import random_prompts, tiny_model
+from test_generation import MOE_ARCH, random_prompts, tiny_model
 from test_generation_fidelity import cases, engine_for, run_turns, turn_cases
 from test_lora import random_lora
 from turn_script import CharTokenizer
@@ -31,6 +31,7 @@ from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
 from fastgrpo.distributed import ForwardWrapper
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.models.attention import enable_packed_attention
+from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MoERouting, enable_moe, moe_blocks
 
 peft = pytest.importorskip("peft")
 
@@ -38,10 +39,14 @@ peft = pytest.importorskip("peft")
 def trainer_mismatches(model, prompts, outs, temperature, budget, threads) -> tuple[int, int]:
     """(tokens whose engine log-prob differs from the trainer's, sampled tokens): every trajectory of ``outs``
     packed into micro-batches of at most ``budget`` tokens, scored by ``packed_logprobs`` with the invariant ops on
-    ``threads`` threads."""
+    ``threads`` threads. An MoE model (the engine recorded its routing) runs the trainer's experts and routing hooks
+    (``enable_moe``), and each micro-batch is checked further (:func:`check_moe_routing`)."""
     enable_packed_attention(model)
-    samples = [Sample(p, list(c.token_ids), list(c.logprobs), 0.0, True, loss_mask=list(c.loss_mask))
-               for p, comps in zip(prompts, outs) for c in comps]
+    moe = bool(moe_blocks(model))
+    if moe and model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
+        enable_moe(model)
+    samples = [Sample(p, list(c.token_ids), list(c.logprobs), 0.0, True, loss_mask=list(c.loss_mask),
+                      routing=c.routing) for p, comps in zip(prompts, outs) for c in comps]
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     differ = total = 0
     saved = torch.get_num_threads()
@@ -49,13 +54,36 @@ def trainer_mismatches(model, prompts, outs, temperature, budget, threads) -> tu
     try:
         with invariant_ops():
             for mb in pack_microbatches(samples, max(budget, longest), torch.device("cpu")):
-                logp = packed_logprobs(ForwardWrapper(model, packed_forward), mb, temperature)
+                forward = ForwardWrapper(model, packed_forward)
+                logp = (check_moe_routing(model, forward, mb, temperature) if moe else
+                        packed_logprobs(forward, mb, temperature))
                 sampled = mb.mask != 0
                 differ += int((logp[sampled] != mb.sample_logprobs[sampled]).sum())
                 total += int(sampled.sum())
     finally:
         torch.set_num_threads(saved)
     return differ, total
+
+
+def check_moe_routing(model, forward, mb, temperature):
+    """An MoE micro-batch: the trainer's own routing (each MoE layer's router output, after fastgrpo's hook) equals
+    the engine's record ``mb.routing`` at every recorded token (all but each sequence's last), ids in the same order;
+    replaying the record (router replay) gives the same log-prob bits at every target. Returns the log-probs."""
+    routes = []
+    hooks = [block.gate.register_forward_hook(lambda m, a, out: routes.append(out[2])) for _, block in
+             moe_blocks(model)]
+    try:
+        logp = packed_logprobs(forward, mb, temperature)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    trainer_NLK = torch.stack(routes, 1)
+    recorded_N = mb.routing[:, 0, 0] < model.config.num_experts
+    assert recorded_N.sum() == recorded_N.numel() - (mb.batch.cu_seqlens.numel() - 1)  # all but the last tokens
+    assert torch.equal(trainer_NLK[recorded_N], mb.routing[recorded_N].long()), "the record is not the trainer's"
+    replayed = packed_logprobs(forward, mb, temperature, MoERouting(mb.routing))
+    assert torch.equal(replayed, logp), "replaying the engine's routing changed the trainer's log-probs"
+    return logp
 
 
 @contextlib.contextmanager
@@ -85,16 +113,18 @@ def bitwise_cases(draw, base, max_threads=1):
             draw(st.integers(1, max_threads)), draw(st.sampled_from([16, 64, 4096])))
 
 
-def check_bitwise(case, dtype, engine_threads, trainer_threads, budget, adapt=None):
+def check_bitwise(case, dtype, engine_threads, trainer_threads, budget, adapt=None, changes=None):
+    """``changes``: the tiny model's config fields to change (``tiny_model``)."""
     arch, seed, lengths, params, schedules = case
-    model = tiny_model(arch, seed=seed % 5).to(dtype)
+    model = tiny_model(arch, seed=seed % 5, **(changes or {})).to(dtype)
     model = model if adapt is None else adapt(model, seed)
     prompts = random_prompts(lengths, seed=seed)
+    record = arch in MOE_ARCH  # an MoE model's engine records its routing (router replay)
     saved = torch.get_num_threads()
     torch.set_num_threads(engine_threads)
     try:
-        runs = [engine_for(model, params, prompts, **s, batch_invariant=True).generate(prompts, params)
-                for s in schedules]
+        runs = [engine_for(model, params, prompts, **s, batch_invariant=True, record_routing=record).generate(
+            prompts, params) for s in schedules]
     finally:
         torch.set_num_threads(saved)
     differ, total = trainer_mismatches(model, prompts, runs[0], params.temperature or 1.0, budget, trainer_threads)
@@ -113,6 +143,32 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(case):
 @given(bitwise_cases(cases(max_prompts=6, max_samples=64), max_threads=2))
 def test_engine_logprobs_equal_the_trainers_sweep(case):
     check_bitwise(*case)
+
+
+def moe_cases(**kwargs):
+    """The harness's schedules (drawn for a dense architecture) on a random tiny Qwen3-MoE or Qwen2-MoE."""
+    return st.tuples(st.sampled_from(list(MOE_ARCH)), cases(**kwargs)).map(lambda ac: (ac[0], *ac[1][1:]))
+
+
+def router_changes():
+    """The router's top-k (2 to 4 of 8 experts: the sum over k has an order from 3 on) and renormalisation."""
+    return st.builds(lambda k, norm: dict(num_experts_per_tok=k, norm_topk_prob=norm), st.integers(2, 4),
+                     st.booleans())
+
+
+@settings(max_examples=6, deadline=None)
+@given(bitwise_cases(moe_cases()), router_changes())
+def test_moe_engine_logprobs_and_routing_equal_the_trainers(case, changes):
+    """Qwen3-MoE and Qwen2-MoE (shared expert): every sampled token's log-prob bit for bit, the engine's routing record
+    the trainer's own routing (in order), and router replay changing no bit (:func:`check_moe_routing`)."""
+    check_bitwise(*case, changes=changes)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(bitwise_cases(moe_cases(max_prompts=6, max_samples=64), max_threads=2), router_changes())
+def test_moe_engine_logprobs_and_routing_equal_the_trainers_sweep(case, changes):
+    check_bitwise(*case, changes=changes)
 
 
 def lora(model, seed):

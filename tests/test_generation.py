@@ -67,7 +67,8 @@ MOE_FIELDS = {
 }
 
 
-def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+def tiny_model(arch: str, seed: int = 0, **changes) -> torch.nn.Module:
+    """A random tiny model of ``arch``; ``changes``: config fields in place of the defaults here (an MoE's top-k)."""
     config_cls, model_cls = {**ARCHS, **MOE_ARCH}[arch]
     fields = dict(
         vocab_size=VOCAB,
@@ -81,7 +82,7 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
         initializer_range=0.3,
         attention_bias=arch == "llama",  # exercise the optional biases where the architecture allows them
     )
-    config = config_cls(**{**fields, **MOE_FIELDS.get(arch, {})})
+    config = config_cls(**{**fields, **MOE_FIELDS.get(arch, {}), **changes})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if arch in MOE_ARCH:

@@ -1,6 +1,7 @@
 """The engine's forward in ``numerics.batch_invariant`` mode (``GenerationEngine(batch_invariant=True)``): the
-decoder of a dense Llama / Qwen2 / Qwen3 computed here, op for op as its Hugging Face modules compute it on the
-batch-invariant ops (``fastgrpo.kernels.batch_invariant``), with K/V through the engine's cache.
+decoder of a dense Llama / Qwen2 / Qwen3 or a Qwen3-MoE / Qwen2-MoE computed here, op for op as its Hugging Face
+modules compute it on the batch-invariant ops (``fastgrpo.kernels.batch_invariant``), with K/V through the engine's
+cache.
 
 Every forward of a call (a packed prefill, a prefill onto cached K/V, a decode step on pages or on the CPU row
 cache) runs the decoder on a row of ``N`` tokens at their positions. The trainer's packed forward runs the Hugging
@@ -17,7 +18,9 @@ for bit, under every schedule (tests/test_bitwise.py).
 The modules' order, as transformers 5 writes it: ``x = embed(tokens)``; ``cos, sin = rotary_emb(x, positions)``;
 per layer ``h = norm₁(x)``; ``q, k, v = h Wᵀ + b`` (views ``[N, heads, D]``; Qwen3: RMSNorm over ``D`` of q and k);
 ``q, k = q cos + rotate_half(q) sin, …``; ``x = x + o_proj(attention)``; ``x = x + down(silu(gate(norm₂(x))) ·
-up(norm₂(x)))``; the final norm; the LM head in fp32. RMSNorm: ``w · (x₃₂ · rsqrt(mean(x₃₂²) + eps)).to(dtype)``. A
+up(norm₂(x)))`` (an MoE layer: ``x = x + block(norm₂(x))``, :meth:`BatchInvariantForward.moe_block`, the router
+and the experts ``fastgrpo.kernels.batch_invariant_moe``'s functions, which the trainer's router hook and experts
+interface call too); the final norm; the LM head in fp32. RMSNorm: ``w · (x₃₂ · rsqrt(mean(x₃₂²) + eps)).to(dtype)``. A
 LoRA projection is PEFT's ``y + B(A(x)) · s``, cast back to the base's dtype (``fastgrpo.models.lora.lora_terms``).
 
 The LM head is :func:`fastgrpo.kernels.batch_invariant.linear` in fp32; the sampler's log-prob of the drawn token is
@@ -34,7 +37,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.engine.moe import EngineMoE
 from fastgrpo.engine.ops import rope
+from fastgrpo.kernels import batch_invariant_moe
 from fastgrpo.kernels.batch_invariant import (
     input_grid,
     invariant_forward,
@@ -42,6 +47,7 @@ from fastgrpo.kernels.batch_invariant import (
     keep_weight_grids,
     last_dim_mean,
     linear,
+    sigmoid,
     silu,
     weight_grid,
 )
@@ -110,8 +116,9 @@ class BatchInvariantForward:
     """The engine's forward pieces in the batch-invariant mode (``ModelForward`` dispatches to it). Hidden states
     it returns are after the model's final norm (the decoder's output), so :meth:`logits` is the LM head alone."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, moe: EngineMoE | None = None):
         self.model = model
+        self.moe = moe  # an MoE model's blocks and the routing record's buffer
         self.decoder = model.model
         self.layers = list(self.decoder.layers)
         attn = self.layers[0].self_attn
@@ -155,9 +162,30 @@ class BatchInvariantForward:
         o_NQ = context.attend(li, q, k, v, self.scale).reshape(N, -1)  # [N, Hq · D]
         x_NH = x_NH + self.proj(o_NQ, None, attn.o_proj)
         h_NH = rms_norm(layer.post_attention_layernorm, x_NH)
+        if self.moe is not None and self.moe.owns(mlp):
+            return x_NH + self.moe_block(mlp, h_NH)
         h_grid = input_grid(h_NH)
         act = silu(self.proj(h_NH, h_grid, mlp.gate_proj)) * self.proj(h_NH, h_grid, mlp.up_proj)
         return x_NH + self.proj(act, None, mlp.down_proj)
+
+    def moe_block(self, mlp, h_NH: torch.Tensor) -> torch.Tensor:
+        """A sparse MoE block on ``h [N, H]`` as the trainer's forward runs it (``fastgrpo.models.moe``'s router hook
+        and experts interface): the router's logits by the exact product, its weights and ids by
+        ``batch_invariant_moe.route`` (recorded for router replay when the call records), the routed experts by
+        ``batch_invariant_moe.experts``; a Qwen2-MoE's shared expert as its modules compute it,
+        ``σ(h w_sᵀ) · down(silu(gate(h)) · up(h))`` added to the experts' output."""
+        h_grid = input_grid(h_NH)
+        gate = mlp.gate
+        logits_NE = linear(h_NH, gate.weight, grid=weight_grid(gate.weight), x_grid=h_grid)
+        w_NK, ids_NK = batch_invariant_moe.route(logits_NE, gate.top_k, gate.norm_topk_prob)
+        self.moe.record(mlp, ids_NK)
+        out_NH = batch_invariant_moe.experts(h_NH, mlp.experts.gate_up_proj, mlp.experts.down_proj, ids_NK, w_NK)
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is None:
+            return out_NH
+        act = silu(self.proj(h_NH, h_grid, shared.gate_proj)) * self.proj(h_NH, h_grid, shared.up_proj)
+        gate_N1 = sigmoid(self.proj(h_NH, h_grid, mlp.shared_expert_gate))
+        return out_NH + gate_N1 * self.proj(act, None, shared.down_proj)
 
     def hidden(self, tokens_N: torch.Tensor, pos_N: torch.Tensor, context) -> torch.Tensor:
         """The decoder on one row of tokens at positions ``pos`` (the trainer's packed forward's values), attention

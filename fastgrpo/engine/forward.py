@@ -57,7 +57,7 @@ class ModelForward:
         self._compile = compile
         self._compiled_ops: Ops | None = None
         self._lora: dict = {}  # projection module -> its live LoRA adapters ((A, B, s), ...), read once per call
-        self.invariant = BatchInvariantForward(model) if batch_invariant else None
+        self.invariant = BatchInvariantForward(model, self.moe) if batch_invariant else None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K/V one token takes in the page pool: ``2 · layers · Hkv · D · element size``."""

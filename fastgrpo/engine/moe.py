@@ -74,8 +74,7 @@ class EngineMoE:
         dt = h_MH.dtype
         experts = mlp.experts
         _, w_MK, ids_MK = moe_router(h_MH, mlp.gate.weight.to(dt), self.top_k, norm_topk_prob=self.norm_topk_prob)
-        if self.out is not None:
-            self.out[:, self.index[mlp]] = ids_MK
+        self.record(mlp, ids_MK)
         out_MH = moe_experts(h_MH, experts.gate_up_proj.to(dt), experts.down_proj.to(dt), ids_MK, w_MK,
                              check_ids=False, kernel=h_MH.is_cuda)
         shared = getattr(mlp, "shared_expert", None)
@@ -83,6 +82,11 @@ class EngineMoE:
             return out_MH
         act_MI = ops.silu_mul(proj(h_MH, shared.gate_proj), proj(h_MH, shared.up_proj))  # [M, I_s]
         return out_MH + torch.sigmoid(proj(h_MH, mlp.shared_expert_gate)) * proj(act_MI, shared.down_proj)
+
+    def record(self, mlp: torch.nn.Module, ids_MK: torch.Tensor) -> None:
+        """The block's expert ids ``[M, K]`` to ``out[:, its MoE layer]`` when the step records (else nothing)."""
+        if self.out is not None:
+            self.out[:, self.index[mlp]] = ids_MK
 
     def buffer(self, M: int, device: torch.device) -> torch.Tensor:
         """A fresh ``[M, L_moe, K]`` record buffer."""

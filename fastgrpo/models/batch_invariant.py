@@ -12,12 +12,15 @@ What breaks invariance, refused at start-up (:func:`check_model`) with the reaso
   schedule and no split-K (or the exact-product scheme here on the tensor cores: an fp64-exact GEMM is not
   available there), one attention kernel for prefill, decode and varlen reading key blocks in this fixed order,
   and the LM head's fixed vocabulary tiles in ``fused_linear_logprobs``' Triton kernel;
-- an architecture other than dense Llama / Qwen2 / Qwen3 (MoE: the grouped GEMM and the router are a follow-up),
-  an activation other than SiLU, sliding-window layers, attention dropout, a rope whose frequencies depend on the
+- an architecture other than dense Llama / Qwen2 / Qwen3 and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (their
+  router and experts: ``fastgrpo.kernels.batch_invariant_moe``, the same functions on both sides), an activation
+  other than SiLU, sliding-window layers, attention dropout, a rope whose frequencies depend on the
   sequence length (dynamic, longrope: the engine's growing sequence and the trainer's full one would differ);
 - another attention implementation than ``fastgrpo_varlen`` (an SDPA or flash kernel we do not own picks its
-  reduction order by shape), a ``torch.compile``d model (inductor fuses and reorders the reductions), fp64
-  weights (fp64 products are not exact on the grids);
+  reduction order by shape), an MoE model's experts on another implementation than ``fastgrpo_grouped`` (transformers'
+  eager loop adds the experts' outputs into the tokens' rows in expert order, its ``grouped_mm`` by shape), a
+  ``torch.compile``d model (inductor fuses and reorders the reductions), fp64 weights (fp64 products are not exact
+  on the grids);
 - LoRA dropout (the trainer's forward would not be the sampler's): refused by the config (``model.lora.dropout``).
 """
 
@@ -29,8 +32,9 @@ import torch
 
 from fastgrpo.kernels.batch_invariant import invariant_ops, keep_weight_grids
 from fastgrpo.kernels.batch_invariant_attention import varlen_attention
+from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MOE_MODEL_TYPES, is_moe
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 CUDA_REFUSAL = ("numerics.batch_invariant runs on CPU only: on CUDA it needs a persistent Triton matmul with a fixed "
                 "tile schedule (no split-K), one attention kernel for prefill, decode and the packed forward with a "
                 "fixed key-block order, and the LM head's fixed vocabulary tiles in the log-prob kernel (not built)")
@@ -48,8 +52,8 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
         raise ValueError("numerics.batch_invariant: fp64 weights are not supported (model.dtype float32 or bfloat16)")
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"numerics.batch_invariant: architecture {config.model_type!r} is not supported (dense "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}; MoE is a follow-up)")
+        raise ValueError(f"numerics.batch_invariant: architecture {config.model_type!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
     if getattr(config, "hidden_act", None) != "silu":
         raise ValueError(f"numerics.batch_invariant: activation {config.hidden_act!r} is not supported (silu)")
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in
@@ -64,6 +68,10 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
     if attn_implementation is not None and config._attn_implementation != attn_implementation:
         raise ValueError(f"numerics.batch_invariant: the model's attention is {config._attn_implementation!r}, not "
                          f"{attn_implementation!r} (whose batch-invariant path the mode runs)")
+    experts = getattr(config, "_experts_implementation", None)
+    if attn_implementation is not None and is_moe(config) and experts != EXPERTS_IMPLEMENTATION:
+        raise ValueError(f"numerics.batch_invariant: the model's experts are {experts!r}, not "
+                         f"{EXPERTS_IMPLEMENTATION!r} (whose batch-invariant path the mode runs)")
 
 
 @contextlib.contextmanager

@@ -53,6 +53,8 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fastgrpo.config import ModelConfig
+from fastgrpo.kernels import batch_invariant_moe
+from fastgrpo.kernels.batch_invariant import active
 from fastgrpo.kernels.moe import load_balancing_loss, moe_experts
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -67,7 +69,11 @@ _ARMED = "_fastgrpo_routing"  # the router's attribute: (routing, MoE layer inde
 def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     """transformers' experts-interface function: ``Qwen3MoeExperts.forward`` on ``moe_experts`` (``[T, H]`` in and
     out; the ids come from the block's router, so they are not checked by a host read). The Triton kernels on CUDA,
-    the per-expert torch path on CPU (under ``TRITON_INTERPRET=1`` too: the interpreter is for the kernels' tests)."""
+    the per-expert torch path on CPU (under ``TRITON_INTERPRET=1`` too: the interpreter is for the kernels' tests).
+    In a ``numerics.batch_invariant`` forward: ``fastgrpo.kernels.batch_invariant_moe.experts``, the engine's."""
+    if active():
+        return batch_invariant_moe.experts(hidden_states, experts.gate_up_proj, experts.down_proj, top_k_index,
+                                           top_k_weights)
     return moe_experts(hidden_states, experts.gate_up_proj, experts.down_proj, top_k_index, top_k_weights,
                        check_ids=False, kernel=hidden_states.is_cuda)
 
@@ -166,10 +172,15 @@ def _arm_router(router, index, attn, args, kwargs):
 
 
 def _route(router, args, output):
-    """Router forward hook: the armed routing's ids and weights in place of the router's (:meth:`MoERouting.route`)."""
+    """Router forward hook: in a ``numerics.batch_invariant`` forward the weights and ids of the router's logits by
+    ``fastgrpo.kernels.batch_invariant_moe.route`` (the engine's), then the armed routing's ids and weights in place of
+    those (:meth:`MoERouting.route`)."""
+    if active():
+        logits_NE = output[0]
+        output = (logits_NE, *batch_invariant_moe.route(logits_NE, router.top_k, router.norm_topk_prob))
     armed = getattr(router, _ARMED, None)
     if armed is None:
-        return None
+        return output
     setattr(router, _ARMED, None)
     routing, index = armed
     return routing.route(index, router, *output)
@@ -208,6 +219,9 @@ class MoERouting:
             differ_N = (ids_NK.sort(-1).values != ids_NK_replay.sort(-1).values).any(-1) & recorded_N
             self.differ = differ_N.sum() + (0 if self.differ is None else self.differ)
             self.compared = recorded_N.sum() + (0 if self.compared is None else self.compared)
+        if active():  # numerics.batch_invariant: the weights the engine gave these ids
+            w_NK, _ = batch_invariant_moe.route(logits_NE, router.top_k, router.norm_topk_prob, ids_NK_replay)
+            return logits_NE, w_NK, ids_NK_replay
         probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
         w_NK = probs_NE.gather(1, ids_NK_replay)
         if router.norm_topk_prob:
