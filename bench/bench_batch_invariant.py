@@ -7,7 +7,8 @@ Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``:
   full update whatever the rewards: two trainers built alike, one per mode, their steps interleaved (off, on, off,
   ...), the first step of each left out, medians of ``time/step``, ``time/generation``, ``time/update``. Twice: the
   recipe's one optimizer step per rollout, and ``train.sequences_per_optimizer_step=64`` (4 optimizer steps per
-  rollout), where the mode off runs the old-log-prob forward the mode on saves.
+  rollout), where the mode off runs the old-log-prob forward the mode on saves. Then the ``moe-tiny`` recipe (its
+  Qwen3-MoE: 8 experts of width 64, top-2, router replay, the gap without replay measured) with one optimizer step.
 - **Generation** tokens/s of ``GenerationEngine.generate`` with ``batch_invariant`` off / on, alternating, medians:
   the tiny recipe's model and shape, and bench_generation's ~10M-parameter Qwen2 (8 prompts × 4, 128 new tokens).
 - **Micro rows**, each side by side in one run (medians): a projection (``F.linear`` vs the exact product, decode and
@@ -46,15 +47,15 @@ STEP_OVERRIDES = ["sft.warmup_steps=0", "grpo.mask_zero_std_groups=false", "eval
                   "logging.progress_bar=false", "logging.completions_to_print=0"]
 
 
-def grpo_steps(steps: int, extra: list[str], out_dir: str) -> dict:
-    """Medians of the step's times per mode (module docstring), steps interleaved; the mode-on trainer's switch
-    (its invariant ops, its kept weight grids) is on only around its own steps (so the mode-off steps run PyTorch's
-    kernels untouched)."""
+def grpo_steps(steps: int, extra: list[str], out_dir: str, recipe: str | None = None) -> dict:
+    """Medians of the step's times per mode (module docstring) of ``recipe`` (None: tiny), steps interleaved; the
+    mode-on trainer's switch (its invariant ops, its kept weight grids) is on only around its own steps (so the
+    mode-off steps run PyTorch's kernels untouched)."""
     from fastgrpo.trainer import Trainer
 
     trainers = {}
     for mode in (False, True):
-        cfg = load_config(overrides=[*STEP_OVERRIDES, *extra, f"numerics.batch_invariant={str(mode).lower()}",
+        cfg = load_config(recipe, overrides=[*STEP_OVERRIDES, *extra, f"numerics.batch_invariant={str(mode).lower()}",
                                      f"logging.output_dir={out_dir}/{mode}"])
         trainers[mode] = Trainer(cfg)
     trainers[True].numerics.close()  # registered again around each of its steps below
@@ -141,13 +142,15 @@ def main() -> None:
         rows.append(dict(part="generation", what=name, shape=f"{len(prompts)}x{params.n}, {params.max_new_tokens} new",
                          off_tokens_per_s=rate[False], on_tokens_per_s=rate[True], ratio=rate[False] / rate[True]))
     small = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4"] if args.smoke else []
-    for label, extra in (("1 optimizer step per rollout", []), ("4 optimizer steps per rollout", [
-            f"train.sequences_per_optimizer_step={4 if args.smoke else 64}"])):
-        t = grpo_steps(1 if args.smoke else args.steps, extra + small, "/tmp/bench_batch_invariant")
+    four_steps = [f"train.sequences_per_optimizer_step={4 if args.smoke else 64}"]
+    for recipe, label, extra in (("tiny", "1 optimizer step per rollout", []),
+                                 ("tiny", "4 optimizer steps per rollout", four_steps),
+                                 ("moe-tiny", "1 optimizer step per rollout", [])):
+        t = grpo_steps(1 if args.smoke else args.steps, extra + small, "/tmp/bench_batch_invariant", recipe)
         for part in ("time/step", "time/generation", "time/update"):
-            rows.append(dict(part="grpo step (tiny)", what=f"{part} ({label})", off_s=t[False][part],
+            rows.append(dict(part=f"grpo step ({recipe})", what=f"{part} ({label})", off_s=t[False][part],
                              on_s=t[True][part], ratio=t[True][part] / t[False][part]))
-        rows.append(dict(part="grpo step (tiny)", what=f"sampling_logp_difference/max ({label})",
+        rows.append(dict(part=f"grpo step ({recipe})", what=f"sampling_logp_difference/max ({label})",
                          off=t[False]["diff_max"], on=t[True]["diff_max"]))
     print_table(rows, "numerics.batch_invariant on vs off (CPU, 1 thread)")
     if not args.smoke:

@@ -264,14 +264,14 @@ GRPO_SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4", "rollout.
               "data.shuffle=false"]
 
 
-def grpo_update(tmp_path, mode: bool, *overrides):
-    """One GRPO rollout of the tiny recipe (the mode on or off), the same fixed advantages (±1 by completion: the
-    untrained policy's rewards are all 0), then the policy update; returns (samples, metrics, old-log-prob forwards,
-    the parameters after)."""
+def grpo_update(tmp_path, mode: bool, *overrides, recipe=None):
+    """One GRPO rollout of the tiny recipe (or ``recipe``; the mode on or off), the same fixed advantages (±1 by
+    completion: the untrained policy's rewards are all 0), then the policy update; returns (samples, metrics,
+    old-log-prob forwards, the parameters after)."""
     from fastgrpo.config import load_config, stage_settings
     from fastgrpo.trainer import Trainer
 
-    cfg = load_config(overrides=[*GRPO_SMALL, f"numerics.batch_invariant={str(mode).lower()}",
+    cfg = load_config(recipe, overrides=[*GRPO_SMALL, f"numerics.batch_invariant={str(mode).lower()}",
                                  f"logging.output_dir={tmp_path / str(mode)}", *overrides])
     trainer = Trainer(cfg)
     try:
@@ -282,8 +282,8 @@ def grpo_update(tmp_path, mode: bool, *overrides):
         update = trainer.algorithm.update
         forwards = []
         policy_logprobs = update._policy_logprobs
-        update._policy_logprobs = lambda plans, n_mbs, attr, t: (forwards.append(attr),
-                                                                policy_logprobs(plans, n_mbs, attr, t))
+        update._policy_logprobs = lambda plans, n_mbs, attr, t, **kw: (forwards.append(attr),
+                                                                      policy_logprobs(plans, n_mbs, attr, t, **kw))
         m = update.run(samples, beta=0.0, epsilon_high=settings["epsilon_high"],
                        max_new_tokens=settings["max_new_tokens"])
         params = [p.detach().clone() for p in trainer.model.parameters()]
@@ -312,6 +312,19 @@ def test_grpo_update_on_the_engine_logprobs(tmp_path, optimizer_steps):
     assert m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-3)
     lr = 3e-4  # the tiny recipe's: an Adam step moves a parameter by at most ~lr per optimizer step
     assert max((a - b).abs().max().item() for a, b in zip(params_on, params_off)) <= 2 * lr * optimizer_steps
+
+
+def test_moe_grpo_update_on_the_engine_logprobs(tmp_path):
+    """The moe-tiny recipe (Qwen3-MoE, router replay, the gap without replay measured) with the mode on, one optimizer
+    step per rollout: the gate ``sampling/sampling_logp_difference/max`` is exactly 0.0, the rollout IS weights
+    exactly 1, no replayed token's fresh top-k differs from the record (the weights are the sampler's: the update's
+    forwards all come before its step), and the policy's log-probs without replay are the engine's too (0.0)."""
+    _, m, _, _ = grpo_update(tmp_path, True, "train.sequences_per_optimizer_step=16", recipe="moe-tiny")
+    assert m["sampling/sampling_logp_difference/max"] == 0.0
+    assert m["sampling/importance_sampling_ratio/min"] == m["sampling/importance_sampling_ratio/max"] == 1.0
+    assert m["moe/replay_mismatch"] == 0.0
+    assert m["moe/no_replay_logp_difference/max"] == 0.0
+    assert m["optimizer_steps"] == 1
 
 
 def test_config_refusals():
