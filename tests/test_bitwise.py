@@ -254,6 +254,12 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="attention is 'sdpa'"):
         check_model(model, "fastgrpo_varlen")
+    moe = tiny_model("qwen3_moe")  # transformers' eager experts: the trainer's loader sets fastgrpo's
+    enable_packed_attention(moe)
+    with pytest.raises(ValueError, match="experts are 'eager'"):
+        check_model(moe, "fastgrpo_varlen")
+    enable_moe(moe)
+    check_model(moe, "fastgrpo_varlen")
 
 
 # ---------------------------------------------------------------- the GRPO step on the engine's log-probs
