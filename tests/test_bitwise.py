@@ -147,7 +147,12 @@ def test_engine_logprobs_equal_the_trainers_sweep(case):
 
 def moe_cases(**kwargs):
     """The harness's schedules (drawn for a dense architecture) on a random tiny Qwen3-MoE or Qwen2-MoE."""
-    return st.tuples(st.sampled_from(list(MOE_ARCH)), cases(**kwargs)).map(lambda ac: (ac[0], *ac[1][1:]))
+    return on_moe(cases(**kwargs))
+
+
+def on_moe(base):
+    """``base``'s cases (architecture first) on a random tiny Qwen3-MoE or Qwen2-MoE instead."""
+    return st.tuples(st.sampled_from(list(MOE_ARCH)), base).map(lambda ac: (ac[0], *ac[1][1:]))
 
 
 def router_changes():
@@ -190,7 +195,8 @@ def check_turns_bitwise(case, dtype, budget):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        runs = [run_turns(model, tokenizer, prompts, params, script, **s, batch_invariant=True)[0] for s in schedules]
+        runs = [run_turns(model, tokenizer, prompts, params, script, **s, batch_invariant=True,
+                          record_routing=arch in MOE_ARCH)[0] for s in schedules]
     finally:
         torch.set_num_threads(saved)
     differ, total = trainer_mismatches(model, prompts, runs[0], params.temperature or 1.0, budget, 1)
@@ -209,6 +215,14 @@ def test_multi_turn_logprobs_equal_the_trainers(case, dtype, budget):
 @given(turn_cases(max_prompts=5, max_samples=32), st.sampled_from([torch.float32, torch.bfloat16]),
        st.sampled_from([32, 4096]))
 def test_multi_turn_logprobs_equal_the_trainers_sweep(case, dtype, budget):
+    check_turns_bitwise(case, dtype, budget)
+
+
+@settings(max_examples=3, deadline=None)
+@given(on_moe(turn_cases()), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([32, 4096]))
+def test_moe_multi_turn_logprobs_and_routing_equal_the_trainers(case, dtype, budget):
+    """Multi-turn on Qwen3-MoE / Qwen2-MoE: observations appended, turns resumed: the log-probs, the record (every
+    turn's tokens, observations included) and replay as in the single-turn MoE test."""
     check_turns_bitwise(case, dtype, budget)
 
 
