@@ -32,6 +32,12 @@ transformers runs them as they are, the routed part on the grouped experts below
   gradient flows through ``p`` as the paper defines it (a shared expert runs as it does without replay). A token
   without a record (id E: the sequence's last token, which the engine never fed) is routed afresh. Counted per
   forward: token-layers compared and those whose fresh top-K set differs from the replayed one.
+- **numerics.batch_invariant.** In a forward on the invariant ops (``fastgrpo.kernels.batch_invariant.active``) the
+  router's hook replaces its weights and ids by ``fastgrpo.kernels.batch_invariant_moe.route`` of its logits (which
+  the overrides made exact), replay's weights are ``route``'s at the replayed ids, and the experts interface runs
+  ``batch_invariant_moe.experts``: the functions the engine's mode-on decoder calls, so the engine's routing record is
+  the trainer's own routing and replaying it changes no bit. A checkpointed layer's recompute (in the backward,
+  outside the forward scope) routes on PyTorch's kernels.
 - **Load-balancing loss.** transformers' ``load_balancing_loss_func`` over the kept logits of every MoE layer
   (``fastgrpo.kernels.moe.load_balancing_loss``): every token of a packed micro-batch is real (no padding), so no mask.
 - **Refused at start-up**, naming what: another mixture-of-experts architecture (Mixtral, gpt-oss, DeepSeek, ...:
