@@ -187,6 +187,18 @@ def test_lora_engine_logprobs_equal_the_trainers(case):
     check_bitwise(*case, adapt=lora)
 
 
+def attention_lora(model, seed):
+    """:func:`lora` on the attention projections only: an MoE model's ``gate_proj`` / ``up_proj`` / ``down_proj``
+    names make PEFT adapt its fused experts, which fastgrpo refuses."""
+    return random_lora(model, seed, dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@settings(max_examples=2, deadline=None)
+@given(bitwise_cases(moe_cases(max_prompts=3, max_samples=12)))
+def test_moe_lora_engine_logprobs_and_routing_equal_the_trainers(case):
+    check_bitwise(*case, adapt=attention_lora)
+
+
 def check_turns_bitwise(case, dtype, budget):
     arch, seed, lengths, params, script, schedules = case
     model = tiny_model(arch, seed=seed % 5).to(dtype)

@@ -22,14 +22,15 @@ peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def random_lora(model, seed, *, dropout=0.1):
+def random_lora(model, seed, *, dropout=0.1, targets=TARGETS):
     """A PeftModel with random non-zero A and B (PEFT's init_lora_weights=False: both Kaiming-uniform) of a random
-    rank, alpha, rsLoRA choice and target subset; dropout > 0, which generation and eval forwards must not apply."""
+    rank, alpha, rsLoRA choice and subset of ``targets``; dropout > 0, which generation and eval forwards must not
+    apply."""
     g = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(len(TARGETS), generator=g)[: 1 + seed % len(TARGETS)].tolist()
+    pick = torch.randperm(len(targets), generator=g)[: 1 + seed % len(targets)].tolist()
     r = (1, 4, 8)[seed % 3]
     cfg = peft.LoraConfig(r=r, lora_alpha=float(1 + seed % 16), lora_dropout=dropout, use_rslora=bool(seed % 2),
-                          target_modules=[TARGETS[i] for i in sorted(pick)], init_lora_weights=False)
+                          target_modules=[targets[i] for i in sorted(pick)], init_lora_weights=False)
     torch.manual_seed(seed)
     return peft.get_peft_model(model, cfg).eval()
 
