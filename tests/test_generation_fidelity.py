@@ -63,6 +63,21 @@ import fastgrpo.engine.loop as engine_loop
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 
+def draw_schedules(draw, samples: int) -> list[dict]:
+    """Two engine schedules for one case of ``samples`` samples: batch size, sync interval, page size, spare pages
+    (None: enough for every sample; small: preemption) and the CPU row cache or the pages."""
+    return [
+        dict(
+            max_batch_size=draw(st.integers(1, samples)),
+            sync_every=draw(st.sampled_from([1, 3, 8])),
+            page_size=draw(st.sampled_from([1, 3, 16])),
+            spare_pages=draw(st.sampled_from([None, 0, 1, 4])),
+            row_cache=draw(st.booleans()),
+        )
+        for _ in range(2)
+    ]
+
+
 @st.composite
 def cases(draw, max_prompts=4, max_samples=32):
     """One randomized schedule: model, prompts, sampling parameters and two engine settings to compare."""
@@ -79,16 +94,7 @@ def cases(draw, max_prompts=4, max_samples=32):
         stop_token_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=8, unique=True))),
         seed=draw(st.integers(0, 2**20)),
     )
-    schedules = [
-        dict(
-            max_batch_size=draw(st.integers(1, P * n)),
-            sync_every=draw(st.sampled_from([1, 3, 8])),
-            page_size=draw(st.sampled_from([1, 3, 16])),
-            spare_pages=draw(st.sampled_from([None, 0, 1, 4])),
-            row_cache=draw(st.booleans()),
-        )
-        for _ in range(2)
-    ]
+    schedules = draw_schedules(draw, P * n)
     return draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, schedules
 
 
@@ -198,16 +204,7 @@ def turn_cases(draw, max_prompts=3, max_samples=12):
         max_delay=draw(st.sampled_from([0, 2, 6])),
         stop_strings=tuple(tuple(draw(st.lists(strings, max_size=2))) for _ in range(2)),
     )
-    schedules = [
-        dict(
-            max_batch_size=draw(st.integers(1, P * n)),
-            sync_every=draw(st.sampled_from([1, 3, 8])),
-            page_size=draw(st.sampled_from([1, 3, 16])),
-            spare_pages=draw(st.sampled_from([None, 0, 1, 4])),
-            row_cache=draw(st.booleans()),
-        )
-        for _ in range(2)
-    ]
+    schedules = draw_schedules(draw, P * n)
     return draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, script, schedules
 
 

@@ -23,7 +23,7 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 from PIL import Image
 from test_generation import GREEDY_MARGIN, LOGPROB_ATOL, CheckedScheduler
-from test_generation_fidelity import engine_for
+from test_generation_fidelity import draw_schedules, engine_for
 
 import fastgrpo.engine.loop as engine_loop
 from fastgrpo.config import ModelConfig
@@ -113,16 +113,7 @@ def vlm_cases(draw, max_prompts=3, max_samples=12):
         stop_token_ids=tuple(sorted({*stops, image_id})),
         seed=draw(st.integers(0, 2**20)),
     )
-    schedules = [
-        dict(
-            max_batch_size=draw(st.integers(1, P * n)),
-            sync_every=draw(st.sampled_from([1, 3, 8])),
-            page_size=draw(st.sampled_from([1, 3, 16])),
-            spare_pages=draw(st.sampled_from([None, 0, 1, 4])),
-            row_cache=draw(st.booleans()),
-        )
-        for _ in range(2)
-    ]
+    schedules = draw_schedules(draw, P * n)
     return draw(st.integers(0, 4)), draw(st.integers(0, 2**16)), specs, params, schedules
 
 
