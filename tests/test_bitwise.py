@@ -31,6 +31,7 @@ from fastgrpo.algorithms.forward import packed_forward, packed_logprobs
 from fastgrpo.distributed import ForwardWrapper
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.models.attention import enable_packed_attention
+from fastgrpo.models.loading import enable_activation_checkpointing
 from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MoERouting, enable_moe, moe_blocks
 
 peft = pytest.importorskip("peft")
@@ -286,6 +287,10 @@ def test_refusals():
         check_model(moe, "fastgrpo_varlen")
     enable_moe(moe)
     check_model(moe, "fastgrpo_varlen")
+    enable_activation_checkpointing(moe)  # its recompute routes outside the mode: replay keeps the experts
+    with pytest.raises(ValueError, match="needs model.moe.router_replay"):
+        check_model(moe, "fastgrpo_varlen")
+    check_model(moe, "fastgrpo_varlen", replay=True)
 
 
 # ---------------------------------------------------------------- the GRPO step on the engine's log-probs

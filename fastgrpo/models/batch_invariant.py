@@ -40,9 +40,10 @@ CUDA_REFUSAL = ("numerics.batch_invariant runs on CPU only: on CUDA it needs a p
                 "fixed key-block order, and the LM head's fixed vocabulary tiles in the log-prob kernel (not built)")
 
 
-def check_model(model: torch.nn.Module, attn_implementation: str | None = None) -> None:
+def check_model(model: torch.nn.Module, attn_implementation: str | None = None, replay: bool = False) -> None:
     """Refuse a model the batch-invariant mode cannot make invariant (module docstring); ``attn_implementation``:
-    the attention the forward must use (None: not checked, the engine sets its own for its calls)."""
+    the attention the forward must use (None: not checked, the engine sets its own for its calls). ``replay``: an
+    MoE policy's forwards replay the engine's routing (``model.moe.router_replay``)."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("numerics.batch_invariant: a torch.compile'd model reorders its reductions; refused")
     param = next(model.parameters())
@@ -72,15 +73,19 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
     if attn_implementation is not None and is_moe(config) and experts != EXPERTS_IMPLEMENTATION:
         raise ValueError(f"numerics.batch_invariant: the model's experts are {experts!r}, not "
                          f"{EXPERTS_IMPLEMENTATION!r} (whose batch-invariant path the mode runs)")
+    if is_moe(config) and getattr(model, "is_gradient_checkpointing", False) and not replay:
+        # the recompute runs in the backward, outside the mode: its router could pick other experts at a near-tie
+        raise ValueError("numerics.batch_invariant: an MoE model with train.activation_checkpointing needs "
+                         "model.moe.router_replay (the recompute routes outside the mode; replay keeps the experts)")
 
 
 @contextlib.contextmanager
-def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str):
+def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str, replay: bool = False):
     """The trainer's switch: the model checked (:func:`check_model`), then, while the returned context is open, the
     invariant ops registered (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs there;
     the packed forward and the log-prob kernels take them) and the model's weight grids kept
     (``keep_weight_grids``: made once per weight version, shared by the engine's call and the training forwards)."""
-    check_model(model, attn_implementation)
+    check_model(model, attn_implementation, replay)
     with invariant_ops(), keep_weight_grids(list(model.parameters())):
         yield
 
