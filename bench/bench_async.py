@@ -19,9 +19,11 @@ per row count, so a draining batch would repack at each bucket it crosses, a CPU
 - **async, age a**: one session; ``(a + 1) · PROMPTS`` prompts in flight; each step ``run``\\ s until ``PROMPTS``
   groups finished, trains the first ``PROMPTS`` of them (the rest wait), drops a group whose oldest token is more
   than ``a`` versions old (``update()`` after each step: a weight version; no weight changes, the update itself is
-  the same in both modes and not timed), and adds ``PROMPTS`` new prompts. A dropped group was decoded for nothing,
-  and it decodes to its end even after it can no longer train (the session cannot cancel a group): the ``late``
-  tokens.
+  the same in both modes and not timed), and adds new prompts back to ``(a + 1) · PROMPTS`` groups in flight: the
+  step's ``PROMPTS`` and one for each group dropped, so that the decode batch stays full (adding only ``PROMPTS``,
+  each drop shrinks the buffer for good: in a 16-step run at age 1 it was down to ``PROMPTS`` groups by step 13,
+  and from there every step drained as sync's do). A dropped group was decoded for nothing, and it decodes to its
+  end even after it can no longer train (the session cannot cancel a group): the ``late`` tokens.
 
 The modes run interleaved, one step of each in turn (the order rotating), ``--repeats`` times; the counts are the
 same in every repeat, the wall figures are medians. Reported per mode, for the whole run (steps 1-``STEPS``) and
@@ -121,17 +123,18 @@ def sync_steps(engine, params, prompts: list[list[int]], steps: int, per_step: i
         trained = sum(map(group_tokens, out))
         yield dict(wall_s=time.perf_counter() - start, decode_steps=engine.last_stats["decode_steps"],
                    row_steps=engine.last_stats["active_row_steps"], trained_tokens=trained, stale_groups=0,
-                   stale_tokens=0, late_tokens=0, left_tokens=0)
+                   stale_tokens=0, late_tokens=0, left_tokens=0, buffer=0)
 
 
 def async_steps(engine, params, prompts: list[list[int]], steps: int, per_step: int, age: int, end: dict):
-    """``steps`` steps of one generation session at staleness bound ``age`` (module docstring), yielding each
-    step's figures as it ends: sync's, the groups dropped as stale and their tokens (``stale_tokens``), of which
-    those sampled after the group could no longer train (``late_tokens``: at a version past its oldest token's +
-    ``age``), and the tokens left at the step's end (``left_tokens``: sampled by the groups in flight or finished and
-    waiting). The first step's time includes opening the session and its first prompts; the time between yields
-    (another mode's step) is not counted. At the end, ``end`` gets the trained and dropped groups' keys (their
-    prompts' indices), the prompts added and the finished groups left waiting."""
+    """``steps`` steps of one generation session at staleness bound ``age`` (module docstring), yielding each step's
+    figures as it ends: sync's, the groups dropped as stale and their tokens (``stale_tokens``), of which those
+    sampled after the group could no longer train (``late_tokens``: at a version past its oldest token's +
+    ``age``), the tokens left at the step's end (``left_tokens``: sampled by the groups in flight or finished and
+    waiting) and those groups' count after the step's new prompts (``buffer``: ``(age + 1) · per_step``). The
+    first step's time includes opening the session and its first prompts; the time between yields (another mode's
+    step) is not counted. At the end, ``end`` gets the trained and dropped groups' keys (their prompts' indices),
+    the prompts added and the finished groups left waiting."""
     longest = max(map(len, prompts))
     ready: list = []  # (key, group) finished, not trained yet
     keys: list[int] = []
@@ -160,13 +163,17 @@ def async_steps(engine, params, prompts: list[list[int]], steps: int, per_step: 
                 step["decode_steps"] += engine.last_stats["decode_steps"]
                 step["row_steps"] += engine.last_stats["active_row_steps"]
             if len(ready) < per_step:
-                raise RuntimeError("the workload ran out of prompts: raise its size")
+                raise RuntimeError("fewer groups in flight than a step trains")
             step["trained_tokens"] = sum(group_tokens(group) for _, group in ready[:per_step])
             keys += [k for k, _ in ready[:per_step]]
             ready = ready[per_step:]
             session.update()
-            session.add(prompts[added : added + per_step])
-            added += per_step
+            top_up = (age + 1) * per_step - session.in_flight - len(ready)  # a step's prompts + those dropped
+            if added + top_up > len(prompts):
+                raise RuntimeError("the workload ran out of prompts: raise its size")
+            session.add(prompts[added : added + top_up])
+            added += top_up
+            step["buffer"] = session.in_flight + len(ready)
             step["left_tokens"] = session.in_flight_tokens + sum(group_tokens(g) for _, g in ready)
             step["wall_s"] = time.perf_counter() - start
             yield step
@@ -207,7 +214,7 @@ def interleaved(runs: dict) -> dict[str, list[dict]]:
 def window(log: list[dict], first: int) -> dict:
     """Steps ``first`` on of a run's ``log`` summed, with ``sampled_tokens``: the tokens decoded in them (those
     trained or dropped, and the change in those left in flight; a run starts with none left)."""
-    sums = {k: sum(step[k] for step in log[first:]) for k in log[0] if k != "left_tokens"}
+    sums = {k: sum(step[k] for step in log[first:]) for k in log[0] if k not in ("left_tokens", "buffer")}
     left_before = log[first - 1]["left_tokens"] if first else 0
     sums["sampled_tokens"] = (sums["trained_tokens"] + sums["stale_tokens"] + log[-1]["left_tokens"] - left_before)
     return dict(sums, left_before=left_before, left_after=log[-1]["left_tokens"])
@@ -243,7 +250,7 @@ def main() -> None:
     model = counting_model(vocab, PROMPT_TOKENS + cap + 1, args.device, **shape)
     ages = [int(a) for a in args.ages.split(",")]
     warmup = max(ages) + 2  # steps left out of the steady-state window
-    count = (steps + max(ages) + 1) * per_step  # every prompt any mode may add
+    count = (2 * steps + max(ages) + 1) * per_step  # every prompt any mode may add (async: a step's + the dropped)
     rng = random.Random(1)
     lengths = draw_lengths(count, cap, seed=0)
     prompts = [prompt_for(r, vocab, rng) for r in lengths]

@@ -1,8 +1,8 @@
-"""bench/bench_async.py's workload at toy sizes: every completion ends exactly at its forced length in both modes,
-sync trains every prompt's tokens (the closed form), async trains each group at most once, whole, at its forced
-lengths, and never more groups than it added; the dropped groups' tokens are their forced lengths, the tokens left
-in flight agree with the engine's row-steps, and a window's figures and those of the steps before it add up to the
-whole run's. (No time is asserted.)"""
+"""bench/bench_async.py's workload at toy sizes: every completion ends exactly at its forced length in both modes, sync
+trains every prompt's tokens (the closed form), async trains each group at most once, whole, at its forced lengths,
+never more groups than it added, and keeps (age + 1) x per_step groups in flight; the dropped groups' tokens are
+their forced lengths, the tokens left in flight agree with the engine's row-steps, and a window's figures and those
+of the steps before it add up to the whole run's. (No time is asserted.)"""
 
 import random
 import sys
@@ -19,7 +19,7 @@ from fastgrpo.engine.engine import GenerationEngine, SamplingParams  # noqa: E40
 def test_the_forced_lengths_hold_and_the_tokens_add_up():
     steps, per_step, cap, n = 3, 3, 24, 2
     model = B.counting_model(2 * cap, B.PROMPT_TOKENS + cap + 1, "cpu")
-    lengths = B.draw_lengths((steps + 3) * per_step, cap, seed=5)
+    lengths = B.draw_lengths((2 * steps + 3) * per_step, cap, seed=5)
     rng = random.Random(0)
     prompts = [B.prompt_for(r, 2 * cap, rng) for r in lengths]
     params = SamplingParams(n=n, max_new_tokens=cap, seed=1)
@@ -41,6 +41,7 @@ def test_the_forced_lengths_hold_and_the_tokens_add_up():
         assert 0 <= got["late_tokens"] <= got["stale_tokens"]
         assert got["row_steps"] <= got["decode_steps"] * per_step * n  # never more samples than rows
         assert got["stale_groups"] + len(keys) + got["waiting"] <= got["added"]  # the rest were still in flight
+        assert all(step["buffer"] == (age + 1) * per_step for step in got["log"])  # the dropped groups replaced
         # the tokens left in flight: sampled = row-steps + the samples started (every finished one, at most all)
         finished = len(keys) + len(dropped) + got["waiting"]
         assert n * finished <= got["sampled_tokens"] - got["row_steps"] <= n * got["added"]
