@@ -1,6 +1,8 @@
-"""bench/bench_async.py's workload at toy sizes: every completion ends exactly at its forced length in both modes,
-sync trains every prompt's tokens (the closed form), async trains each group at most once, whole, at its forced
-lengths, and never more groups than it added. (No time is asserted.)"""
+"""bench/bench_async.py's workload at toy sizes: every completion ends exactly at its forced length in both modes, sync
+trains every prompt's tokens (the closed form), async trains each group at most once, whole, at its forced lengths,
+never more groups than it added, and keeps (age + 1) x per_step groups in flight; the dropped groups' tokens are
+their forced lengths, the tokens left in flight agree with the engine's row-steps, and a window's figures and those
+of the steps before it add up to the whole run's. (No time is asserted.)"""
 
 import random
 import sys
@@ -17,7 +19,7 @@ from fastgrpo.engine.engine import GenerationEngine, SamplingParams  # noqa: E40
 def test_the_forced_lengths_hold_and_the_tokens_add_up():
     steps, per_step, cap, n = 3, 3, 24, 2
     model = B.counting_model(2 * cap, B.PROMPT_TOKENS + cap + 1, "cpu")
-    lengths = B.draw_lengths((steps + 3) * per_step, cap, seed=5)
+    lengths = B.draw_lengths((2 * steps + 3) * per_step, cap, seed=5)
     rng = random.Random(0)
     prompts = [B.prompt_for(r, 2 * cap, rng) for r in lengths]
     params = SamplingParams(n=n, max_new_tokens=cap, seed=1)
@@ -27,10 +29,23 @@ def test_the_forced_lengths_hold_and_the_tokens_add_up():
         assert all(c.token_ids == [(p[-1] + i) % (2 * cap) for i in range(1, r + 1)] for c in group)
     sync = B.run_sync(engine, params, prompts, steps, per_step)
     assert sync["trained_tokens"] == n * sum(lengths[: steps * per_step]) and sync["stale_groups"] == 0
+    # every sample's first token comes from its prefill, the others from decode steps
+    assert sync["row_steps"] == sync["sampled_tokens"] - steps * per_step * n
     for age in (1, 2):
         got = B.run_async(engine, params, prompts, steps, per_step, age)
-        keys = got["trained_keys"]
+        keys, dropped = got["trained_keys"], got["dropped_keys"]
         assert len(keys) == len(set(keys)) == steps * per_step  # each trained once, a full step's worth
+        assert not set(keys) & set(dropped) and len(dropped) == len(set(dropped)) == got["stale_groups"]
         assert got["trained_tokens"] == n * sum(lengths[k] for k in keys)  # whole groups at their forced lengths
+        assert got["stale_tokens"] == n * sum(lengths[k] for k in dropped)
+        assert 0 <= got["late_tokens"] <= got["stale_tokens"]
         assert got["row_steps"] <= got["decode_steps"] * per_step * n  # never more samples than rows
         assert got["stale_groups"] + len(keys) + got["waiting"] <= got["added"]  # the rest were still in flight
+        assert all(step["buffer"] == (age + 1) * per_step for step in got["log"])  # the dropped groups replaced
+        # the tokens left in flight: sampled = row-steps + the samples started (every finished one, at most all)
+        finished = len(keys) + len(dropped) + got["waiting"]
+        assert n * finished <= got["sampled_tokens"] - got["row_steps"] <= n * got["added"]
+        for first in range(1, steps):  # a window and the steps before it add up to the whole run
+            before, after = B.window(got["log"][:first], 0), B.window(got["log"], first)
+            assert before["left_after"] == after["left_before"]
+            assert before["sampled_tokens"] + after["sampled_tokens"] == got["sampled_tokens"]
