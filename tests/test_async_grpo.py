@@ -65,12 +65,26 @@ def assert_same_rows(a, b):
         assert not diff, f"step {ra['step']}: {diff}"
 
 
-def assert_groups_conserved(rows, age, sessions=1):
-    """Every group added (each session's first buffer, each step's batch, the refills) is trained, dropped (stale,
-    without signal, at a stage change), in flight or waiting at the end: none lost, none trained twice."""
-    added = P * (len(rows) + age * sessions + sum(r["async/refill_batches"] for r in rows))
+def assert_groups_conserved(rows, age):
+    """Every group added (each step's batch, the top-ups that keep the buffer, the refills) is trained, dropped
+    (stale, without signal, at a stage change), in flight or waiting at the end: none lost, none trained twice; and
+    each step starts with its buffer within one batch of (age + 1) · P groups."""
+    added = P * (len(rows) + sum(r["async/topup_batches"] + r["async/refill_batches"] for r in rows))
     dropped = sum(r[f"async/dropped_{why}"] for r in rows for why in ("stale", "zero_std", "stage"))
     assert added == P * len(rows) + dropped + rows[-1]["async/in_flight"] + rows[-1]["async/waiting"]
+    assert_buffer_kept(rows, age)
+
+
+def assert_buffer_kept(rows, age):
+    """At each step's start (its batch and top-ups added): at least (age + 1) · P − (P − 1) groups in flight or
+    waiting, i.e. the last step's carried groups (less those a stage change drops first) plus what this step added;
+    exactly (age + 1) · P at the first."""
+    carried = 0
+    for r in rows:
+        start = carried - r["async/dropped_stage"] + P * (1 + r["async/topup_batches"])
+        assert start >= (age + 1) * P - (P - 1), (r["step"], start)
+        carried = r["async/in_flight"] + r["async/waiting"]
+    assert P * (1 + rows[0]["async/topup_batches"]) == (age + 1) * P
 
 
 def logged_groups(run_dir, step):
@@ -153,7 +167,7 @@ def test_a_stage_change_trains_the_finished_groups_and_drops_the_unfinished(tmp_
     lengths = [[n for g in logged_groups(tmp_path, r["step"]).values() for n, _ in g] for r in rows]
     assert all(len(x) == P * G for x in lengths)
     assert max(lengths[0] + lengths[1]) <= 8 and max(x for step in lengths[2:] for x in step) == 16
-    assert_groups_conserved(rows, 1, sessions=2)
+    assert_groups_conserved(rows, 1)
 
 
 class ScriptedSession:
@@ -211,7 +225,7 @@ class ScriptedEngine:
         return self.sessions[-1]
 
 
-@given(st.lists(st.integers(1, 6), min_size=1, max_size=12), st.integers(1, 2))
+@given(st.lists(st.integers(1, 6) | st.integers(8, 16), min_size=1, max_size=12), st.integers(1, 2))
 @settings(max_examples=6, deadline=None, derandomize=True)
 def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, age):
     """Groups finish in a scripted order (some straddle several updates): no trained group is older than
@@ -222,7 +236,7 @@ def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, ag
 
     from fastgrpo.trainer import Trainer
 
-    steps = 4
+    steps = 6
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(overrides=[*SMALL, f"train.max_steps={steps}", "rollout.max_new_tokens=8",
                                      f"grpo.async_grpo.max_trajectory_age_steps={age}", f"logging.output_dir={out}"])
@@ -250,10 +264,11 @@ def test_stale_groups_are_dropped_and_every_group_is_accounted_for(durations, ag
     (session,) = engine.sessions
     stale = sum(r["async/dropped_stale"] for r in rows)
     assert stale >= sum(a > age for _, a in session.returned)
-    added = P * (steps + age + sum(r["async/refill_batches"] for r in rows))
+    added = P * (steps + sum(r["async/topup_batches"] + r["async/refill_batches"] for r in rows))
     assert added == session.added == P * steps + stale + rows[-1]["async/in_flight"] + \
         rows[-1]["async/waiting"]
     assert rows[-1]["async/in_flight"] == session.in_flight
+    assert_buffer_kept(rows, age)
 
 
 @pytest.mark.slow  # 2 torchrun processes

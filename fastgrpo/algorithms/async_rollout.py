@@ -5,8 +5,10 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
 (:class:`fastgrpo.engine.session.GenerationSession`) for the whole run:
 
 1. **Refill.** Each step adds its prompts (the rank's share of the data sampler's ``num_prompts_per_step``) to the
-   session; the first step also adds ``max_trajectory_age_steps`` more batches, so that a rank keeps
-   ``B = (max_trajectory_age_steps + 1) · P_r`` groups in flight (``P_r`` its share of a step's prompts).
+   session, then tops the buffer up so that a rank keeps ``B = (max_trajectory_age_steps + 1) · P_r`` groups in
+   flight or waiting, within one batch (``P_r`` its share of a step's prompts): the first step adds
+   ``max_trajectory_age_steps`` more batches, a later one a batch whenever the groups dropped (stale, without
+   signal) leave a whole batch missing on some rank (every rank adds it: one collective decides).
 2. **Train on what finished.** The step runs the session until ``P_r`` groups have finished (a group trains only
    when all of its ``G`` samples have: the advantage needs the whole group) and trains on the first ``P_r`` to
    finish; each group goes to the reward pool the moment it finishes, as in a synchronous step. The unfinished
@@ -27,10 +29,11 @@ Metrics (over all ranks; NeMo-RL-style names): ``async/age_mean`` and ``async/ag
 policy's version minus the token's) of the trained tokens (loss-mask 1), mean and max; ``async/in_flight`` (groups
 added and not finished at the step's end), ``async/dropped_stale`` (groups dropped this step),
 ``async/carried_tokens`` (tokens already sampled by the groups carried into the next step: in flight, or finished
-and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/refill_batches`` (batches added
-this step beyond its own, the most on any rank), ``async/dropped_zero_std`` and ``async/dropped_stage`` (below).
-``time/generation``, ``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous
-step's.
+and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/topup_batches`` (batches added
+at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because
+what was in flight could not fill it, the most on any rank), ``async/dropped_zero_std`` and
+``async/dropped_stage`` (below). ``time/generation``, ``time/update``, ``tokens_per_second`` and
+``generation/rows_active_mean`` are the synchronous step's.
 
 **Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
 and the update's activations fit together (``python -m fastgrpo.plan`` gives both; on CUDA the engine otherwise
@@ -66,7 +69,7 @@ batches a step; groups with signal beyond the step's wait for the next one (none
 **Stages.** A stage that changes the sampling (``max_new_tokens``, ``max_sequence_tokens``) drains the buffer at its
 first step: the finished groups waiting are kept and trained (sampled under the previous stage's limit), the
 unfinished ones are dropped (``async/dropped_stage``: finishing them would decode the old stage's long tail), and a
-new session with the stage's settings is filled as at the start (``(max_trajectory_age_steps + 1)`` batches). A
+new session with the stage's settings is topped up to ``B`` as at the start. A
 stage that changes only the learning rate, β or ε keeps the session.
 
 **FSDP2.** The step's generation runs inside one ``full_weights`` block (the full weights gathered once per step on
@@ -205,6 +208,19 @@ class AsyncRollout:
         self.close()
         return dropped
 
+    def _top_up(self, age: int) -> int:
+        """Keep the buffer within one batch of ``B = (age + 1) · P_r`` groups (in flight or waiting): every rank adds
+        as many batches from the data sampler as the rank shortest of ``B`` by whole batches needs (one collective).
+        A new session (the first step, a stage) fills its buffer so; later, each stale or signal-less group dropped
+        shrinks it by one until a batch's worth is missing. Returns the batches added."""
+        t = self.ctx
+        short = (age + 1) * self.share - self.session.in_flight - len(self.ready)
+        batches = int(all_reduce(torch.tensor([float(max(short, 0) // self.share)], device=t.coll_device()),
+                                 op="max").item())
+        for _ in range(batches):
+            self._add(t.sampler.next(self.grpo.rows_per_step))
+        return batches
+
     def groups(self, indices: list[int], settings: dict) -> tuple[list, dict]:
         """This step's groups (``GRPO.score_groups``: rewards, advantages' inputs, sums) from the session, after
         queueing the rows ``indices`` (module docstring)."""
@@ -213,7 +229,6 @@ class AsyncRollout:
         changed = 0
         if self.session is not None and self.sampling != {k: settings[k] for k in SAMPLING_SETTINGS}:
             changed = self._new_stage()
-        first = self.session is None and self.saved is None
         self.at_boundary = False
         faults: dict[str, dict[str, int]] = {}
         times: dict[str, float] = {}
@@ -221,8 +236,7 @@ class AsyncRollout:
             if self.session is None:
                 self._open(settings)
             self._add(indices)
-            for _ in range(age if first else 0):  # the buffer: B groups in flight
-                self._add(t.sampler.next(self.grpo.rows_per_step))
+            topup = self._top_up(age)
             stale = extra = zero_std = 0
             while True:
                 version = self.session.version
@@ -267,7 +281,8 @@ class AsyncRollout:
         sums.update({"async/age/sum": float(sum(ages)), "async/age_tokens/sum": float(len(ages)),
                      "async/age_max/max": float(max(ages, default=0)), "async/dropped_stale/sum": float(stale),
                      "async/dropped_stage/sum": float(changed), "async/dropped_zero_std/sum": float(zero_std),
-                     "async/refill_batches/max": float(extra), "async/in_flight/sum": float(self.session.in_flight),
+                     "async/refill_batches/max": float(extra), "async/topup_batches/max": float(topup),
+                     "async/in_flight/sum": float(self.session.in_flight),
                      "async/waiting/sum": float(len(self.ready)),
                      "async/carried_tokens/sum": float(self.session.in_flight_tokens + waiting)})
         return groups, sums
