@@ -205,6 +205,24 @@ def engine_logp(models, prompt, ids, versions, prompt_version, rewrites, tempera
     return out
 
 
+def saved_and_continued(session, add, first_groups: int):
+    """A checkpoint's round trip: in ``session()``, ``add(s)`` queues the prompts, ``run(first_groups)``, then
+    ``update(recompute_kv=True)`` (what a checkpoint follows in a run that recomputes; no weight change here) and
+    the state through ``torch.save``; the rest runs in that session (the uninterrupted run) and in a fresh
+    ``session()`` that loads the state. Returns ``(groups returned before, uninterrupted by key, restored by key)``."""
+    with session() as a:
+        add(a)
+        done = a.run(first_groups)  # at least first_groups groups: several can end at one step
+        a.update(recompute_kv=True)
+        buf = io.BytesIO()
+        torch.save(a.state_dict(), buf)
+        want = dict(a.run(10**6))
+    with session() as b:
+        b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        got = dict(b.run(10**6))
+    return done, want, got
+
+
 def run_schedule(model, case, schedule, recompute, save):
     """The first batch, then per step of ``schedule`` (add the next batch?, run(k), save and restore into a new
     engine's session after the update?) and an update that moves the weights (``perturbed``), then the batches left.

@@ -3,14 +3,13 @@ checkpoint, ``GenerationSession.state_dict`` / ``load_state_dict``): the record 
 the checkpoint (``RoutingLog.state`` / ``restore``), so a restored session gives every completion the routing, tokens
 and log-probs the uninterrupted session gives it, bit for bit, and the record is Hugging Face's routing."""
 
-import io
-
 import pytest
 import torch
 from checks import one_thread  # noqa: F401  (an autouse fixture)
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_generation import MOE_ARCH, random_prompts, tiny_model
+from test_generation_session import saved_and_continued
 from test_moe_generation import check_record, router_guard_strict
 
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
@@ -18,6 +17,7 @@ from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 @pytest.mark.parametrize("arch", MOE_ARCH)
 @settings(max_examples=8, deadline=None, derandomize=True)
+@example(first_groups=2, batch=4, sync_every=1, seed=41)  # Qwen3-MoE: a padding row's stale token moved a log-prob
 @given(first_groups=st.integers(0, 2), batch=st.integers(1, 4), sync_every=st.sampled_from([1, 3]),
        seed=st.integers(0, 2**16))
 def test_a_restored_moe_session_keeps_its_routing_record(arch, first_groups, batch, sync_every, seed):
@@ -32,17 +32,7 @@ def test_a_restored_moe_session_keeps_its_routing_record(arch, first_groups, bat
                                   record_routing=True)
         return engine.session(params, max_prompt_tokens=8)
 
-    with session() as a:
-        a.add(prompts)
-        done = a.run(first_groups)  # at least first_groups groups: several can end at one step
-        a.update(recompute_kv=True)  # what a checkpoint follows in a run that recomputes (no weight change here)
-        buf = io.BytesIO()
-        torch.save(a.state_dict(), buf)
-        want = dict(a.run(10**6))
-    buf.seek(0)
-    with session() as b:
-        b.load_state_dict(torch.load(buf, weights_only=True))
-        got = dict(b.run(10**6))
+    done, want, got = saved_and_continued(session, lambda s: s.add(prompts), first_groups)
     assert sorted(got) == sorted(want) and len(got) == len(prompts) - len(done)
     for p, group in got.items():
         for c, w in zip(group, want[p]):
