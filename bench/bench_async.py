@@ -16,14 +16,14 @@ per row count, so a draining batch would repack at each bucket it crosses, a CPU
 
 - **sync**: each step ``generate``\\ s its prompts and trains all of them: the batch drains to the step's longest
   completion.
-- **async, age a**: one session; ``(a + 1) · PROMPTS`` prompts in flight; each step ``run``\\ s until ``PROMPTS``
-  groups finished, trains the first ``PROMPTS`` of them (the rest wait), drops a group whose oldest token is more
-  than ``a`` versions old (``update()`` after each step: a weight version; no weight changes, the update itself is
-  the same in both modes and not timed), and adds new prompts back to ``(a + 1) · PROMPTS`` groups in flight: the
-  step's ``PROMPTS`` and one for each group dropped, so that the decode batch stays full (adding only ``PROMPTS``,
-  each drop shrinks the buffer for good: in a 16-step run at age 1 it was down to ``PROMPTS`` groups by step 13,
-  and from there every step drained as sync's do). A dropped group was decoded for nothing, and it decodes to its
-  end even after it can no longer train (the session cannot cancel a group): the ``late`` tokens.
+- **async, age a**: one session; ``(a + 1) · PROMPTS`` prompts in flight or waiting; each step trains the
+  ``PROMPTS`` lowest keys not trained yet (the trainer's rule, ``fastgrpo.algorithms.async_rollout.due_groups``),
+  running the session (``run``) until all of them have finished while the rest keep decoding (finished groups
+  beyond them wait), ``update()`` after each step (a weight version; no weight changes, the update itself is the
+  same in both modes and not timed), and adds new prompts back to ``(a + 1) · PROMPTS`` groups: a group added at step
+  ``t`` trains by step ``t + a``, so none goes stale and async trains sync's prompts, long tail included. A group
+  whose oldest token is more than ``a`` versions old would be dropped (the trainer's safety net; counted, with the
+  tokens it decoded after it could no longer train, ``late``): ``stale_groups`` is 0 in every run.
 
 The modes run interleaved, one step of each in turn (the order rotating), ``--repeats`` times; the counts are the
 same in every repeat, the wall figures are medians. Reported per mode, for the whole run (steps 1-``STEPS``) and
@@ -53,6 +53,7 @@ import time
 import torch
 from common import append_rows, print_table
 
+from fastgrpo.algorithms.async_rollout import due_groups, oldest_version
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 
 CAP = 256
@@ -136,45 +137,45 @@ def async_steps(engine, params, prompts: list[list[int]], steps: int, per_step: 
     step) is not counted. At the end, ``end`` gets the trained and dropped groups' keys (their prompts' indices),
     the prompts added and the finished groups left waiting."""
     longest = max(map(len, prompts))
-    ready: list = []  # (key, group) finished, not trained yet
+    ready: dict = {}  # key -> group: finished, not trained yet
+    live: set[int] = set()  # keys added, not trained or dropped
     keys: list[int] = []
     dropped: list[int] = []
     start = time.perf_counter()
     with engine.session(params, max_prompt_tokens=longest) as session:
-        session.add(prompts[: (age + 1) * per_step])
+        live.update(session.add(prompts[: (age + 1) * per_step]))
         added = (age + 1) * per_step
         for _ in range(steps):
             step = dict(decode_steps=0, row_steps=0, stale_groups=0, stale_tokens=0, late_tokens=0)
             while True:
-                fresh = []
-                for key, group in ready:
-                    first = min(min(c.versions) for c in group)
-                    if session.version - first <= age:
-                        fresh.append((key, group))
-                    else:
+                for key, group in list(ready.items()):  # the trainer's safety net (none in order)
+                    first = oldest_version(group)
+                    if session.version - first > age:
+                        del ready[key]
+                        live.remove(key)
                         dropped.append(key)
                         step["stale_groups"] += 1
                         step["stale_tokens"] += group_tokens(group)
                         step["late_tokens"] += sum(v > first + age for c in group for v in c.versions)
-                ready = fresh
-                if len(ready) >= per_step or not session.in_flight:
+                due, missing = due_groups(live, ready, per_step)  # the trainer's rule
+                if len(due) < per_step:
+                    raise RuntimeError("fewer groups in flight than a step trains")
+                if not missing:
                     break
-                ready += session.run(per_step - len(ready))
+                ready.update(session.run(missing))
                 step["decode_steps"] += engine.last_stats["decode_steps"]
                 step["row_steps"] += engine.last_stats["active_row_steps"]
-            if len(ready) < per_step:
-                raise RuntimeError("fewer groups in flight than a step trains")
-            step["trained_tokens"] = sum(group_tokens(group) for _, group in ready[:per_step])
-            keys += [k for k, _ in ready[:per_step]]
-            ready = ready[per_step:]
+            step["trained_tokens"] = sum(group_tokens(ready.pop(key)) for key in due)
+            keys += due
+            live -= set(due)
             session.update()
-            top_up = (age + 1) * per_step - session.in_flight - len(ready)  # a step's prompts + those dropped
+            top_up = (age + 1) * per_step - len(live)  # a step's prompts + those dropped
             if added + top_up > len(prompts):
                 raise RuntimeError("the workload ran out of prompts: raise its size")
-            session.add(prompts[added : added + top_up])
+            live.update(session.add(prompts[added : added + top_up]))
             added += top_up
-            step["buffer"] = session.in_flight + len(ready)
-            step["left_tokens"] = session.in_flight_tokens + sum(group_tokens(g) for _, g in ready)
+            step["buffer"] = len(live)
+            step["left_tokens"] = session.in_flight_tokens + sum(map(group_tokens, ready.values()))
             step["wall_s"] = time.perf_counter() - start
             yield step
             start = time.perf_counter()
@@ -300,7 +301,7 @@ def main() -> None:
                               us_per_trained_token=1e6 * statistics.median(per_token),
                               speedup_x=statistics.median(ratios),
                               speedup_runs="/".join(f"{x:.2f}" for x in ratios)))
-    for age, end in ends.items():  # the staleness bound drops the long tail
+    for age, end in ends.items():  # in order: the trained groups are sync's, the long tail included
         trained, dropped = (sorted(lengths[k] for k in end[key]) for key in ("trained_keys", "dropped_keys"))
         print(f"async age {age}: trained groups' lengths {trained[0]}-{trained[-1]} (median "
               f"{statistics.median(trained)}), dropped groups' " + (

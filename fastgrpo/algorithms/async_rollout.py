@@ -9,29 +9,40 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
    flight or waiting, within one batch (``P_r`` its share of a step's prompts): the first step adds
    ``max_trajectory_age_steps`` more batches, a later one a batch whenever the groups dropped (stale, without
    signal) leave a whole batch missing on some rank (every rank adds it: one collective decides).
-2. **Train on what finished.** The step runs the session until ``P_r`` groups have finished (a group trains only
-   when all of its ``G`` samples have: the advantage needs the whole group) and trains on the first ``P_r`` to
-   finish; each group goes to the reward pool the moment it finishes, as in a synchronous step. The unfinished
-   groups wait in the session with their KV pages; a finished group beyond ``P_r`` waits on the host for the next
-   step.
+2. **Train in order, by deadline.** Groups are keyed in the order they are added (the data stream's). Step ``t``
+   trains the ``P_r`` lowest keys not trained or dropped yet (:func:`due_groups`) and runs the session until all of
+   them have finished (a group trains only when all of its ``G`` samples have: the advantage needs the whole group),
+   while the rest of the buffer keeps decoding; each group goes to the reward pool the moment it finishes. The
+   unfinished groups wait in the session with their KV pages; a finished group beyond the due ones waits on the
+   host. A buffer of at most ``(a + 1) · P_r`` groups at a step's start therefore trains a group added at step ``t``
+   by step ``t + a``: its oldest token (sampled at version >= ``t``) is at most ``a`` versions old, nothing goes
+   stale, and every response length trains in its turn. NeMo-RL's async GRPO does the same: a trajectory
+   generated from weights ``v`` targets a step <= ``v + max_trajectory_age_steps`` and the trainer stalls until
+   the trajectories due at its step are in (``ReplayBuffer.sample`` and
+   ``AsyncTrajectoryCollector._calculate_target_weights`` in ``nemo_rl/algorithms/async_utils.py``, NVIDIA-NeMo/RL
+   commit 0a27b1f). Training the first ``P_r`` groups to finish instead (the policy before this one) dropped the
+   long tail: on ``bench/bench_async.py``'s workload at age 1 every group longer than ~131 tokens went stale (51%
+   of the sampled tokens), so the policy trained 31-token responses against sync's 52, a bias toward short
+   answers; in order, async trains sync's groups (README, Asynchronous GRPO).
 3. **In-flight weight updates.** After the optimizer step the session's sequences resume on the updated weights,
    which the engine reads in place: the update costs nothing (:meth:`AsyncRollout.after_update`). With
    ``recompute_kv_cache_after_weight_updates`` every in-flight sequence's K/V is recomputed on the new weights
    (one prefill of its prompt and tokens), otherwise the K/V the older weights wrote is kept.
 4. **Staleness.** Every sampled token records the policy version (optimizer steps taken) that sampled it and its
    behaviour log-prob (the engine's). A group's age is the trained policy's version minus its oldest token's; a
-   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/dropped_stale``), never trained.
-   The policy update corrects the older tokens by importance sampling against their behaviour log-probs
-   (``grpo.rollout_is``, required). When a rank's groups in flight cannot give it ``P_r`` trainable groups (stale
-   drops), every rank adds another batch from the data sampler (one collective decides), as dynamic sampling does.
+   group older than ``max_trajectory_age_steps`` is dropped and counted (``async/dropped_stale``), never trained: a
+   safety net, since the order above keeps every group within the bound (a run resumed from a checkpoint saved
+   under another rule, a bug). The policy update corrects the older tokens by importance sampling against their
+   behaviour log-probs (``grpo.rollout_is``, required). When a rank has fewer live groups than ``P_r`` (dynamic
+   sampling's drops), every rank adds another batch from the data sampler (one collective decides).
 
 Metrics (over all ranks; NeMo-RL-style names): ``async/age_mean`` and ``async/age_max``, the age (the trained
 policy's version minus the token's) of the trained tokens (loss-mask 1), mean and max; ``async/in_flight`` (groups
 added and not finished at the step's end), ``async/dropped_stale`` (groups dropped this step),
 ``async/carried_tokens`` (tokens already sampled by the groups carried into the next step: in flight, or finished
 and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/topup_batches`` (batches added
-at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because
-what was in flight could not fill it, the most on any rank), ``async/dropped_zero_std`` and
+at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because the
+rank had fewer live groups than its step, the most on any rank), ``async/dropped_zero_std`` and
 ``async/dropped_stage`` (below). ``time/generation``, ``time/update``, ``tokens_per_second`` and
 ``generation/rows_active_mean`` are the synchronous step's.
 
@@ -56,14 +67,12 @@ scale): the resumed run's samples continue on K/V of the newest weights, so from
 from the uninterrupted run's by that (every token's version and behaviour log-prob stay exact). A checkpoint taken
 mid-step (an interruption) holds no session: the resumed run starts a new one (those prompts are not trained).
 
-**Refill.** A rank refills (every rank adds a batch from the data sampler, one collective decides) as soon as the
-groups it has in flight can no longer make up its step, not only once they have all finished: the decode batch
-drains less.
-
 **Dynamic sampling** (``grpo.use_dynamic_sampling``): the over-sampling is the refill. A group whose rewards
 (before shaping) are all equal is dropped the moment it is scored (``async/dropped_zero_std``, also counted in
-``dynamic_sampling/dropped_groups``) and the refill replaces it, at most ``dynamic_sampling_max_gen_batches - 1``
-batches a step; groups with signal beyond the step's wait for the next one (none is discarded). Not with
+``dynamic_sampling/dropped_groups``): the next live key becomes due in its place, and its replacement joins the back
+of the order (the top-up at the next step's start, or a refill when the rank has fewer live groups than its step, at
+most ``dynamic_sampling_max_gen_batches - 1`` batches a step); groups with signal beyond the step's wait for the
+next one (none is discarded). Not with
 ``reward.models`` / ``reward.judges``: their scores come after the step's groups are chosen (refused).
 
 **Stages.** A stage that changes the sampling (``max_new_tokens``, ``max_sequence_tokens``) drains the buffer at its
@@ -84,6 +93,8 @@ hold per-trajectory state that a checkpoint cannot save).
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
+
 import torch
 
 from fastgrpo.algorithms.advantages import scale_rewards
@@ -91,6 +102,15 @@ from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
 from fastgrpo.distributed import all_reduce, full_weights, is_fsdp, print0
 from fastgrpo.engine.snapshot import completion_from_state, completion_state
 from fastgrpo.rewards import RewardResult, add_faults
+
+
+def due_groups(live: Iterable[int], finished: Container[int], count: int) -> tuple[list[int], int]:
+    """The in-order rule (module docstring, 2.): a step trains the ``count`` lowest of the ``live`` keys (added, not
+    trained or dropped yet), in key order, once all of them have finished. Returns those keys (fewer when fewer are
+    live: the caller refills) and how many of them are not in ``finished`` yet (at least that many more groups must
+    finish before the step trains). ``bench/bench_async.py`` runs the same rule."""
+    due = sorted(live)[:count]
+    return due, sum(key not in finished for key in due)
 
 
 def oldest_version(group: list) -> int:
@@ -116,7 +136,8 @@ class AsyncRollout:
         self.sampling: dict = {}  # SAMPLING_SETTINGS of the session
         self.rows: dict[int, int] = {}  # key -> its training row
         self.ready: list[tuple[int, list, list[float], dict[str, list[float]]]] = []
-        """Finished groups not trained yet, in finishing order: (key, completions, total, per-function scores)."""
+        """Finished groups kept and not trained yet, in finishing order: (key, completions, total, per-function
+        scores). The live groups (``rows``' keys) are these and those in flight."""
         self.prompt_texts: dict[int, str] = {}
         self.at_boundary = True  # between a step's end (after_update) and the next step's start
         self.saved: dict | None = None  # a checkpoint's state, taken back when the session opens
@@ -189,7 +210,7 @@ class AsyncRollout:
         for key, group in finished:
             total = result.total[at[key] : at[key] + G]
             raw = scale_rewards(total, self.cfg.reward_scaling)
-            if self.cfg.grpo.use_dynamic_sampling and max(raw) == min(raw):  # no signal: the refill replaces it
+            if self.cfg.grpo.use_dynamic_sampling and max(raw) == min(raw):  # no signal: the next live group is due
                 self._forget([key])
                 dropped += 1
                 continue
@@ -245,10 +266,10 @@ class AsyncRollout:
                 self._forget([x[0] for x in self.ready if x[0] not in kept])  # dropped as stale
                 stale += len(self.ready) - len(fresh)
                 self.ready = fresh
-                short = self.share - len(self.ready)
-                starving = short > 0 and self.session.in_flight < short  # what is in flight cannot fill the step
-                if short > 0 and not starving:
-                    got, dropped = self._collect(self.session.run(short), faults)
+                due, missing = due_groups(self.rows, kept, self.share)
+                starving = len(due) < self.share  # dynamic sampling's drops left fewer live groups than the step
+                if missing and not starving:
+                    got, dropped = self._collect(self.session.run(missing), faults)
                     zero_std += dropped
                     for key, value in got.items():
                         times[key] = times.get(key, 0.0) + value
@@ -264,7 +285,9 @@ class AsyncRollout:
                         "the policy neither always solves nor always fails")
                 self._add(t.sampler.next(self.grpo.rows_per_step))
                 extra += 1
-        chosen, self.ready = self.ready[: self.share], self.ready[self.share :]
+        trained = set(due)
+        chosen = sorted((x for x in self.ready if x[0] in trained), key=lambda x: x[0])  # in key order
+        self.ready = [x for x in self.ready if x[0] not in trained]
         for key, *_ in chosen:
             self.prompt_texts.pop(key)
         idx = [self.rows.pop(key) for key, *_ in chosen]
