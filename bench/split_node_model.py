@@ -12,8 +12,9 @@ contexts, so the K/V bytes each step reads are known.
 
 - sync: each rank's 128 samples, ``rollout.max_batch_size`` 80 rows, the pool of deepscaler-1.5b's plan (what
   generation leaves: 62.5 GiB); the step drains to its longest completion.
-- async: a rank keeps 2 steps' prompts in flight (age 1), runs until 16 groups finished, trains them, adds the next
-  16 prompts; 72 rows and the 47.3 GiB pool that deepscaler-1.5b-async holds through the update.
+- async: a rank keeps 2 steps' prompts in flight (age 1), runs until the 16 groups added first and not trained yet
+  have finished (the trainer's in-order rule), trains them, adds the next 16 prompts; 72 rows and the 47.3 GiB
+  pool that deepscaler-1.5b-async holds through the update.
 - split, k generating GPUs: each takes 128 / k prompts a step (rounded), keeps 2 steps in flight, 256 rows and the
   whole GPU but the weights and workspace as its pool (69 GiB).
 
@@ -33,6 +34,7 @@ import argparse
 import math
 import random
 
+from fastgrpo.algorithms.async_rollout import due_groups
 from fastgrpo.engine.scheduler import Scheduler
 
 P_PARAMS, LAYERS, HIDDEN = 1.777e9, 28, 1536  # DeepSeek-R1-Distill-Qwen-1.5B
@@ -109,12 +111,19 @@ def update_gpu_seconds(prompts, a) -> float:
 
 
 def steady(sim: Simulation, share: int, steps: int, rng: random.Random, cap: int) -> None:
-    """``steps`` async steps of ``share`` groups each, two steps' prompts in flight (age 1): the first adds two
-    batches, each step decodes until ``share`` groups finished and adds the next batch."""
+    """``steps`` async steps of ``share`` groups each, two steps' prompts in flight (age 1), in order as the trainer
+    trains them (``fastgrpo.algorithms.async_rollout.due_groups``): the first adds two batches, each step decodes
+    until the ``share`` groups added first and not trained yet have all finished and adds the next batch."""
+    live, done = set(range(share)), set()
     sim.add(draw(share, cap, rng))
     for _ in range(steps):
+        live.update(range(len(sim.sched.prompt_lens), len(sim.sched.prompt_lens) + share))
         sim.add(draw(share, cap, rng))
-        sim.run(share)
+        due, missing = due_groups(live, done, share)
+        while missing:
+            done.update(sim.run(missing))
+            due, missing = due_groups(live, done, share)
+        live -= set(due)
 
 
 def main() -> None:

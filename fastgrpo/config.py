@@ -434,15 +434,16 @@ class RewardConfig:
 class AsyncGRPOConfig:
     """Asynchronous GRPO on the co-located engine (NeMo-RL's grpo.async_grpo; fastgrpo.algorithms.async_rollout):
     generation that never drains. The engine keeps sequences in flight across optimizer steps (a generation
-    session), each step trains on the first num_prompts_per_step groups to finish, and the free rows are refilled
-    with the step's new prompts."""
+    session), each step trains the num_prompts_per_step groups added first and not trained yet (in order, waiting
+    for them), and the free rows are refilled with the step's new prompts."""
 
     enabled: bool = False
     """Turn it on (needs grpo.rollout_is: the tokens of an older policy are corrected by importance sampling)."""
     max_trajectory_age_steps: int = 1
     """Most optimizer steps between the oldest token of a trained group and the policy it trains (>= 1); a group
     older than that is dropped and counted (async/dropped_stale), never trained. It also sizes the buffer: a rank
-    keeps (max_trajectory_age_steps + 1) x its share of num_prompts_per_step groups in flight."""
+    keeps (max_trajectory_age_steps + 1) x its share of num_prompts_per_step groups in flight, so that each trains
+    in order within the bound."""
     in_flight_weight_updates: bool = True
     """Sequences in flight continue on the updated weights (NeMo-RL's name). Always true here: the engine reads the
     trainer's own tensors, so there are no older weights to continue on."""

@@ -7,8 +7,9 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
 1. **Refill.** Each step adds its prompts (the rank's share of the data sampler's ``num_prompts_per_step``) to the
    session, then tops the buffer up so that a rank keeps ``B = (max_trajectory_age_steps + 1) · P_r`` groups in
    flight or waiting, within one batch (``P_r`` its share of a step's prompts): the first step adds
-   ``max_trajectory_age_steps`` more batches, a later one a batch whenever the groups dropped (stale, without
-   signal) leave a whole batch missing on some rank (every rank adds it: one collective decides).
+   ``max_trajectory_age_steps`` more batches, a later one a batch whenever the groups dropped (without signal;
+   stale, only as the safety net of 4.) leave a whole batch missing on some rank (every rank adds it: one
+   collective decides).
 2. **Train in order, by deadline.** Groups are keyed in the order they are added (the data stream's). Step ``t``
    trains the ``P_r`` lowest keys not trained or dropped yet (:func:`due_groups`) and runs the session until all of
    them have finished (a group trains only when all of its ``G`` samples have: the advantage needs the whole group),
@@ -23,7 +24,10 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
    commit 0a27b1f). Training the first ``P_r`` groups to finish instead (the policy before this one) dropped the
    long tail: on ``bench/bench_async.py``'s workload at age 1 every group longer than ~131 tokens went stale (51%
    of the sampled tokens), so the policy trained 31-token responses against sync's 52, a bias toward short
-   answers; in order, async trains sync's groups (README, Asynchronous GRPO).
+   answers; in order, async trains sync's groups (README, Asynchronous GRPO). The cost of the order is the wait:
+   a step ends when its due groups' longest sample does (at the DeepScaleR scale, a 24K-token response), but that
+   sample started decoding up to ``a`` steps earlier, and the next groups fill the rows meanwhile, so the wait is
+   never longer than a synchronous step's.
 3. **In-flight weight updates.** After the optimizer step the session's sequences resume on the updated weights,
    which the engine reads in place: the update costs nothing (:meth:`AsyncRollout.after_update`). With
    ``recompute_kv_cache_after_weight_updates`` every in-flight sequence's K/V is recomputed on the new weights
