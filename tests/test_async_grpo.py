@@ -1,11 +1,11 @@
 """Async GRPO (fastgrpo.algorithms.async_rollout): a tiny run with the generation session kept across steps.
 
-Every step trains exactly ``num_prompts_per_step`` groups, none older than ``max_trajectory_age_steps``; groups are
-conserved (every prompt added is trained, dropped as stale, still in flight or finished and waiting: none is lost
-or trained twice), small KV budgets and few rows make groups straddle updates so that old tokens and stale drops
-occur; a run resumed from a checkpoint (in-process, and after a SIGKILL of torchrun's processes) continues with the
-sequences that were in flight and logs the uninterrupted run's rows; the config refuses what the mode does not
-support."""
+Every step trains exactly ``num_prompts_per_step`` groups, the lowest live keys in order, none older than
+``max_trajectory_age_steps`` and none dropped as stale; groups are conserved (every prompt added is trained, dropped
+without signal or at a stage change, still in flight or finished and waiting: none is lost or trained twice), small
+KV budgets and few rows make groups straddle updates so that old tokens occur; a run resumed from a checkpoint
+(in-process, and after a SIGKILL of torchrun's processes) continues with the sequences that were in flight and logs
+the uninterrupted run's rows; the config refuses what the mode does not support."""
 
 import json
 import os
@@ -115,7 +115,7 @@ def test_async_steps_train_fresh_groups_and_lose_none(tmp_path, recompute):
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        assert 0 <= r["async/age_mean"] <= r["async/age_max"] <= age
+        assert 0 <= r["async/age_mean"] <= r["async/age_max"] <= age and r["async/dropped_stale"] == 0  # in order
         logged = (tmp_path / "rollouts" / f"step_{r['step']:08d}.jsonl").read_text().splitlines()
         assert len(logged) == P * G and {json.loads(x)["sample"] for x in logged} == set(range(G))
     assert_groups_conserved(rows, age)

@@ -26,8 +26,8 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
    of the sampled tokens), so the policy trained 31-token responses against sync's 52, a bias toward short
    answers; in order, async trains sync's groups (README, Asynchronous GRPO). The cost of the order is the wait:
    a step ends when its due groups' longest sample does (at the DeepScaleR scale, a 24K-token response), but that
-   sample started decoding up to ``a`` steps earlier, and the next groups fill the rows meanwhile, so the wait is
-   never longer than a synchronous step's.
+   sample was admitted before any later group's (the queue is in key order) up to ``a`` steps earlier, and the next
+   groups fill the rows meanwhile: the wait takes at most the decode steps a synchronous step would spend on it.
 3. **In-flight weight updates.** After the optimizer step the session's sequences resume on the updated weights,
    which the engine reads in place: the update costs nothing (:meth:`AsyncRollout.after_update`). With
    ``recompute_kv_cache_after_weight_updates`` every in-flight sequence's K/V is recomputed on the new weights
