@@ -54,8 +54,11 @@ KEY_BLOCK = 8  # keys per small block: exact products inside a big block; the qu
 PROB_BITS = 24  # π = round(P · 2^24): the probabilities' grid
 VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(KEY_BLOCK))  # 26: the values' grid in a small block's product
 BIG_VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(BIG_BLOCK))  # 23: in a big block's
-PAIRS_PER_CALL = 1 << 18  # query-key pairs per head in one call of varlen_attention (12 bytes each: 3 MiB a head)
-BLOCK_PRODUCTS = 1 << 22  # fp64 entries of the blocks' products held at once (32 MiB)
+PAIRS_PER_CALL = 1 << 16  # query-key pairs per head in one call of varlen_attention (12 bytes each: 768 KiB a head);
+# a long sequence's queries go in chunks that read the keys up to the chunk's end only (about half the pairs)
+BLOCK_PRODUCTS = 1 << 21  # fp64 entries of the blocks' products held at once (16 MiB)
+CHUNK_BYTES = 16 << 20  # fp64 bytes of a call's per-row temporaries (K, V, scores, π) computed at once: rows in chunks
+# (glibc hands a block of 32 MiB or more straight from the OS, zero-filled page by page on first touch: 5x the time)
 
 
 def key_grid(k: torch.Tensor) -> torch.Tensor:
@@ -77,6 +80,10 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     (:func:`dense_blocks`) instead of by index per query; the same numbers."""
     B, Hq, M, D = q_BHMD.shape
     Hkv, L = k_BHLD.shape[1], k_BHLD.shape[2]
+    rows = max(1, CHUNK_BYTES // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
+    if B > rows:  # a row's result is its own: chunks of rows keep the temporaries in the allocator's reused memory
+        return torch.cat([attention(q_BHMD[b : b + rows], k_BHLD[b : b + rows], v_BHLD[b : b + rows],
+                                    qpos_BM[b : b + rows], scale, dense_from) for b in range(0, B, rows)])
     G, BK = Hq // Hkv, KEY_BLOCK
     Lp = -(-L // BK) * BK
     if Lp != L:  # zero keys: a masked key's value must be finite
@@ -107,7 +114,8 @@ def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Te
     ``O_b = Σ_{j ∈ b} π_j ṽ_j`` exact (``v`` on a per-(block, feature) grid of ``BIG_VALUE_BITS``: 24 + 23 + 6 ≤ 53
     bits), then left to right (the blocks at and past the query's contribute exact zeros), in products of
     at most ``BLOCK_PRODUCTS`` entries. Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
-    Every "left to right" here and below is a loop of additions from 0 (``cumsum`` would write every prefix)."""
+    Every "left to right" here and below is a loop of additions from 0 (here ``cumsum``'s, which writes every prefix:
+    one op instead of one per block, a decode step over 4096 keys has 64)."""
     B, Hkv, R, Lp = pi_BHRL.shape
     D, nb = v_BHLD.shape[-1], Lp // BIG_BLOCK
     out_BHRD = pi_BHRL.new_zeros(B, Hkv, R, D)
@@ -120,8 +128,9 @@ def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Te
     step = max(1, BLOCK_PRODUCTS // max(B * Hkv * R * D, 1))  # blocks per product: bounds [B, Hkv, step, R, D]
     for b0 in range(0, nb, step):
         blocks = torch.matmul(full[:, :, b0 : b0 + step], v_tilde[:, :, b0 : b0 + step])  # [B, Hkv, step, R, D]
-        for b in range(blocks.shape[2]):
-            out_BHRD += blocks[:, :, b]
+        if b0:  # the running sum first: cumsum adds left to right from 0 (self_check), so its last is the loop's
+            blocks = torch.cat((out_BHRD[:, :, None], blocks), 2)
+        out_BHRD = blocks.cumsum(2)[:, :, -1].contiguous()
     return out_BHRD
 
 
