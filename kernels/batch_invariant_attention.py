@@ -69,7 +69,7 @@ def key_grid(k: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor,
-              scale: float, dense_from: int | None = None) -> torch.Tensor:
+              scale: float, dense_from: int | None = None, v_big_BHLD: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries ``q [B, Hq, M, D]`` at positions ``qpos [B, M]`` over their sequence's keys
     ``k, v [B, Hkv, L, D]`` (key ``j`` at position ``j``; a query at ``p`` reads keys ``0..p``, ``p < L``; ``k`` on
     its grid, :func:`key_grid`), as the module docstring computes it. Returns ``[B, Hq, M, D]`` in ``q``'s dtype.
@@ -77,18 +77,24 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
 
     ``dense_from``: the queries of every row are the positions ``dense_from + [0, M)`` with ``dense_from`` a multiple
     of ``BIG_BLOCK`` (a packed forward's): their own big and small blocks are then read by reshaping
-    (:func:`dense_blocks`) instead of by index per query; the same numbers."""
+    (:func:`dense_blocks`) instead of by index per query; the same numbers.
+
+    ``v_big``: the values on their big blocks' grids (:func:`big_value_grid`, kept by the engine with its row cache),
+    read as they are for every big block below each query's instead of made again; the same numbers."""
     B, Hq, M, D = q_BHMD.shape
     Hkv, L = k_BHLD.shape[1], k_BHLD.shape[2]
     rows = max(1, CHUNK_BYTES // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
     if B > rows:  # a row's result is its own: chunks of rows keep the temporaries in the allocator's reused memory
         return torch.cat([attention(q_BHMD[b : b + rows], k_BHLD[b : b + rows], v_BHLD[b : b + rows],
-                                    qpos_BM[b : b + rows], scale, dense_from) for b in range(0, B, rows)])
+                                    qpos_BM[b : b + rows], scale, dense_from,
+                                    None if v_big_BHLD is None else v_big_BHLD[b : b + rows])
+                          for b in range(0, B, rows)])
     G, BK = Hq // Hkv, KEY_BLOCK
     Lp = -(-L // BK) * BK
     if Lp != L:  # zero keys: a masked key's value must be finite
         pad = (0, 0, 0, Lp - L)
         k_BHLD, v_BHLD = torch.nn.functional.pad(k_BHLD, pad), torch.nn.functional.pad(v_BHLD, pad)
+        v_big_BHLD = None if v_big_BHLD is None else torch.nn.functional.pad(v_big_BHLD, pad)
     R = G * M  # the G query heads of a kv head as G·M rows
     pos_B1R1 = qpos_BM.repeat(1, G).view(B, 1, R, 1)
     keys_L = torch.arange(Lp, device=q_BHMD.device)
@@ -101,7 +107,7 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     pi_BHRL = p_BHRL.round_().double()  # integers up to 2^24: exact in fp32
     del p_BHRL
     l_BHR1 = pi_BHRL.sum(-1, keepdim=True)  # exact: integers, at most Lp · 2^24
-    out = big_blocks(pi_BHRL, v_BHLD, pos_B1R1 - pos_B1R1 % BIG_BLOCK)
+    out = big_blocks(pi_BHRL, v_BHLD, pos_B1R1 - pos_B1R1 % BIG_BLOCK, v_big_BHLD)
     if dense_from is not None:
         small, diagonal = dense_blocks(pi_BHRL, v_BHLD, dense_from, M)
     else:
@@ -109,11 +115,21 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     return out.add_(small).add_(diagonal).div_(l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)  # ((S₁ + S₂) + Δ) / l
 
 
-def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Tensor) -> torch.Tensor:
+def big_value_grid(v_BHLD: torch.Tensor) -> torch.Tensor:
+    """Values of whole big blocks (``L`` a multiple of ``BIG_BLOCK``) on their grids, per (big block, feature) of
+    ``BIG_VALUE_BITS``, in fp32: exact (at most 23 significant bits, the exponent of an fp32, bf16 or fp16 value), so
+    an fp32 copy kept for later calls reads back as the grid :func:`big_blocks` makes. ``[B, Hkv, L, D]``."""
+    B, Hkv, L, D = v_BHLD.shape
+    return to_grid(v_BHLD.reshape(B, Hkv, L // BIG_BLOCK, BIG_BLOCK, D), -2, BIG_VALUE_BITS).float().view(B, Hkv, L, D)
+
+
+def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Tensor,
+               v_big_BHLD: torch.Tensor | None = None) -> torch.Tensor:
     """``S₁ = ((0 + O_0) + O_1) + …``: the big blocks of ``BIG_BLOCK`` keys below each query's (``start``), each
     ``O_b = Σ_{j ∈ b} π_j ṽ_j`` exact (``v`` on a per-(block, feature) grid of ``BIG_VALUE_BITS``: 24 + 23 + 6 ≤ 53
     bits), then left to right (the blocks at and past the query's contribute exact zeros), in products of
-    at most ``BLOCK_PRODUCTS`` entries. Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
+    at most ``BLOCK_PRODUCTS`` entries (``v_big``: ``ṽ`` kept, :func:`big_value_grid`, valid in every block below
+    each query's). Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
     Every "left to right" here and below is a loop of additions from 0 (here ``cumsum``'s, which writes every prefix:
     one op instead of one per block, a decode step over 4096 keys has 64)."""
     B, Hkv, R, Lp = pi_BHRL.shape
@@ -124,7 +140,10 @@ def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Te
     keys = torch.arange(nb * BIG_BLOCK, device=pi_BHRL.device)
     full = pi_BHRL[..., : nb * BIG_BLOCK].masked_fill(keys >= start_B1R1, 0.0)
     full = full.view(B, Hkv, R, nb, BIG_BLOCK).transpose(2, 3)  # [B, Hkv, nb, R, BB]
-    v_tilde = to_grid(v_BHLD[:, :, : nb * BIG_BLOCK].reshape(B, Hkv, nb, BIG_BLOCK, D), -2, BIG_VALUE_BITS)
+    if v_big_BHLD is not None:  # kept on their grids (:func:`big_value_grid`)
+        v_tilde = v_big_BHLD[:, :, : nb * BIG_BLOCK].double().reshape(B, Hkv, nb, BIG_BLOCK, D)
+    else:
+        v_tilde = to_grid(v_BHLD[:, :, : nb * BIG_BLOCK].reshape(B, Hkv, nb, BIG_BLOCK, D), -2, BIG_VALUE_BITS)
     step = max(1, BLOCK_PRODUCTS // max(B * Hkv * R * D, 1))  # blocks per product: bounds [B, Hkv, step, R, D]
     for b0 in range(0, nb, step):
         blocks = torch.matmul(full[:, :, b0 : b0 + step], v_tilde[:, :, b0 : b0 + step])  # [B, Hkv, step, R, D]

@@ -51,7 +51,7 @@ from fastgrpo.kernels.batch_invariant import (
     silu,
     weight_grid,
 )
-from fastgrpo.kernels.batch_invariant_attention import attention, invariant_varlen, key_grid
+from fastgrpo.kernels.batch_invariant_attention import BIG_BLOCK, attention, big_value_grid, invariant_varlen, key_grid
 from fastgrpo.models.lora import lora_terms
 
 
@@ -89,19 +89,60 @@ class PagedKV:
         return out
 
 
+class KeptValueGrids:
+    """The CPU row cache's values on their big blocks' grids (``big_value_grid``: fp32 ``[layers, R, Hkv, T_max,
+    D]``, half the bytes of an fp32 row cache), kept across the decode steps of a call so that a step reads them
+    instead of making the grid of every big block below its query again (over 4096 keys that is a quarter of the
+    attention's time). Row ``r`` holds its sequence's grids for its first ``done[r]`` keys (a multiple of
+    ``BIG_BLOCK``); a step first makes those of the big blocks its query has passed since (a row passes one every 64
+    steps), and all of a row's again when ``RowCache`` has loaded it anew (``KVCache.loads``: its keys and values
+    were replaced; the decode step's own writes only append). Blocks at and past a row's ``done`` may hold another
+    row's or sequence's grids: finite values the attention masks."""
+
+    def __init__(self, kv_rows: torch.Tensor, loads: list[int]):
+        L, R, _, Hkv, T, D = kv_rows.shape
+        self.kv_rows = kv_rows
+        self.grid = kv_rows.new_zeros(L, R, Hkv, T, D, dtype=torch.float32)
+        self.done, self.loads = [0] * R, list(loads)
+
+    def step(self, pos_S: torch.Tensor, loads: list[int]) -> tuple[list[int], int, int]:
+        """Before a decode step of rows ``[0, S)`` at ``pos``: the rows whose grids it makes and the key range
+        ``[first, end)`` (whole big blocks) that covers each one's missing blocks; marks them done."""
+        rows, first, end = [], None, 0
+        for r, p in enumerate(pos_S.tolist()):
+            below = p - p % BIG_BLOCK  # the query's big block starts here: every block before it is whole
+            if loads[r] != self.loads[r] or below < self.done[r]:
+                self.loads[r], self.done[r] = loads[r], 0
+            if below > self.done[r]:
+                rows.append(r)
+                first, end = min(self.done[r], first if first is not None else below), max(end, below)
+                self.done[r] = below
+        return rows, first or 0, end
+
+
 class RowKV:
     """The decode step on the CPU row cache: row ``s``'s token K/V written to ``kv_rows[layer, s, :, :, pos]``, then
-    its query attends over the row's first ``T`` keys (those past ``pos`` are never read into its result)."""
+    its query attends over the row's first ``T`` keys (those past ``pos`` are never read into its result), the big
+    blocks below it on their kept grids (:class:`KeptValueGrids`, when given)."""
 
-    def __init__(self, kv_rows, pos_S: torch.Tensor, T: int):
-        self.kv_rows, self.pos_S, self.T = kv_rows, pos_S, T
+    def __init__(self, kv_rows, pos_S: torch.Tensor, T: int, kept: KeptValueGrids | None = None,
+                 loads: list[int] | None = None):
+        self.kv_rows, self.pos_S, self.T, self.kept = kv_rows, pos_S, T, kept
+        self.todo = kept.step(pos_S, loads) if kept is not None else ([], 0, 0)
 
     def attend(self, layer: int, q_SHD, k_SHD, v_SHD, scale: float) -> torch.Tensor:
         S = q_SHD.shape[0]
         rows = self.kv_rows[layer]  # [R, 2, Hkv, T_max, D]
         rows[torch.arange(S), :, :, self.pos_S] = torch.stack((key_grid(k_SHD), v_SHD), 1)  # keys on their grid
         k, v = rows[:S, 0, :, : self.T], rows[:S, 1, :, : self.T]  # [S, Hkv, T, D]
-        o = attention(q_SHD[:, :, None], k, v, self.pos_S[:, None], scale)  # [S, Hq, 1, D]
+        v_big = None
+        if self.kept is not None:
+            todo, first, end = self.todo
+            if todo:  # whole blocks of these rows: the ones they passed (those past a row's own are masked there)
+                idx = torch.tensor(todo, device=rows.device)
+                self.kept.grid[layer, idx, :, first:end] = big_value_grid(rows[idx, 1, :, first:end])
+            v_big = self.kept.grid[layer, :S, :, : self.T]
+        o = attention(q_SHD[:, :, None], k, v, self.pos_S[:, None], scale, v_big_BHLD=v_big)  # [S, Hq, 1, D]
         return o[:, :, 0]
 
 
@@ -126,6 +167,7 @@ class BatchInvariantForward:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
         self.lora: dict = {}  # projection module -> its live LoRA adapters, read once per call
+        self.kept: KeptValueGrids | None = None  # the call's row cache's value grids
 
     @contextlib.contextmanager
     def calling(self):
@@ -136,7 +178,7 @@ class BatchInvariantForward:
             with invariant_ops(), keep_weight_grids(list(self.model.parameters())):
                 yield
         finally:
-            self.lora = {}
+            self.lora, self.kept = {}, None
 
     def proj(self, x_MK: torch.Tensor, x_grid: torch.Tensor | None, module: torch.nn.Module) -> torch.Tensor:
         """A projection ``x Wᵀ + b`` on the exact product (``x_grid``: ``x``'s grid when shared), then each LoRA
@@ -230,7 +272,9 @@ class BatchInvariantForward:
         one) or to its page; attention over the row's keys ``[0, pos]``; returns the logits ``[S, V]`` fp32."""
         ps = cache.kv.shape[4]
         if cache.rows is not None:
-            context = RowKV(cache.rows, pos_S, table_SP.shape[1] * ps)
+            if cache.loads is not None and (self.kept is None or self.kept.kv_rows is not cache.rows):
+                self.kept = KeptValueGrids(cache.rows, cache.loads)
+            context = RowKV(cache.rows, pos_S, table_SP.shape[1] * ps, self.kept, cache.loads)
         else:
             page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
             rows = torch.arange(tok_S.shape[0], device=tok_S.device)[:, None]

@@ -254,8 +254,14 @@ def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, produ
     rows = [t for _, _, _, t in decodes]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ba, "CHUNK_BYTES", chunk)
-        batched = ba.attention(q[rows][:, :, None], kb, vb, torch.tensor([[p] for _, _, p, _ in decodes]), scale)
+        qpos = torch.tensor([[p] for _, _, p, _ in decodes])
+        batched = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale)
+        # the big blocks' value grids kept (the engine's row cache): blocks past a query's hold stale keys' grids
+        whole = -width % ba.BIG_BLOCK
+        v_big = ba.big_value_grid(F.pad(vb, (0, 0, 0, whole)))[:, :, :width]
+        kept = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale, v_big_BHLD=v_big)
     assert torch.equal(batched[:, :, 0], packed[rows])
+    assert torch.equal(kept, batched)
     ref = _attention_ref(q, k, v, lengths, scale)
     qd, kd, vd = q.double(), k.double(), v.double()
     bits = min(bi.product_bits(D), 24)
