@@ -31,10 +31,14 @@ whose queries run along the positions: :func:`dense_blocks`), the same bits (tes
 Memory per call: the scores ``[B, Hq, M, L]`` in fp32 and π in fp64 (12 bytes a query-key pair), the big blocks'
 products ``[B, Hkv, L / 64, G·M, D]`` fp64 (in pieces of ``BLOCK_PRODUCTS``), the small blocks' ``[B, Hq, M, 8,
 D]``, the grids of q and v (fp64 copies). :func:`varlen_attention` splits a packed batch so that a call holds at
-most ``PAIRS_PER_CALL`` query-key pairs per head. Cost: fp64 GEMMs for the scores and the blocks (about 2x fp32
-SDPA's arithmetic there), the grids (a few elementwise passes over q and v per call), and 8 multiply-adds per
-query and feature for the query's own small block, elementwise in fp64; measured by bench/bench_batch_invariant.py
-(10-30x PyTorch's SDPA on CPU, its fused kernel being one pass). All on CPU.
+most ``PAIRS_PER_CALL`` query-key pairs per head (a long sequence's query chunks read the keys up to their end: the
+causal half of the pairs), :func:`attention` its rows so that their fp64 temporaries stay under ``CHUNK_BYTES``
+(16 MiB: glibc serves 32 MiB and more fresh from the OS, zero-filled on first touch, 5x slower a byte). Cost: fp64
+GEMMs for the scores and the blocks (about 2x fp32 SDPA's arithmetic there), the fp64 copies of K and V, the grids
+(a few elementwise passes over q and v per call; the engine's row cache keeps the big blocks' value grids,
+``v_big``), and 8 multiply-adds per query and feature for the query's own small block, elementwise in fp64;
+measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). All on
+CPU.
 
 Shape legend: B sequences, M queries each, L keys each (padded to a multiple of BK), Hq/Hkv heads, G = Hq / Hkv,
 D head dim, T packed tokens.
