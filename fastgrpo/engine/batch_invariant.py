@@ -52,7 +52,15 @@ from fastgrpo.kernels.batch_invariant import (
     silu,
     weight_grid,
 )
-from fastgrpo.kernels.batch_invariant_attention import BIG_BLOCK, attention, big_value_grid, invariant_varlen, key_grid
+from fastgrpo.kernels.batch_invariant_attention import (
+    BIG_BLOCK,
+    KEY_BLOCK,
+    attention,
+    big_value_grid,
+    invariant_varlen,
+    key_grid,
+    small_value_grid,
+)
 from fastgrpo.models.lora import lora_terms
 
 
@@ -91,59 +99,71 @@ class PagedKV:
 
 
 class KeptValueGrids:
-    """The CPU row cache's values on their big blocks' grids (``big_value_grid``: fp32 ``[layers, R, Hkv, T_max,
-    D]``, half the bytes of an fp32 row cache), kept across the decode steps of a call so that a step reads them
-    instead of making the grid of every big block below its query again (over 4096 keys that is a quarter of the
-    attention's time). Row ``r`` holds its sequence's grids for its first ``done[r]`` keys (a multiple of
-    ``BIG_BLOCK``); a step first makes those of the big blocks its query has passed since (a row passes one every 64
-    steps), and all of a row's again when ``RowCache`` has loaded it anew (``KVCache.loads``: its keys and values
-    were replaced; the decode step's own writes only append). Blocks at and past a row's ``done`` may hold another
-    row's or sequence's grids: finite values the attention masks."""
+    """The CPU row cache's values on the grids a decode step reads them on (fp32 ``[layers, R, Hkv, T_max, D]``, half
+    the bytes of an fp32 row cache), kept across the decode steps of a call so that a step reads them instead of
+    making them again: for a row whose query is at ``p``, its big blocks below ``p_B = 64 ⌊p / 64⌋`` on theirs
+    (``big_value_grid``), its small blocks in ``[p_B, 8 ⌊p / 8⌋)`` on theirs (``small_value_grid``). Row ``r`` holds
+    them up to ``big[r]`` and ``small[r]`` keys; a step first makes those its query has passed since (a row passes a
+    small block every 8 steps, a big block every 64, which then replaces its small blocks' grids), and all of a row's
+    again when ``RowCache`` has loaded it anew (``KVCache.loads``: its keys and values were replaced; the decode
+    step's own writes only append). Past ``small[r]`` a row may hold another row's or sequence's grids: finite values
+    the attention masks."""
 
     def __init__(self, kv_rows: torch.Tensor, loads: list[int]):
         L, R, _, Hkv, T, D = kv_rows.shape
         self.kv_rows = kv_rows
         self.grid = kv_rows.new_zeros(L, R, Hkv, T, D, dtype=torch.float32)
-        self.done, self.loads = [0] * R, list(loads)
+        self.big, self.small, self.loads = [0] * R, [0] * R, list(loads)
 
-    def step(self, pos_S: torch.Tensor, loads: list[int]) -> tuple[list[int], int, int]:
-        """Before a decode step of rows ``[0, S)`` at ``pos``: the rows whose grids it makes and the key range
-        ``[first, end)`` (whole big blocks) that covers each one's missing blocks; marks them done."""
-        rows, first, end = [], None, 0
+    def step(self, pos_S: torch.Tensor, loads: list[int]) -> tuple[list, list]:
+        """Before a decode step of rows ``[0, S)`` at ``pos``: the ``(row, first key)`` of the big blocks and of the
+        small blocks whose grids it makes (in that order: a passed big block's grid replaces its small blocks');
+        marks them made."""
+        big, small = [], []
         for r, p in enumerate(pos_S.tolist()):
-            below = p - p % BIG_BLOCK  # the query's big block starts here: every block before it is whole
-            if loads[r] != self.loads[r] or below < self.done[r]:
-                self.loads[r], self.done[r] = loads[r], 0
-            if below > self.done[r]:
-                rows.append(r)
-                first, end = min(self.done[r], first if first is not None else below), max(end, below)
-                self.done[r] = below
-        return rows, first or 0, end
+            p_big, p_small = p - p % BIG_BLOCK, p - p % KEY_BLOCK
+            if loads[r] != self.loads[r] or p_small < self.small[r]:
+                self.loads[r], self.big[r], self.small[r] = loads[r], 0, 0
+            big += [(r, j) for j in range(self.big[r], p_big, BIG_BLOCK)]
+            self.big[r] = max(self.big[r], p_big)
+            small += [(r, j) for j in range(max(self.small[r], p_big), p_small, KEY_BLOCK)]
+            self.small[r] = max(self.small[r], p_small)
+        return big, small
+
+    def make(self, layer: int, rows_RHTD: torch.Tensor, blocks: list, size: int, grid_fn) -> None:
+        """The grids (``grid_fn``) of ``blocks`` (``(row, first key)``, ``size`` keys each) of the layer's values
+        ``rows [R, Hkv, T, D]``, into the kept ones."""
+        if not blocks:
+            return
+        dev = rows_RHTD.device
+        r_n1 = torch.tensor([r for r, _ in blocks], device=dev)[:, None]
+        keys_nK = torch.tensor([j for _, j in blocks], device=dev)[:, None] + torch.arange(size, device=dev)
+        v_nHKD = rows_RHTD[r_n1, :, keys_nK].transpose(1, 2)  # [n, Hkv, size, D]
+        self.grid[layer][r_n1, :, keys_nK] = grid_fn(v_nHKD).transpose(1, 2)
 
 
 class RowKV:
     """The decode step on the CPU row cache: row ``s``'s token K/V written to ``kv_rows[layer, s, :, :, pos]``, then
-    its query attends over the row's first ``T`` keys (those past ``pos`` are never read into its result), the big
-    blocks below it on their kept grids (:class:`KeptValueGrids`, when given)."""
+    its query attends over the row's first ``T`` keys (those past ``pos`` are never read into its result), the values
+    below its small block on their kept grids (:class:`KeptValueGrids`, when given)."""
 
     def __init__(self, kv_rows, pos_S: torch.Tensor, T: int, kept: KeptValueGrids | None = None,
                  loads: list[int] | None = None):
         self.kv_rows, self.pos_S, self.T, self.kept = kv_rows, pos_S, T, kept
-        self.todo = kept.step(pos_S, loads) if kept is not None else ([], 0, 0)
+        self.todo = kept.step(pos_S, loads) if kept is not None else ([], [])
 
     def attend(self, layer: int, q_SHD, k_SHD, v_SHD, scale: float) -> torch.Tensor:
         S = q_SHD.shape[0]
         rows = self.kv_rows[layer]  # [R, 2, Hkv, T_max, D]
         rows[torch.arange(S), :, :, self.pos_S] = torch.stack((key_grid(k_SHD), v_SHD), 1)  # keys on their grid
         k, v = rows[:S, 0, :, : self.T], rows[:S, 1, :, : self.T]  # [S, Hkv, T, D]
-        v_big = None
+        v_kept = None
         if self.kept is not None:
-            todo, first, end = self.todo
-            if todo:  # whole blocks of these rows: the ones they passed (those past a row's own are masked there)
-                idx = torch.tensor(todo, device=rows.device)
-                self.kept.grid[layer, idx, :, first:end] = big_value_grid(rows[idx, 1, :, first:end])
-            v_big = self.kept.grid[layer, :S, :, : self.T]
-        o = attention(q_SHD[:, :, None], k, v, self.pos_S[:, None], scale, v_big_BHLD=v_big)  # [S, Hq, 1, D]
+            big, small = self.todo
+            self.kept.make(layer, rows[:, 1], big, BIG_BLOCK, big_value_grid)
+            self.kept.make(layer, rows[:, 1], small, KEY_BLOCK, small_value_grid)
+            v_kept = self.kept.grid[layer, :S, :, : self.T]
+        o = attention(q_SHD[:, :, None], k, v, self.pos_S[:, None], scale, v_kept_BHLD=v_kept)  # [S, Hq, 1, D]
         return o[:, :, 0]
 
 

@@ -256,10 +256,13 @@ def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, produ
         mp.setattr(ba, "CHUNK_BYTES", chunk)
         qpos = torch.tensor([[p] for _, _, p, _ in decodes])
         batched = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale)
-        # the big blocks' value grids kept (the engine's row cache): blocks past a query's hold stale keys' grids
-        whole = -width % ba.BIG_BLOCK
-        v_big = ba.big_value_grid(F.pad(vb, (0, 0, 0, whole)))[:, :, :width]
-        kept = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale, v_big_BHLD=v_big)
+        # the value grids kept (the engine's row cache): the big blocks' below each query's big block, the small
+        # blocks' from there on (those past its small block: stale keys' grids)
+        padded = F.pad(vb, (0, 0, 0, -width % ba.BIG_BLOCK))
+        below_big = torch.arange(width)[:, None] < (qpos - qpos % ba.BIG_BLOCK)[:, :, None, None]  # [B, 1, width, 1]
+        v_kept = torch.where(below_big, ba.big_value_grid(padded)[:, :, :width],
+                             ba.small_value_grid(padded)[:, :, :width])
+        kept = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale, v_kept_BHLD=v_kept)
     assert torch.equal(batched[:, :, 0], packed[rows])
     assert torch.equal(kept, batched)
     ref = _attention_ref(q, k, v, lengths, scale)
