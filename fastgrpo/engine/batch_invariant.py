@@ -11,7 +11,7 @@ Face modules on the same ops (``fastgrpo.algorithms.forward.packed_forward``): t
 the same order with the same dtypes, without the modules' Python layers (hooks, keyword plumbing, output capture: on
 the demo's model they cost more than the arithmetic), and with what the modules cannot share: the input grid of the
 q, k and v projections made once (as the gate's and up's), the weights' grids kept (``keep_weight_grids``: for the
-call, or for the trainer's run when it keeps them), the row cache's big-block value grids kept across decode steps
+call, or for the trainer's run when it keeps them), the row cache's value grids kept across decode steps
 (:class:`KeptValueGrids`). Every op gives a row the same value whatever else is in the call
 (exact products and sums, elementwise ops), so a token's hidden state, logits and log-prob are the trainer's, bit
 for bit, under every schedule (tests/test_bitwise.py).
