@@ -10,10 +10,13 @@ Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``:
   rollout), where the mode off runs the old-log-prob forward the mode on saves. Then the ``moe-tiny`` recipe (its
   Qwen3-MoE: 8 experts of width 64, top-2, router replay, the gap without replay measured) with one optimizer step.
 - **Generation** tokens/s of ``GenerationEngine.generate`` with ``batch_invariant`` off / on, alternating, medians:
-  the tiny recipe's model and shape, and bench_generation's ~10M-parameter Qwen2 (8 prompts × 4, 128 new tokens).
+  the tiny recipe's model and shape, and bench_generation's ~10M-parameter Qwen2 (8 prompts × 4, 128 new tokens; and
+  with 400-token prompts, 96 new: the attention over 400-500 keys).
 - **Micro rows**, each side by side in one run (medians): a projection (``F.linear`` vs the exact product, decode and
-  training row counts), attention (the trainer's CPU varlen path vs the invariant one on a packed batch; one decode
-  query per row over a cache), the log-probs (``fused_linear_logprobs``' torch path vs the invariant one).
+  training row counts), attention (the trainer's CPU varlen path vs the invariant one on packed batches of 64 to 2048
+  tokens a sequence; one decode query per row over a cache of 256, 1024 and 4096 keys, the big blocks' value grids
+  kept as the engine's row cache keeps them), the log-probs (``fused_linear_logprobs``' torch path vs the invariant
+  one).
 
 The ratio is on / off (> 1: the mode costs that much more). Rows go to ``bench/results/batch_invariant.csv``.
 """
@@ -107,16 +110,18 @@ def micro_rows(smoke: bool) -> list[dict]:
         x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
         pair("matmul x Wᵀ (weight grid kept)", f"M={M} K={K} N={N}", partial(F.linear, x, w),
              partial(bi.linear, x, w, grid=bi.weight_grid(w)))
-    for B, L in ((64, 64), (8, 512)):
+    for B, L in ((64, 64), (8, 512), (2, 2048)):
         q, k, v = (torch.randn(B * L, h, 32, generator=g) for h in (8, 2, 2))
         cu = torch.arange(0, B * L + 1, L, dtype=torch.int32)
         pair("attention, packed causal (trainer)", f"{B}x{L} tokens, Hq=8 Hkv=2 D=32",
              partial(varlen_attention_torch, q, k, v, cu, L), partial(ba.varlen_attention, q, k, v, cu, 32**-0.5))
-    S, L = 64, 256
-    q, k, v = torch.randn(S, 8, 1, 32, generator=g), torch.randn(S, 2, L, 32, generator=g), torch.randn(S, 2, L, 32)
-    pair("attention, decode step (one query per row)", f"S={S} L={L}, Hq=8 Hkv=2 D=32",
-         partial(F.scaled_dot_product_attention, q.view(S, 2, 4, 32), k, v, scale=32**-0.5),
-         partial(ba.attention, q, ba.key_grid(k), v, torch.full((S, 1), L - 1), 32**-0.5))
+    S = 64
+    for L in (256, 1024, 4096):  # the value grids kept as the engine's row cache keeps them (KeptValueGrids)
+        q, k, v = (torch.randn(S, h, n, 32, generator=g) for h, n in ((8, 1), (2, L), (2, L)))
+        kept = torch.cat((ba.big_value_grid(v[:, :, : L - 64]), ba.small_value_grid(v[:, :, L - 64 :])), 2)
+        pair("attention, decode step (one query per row)", f"S={S} L={L}, Hq=8 Hkv=2 D=32",
+             partial(F.scaled_dot_product_attention, q.view(S, 2, 4, 32), k, v, scale=32**-0.5),
+             partial(ba.attention, q, ba.key_grid(k), v, torch.full((S, 1), L - 1), 32**-0.5, v_kept_BHLD=kept))
     N, H, V = (256, 256, 16384)
     h, w, y = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 16, torch.randint(0, V, (N,))
     pair("log-probs from hidden states", f"N={N} H={H} V={V}", partial(fused_linear_logprobs, h, w, y),
@@ -136,7 +141,10 @@ def main() -> None:
               SamplingParams(n=8, temperature=1.0, max_new_tokens=8, seed=0)),
              ("~10M Qwen2 (bench_generation)", build_model(CPU_CONFIG, "cpu", torch.float32),
               make_prompts(8, 32, 64, CPU_CONFIG["vocab_size"]),
-              SamplingParams(n=4, max_new_tokens=16 if args.smoke else 128, seed=0))]
+              SamplingParams(n=4, max_new_tokens=16 if args.smoke else 128, seed=0)),
+             ("~10M Qwen2, 400-token prompts", build_model(CPU_CONFIG, "cpu", torch.float32),
+              make_prompts(8, 392, 400, CPU_CONFIG["vocab_size"]), SamplingParams(n=4, max_new_tokens=16 if args.smoke
+                                                                                  else 96, seed=0))]
     for name, model, prompts, params in cases:
         rate = generation(model, prompts, params, 1 if args.smoke else 3)
         rows.append(dict(part="generation", what=name, shape=f"{len(prompts)}x{params.n}, {params.max_new_tokens} new",

@@ -31,10 +31,14 @@ whose queries run along the positions: :func:`dense_blocks`), the same bits (tes
 Memory per call: the scores ``[B, Hq, M, L]`` in fp32 and π in fp64 (12 bytes a query-key pair), the big blocks'
 products ``[B, Hkv, L / 64, G·M, D]`` fp64 (in pieces of ``BLOCK_PRODUCTS``), the small blocks' ``[B, Hq, M, 8,
 D]``, the grids of q and v (fp64 copies). :func:`varlen_attention` splits a packed batch so that a call holds at
-most ``PAIRS_PER_CALL`` query-key pairs per head. Cost: fp64 GEMMs for the scores and the blocks (about 2x fp32
-SDPA's arithmetic there), the grids (a few elementwise passes over q and v per call), and 8 multiply-adds per
-query and feature for the query's own small block, elementwise in fp64; measured by bench/bench_batch_invariant.py
-(10-30x PyTorch's SDPA on CPU, its fused kernel being one pass). All on CPU.
+most ``PAIRS_PER_CALL`` query-key pairs per head (a long sequence's query chunks read the keys up to their end: the
+causal half of the pairs), :func:`attention` its rows so that their fp64 temporaries stay under ``CHUNK_BYTES``
+(16 MiB: glibc serves 32 MiB and more fresh from the OS, zero-filled on first touch, 5x slower a byte). Cost: fp64
+GEMMs for the scores and the blocks (about 2x fp32 SDPA's arithmetic there), the fp64 copies of K and V, the grids
+(a few elementwise passes over q and v per call; the engine's row cache keeps the values' grids, ``v_kept``), and
+8 multiply-adds per query and feature for the query's own small block, elementwise in fp64;
+measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). All on
+CPU.
 
 Shape legend: B sequences, M queries each, L keys each (padded to a multiple of BK), Hq/Hkv heads, G = Hq / Hkv,
 D head dim, T packed tokens.
@@ -54,8 +58,11 @@ KEY_BLOCK = 8  # keys per small block: exact products inside a big block; the qu
 PROB_BITS = 24  # π = round(P · 2^24): the probabilities' grid
 VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(KEY_BLOCK))  # 26: the values' grid in a small block's product
 BIG_VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(BIG_BLOCK))  # 23: in a big block's
-PAIRS_PER_CALL = 1 << 18  # query-key pairs per head in one call of varlen_attention (12 bytes each: 3 MiB a head)
-BLOCK_PRODUCTS = 1 << 22  # fp64 entries of the blocks' products held at once (32 MiB)
+PAIRS_PER_CALL = 1 << 16  # query-key pairs per head in one call of varlen_attention (12 bytes each: 768 KiB a head);
+# a long sequence's queries go in chunks that read the keys up to the chunk's end only (about half the pairs)
+BLOCK_PRODUCTS = 1 << 21  # fp64 entries of the blocks' products held at once (16 MiB)
+CHUNK_BYTES = 16 << 20  # fp64 bytes of a call's per-row temporaries (K, V, scores, π) computed at once: rows in chunks
+# (glibc hands a block of 32 MiB or more straight from the OS, zero-filled page by page on first touch: 5x the time)
 
 
 def key_grid(k: torch.Tensor) -> torch.Tensor:
@@ -66,7 +73,7 @@ def key_grid(k: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor,
-              scale: float, dense_from: int | None = None) -> torch.Tensor:
+              scale: float, dense_from: int | None = None, v_kept_BHLD: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries ``q [B, Hq, M, D]`` at positions ``qpos [B, M]`` over their sequence's keys
     ``k, v [B, Hkv, L, D]`` (key ``j`` at position ``j``; a query at ``p`` reads keys ``0..p``, ``p < L``; ``k`` on
     its grid, :func:`key_grid`), as the module docstring computes it. Returns ``[B, Hq, M, D]`` in ``q``'s dtype.
@@ -74,14 +81,26 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
 
     ``dense_from``: the queries of every row are the positions ``dense_from + [0, M)`` with ``dense_from`` a multiple
     of ``BIG_BLOCK`` (a packed forward's): their own big and small blocks are then read by reshaping
-    (:func:`dense_blocks`) instead of by index per query; the same numbers."""
+    (:func:`dense_blocks`) instead of by index per query; the same numbers.
+
+    ``v_kept``: the values on the grids each query reads them on, kept by the engine with its row cache and read as
+    they are instead of made again (the same numbers): its big blocks' below its own big block
+    (:func:`big_value_grid`), its own big block's small blocks below its own small block (:func:`small_value_grid`);
+    any finite values past those."""
     B, Hq, M, D = q_BHMD.shape
     Hkv, L = k_BHLD.shape[1], k_BHLD.shape[2]
+    rows = max(1, CHUNK_BYTES // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
+    if B > rows:  # a row's result is its own: chunks of rows keep the temporaries in the allocator's reused memory
+        return torch.cat([attention(q_BHMD[b : b + rows], k_BHLD[b : b + rows], v_BHLD[b : b + rows],
+                                    qpos_BM[b : b + rows], scale, dense_from,
+                                    None if v_kept_BHLD is None else v_kept_BHLD[b : b + rows])
+                          for b in range(0, B, rows)])
     G, BK = Hq // Hkv, KEY_BLOCK
     Lp = -(-L // BK) * BK
     if Lp != L:  # zero keys: a masked key's value must be finite
         pad = (0, 0, 0, Lp - L)
         k_BHLD, v_BHLD = torch.nn.functional.pad(k_BHLD, pad), torch.nn.functional.pad(v_BHLD, pad)
+        v_kept_BHLD = None if v_kept_BHLD is None else torch.nn.functional.pad(v_kept_BHLD, pad)
     R = G * M  # the G query heads of a kv head as G·M rows
     pos_B1R1 = qpos_BM.repeat(1, G).view(B, 1, R, 1)
     keys_L = torch.arange(Lp, device=q_BHMD.device)
@@ -94,20 +113,43 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     pi_BHRL = p_BHRL.round_().double()  # integers up to 2^24: exact in fp32
     del p_BHRL
     l_BHR1 = pi_BHRL.sum(-1, keepdim=True)  # exact: integers, at most Lp · 2^24
-    out = big_blocks(pi_BHRL, v_BHLD, pos_B1R1 - pos_B1R1 % BIG_BLOCK)
+    out = big_blocks(pi_BHRL, v_BHLD, pos_B1R1 - pos_B1R1 % BIG_BLOCK, v_kept_BHLD)
     if dense_from is not None:
         small, diagonal = dense_blocks(pi_BHRL, v_BHLD, dense_from, M)
     else:
-        small, diagonal = small_blocks(pi_BHRL, v_BHLD, qpos_BM), diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
+        small = small_blocks(pi_BHRL, v_BHLD, qpos_BM, v_kept_BHLD)
+        diagonal = diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
     return out.add_(small).add_(diagonal).div_(l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)  # ((S₁ + S₂) + Δ) / l
 
 
-def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Tensor) -> torch.Tensor:
+def big_value_grid(v_BHLD: torch.Tensor) -> torch.Tensor:
+    """Values of whole big blocks (``L`` a multiple of ``BIG_BLOCK``) on their grids, per (big block, feature) of
+    ``BIG_VALUE_BITS``, in fp32: exact (a value rounded onto a power-of-two grid coarser than its own spacing keeps
+    fewer significant bits, one on a finer grid is unchanged), so an fp32 copy kept for later calls reads back as the
+    grid :func:`big_blocks` makes. ``[B, Hkv, L, D]``."""
+    return _value_grid(v_BHLD, BIG_BLOCK, BIG_VALUE_BITS)
+
+
+def small_value_grid(v_BHLD: torch.Tensor) -> torch.Tensor:
+    """:func:`big_value_grid` of small blocks (``KEY_BLOCK`` keys, ``VALUE_BITS``): the grid :func:`small_blocks`
+    makes, in fp32 (exact alike). ``[B, Hkv, L, D]``, ``L`` a multiple of ``KEY_BLOCK``."""
+    return _value_grid(v_BHLD, KEY_BLOCK, VALUE_BITS)
+
+
+def _value_grid(v_BHLD: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    B, Hkv, L, D = v_BHLD.shape
+    return to_grid(v_BHLD.reshape(B, Hkv, L // block, block, D), -2, bits).float().view(B, Hkv, L, D)
+
+
+def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Tensor,
+               v_kept_BHLD: torch.Tensor | None = None) -> torch.Tensor:
     """``S₁ = ((0 + O_0) + O_1) + …``: the big blocks of ``BIG_BLOCK`` keys below each query's (``start``), each
     ``O_b = Σ_{j ∈ b} π_j ṽ_j`` exact (``v`` on a per-(block, feature) grid of ``BIG_VALUE_BITS``: 24 + 23 + 6 ≤ 53
     bits), then left to right (the blocks at and past the query's contribute exact zeros), in products of
-    at most ``BLOCK_PRODUCTS`` entries. Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
-    Every "left to right" here and below is a loop of additions from 0 (``cumsum`` would write every prefix)."""
+    at most ``BLOCK_PRODUCTS`` entries (``v_kept``: ``ṽ`` kept, :func:`big_value_grid`, valid in every block below
+    each query's). Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
+    Every "left to right" here and below is a loop of additions from 0 (here ``cumsum``'s, which writes every prefix:
+    one op instead of one per block, a decode step over 4096 keys has 64)."""
     B, Hkv, R, Lp = pi_BHRL.shape
     D, nb = v_BHLD.shape[-1], Lp // BIG_BLOCK
     out_BHRD = pi_BHRL.new_zeros(B, Hkv, R, D)
@@ -116,12 +158,16 @@ def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Te
     keys = torch.arange(nb * BIG_BLOCK, device=pi_BHRL.device)
     full = pi_BHRL[..., : nb * BIG_BLOCK].masked_fill(keys >= start_B1R1, 0.0)
     full = full.view(B, Hkv, R, nb, BIG_BLOCK).transpose(2, 3)  # [B, Hkv, nb, R, BB]
-    v_tilde = to_grid(v_BHLD[:, :, : nb * BIG_BLOCK].reshape(B, Hkv, nb, BIG_BLOCK, D), -2, BIG_VALUE_BITS)
+    if v_kept_BHLD is not None:  # kept on their grids (:func:`big_value_grid`)
+        v_tilde = v_kept_BHLD[:, :, : nb * BIG_BLOCK].double().reshape(B, Hkv, nb, BIG_BLOCK, D)
+    else:
+        v_tilde = to_grid(v_BHLD[:, :, : nb * BIG_BLOCK].reshape(B, Hkv, nb, BIG_BLOCK, D), -2, BIG_VALUE_BITS)
     step = max(1, BLOCK_PRODUCTS // max(B * Hkv * R * D, 1))  # blocks per product: bounds [B, Hkv, step, R, D]
     for b0 in range(0, nb, step):
         blocks = torch.matmul(full[:, :, b0 : b0 + step], v_tilde[:, :, b0 : b0 + step])  # [B, Hkv, step, R, D]
-        for b in range(blocks.shape[2]):
-            out_BHRD += blocks[:, :, b]
+        if b0:  # the running sum first: cumsum adds left to right from 0 (self_check), so its last is the loop's
+            blocks = torch.cat((out_BHRD[:, :, None], blocks), 2)
+        out_BHRD = blocks.cumsum(2)[:, :, -1].contiguous()
     return out_BHRD
 
 
@@ -135,13 +181,20 @@ def _whole_big_blocks(x: torch.Tensor, dim: int, size: int = BIG_BLOCK) -> torch
     return torch.nn.functional.pad(x, pad)
 
 
-def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor) -> torch.Tensor:
+def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor,
+                 v_kept_BHLD: torch.Tensor | None = None) -> torch.Tensor:
     """``S₂ = ((0 + O'_0) + O'_1) + … + O'_7``: the ``KEY_BLOCK``-key blocks of each query's big block, below the
     block that holds the query (the others contribute exact zeros), each exact (``v`` on a per-(small block,
     feature) grid of ``VALUE_BITS``: 24 + 26 + 3 ≤ 53 bits), left to right. Per query its own big block is picked by
     index: at once when ``[B, M, Hkv, BIG_BLOCK, D]`` fits ``BLOCK_PRODUCTS`` (a decode step), else one small block
-    at a time; with no key past the first big block, its small blocks are all the keys' (no index). ``[B, Hkv, R,
-    D]`` fp64."""
+    at a time; with no key past the first big block, its small blocks are all the keys' (no index). ``v_kept``:
+    those values kept on their grids (:func:`small_value_grid`), read as they are. ``[B, Hkv, R, D]`` fp64."""
+    kept = v_kept_BHLD is not None
+    v_BHLD = v_kept_BHLD if kept else v_BHLD
+
+    def grid(v: torch.Tensor, dim: int) -> torch.Tensor:  # the small blocks' grids: kept, or made here
+        return v.double() if kept else to_grid(v, dim, VALUE_BITS)
+
     B, Hkv, R, Lp = pi_BHRL.shape
     M, D, BK = qpos_BM.shape[1], v_BHLD.shape[-1], KEY_BLOCK
     G = R // M
@@ -150,7 +203,7 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         below = torch.arange(nsb, device=qpos_BM.device) < (qpos_BM // BK)[..., None]  # [B, M, nsb]
         pi_s = pi_BHRL.view(B, Hkv, G, M, nsb, BK).masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0)
         parts = torch.matmul(pi_s.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nsb, R, BK),
-                             to_grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2, VALUE_BITS))  # [B, Hkv, nsb, R, D]
+                             grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2))  # [B, Hkv, nsb, R, D]
         out = pi_BHRL.new_zeros(B, Hkv, R, D)
         for i in range(nsb):
             out += parts[:, :, i]
@@ -164,7 +217,7 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         # its big block's keys by index, those past the keys clamped: they lie past the query (π = 0 there)
         keys_BMK = (base_BM[..., None] + torch.arange(BIG_BLOCK, device=qpos_BM.device)).clamp_(max=Lp - 1)
         v_own = v_BHLD.transpose(1, 2)[rows_B1[..., None], keys_BMK]  # [B, M, BB, Hkv, D]
-        v_tilde = to_grid(v_own.view(B, M, nsb, BK, Hkv, D), -3, VALUE_BITS).permute(0, 4, 1, 2, 3, 5)
+        v_tilde = grid(v_own.view(B, M, nsb, BK, Hkv, D), -3).permute(0, 4, 1, 2, 3, 5)
         pi_own = pi_BHRL.view(B, Hkv, G, M, Lp).gather(4, keys_BMK.view(B, 1, 1, M, BIG_BLOCK).expand(
             B, Hkv, G, M, BIG_BLOCK)).view(B, Hkv, G, M, nsb, BK)
         below = torch.arange(nsb, device=qpos_BM.device) < below_BM[..., None]  # [B, M, nsb]
@@ -179,7 +232,7 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
     pi_BHGMSK = pi_BHRL.view(B, Hkv, G, M, Lp // BK, BK)
     for i in range(nsb):
         block_BM = base_BM // BK + i
-        v_tilde = to_grid(v_BSHKD[rows_B1, block_BM], -2, VALUE_BITS).transpose(1, 2)  # [B, Hkv, M, BK, D]
+        v_tilde = grid(v_BSHKD[rows_B1, block_BM], -2).transpose(1, 2)  # [B, Hkv, M, BK, D]
         pi_i = pi_BHGMSK.gather(4, block_BM.view(B, 1, 1, M, 1, 1).expand(B, Hkv, G, M, 1, BK)).squeeze(4)
         pi_i = pi_i.masked_fill((i >= below_BM).view(B, 1, 1, M, 1), 0.0)  # [B, Hkv, G, M, BK]
         out += torch.matmul(pi_i.permute(0, 1, 3, 2, 4), v_tilde)  # [B, Hkv, M, G, D], exact per query

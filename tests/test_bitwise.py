@@ -21,7 +21,7 @@ import torch
 from fastgrpo.kernels.batch_invariant import invariant_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_generation import MOE_ARCH, random_prompts, tiny_model
+from test_generation import ARCHS, MOE_ARCH, random_prompts, tiny_model
 from test_generation_fidelity import cases, engine_for, run_turns, turn_cases
 from test_lora import random_lora
 from turn_script import CharTokenizer
@@ -144,6 +144,28 @@ def test_engine_logprobs_equal_the_trainers_bit_for_bit(case):
 @given(bitwise_cases(cases(max_prompts=6, max_samples=64), max_threads=2))
 def test_engine_logprobs_equal_the_trainers_sweep(case):
     check_bitwise(*case)
+
+
+@st.composite
+def long_cases(draw):
+    """Sequences past several big blocks of the attention (64 keys): the row cache's kept value grids
+    (``KeptValueGrids``) made as the rows pass a block and made again when a row is loaded anew (rows change hands:
+    a small batch, preemption with few spare pages), against the pages' path and the trainer."""
+    P = draw(st.integers(1, 3))
+    lengths = draw(st.lists(st.integers(1, 90), min_size=P, max_size=P))
+    params = SamplingParams(n=draw(st.integers(1, 3)), temperature=1.0, max_new_tokens=draw(st.integers(60, 150)),
+                            seed=draw(st.integers(0, 2**20)))
+    schedules = [dict(max_batch_size=draw(st.integers(1, 4)), sync_every=draw(st.sampled_from([1, 3])),
+                      page_size=draw(st.sampled_from([3, 16])), spare_pages=draw(st.sampled_from([None, 0, 2])),
+                      row_cache=row_cache) for row_cache in (True, False)]
+    return (draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, schedules), \
+        draw(st.sampled_from([torch.float32, torch.bfloat16])), 1, 1, draw(st.sampled_from([64, 4096]))
+
+
+@settings(max_examples=3, deadline=None)
+@given(long_cases())
+def test_long_sequences_logprobs_equal_the_trainers(case):
+    check_bitwise(*case, changes=dict(max_position_embeddings=256))
 
 
 def moe_cases(**kwargs):

@@ -22,6 +22,7 @@ class KVCache:
 
     kv: torch.Tensor  # [L, 2, Hkv, pages, page_size, D]: [:, 0] keys, [:, 1] values
     work: Workspace | None = None
+    loads: list[int] | None = None  # per row of the row cache: how many times RowCache loaded it (new contents)
 
     @property
     def k(self) -> torch.Tensor:
@@ -58,6 +59,7 @@ class RowCache:
 
     def __init__(self, cache: KVCache, R: int):
         self.cache = cache
+        cache.loads = [0] * R
         self.owner: list = [None] * R
         self.loaded_at = [0] * R
 
@@ -77,6 +79,7 @@ class RowCache:
         for row, pos in zip(rows, pos_R[idx].tolist()):
             self.owner[row] = running[row]
             self.loaded_at[row] = pos
+            cache.loads[row] += 1
         pages_NP = table_RP[idx, :n_pages].long()
         L, _, Hkv, _, ps, D = cache.kv.shape
         T = n_pages * ps

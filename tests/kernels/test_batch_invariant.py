@@ -212,11 +212,12 @@ def _attention_ref(q, k, v, lengths, scale):
 @given(lengths=st.lists(st.integers(1, 150), min_size=1, max_size=4), heads=st.sampled_from([(1, 1), (4, 2), (6, 2)]),
        D=st.sampled_from([4, 8, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        pairs=st.sampled_from([ba.PAIRS_PER_CALL, 60]), products=st.sampled_from([ba.BLOCK_PRODUCTS, 30]),
-       seed=st.integers(0, 1000))
-def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, products, seed):
+       chunk=st.sampled_from([ba.CHUNK_BYTES, 0]), seed=st.integers(0, 1000))
+def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, products, chunk, seed):
     """The packed forward's attention of a token equals the same sequence's alone, the decode step's (one query,
     keys up to its position read from a cache padded with other finite values), and another split of the work
-    (``PAIRS_PER_CALL``, ``BLOCK_PRODUCTS``: query chunks, block chunks, the diagonal key by key)."""
+    (``PAIRS_PER_CALL``, ``BLOCK_PRODUCTS``, ``CHUNK_BYTES``: query chunks, block chunks and the running sum carried
+    between them, one row a call, the diagonal key by key)."""
     Hq, Hkv = heads
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
@@ -229,10 +230,12 @@ def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, produ
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ba, "PAIRS_PER_CALL", pairs)
         mp.setattr(ba, "BLOCK_PRODUCTS", products)
+        mp.setattr(ba, "CHUNK_BYTES", chunk)
         assert torch.equal(ba.varlen_attention(q, k, v, cu, scale), packed)
     perm = torch.randperm(D, generator=g)  # the scores are exact: the order of the head dims does not matter
     assert torch.equal(ba.varlen_attention(q[..., perm], k[..., perm], v, cu, scale), packed)
     k_grid = ba.key_grid(k)
+    decodes = []  # (cache K, cache V, position, the packed forward's row) of each sequence
     for i, n in enumerate(lengths):
         s = int(cu[i])
         alone = ba.varlen_attention(q[s : s + n], k[s : s + n], v[s : s + n], torch.tensor([0, n], dtype=torch.int32),
@@ -244,6 +247,24 @@ def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, produ
         kc[0, :, : p + 1], vc[0, :, : p + 1] = k_grid[s : s + p + 1].transpose(0, 1), v[s : s + p + 1].transpose(0, 1)
         one = ba.attention(q[s + p][None, :, None], kc, vc, torch.tensor([[p]]), scale)
         assert torch.equal(one[0, :, 0], packed[s + p])
+        decodes.append((kc[0], vc[0], p, s + p))
+    # one batched decode step over every sequence's cache (rows at other positions, zero-padded to the widest)
+    width = max(kc.shape[1] for kc, _, _, _ in decodes)
+    kb, vb = (torch.stack([F.pad(d[j], (0, 0, 0, width - d[j].shape[1])) for d in decodes]) for j in (0, 1))
+    rows = [t for _, _, _, t in decodes]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ba, "CHUNK_BYTES", chunk)
+        qpos = torch.tensor([[p] for _, _, p, _ in decodes])
+        batched = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale)
+        # the value grids kept (the engine's row cache): the big blocks' below each query's big block, the small
+        # blocks' from there on (those past its small block: stale keys' grids)
+        padded = F.pad(vb, (0, 0, 0, -width % ba.BIG_BLOCK))
+        below_big = torch.arange(width)[:, None] < (qpos - qpos % ba.BIG_BLOCK)[:, :, None, None]  # [B, 1, width, 1]
+        v_kept = torch.where(below_big, ba.big_value_grid(padded)[:, :, :width],
+                             ba.small_value_grid(padded)[:, :, :width])
+        kept = ba.attention(q[rows][:, :, None], kb, vb, qpos, scale, v_kept_BHLD=v_kept)
+    assert torch.equal(batched[:, :, 0], packed[rows])
+    assert torch.equal(kept, batched)
     ref = _attention_ref(q, k, v, lengths, scale)
     qd, kd, vd = q.double(), k.double(), v.double()
     bits = min(bi.product_bits(D), 24)
