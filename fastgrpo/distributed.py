@@ -233,9 +233,10 @@ def reduce_metrics(
     Each key is reduced with ``ops[key]`` when given, else by its suffix (``/max`` → max, ``/min`` → min,
     ``/sum`` → sum), else with ``op``. ``mean`` is the unweighted mean of the per-rank values (give counts as
     ``/sum`` keys and divide yourself when ranks hold different numbers of items). Every rank must pass the same
-    keys (checked: a mismatch raises ``ValueError`` on every rank). Implementation: all ranks' values are
-    all-gathered as one ``[world, 1 + K]`` float64 tensor (column 0: a checksum of the key names) and reduced
-    locally, so mixed ops cost a single collective. Values may be python numbers or 0-d tensors on any device.
+    keys (checked: a mismatch raises ``ValueError`` on every rank, also when their numbers of keys differ).
+    Implementation: two all-gathers, whatever the ops: each rank's ``[checksum of the key names, K]`` (so that ranks
+    that disagree raise before a gather of unequal sizes, which gloo and NCCL cannot do), then all ranks' values as
+    one ``[world, K]`` float64 tensor, reduced locally. Values may be python numbers or 0-d tensors on any device.
     """
     _check_op(op)
     keys = sorted(metrics)
@@ -254,21 +255,24 @@ def reduce_metrics(
         device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
         # sync: one read-back of all the values together (the caller wants floats for logging).
         return dict(zip(keys, _stack(values, device).tolist()))
-    # Column 0 is a checksum of the key names, so ranks that disagree on the keys fail loudly, not silently.
-    checksum = float(zlib.crc32("\0".join(keys).encode()))
-    local = _stack([checksum, *values], _collective_device())  # [1 + K]
+    # The key names' checksum and count first: ranks that disagree on the keys fail loudly, not in the gather.
+    header = torch.tensor([float(zlib.crc32("\0".join(keys).encode())), float(len(keys))], dtype=torch.float64,
+                          device=_collective_device())
+    headers = [torch.empty_like(header) for _ in range(dist.get_world_size())]
+    dist.all_gather(headers, header)
+    # sync: two numbers per rank, read once per call (the values' gather needs to know they agree).
+    if any(not torch.equal(h, header.cpu()) for h in torch.stack(headers).cpu()):
+        raise ValueError(f"metrics must have the same keys on every rank; rank {dist.get_rank()} has {keys}")
+    if not keys:
+        return {}
+    local = _stack(values, _collective_device())  # [K]
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    table = torch.stack(gathered)  # [world, 1 + K]
+    table = torch.stack(gathered)  # [world, K]
     reducers = {"sum": lambda c: c.sum(), "mean": lambda c: c.mean(), "max": lambda c: c.max(),
                 "min": lambda c: c.min()}
-    out = torch.stack([table[:, 0].min(), table[:, 0].max(),
-                       *[reducers[o](table[:, 1 + j]) for j, o in enumerate(key_ops)]])
     # sync: the reduced metrics are read back once per call, for logging.
-    lo, hi, *reduced = out.tolist()
-    if lo != hi:
-        raise ValueError(f"metrics must have the same keys on every rank; rank {dist.get_rank()} has {keys}")
-    return dict(zip(keys, reduced))
+    return dict(zip(keys, torch.stack([reducers[o](table[:, j]) for j, o in enumerate(key_ops)]).tolist()))
 
 
 def _stack(values: list, device: torch.device) -> torch.Tensor:

@@ -238,6 +238,11 @@ def _worker(out_dir: Path) -> None:
         report["mismatch"] = "no error"
     except ValueError as e:
         report["mismatch"] = str(e)
+    try:  # rank 1 has a key more: the values' gather would be of unequal sizes (gloo aborts the process)
+        D.reduce_metrics({"a": 1.0, **({"b": 2.0} if r == 1 else {})})
+        report["count_mismatch"] = "no error"
+    except ValueError as e:
+        report["count_mismatch"] = str(e)
     report["broadcast"] = D.broadcast_object({"seed": 1234, "rows": [1, 2]} if r == 0 else None)
     report["broadcast_src1"] = D.broadcast_object(f"from {r}", src=1)
 
@@ -304,6 +309,7 @@ def test_two_processes_gloo(tmp_path):
         assert list(rep["metrics"]) == sorted(rep["metrics"])
         assert rep["metrics_ops"] == {"a": 0.0, "b": 1.0}
         assert rep["mismatch"].startswith("metrics must have the same keys on every rank")
+        assert rep["count_mismatch"].startswith("metrics must have the same keys on every rank")
         assert rep["broadcast"] == {"seed": 1234, "rows": [1, 2]}
         assert rep["broadcast_src1"] == "from 1"
         assert rep["ddp_unwrap_type"] == "Tiny" and rep["ddp_init_equal"]
