@@ -174,7 +174,7 @@ def async_steps(engine, params, prompts: list[list[int]], steps: int, per_step: 
                 raise RuntimeError("the workload ran out of prompts: raise its size")
             live.update(session.add(prompts[added : added + top_up]))
             added += top_up
-            step["buffer"] = len(live)
+            step["buffer"] = session.in_flight + len(ready)  # counted by the session, not by the rule's own set
             step["left_tokens"] = session.in_flight_tokens + sum(map(group_tokens, ready.values()))
             step["wall_s"] = time.perf_counter() - start
             yield step
