@@ -146,7 +146,8 @@ def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Te
     """``S₁ = ((0 + O_0) + O_1) + …``: the big blocks of ``BIG_BLOCK`` keys below each query's (``start``), each
     ``O_b = Σ_{j ∈ b} π_j ṽ_j`` exact (``v`` on a per-(block, feature) grid of ``BIG_VALUE_BITS``: 24 + 23 + 6 ≤ 53
     bits), then left to right (the blocks at and past the query's contribute exact zeros), in products of
-    at most ``BLOCK_PRODUCTS`` entries (``v_kept``: ``ṽ`` kept, :func:`big_value_grid`, valid in every block below
+    at most ``BLOCK_PRODUCTS`` entries (with the running sum's ``cat`` and their ``cumsum``, about three times that
+    held at once: 48 MiB; ``v_kept``: ``ṽ`` kept, :func:`big_value_grid`, valid in every block below
     each query's). Only whole big blocks count (a query's are below it). ``[B, Hkv, R, D]``.
     Every "left to right" here and below is a loop of additions from 0 (here ``cumsum``'s, which writes every prefix:
     one op instead of one per block, a decode step over 4096 keys has 64)."""

@@ -107,7 +107,9 @@ class KeptValueGrids:
     small block every 8 steps, a big block every 64, which then replaces its small blocks' grids), and all of a row's
     again when ``RowCache`` has loaded it anew (``KVCache.loads``: its keys and values were replaced; the decode
     step's own writes only append). Past ``small[r]`` a row may hold another row's or sequence's grids: finite values
-    the attention masks."""
+    the attention masks. Memory: made (zero-filled) at each ``generate`` call and each session ``run`` that uses the
+    row cache, it adds half an fp32 row cache's bytes, a bf16 one's own bytes: the mode's CPU K/V then takes up to
+    1.5x (fp32) or 2x (bf16) the row cache (``fastgrpo.engine.workspace.make_workspace`` sizes the row cache alone)."""
 
     def __init__(self, kv_rows: torch.Tensor, loads: list[int]):
         L, R, _, Hkv, T, D = kv_rows.shape
