@@ -118,7 +118,8 @@ class _Live:
 
 
 class EnvTurns:
-    """The engine's TurnHandler for the rows of one rollout (``n`` samples each) over ``pool``.
+    """The engine's TurnHandler for the rows of one rollout (``n`` samples each) over ``pool``, or for those of a
+    generation session, added over time (:meth:`add`, :meth:`take_group`: the module docstring).
 
     ``template``: a :class:`fastgrpo.environments.chat.ChatTemplate` built with ``pool.schemas()``, or a dict of them by
     environment name (a dict of factories exposes each environment's own tools). ``rows``: the dataset rows; the
