@@ -112,7 +112,7 @@ MT = [f"grpo.num_prompts_per_step={P}", f"grpo.num_generations={G}", "sft.warmup
       f"grpo.async_grpo.max_trajectory_age_steps={AGE}", "data.shuffle=false",
       "env.environment_factory=test_async_multiturn:CountTurns", f"env.reward_weight={WEIGHT}",
       "reward.functions=[test_async_multiturn:parity]", "rollout.max_turns=4", "rollout.max_new_tokens=6",
-      "rollout.max_sequence_tokens=0", "rollout.max_batch_size=5", "rollout.stop_strings=[e,a,o,' ',t,i,n]",
+      "rollout.max_sequence_tokens=0", "rollout.max_batch_size=24", "rollout.stop_strings=[e,a,o,' ',t,i,n]",
       "logging.log_rollouts=true"]
 
 
@@ -176,6 +176,11 @@ def test_async_multi_turn_run_trains_in_order_with_the_synchronous_rewards(tmp_p
     assert max(r["env/turns/max"] for r in rows) > 1
     # in order: the i-th group trained is the i-th row of the data stream (no group was dropped)
     assert all(data.rows[i]["prompt"] in prompt for i, prompt in enumerate(trained))
+    # the steps' generation/ counts add up to the session's totals (engine.last_stats once it closed): each step
+    # counts all of its session runs
+    totals = trainer.ctx.engine.last_stats
+    assert sum(r["generation/decode_steps/max"] for r in rows) == totals["decode_steps"]
+    assert sum(r["generation/resume_prefill_tokens/sum"] for r in rows) == totals["resume_prefill_tokens"] > 0
     for samples in seen:  # the loss mask: 1 on exactly the sampled tokens
         for s in samples:
             runs = mask_runs(s.loss_mask, 0)

@@ -119,6 +119,7 @@ import torch
 from fastgrpo.algorithms.advantages import scale_rewards
 from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
 from fastgrpo.distributed import all_reduce, full_weights, is_fsdp, print0
+from fastgrpo.engine.session import RUN_COUNTS
 from fastgrpo.engine.snapshot import completion_from_state, completion_state
 from fastgrpo.rewards import RewardResult, add_faults
 
@@ -300,6 +301,7 @@ class AsyncRollout:
             self._add(indices)
             topup = self._top_up(age)
             stale = extra = zero_std = 0
+            runs = dict.fromkeys(RUN_COUNTS, 0)  # the counts of the step's session runs
             while True:
                 version = self.session.version
                 fresh = [x for x in self.ready if version - oldest_version(x[1]) <= age]
@@ -311,6 +313,8 @@ class AsyncRollout:
                 starving = len(due) < self.share  # dynamic sampling's drops left fewer live groups than the step
                 if missing and not starving:
                     got, dropped = self._collect(self.session.run(missing), faults)
+                    for k in RUN_COUNTS:  # engine.last_stats holds the last run's counts only
+                        runs[k] += t.engine.last_stats.get(k, 0)
                     zero_std += dropped
                     for key, value in got.items():
                         times[key] = times.get(key, 0.0) + value
@@ -326,6 +330,8 @@ class AsyncRollout:
                         "the policy neither always solves nor always fails")
                 self._add(t.sampler.next(self.grpo.rows_per_step))
                 extra += 1
+        if t.engine.last_stats:  # the generation/ metrics count every run of the step (the peaks: the session's)
+            t.engine.last_stats = {**t.engine.last_stats, **runs}
         trained = set(due)
         chosen = sorted((x for x in self.ready if x[0] in trained), key=lambda x: x[0])  # in key order
         self.ready = [x for x in self.ready if x[0] not in trained]
