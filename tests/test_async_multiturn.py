@@ -10,7 +10,8 @@ another pause.
   logged trajectory's reward is the reward function on its transcript plus ``env.reward_weight`` × the
   environment's reward, both recomputed from the log (the environment's in closed form from the engine's turn count
   and finish reason); the env/ metrics are those of the trained trajectories; the loss mask is 1 on exactly the
-  sampled tokens (the observations, mask 0, decode to the environment's text and nothing else does).
+  sampled tokens (the observations, mask 0, decode to the environment's text and nothing else does); each step's
+  generation/ counts add all of its session runs. The same with the K/V recomputed after each update (slow tier).
 - **Checkpoints.** The environments' instances cannot be saved: a resumed run starts a new session, says how many
   groups it did not train, and goes on under the same rules.
 """
@@ -18,6 +19,7 @@ another pause.
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from checks import one_thread  # noqa: F401  (an autouse fixture)
 from hypothesis import given, settings
@@ -136,7 +138,8 @@ def logged(run_dir: Path, step: int) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step:08d}.jsonl").read_text().splitlines()]
 
 
-def test_async_multi_turn_run_trains_in_order_with_the_synchronous_rewards(tmp_path):
+@pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_async_multi_turn_run_trains_in_order_with_the_synchronous_rewards(tmp_path, recompute):
     steps = 4
     seen = []
 
@@ -151,7 +154,7 @@ def test_async_multi_turn_run_trains_in_order_with_the_synchronous_rewards(tmp_p
         trainer.algorithm.rollout = recording
 
     trainer = fit(f"train.max_steps={steps}", "checkpoint.every_steps=0", f"logging.output_dir={tmp_path}",
-                  inspect=capture)
+                  f"grpo.async_grpo.recompute_kv_cache_after_weight_updates={str(recompute).lower()}", inspect=capture)
     tok, data = trainer.tokenizer, trainer.algorithm.train_data
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
