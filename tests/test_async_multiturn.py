@@ -17,6 +17,7 @@ another pause.
 """
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,6 @@ def fit(*overrides, inspect=None):
 
 
 def logged(run_dir: Path, step: int) -> list[dict]:
-    import json
-
     return [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step:08d}.jsonl").read_text().splitlines()]
 
 
@@ -232,3 +231,27 @@ def test_a_resumed_multi_turn_run_starts_a_new_session_and_says_so(tmp_path, cap
     for r in rows[1:]:
         assert r["async/age_max"] <= AGE and r["async/dropped_stale"] == 0 and r["env/turns/max"] >= 1
         assert len(logged(tmp_path, r["step"])) == P * G
+
+
+@pytest.mark.slow  # 2 torchrun processes
+def test_two_processes_each_run_their_own_environments(tmp_path):
+    """2 ranks, each with its own session and turn handler (its own reward worker): every step logs each rank's
+    share of the groups, the ages within the bound, and each trajectory's reward by the synchronous rule."""
+    from test_async_grpo import torchrun
+
+    from fastgrpo.models.loading import build_tiny_tokenizer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    torchrun(run_dir, *MT, "grpo.num_prompts_per_step=4", "train.max_steps=3", "checkpoint.every_steps=0")
+    tok = build_tiny_tokenizer()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["async/age_max"] <= AGE for r in rows)
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            log = [json.loads(x) for x in
+                   (run_dir / "rollouts" / f"step_{step:08d}.rank{rank}.jsonl").read_text().splitlines()]
+            assert len(log) == 2 * G
+            for x in log:
+                assert x["rewards"]["env"] == sum(len(t) % 2 for t in stepped_turns(x, tok))
+                assert x["reward"] == x["rewards"]["parity"] + WEIGHT * x["rewards"]["env"]

@@ -330,6 +330,8 @@ class AsyncRollout:
                         "the policy neither always solves nor always fails")
                 self._add(t.sampler.next(self.grpo.rows_per_step))
                 extra += 1
+        if not times and self.grpo.rewards is not None:  # nothing scored on this rank this step (its due groups had
+            times = self.grpo.rewards.gather()[1]  # finished before): the pool's time keys, as every rank logs them
         if t.engine.last_stats:  # the generation/ metrics count every run of the step (the peaks: the session's)
             t.engine.last_stats = {**t.engine.last_stats, **runs}
         trained = set(due)
