@@ -1135,8 +1135,7 @@ class Config:
              "policies' tokens (e.g. token_truncate, NeMo-RL's tis) with grpo.async_grpo.enabled"),
             ("reward.models", "set", self.grpo.use_dynamic_sampling and bool(self.reward.models or self.reward.judges),
              "and reward.judges are not supported with async GRPO and grpo.use_dynamic_sampling (a group's signal is "
-             "decided when it finishes, before the model rewards score the step's groups)"),
-            ("env", "enabled", self.env.enabled, "multi-turn environments are not supported with async GRPO")]
+             "decided when it finishes, before the model rewards score the step's groups)")]
         for name, value, bad, message in checks:
             if bad:
                 _fail(name, message, value)

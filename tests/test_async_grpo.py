@@ -231,7 +231,8 @@ class ScriptedEngine:
     def __init__(self, tok, durations, ties=(False,)):
         self.tok, self.durations, self.ties, self.last_stats, self.sessions = tok, durations, ties, {}, []
 
-    def session(self, params, *, max_prompt_tokens, on_group_done, moving_weights):
+    def session(self, params, *, max_prompt_tokens, on_group_done, moving_weights, turns=None):
+        assert turns is None  # single-turn (multi-turn: tests/test_async_multiturn.py)
         self.sessions.append(ScriptedSession(self.tok, self.durations, self.ties, on_group_done, params.n))
         return self.sessions[-1]
 

@@ -197,6 +197,25 @@ USER_MODULE = '''
             if "DONE" in turn_text:
                 return "bye", 1.0, True, None
             return f"step {state['steps']}", 0.5, False, ["STOP", "END"]
+
+
+    class Made:
+        """Counts the instances its worker has made (reset says how many): a freed instance is reused."""
+
+        made = 0
+
+        def __init__(self):
+            Made.made += 1
+
+        def reset(self, **row):
+            return f" made {Made.made}"
+
+        def ping(self) -> str:
+            """Answer."""
+            return "pong"
+
+        def get_reward(self) -> float:
+            return 1.0
 '''
 
 
@@ -859,3 +878,32 @@ def test_an_async_get_reward_that_hangs_times_out_and_leaves_the_worker_usable(p
     res = d.turns.results()
     assert [(t.reward, dict(t.failures)) for t in res.values()] == [(0.0, {"get_reward/timeout": 1}), (2.0, {}),
                                                                     (2.0, {})]
+
+
+def test_a_sessions_handler_takes_rows_over_time_and_frees_each_group(pool, envs_module):
+    """A generation session's EnvTurns (async GRPO): rows added while a turn waits on its worker (its answer is
+    handed to the engine at the next ready), a group's trajectories taken when the engine finishes it (the rewards of
+    those the engine ended collected then), its instances freed: the rows added later reuse them (each worker's
+    count of instances made stays at the rows in flight on it) and the handler keeps only the rows in flight."""
+    envs = environments(pool, envs_module.Made)
+    turns = EnvTurns(envs, templates(envs), [], 1)
+    first = turns.add([{"prompt": "a"}, {"prompt": "b"}])  # rows 0 and 1: workers 0 and 1
+    assert all(" made 1" in TOKENIZER.decode(p) for p in first)
+    ids = TOKENIZER(call("ping"), add_special_tokens=False)["input_ids"] + [EOS]
+    turns.start((0, 0), ids, TOKENIZER.decode(ids))  # its tool call runs on worker 0
+    [third] = turns.add([{"prompt": "c"}])  # row 2, worker 0: row 0's instance is still in use
+    assert " made 2" in TOKENIZER.decode(third)
+    got = dict(turns.ready(block=True))  # the answer that arrived during the add
+    assert TOKENIZER.decode(got[(0, 0)].append_ids) == tool_reply("pong")
+    ids = TOKENIZER("done", add_special_tokens=False)["input_ids"] + [EOS]
+    turns.start((0, 0), ids, TOKENIZER.decode(ids))
+    assert dict(turns.ready(block=True))[(0, 0)].finish == "stop"
+    turns.end_group(0)
+    [t0] = turns.take_group(0)
+    [t1] = turns.take_group(1)  # ended by the engine ("length"): its reward is collected here
+    assert (t0.reward, t0.turns, t0.tool_calls, t0.finish) == (1.0, 2, 1, "stop")
+    assert (t1.reward, t1.turns, t1.finish) == (1.0, 0, None)
+    later = turns.add([{"prompt": "d"}, {"prompt": "e"}])  # rows 3 (worker 1) and 4 (worker 0): instances reused
+    assert [" made 1" in TOKENIZER.decode(later[0]), " made 2" in TOKENIZER.decode(later[1])] == [True, True]
+    assert sorted(turns.rows) == [2, 3, 4]
+    turns.close()

@@ -58,9 +58,9 @@ token) a rank keeping B = 2 · 16 groups of 8 samples in flight at 12K tokens on
 are preempted and recomputed), so on an 80 GiB GPU size the pool at the plan's KV share (e.g. 40 GiB) and let the
 queue hold the rest. The host keeps the in-flight samples' tokens and log-probs (about 70 bytes a token).
 
-**Checkpoints.** Each rank saves its sequences in flight with the checkpoint (``state_rank{r}.pt``:
-:meth:`AsyncRollout.state_dict`): the session's state (every unfinished sample's tokens, behaviour log-probs,
-versions, finish state and random stream position, the queue's order, the counters;
+**Checkpoints** (single-turn; multi-turn below). Each rank saves its sequences in flight with the checkpoint
+(``state_rank{r}.pt``: :meth:`AsyncRollout.state_dict`): the session's state (every unfinished sample's tokens,
+behaviour log-probs, versions, finish state and random stream position, the queue's order, the counters;
 ``fastgrpo.engine.snapshot``), the finished groups waiting with their scores, each key's training row. A resumed
 run opens its session with them (their K/V recomputed by prefill on the loaded weights) and goes on. With
 ``recompute_kv_cache_after_weight_updates`` the uninterrupted run had just recomputed every K/V on the same
@@ -90,9 +90,24 @@ every rank, held while the session decodes, freed for the update, as a synchrono
 session is told that the gathered storage may move between runs (``moving_weights``: its CUDA graphs are captured
 again each step).
 
-Not supported yet (refused at start-up, ``Config._check_async``): multi-turn environments (an environment's turn
-handler is built per batch of rows, its groups' rewards are collected when the whole batch ends, and its workers
-hold per-trajectory state that a checkpoint cannot save).
+**Multi-turn environments** (``env``): a paused turn is just another pause. The session takes one
+:class:`fastgrpo.environments.EnvTurns` for its life: each batch's rows join it as they are added (their
+environments reset in the reward workers, their prompts rendered with the tools), a sample that ends a turn waits
+on its worker while the others decode, across the session's runs and the weight updates (with
+``recompute_kv_cache_after_weight_updates`` its conversation is prefilled again on the new weights when it resumes,
+as any paused sample's). When a group finishes, its transcripts go to the reward pool and its environments'
+rewards are asked for (``get_reward()`` in the workers, while the rest decode); :meth:`AsyncRollout._collect` takes
+its trajectories and frees their instances, so the handler and the workers hold only the groups in flight. A
+group's reward is the synchronous rule: the reward functions on the final transcript plus ``env.reward_weight`` ×
+the environment's reward (dynamic sampling judges the sum), and the step logs the ``env/`` metrics of the groups it
+trains (the synchronous step's keys; ``time/env`` and ``time/env_wait`` over the step's generation). The loss mask
+is 1 on the sampled tokens only; versions and ages count the sampled tokens as for single-turn. A stage change or
+the run's end closes the handler, freeing the unfinished groups' instances.
+
+A multi-turn checkpoint holds no sequences in flight: the environments' instances are the user's objects, in the
+reward workers, and cannot be saved (nor can a turn waiting on its worker). It records how many groups were in
+flight or waiting; the resumed run says that it does not train them and starts a new session (topped up as at the
+start), so from the resumed step on it differs from the uninterrupted run (tests/test_async_multiturn.py).
 """
 
 from __future__ import annotations
@@ -104,6 +119,7 @@ import torch
 from fastgrpo.algorithms.advantages import scale_rewards
 from fastgrpo.algorithms.sampling import SEED_STRIDE, sampling_params
 from fastgrpo.distributed import all_reduce, full_weights, is_fsdp, print0
+from fastgrpo.engine.session import RUN_COUNTS
 from fastgrpo.engine.snapshot import completion_from_state, completion_state
 from fastgrpo.rewards import RewardResult, add_faults
 
@@ -136,13 +152,16 @@ class AsyncRollout:
         self.grpo = grpo
         self.ctx, self.cfg = grpo.ctx, grpo.cfg
         self.session = None
+        self.turns = None  # multi-turn: the session's EnvTurns (fastgrpo.environments.turns)
         self.base = 0  # the run's key of the session's key 0
         self.sampling: dict = {}  # SAMPLING_SETTINGS of the session
         self.rows: dict[int, int] = {}  # key -> its training row
-        self.ready: list[tuple[int, list, list[float], dict[str, list[float]]]] = []
-        """Finished groups kept and not trained yet, in finishing order: (key, completions, total, per-function
-        scores). The live groups (``rows``' keys) are these and those in flight."""
+        self.ready: list[tuple[int, list, list[float], dict[str, list[float]], list | None]] = []
+        """Finished groups kept and not trained yet, in finishing order: (key, completions, the reward functions'
+        total, per-function scores, multi-turn the trajectories else None). The live groups (``rows``' keys) are
+        these and those in flight."""
         self.prompt_texts: dict[int, str] = {}
+        self.prompts: dict[int, list[int]] = {}  # key -> its prompt ids (multi-turn: rendered after the reset)
         self.at_boundary = True  # between a step's end (after_update) and the next step's start
         self.saved: dict | None = None  # a checkpoint's state, taken back when the session opens
 
@@ -158,20 +177,29 @@ class AsyncRollout:
         seed = saved["session"]["seed"] if saved else (cfg.train.seed * SEED_STRIDE + t.step) * 1024 + t.state.rank
         self.sampling = dict(saved["sampling"]) if saved else {k: settings[k] for k in SAMPLING_SETTINGS}
         params = sampling_params(cfg, {**settings, **self.sampling}, n=cfg.grpo.num_generations, seed=seed)
+        if self.grpo.envs is not None:  # multi-turn: one turn handler for the session's life
+            from fastgrpo.environments import EnvTurns
+            from fastgrpo.environments.rollout import multi_turn_params
+
+            params = multi_turn_params(params, cfg, self.grpo.envs)
+            self.turns = EnvTurns(self.grpo.envs, self.grpo.templates, [], params.n)
         longest = max(map(len, self.grpo.train_data.prompt_ids))
         self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit,
-                                        moving_weights=is_fsdp(t.wrapped))
+                                        turns=self.turns, moving_weights=is_fsdp(t.wrapped))
         if saved:
             self.session.load_state_dict(saved["session"])
             self.base, self.rows = saved["base"], dict(saved["rows"])
-            self.prompt_texts = {key: t.tokenizer.decode(self.grpo.train_data.prompt_ids[row])
-                                 for key, row in self.rows.items()}
-            self.ready = [(g["key"], [completion_from_state(c) for c in g["group"]], g["total"], g["per_function"])
-                          for g in saved["ready"]]
+            self.prompts = {key: self.grpo.train_data.prompt_ids[row] for key, row in self.rows.items()}
+            self.prompt_texts = {key: t.tokenizer.decode(p) for key, p in self.prompts.items()}
+            self.ready = [(g["key"], [completion_from_state(c) for c in g["group"]], g["total"], g["per_function"],
+                           None) for g in saved["ready"]]
             self.saved = None
 
     def _submit(self, k: int, group: list) -> None:
-        """A finished group goes to the reward pool at once (scored while the others decode)."""
+        """A finished group goes to the reward pool at once (scored while the others decode; multi-turn, the
+        environments' rewards too: the synchronous rule, reward functions on the final transcript)."""
+        if self.turns is not None:
+            self.turns.end_group(k)
         if self.grpo.rewards is None:
             return
         tok, data, key = self.ctx.tokenizer, self.grpo.train_data, self.base + k
@@ -182,18 +210,25 @@ class AsyncRollout:
                                  {k: v * len(group) for k, v in columns.items()})
 
     def _add(self, indices: list[int]) -> None:
-        """This rank's share of the rows ``indices`` (all ranks'), queued in the session."""
+        """This rank's share of the rows ``indices`` (all ranks'), queued in the session (multi-turn: their
+        environments reset first, in the reward workers, and the prompts rendered with the tools)."""
         st = self.ctx.state
         per_rank = len(indices) // st.world_size
         idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
-        prompts = [self.grpo.train_data.prompt_ids[i] for i in idx]
+        if self.turns is not None:
+            from fastgrpo.environments.rollout import env_rows
+
+            prompts = self.turns.add(env_rows([self.grpo.train_data.rows[i] for i in idx], self.cfg))
+        else:
+            prompts = [self.grpo.train_data.prompt_ids[i] for i in idx]
         for k, i, p in zip(self.session.add(prompts), idx, prompts, strict=True):
             self.rows[self.base + k] = i
+            self.prompts[self.base + k] = p
             self.prompt_texts[self.base + k] = self.ctx.tokenizer.decode(p)
 
     def _forget(self, keys) -> None:
         for key in keys:
-            del self.rows[key], self.prompt_texts[key]
+            del self.rows[key], self.prompt_texts[key], self.prompts[key]
 
     def _collect(self, finished: list, faults: dict) -> tuple[dict, int]:
         """Score the groups the session just returned (the reward pool's scores, in key order) into ``ready``;
@@ -213,13 +248,16 @@ class AsyncRollout:
         dropped = 0
         for key, group in finished:
             total = result.total[at[key] : at[key] + G]
-            raw = scale_rewards(total, self.cfg.reward_scaling)
+            trajs = self.turns.take_group(key - self.base) if self.turns is not None else None
+            w = self.cfg.env.reward_weight
+            raw = scale_rewards(total if trajs is None else [r + w * tr.reward for r, tr in zip(total, trajs)],
+                                self.cfg.reward_scaling)
             if self.cfg.grpo.use_dynamic_sampling and max(raw) == min(raw):  # no signal: the next live group is due
                 self._forget([key])
                 dropped += 1
                 continue
             self.ready.append((key, group, total, {name: s[at[key] : at[key] + G]
-                                                   for name, s in result.per_function.items()}))
+                                                   for name, s in result.per_function.items()}, trajs))
         return times, dropped
 
     def _new_stage(self) -> int:
@@ -263,6 +301,7 @@ class AsyncRollout:
             self._add(indices)
             topup = self._top_up(age)
             stale = extra = zero_std = 0
+            runs = dict.fromkeys(RUN_COUNTS, 0)  # the counts of the step's session runs
             while True:
                 version = self.session.version
                 fresh = [x for x in self.ready if version - oldest_version(x[1]) <= age]
@@ -274,6 +313,8 @@ class AsyncRollout:
                 starving = len(due) < self.share  # dynamic sampling's drops left fewer live groups than the step
                 if missing and not starving:
                     got, dropped = self._collect(self.session.run(missing), faults)
+                    for k in RUN_COUNTS:  # engine.last_stats holds the last run's counts only
+                        runs[k] += t.engine.last_stats.get(k, 0)
                     zero_std += dropped
                     for key, value in got.items():
                         times[key] = times.get(key, 0.0) + value
@@ -289,22 +330,32 @@ class AsyncRollout:
                         "the policy neither always solves nor always fails")
                 self._add(t.sampler.next(self.grpo.rows_per_step))
                 extra += 1
+        if not times and self.grpo.rewards is not None:  # nothing scored on this rank this step (its due groups had
+            times = self.grpo.rewards.gather()[1]  # finished before): the pool's time keys, as every rank logs them
+        if t.engine.last_stats:  # the generation/ metrics count every run of the step (the peaks: the session's)
+            t.engine.last_stats = {**t.engine.last_stats, **runs}
         trained = set(due)
         chosen = sorted((x for x in self.ready if x[0] in trained), key=lambda x: x[0])  # in key order
         self.ready = [x for x in self.ready if x[0] not in trained]
         for key, *_ in chosen:
             self.prompt_texts.pop(key)
         idx = [self.rows.pop(key) for key, *_ in chosen]
-        prompts = [self.grpo.train_data.prompt_ids[i] for i in idx]
-        outs = [group for _, group, _, _ in chosen]
+        prompts = [self.prompts.pop(key) for key, *_ in chosen]
+        outs = [group for _, group, *_ in chosen]
         names = list(chosen[0][3]) if chosen else []
-        result = RewardResult(total=[r for _, _, total, _ in chosen for r in total],
-                              per_function={n: [s for *_, per in chosen for s in per[n]] for n in names},
+        result = RewardResult(total=[r for _, _, total, *_ in chosen for r in total],
+                              per_function={n: [s for *_, per, _ in chosen for s in per[n]] for n in names},
                               faults=faults)
-        groups, sums = self.grpo.score_groups(idx, prompts, outs, result, times, settings)
+        trajs = env_sums = None
+        if self.turns is not None:  # the environments' rewards and the env/ sums of the step's groups
+            from fastgrpo.environments.turns import trajectory_sums
+
+            trajs = {(p, j): tr for p, x in enumerate(chosen) for j, tr in enumerate(x[4])}
+            env_sums = {**trajectory_sums(outs, [x[4] for x in chosen]), **self.turns.lap()}
+        groups, sums = self.grpo.score_groups(idx, prompts, outs, result, times, settings, trajs, env_sums)
         version = self.session.version
         ages = [version - v for group in outs for c in group for v, bit in zip(c.versions, c.loss_mask) if bit]
-        waiting = sum(len(c.token_ids) for _, group, _, _ in self.ready for c in group)
+        waiting = sum(len(c.token_ids) for _, group, *_ in self.ready for c in group)
         sums.update({"async/age/sum": float(sum(ages)), "async/age_tokens/sum": float(len(ages)),
                      "async/age_max/max": float(max(ages, default=0)), "async/dropped_stale/sum": float(stale),
                      "async/dropped_stage/sum": float(changed), "async/dropped_zero_std/sum": float(zero_std),
@@ -331,14 +382,16 @@ class AsyncRollout:
         """This rank's part of a checkpoint: the session's sequences in flight (``GenerationSession.state_dict``),
         the sampling settings it was opened with, the finished groups waiting with their scores, each key's training
         row. None when there is no session at a step boundary (an interruption mid-step: the resumed run opens a new
-        session)."""
+        session). Multi-turn: only how many groups were in flight or waiting (module docstring, Checkpoints)."""
         if self.session is None or not self.at_boundary:
             return None
+        if self.turns is not None:  # the environments' instances (the user's objects, in the workers) are not saved
+            return {"world_size": self.ctx.state.world_size, "env_groups": self.session.in_flight + len(self.ready)}
         return {"world_size": self.ctx.state.world_size, "session": self.session.state_dict(), "base": self.base,
                 "sampling": dict(self.sampling), "rows": dict(self.rows),
                 "ready": [{"key": key, "group": [completion_state(c) for c in group], "total": list(total),
                            "per_function": {k: list(v) for k, v in per.items()}}
-                          for key, group, total, per in self.ready]}
+                          for key, group, total, per, _ in self.ready]}
 
     def load_state_dict(self, state: dict | None) -> None:
         """Take back :meth:`state_dict` (the session opens with it at the next step). None, or a state saved under
@@ -347,9 +400,19 @@ class AsyncRollout:
             state = None
             print0("async GRPO: the checkpoint's sequences in flight were saved under another world size: a new "
                    "generation session starts (they are not trained)")
+        if state is not None and "env_groups" in state:
+            print0(f"async GRPO with environments: the checkpoint holds no sequences in flight (the environments' "
+                   f"instances live in the reward workers and cannot be saved): the {state['env_groups']} groups in "
+                   "flight or waiting on rank 0 at the save are not trained, a new generation session starts, and "
+                   "the resumed run differs from an uninterrupted one from here")
+            state = None
         self.saved = state
 
     def close(self) -> None:
+        """Close the session and (multi-turn) free the environment instances of its unfinished groups."""
         if self.session is not None:
             self.session.close()
             self.session = None
+        if self.turns is not None:
+            self.turns.close()
+            self.turns = None

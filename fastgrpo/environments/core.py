@@ -408,10 +408,10 @@ class EnvironmentPool:
         self._run(_task_tools, (key if env.kind == "factory" else None, env.tools, calls, self.timeout_s,
                                 self.max_observation_chars), 2 * len(calls) * self.timeout_s, done, worker)
 
-    def finish(self, key: tuple, name, worker: int, done) -> None:
-        """Trajectory ``key`` ended: its reward (if the environment has one), its instance freed."""
+    def finish(self, key: tuple, name, worker: int, done, *, reward: bool = True) -> None:
+        """Trajectory ``key`` ended: its reward (if the environment has one and ``reward``), its instance freed."""
         env = self.environments[name]
-        self._run(_task_finish, (key, env.has_reward, self.timeout_s), self.timeout_s, done, worker)
+        self._run(_task_finish, (key, reward and env.has_reward, self.timeout_s), self.timeout_s, done, worker)
 
     def step_reset(self, name, row: dict, done) -> None:
         self._run(_task_step_reset, (self.environments[name].factory, row, self.timeout_s), self.timeout_s, done)

@@ -7,6 +7,13 @@ One ``EnvTurns`` serves one ``engine.generate`` call (the rows of a rollout, ``n
     completions = engine.generate(prompts, params, turns=turns)
     trajectories = turns.results()                # per (prompt, sample): reward, counts, times, finish reason
 
+A generation session (async GRPO, ``fastgrpo.algorithms.async_rollout``) takes one handler for its life, built with
+no rows: each batch of rows joins with :meth:`EnvTurns.add` (the session's prompt keys and the handler's row indices
+both number the prompts in the order they were added), a group's rewards are asked for as the engine finishes it
+(:meth:`EnvTurns.end_group`) and its trajectories handed over, their instances freed and forgotten by
+:meth:`EnvTurns.take_group`; a paused turn waits across the session's runs and weight updates like any other pause.
+The handler then holds only the rows in flight; :meth:`EnvTurns.close` frees their instances when the session ends.
+
 Per turn (:meth:`start`, called by the engine when a sample pauses at a turn boundary): the turn's text becomes the
 assistant message, without its end token. The end token is the turn's last sampled token when it is one of the
 tokenizer's special tokens (``all_special_ids``), whatever ended the turn there: an EOS or stop token, or a stop
@@ -111,7 +118,8 @@ class _Live:
 
 
 class EnvTurns:
-    """The engine's TurnHandler for the rows of one rollout (``n`` samples each) over ``pool``.
+    """The engine's TurnHandler for the rows of one rollout (``n`` samples each) over ``pool``, or for those of a
+    generation session, added over time (:meth:`add`, :meth:`take_group`: the module docstring).
 
     ``template``: a :class:`fastgrpo.environments.chat.ChatTemplate` built with ``pool.schemas()``, or a dict of them by
     environment name (a dict of factories exposes each environment's own tools). ``rows``: the dataset rows; the
@@ -122,7 +130,8 @@ class EnvTurns:
     def __init__(self, pool, template, rows: list[dict], n: int):
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        self.pool, self.n, self.rows = pool, n, [dict(r) for r in rows]
+        self.pool, self.n = pool, n
+        self.rows: dict[int, dict] = {}  # index -> the row, until its group is taken (take_group) or the handler ends
         self._templates = template if isinstance(template, dict) else None
         self._template = None if isinstance(template, dict) else template
         self._owner = next(_owners)
@@ -135,14 +144,27 @@ class EnvTurns:
         self._wait_s = 0.0
         self._special: dict[int, set[int]] = {}  # id(tokenizer) -> its special token ids
         self._prompts: list[list[int]] | None = None
-        for i, row in enumerate(self.rows):
-            name = row.get("environment") if pool.multi else None
-            if name not in pool.environments:
+        self._added = 0  # rows registered: the next row's index
+        self._held: list[tuple[tuple[int, int], TurnResult]] = []  # answers taken while waiting on resets or rewards
+        self._finishing: set[tuple[int, int]] = set()  # trajectories whose finish task is not answered yet
+        self._orphans: set[tuple[int, int]] = set()  # factory instances of samples failed at reset ("mismatch")
+        self._register(rows)
+
+    def _register(self, rows: list[dict]) -> range:
+        """Rows checked, then given the next indices (their trajectories created); returns those indices."""
+        names = [row.get("environment") if self.pool.multi else None for row in rows]
+        for i, name in enumerate(names, start=self._added):
+            if name not in self.pool.environments:
                 raise ValueError(f"row {i}: environment={name!r} is not among the environments "
-                                 f"{list(pool.environments)}")
-            for j in range(n):
+                                 f"{list(self.pool.environments)}")
+        first = self._added
+        for i, (row, name) in enumerate(zip(rows, names), start=first):
+            self.rows[i] = dict(row)
+            for j in range(self.n):
                 self._trajs[(i, j)] = Trajectory(name, self._prompt_messages(row))
-                self._live[(i, j)] = _Live(worker=(i * n + j) % pool.num_workers)
+                self._live[(i, j)] = _Live(worker=(i * self.n + j) % self.pool.num_workers)
+        self._added += len(rows)
+        return range(first, self._added)
 
     # ------------------------------------------------------------------ set-up
 
@@ -163,22 +185,46 @@ class EnvTurns:
         token ids to give the engine, one list per row. A row's samples share their prompt: a sample whose reset
         failed, or returned a different text than the row's first good one, ends at its first turn ("error",
         counted as ``reset/<kind>``). Once per handler: later calls return the same prompts."""
-        if self._prompts is not None:
-            return self._prompts
-        for key, tr in self._trajs.items():
-            env = self.pool.environments[tr.env]
-            row = self._reset_kwargs(self.rows[key[0]])
-            if env.kind == "factory":
-                self._submit(key, "reset", self.pool.reset, (self._owner, *key), tr.env, row, self._live[key].worker)
-            elif env.kind == "step":
-                self._submit(key, "reset", self.pool.step_reset, tr.env, row)
+        if self._prompts is None:
+            self._prompts = self._reset(range(self._added))
+        return self._prompts
+
+    def add(self, rows: list[dict]) -> list[list[int]]:
+        """Rows that join while the engine runs (a generation session's prompts, whose keys go on from the rows
+        before: build the handler with no rows and add each batch in the session's order): given the next indices,
+        their environments reset and their prompts rendered as :meth:`prompt_ids` does; one list of ids per row.
+        Blocks until their resets are answered; answers for other trajectories that arrive meanwhile are handed to
+        the engine by the next :meth:`ready`."""
+        return self._reset(self._register(rows))
+
+    def _reset(self, indices: range) -> list[list[int]]:
+        """Reset the trajectories of the rows ``indices`` (all at once) and render each row's prompt."""
+        pending = set()
+        for i in indices:
+            for j in range(self.n):
+                key, tr = (i, j), self._trajs[(i, j)]
+                env = self.pool.environments[tr.env]
+                row = self._reset_kwargs(self.rows[i])
+                if env.kind == "factory":
+                    self._submit(key, "reset", self.pool.reset, (self._owner, *key), tr.env, row,
+                                 self._live[key].worker)
+                elif env.kind == "step":
+                    self._submit(key, "reset", self.pool.step_reset, tr.env, row)
+                else:
+                    continue
+                pending.add(key)
         answers = {}
-        while self._in_flight:
-            key, kind, answer, fault, latency = self._next_arrival(block=True)
+        while pending:
+            item = self._next_arrival(block=True)
+            key, kind, answer, fault, latency = item
+            if kind != "reset":  # another trajectory's turn or reward (a session's rows added mid-run)
+                self._hold(item)
+                continue
             self._trajs[key].env_s += latency
             answers[key] = (answer, fault)
+            pending.discard(key)
         prompts = []
-        for i in range(len(self.rows)):
+        for i in indices:
             texts = {}
             for j in range(self.n):
                 key = (i, j)
@@ -197,6 +243,7 @@ class EnvTurns:
             for key, text in texts.items():
                 if text != first:
                     self._fail(key, "reset/mismatch")
+                    self._orphans.add(key)
             messages = self._trajs[(i, 0)].messages
             if first is not None:
                 messages[-1] = {**messages[-1], "content": messages[-1]["content"] + first}
@@ -257,7 +304,7 @@ class EnvTurns:
 
     def ready(self, block: bool) -> list[tuple[tuple[int, int], TurnResult]]:
         """The turn answers available now; ``block``: wait for at least one while any is outstanding."""
-        out = []
+        out, self._held = self._held, []
         while True:
             waiting = block and not out and self._awaiting
             start = time.perf_counter()
@@ -281,6 +328,39 @@ class EnvTurns:
                 self._handle(*item)
         self.close()  # a sample dropped at its reset (a text unlike its group's) still holds an instance
         return dict(self._trajs)
+
+    def end_group(self, i: int) -> None:
+        """The engine finished every sample of row ``i`` (a session's group): the rewards of those it ended are
+        asked for now (their ``get_reward()`` runs in the workers while the engine decodes on), as :meth:`results`
+        does for every row; returns at once."""
+        for j in range(self.n):
+            self._finish((i, j))
+
+    def take_group(self, i: int) -> list[Trajectory]:
+        """Row ``i``'s trajectories (its samples in order) once the engine has finished them all: waits for their
+        rewards (:meth:`end_group`), then forgets them and frees their instances (an instance dropped at its reset,
+        without its reward), so that a session's handler holds only the rows in flight. Answers for other
+        trajectories that arrive meanwhile are handed to the engine by the next :meth:`ready`."""
+        keys = [(i, j) for j in range(self.n)]
+        self.end_group(i)
+        while self._finishing.intersection(keys):
+            self._hold(self._next_arrival(block=True))
+        for key in self._orphans.intersection(keys):
+            self._orphans.discard(key)
+            self.pool.finish((self._owner, *key), self._trajs[key].env, self._live[key].worker,
+                             lambda answer, fault: None, reward=False)
+        for key in keys:
+            del self._live[key]
+        del self.rows[i]
+        return [self._trajs.pop(key) for key in keys]
+
+    def lap(self) -> dict[str, float]:
+        """``time/env`` and ``time/env_wait`` (:meth:`sums`) since the last lap, and a new lap begins (a session's
+        handler serves many steps: each step logs its own)."""
+        out = self._times()
+        self._first_submit = self._last_answer = None
+        self._wait_s = 0.0
+        return out
 
     def close(self) -> None:
         """Free, in every worker, the instances of this handler's trajectories that were not finished (after an
@@ -317,10 +397,17 @@ class EnvTurns:
                 item = item[:5]
             return item
 
+    def _hold(self, item) -> None:
+        """Handle an arrival taken outside :meth:`ready`; a turn answer waits there for the engine."""
+        result = self._handle(*item)
+        if result is not None:
+            self._held.append(result)
+
     def _handle(self, key, kind: str, answer, fault, latency: float):
         tr = self._trajs[key]
         tr.env_s += latency
         if kind == "finish":
+            self._finishing.discard(key)
             self._finished(tr, answer, fault)
             return None
         self._awaiting.discard(key)
@@ -342,6 +429,7 @@ class EnvTurns:
         tr, lv = self._trajs[key], self._live[key]
         if self.pool.environments[tr.env].kind == "factory" and lv.alive and not lv.finishing:
             lv.finishing = True
+            self._finishing.add(key)
             self._submit(key, "finish", self.pool.finish, (self._owner, *key), tr.env, lv.worker)
 
     def _finished(self, tr: Trajectory, answer, fault) -> None:
@@ -411,31 +499,40 @@ class EnvTurns:
     def sums(self, completions) -> dict[str, float]:
         """This call's sums of the ``env/`` metrics (the one place they are computed; :func:`env_metrics` makes
         them the logged values), from the engine's ``completions`` (``[prompt][sample]``: turns and finish reasons
-        as the engine counts them) and this handler's trajectories (tool calls, truncations, rewards, failures).
-        The keys are fixed (every rank logs the same ones): sums over trajectories, ``env/turns/max``, ``time/env``
-        (first task sent → last answer) and ``time/env_wait`` (time :meth:`ready` blocked)."""
-        trajs = [self._trajs[(i, j)] for i, group in enumerate(completions) for j in range(len(group))]
-        flat = [c for group in completions for c in group]
-        sums = {"env/turns/sum": float(sum(c.num_turns for c in flat)),
-                "env/turns/max": float(max((c.num_turns for c in flat), default=0)),
-                "env/tool_calls/sum": float(sum(t.tool_calls for t in trajs)),
-                "env/truncated/sum": float(sum(t.truncated for t in trajs)),
-                "env/reward/sum": float(sum(t.reward for t in trajs)),
-                "time/env": (self._last_answer - self._first_submit) if self._first_submit and self._last_answer
-                else 0.0,
-                "time/env_wait": self._wait_s}
-        for kind in TOOL_FAULTS:
-            sums[f"env/tool_failures/{kind}/sum"] = float(sum(t.failures.get(f"tool/{kind}", 0) for t in trajs))
-        for place in FAILURE_PLACES:
-            sums[f"env/failures/{place}/sum"] = float(sum(n for t in trajs for k, n in t.failures.items()
-                                                          if k == place or k.startswith(place + "/")))
-        for reason in FINISH_REASONS:
-            sums[f"env/finish/{reason}/sum"] = float(sum(c.finish_reason == reason for c in flat))
-        return sums
+        as the engine counts them) and this handler's trajectories (tool calls, truncations, rewards, failures):
+        :func:`trajectory_sums`, with ``time/env`` (first task sent → last answer) and ``time/env_wait`` (time
+        :meth:`ready` blocked)."""
+        trajs = [[self._trajs[(i, j)] for j in range(len(group))] for i, group in enumerate(completions)]
+        return {**trajectory_sums(completions, trajs), **self._times()}
+
+    def _times(self) -> dict[str, float]:
+        return {"time/env": (self._last_answer - self._first_submit) if self._first_submit and self._last_answer
+                else 0.0, "time/env_wait": self._wait_s}
 
     def metrics(self, completions) -> dict[str, float]:
         """The logged ``env/`` metrics of this call alone: :func:`env_metrics` of :meth:`sums`."""
         return env_metrics(self.sums(completions), sum(len(group) for group in completions))
+
+
+def trajectory_sums(completions, trajectories) -> dict[str, float]:
+    """The ``env/`` sums (:meth:`EnvTurns.sums`, less the times) of the ``completions`` and their ``trajectories``
+    (both ``[prompt][sample]``; a session's groups as :meth:`EnvTurns.take_group` hands them over). The keys are
+    fixed (every rank logs the same ones): sums over trajectories and ``env/turns/max``."""
+    trajs = [t for group in trajectories for t in group]
+    flat = [c for group in completions for c in group]
+    sums = {"env/turns/sum": float(sum(c.num_turns for c in flat)),
+            "env/turns/max": float(max((c.num_turns for c in flat), default=0)),
+            "env/tool_calls/sum": float(sum(t.tool_calls for t in trajs)),
+            "env/truncated/sum": float(sum(t.truncated for t in trajs)),
+            "env/reward/sum": float(sum(t.reward for t in trajs))}
+    for kind in TOOL_FAULTS:
+        sums[f"env/tool_failures/{kind}/sum"] = float(sum(t.failures.get(f"tool/{kind}", 0) for t in trajs))
+    for place in FAILURE_PLACES:
+        sums[f"env/failures/{place}/sum"] = float(sum(n for t in trajs for k, n in t.failures.items()
+                                                      if k == place or k.startswith(place + "/")))
+    for reason in FINISH_REASONS:
+        sums[f"env/finish/{reason}/sum"] = float(sum(c.finish_reason == reason for c in flat))
+    return sums
 
 
 def env_metrics(totals: dict[str, float], n: int) -> dict[str, float]:
