@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -66,24 +67,27 @@ def assert_same_rows(a, b):
 
 
 def assert_groups_conserved(rows, age):
-    """Every group added (each step's batch, the top-ups that keep the buffer, the refills) is trained, dropped
-    (stale, without signal, at a stage change), in flight or waiting at the end: none lost, none trained twice; and
-    each step starts with its buffer within one batch of (age + 1) · P groups."""
-    added = P * (len(rows) + sum(r["async/topup_batches"] + r["async/refill_batches"] for r in rows))
+    """Every group drawn (each step's batch, the top-ups that keep the buffer, the refills) is trained, dropped
+    (stale, without signal, at a stage change), in flight, waiting or parked at the end: none lost, none trained
+    twice; and each step starts with its buffer within one batch of (age + 1) · P groups."""
+    drawn = P * (len(rows) + sum(r["async/topup_batches"] + r["async/refill_batches"] for r in rows))
     dropped = sum(r[f"async/dropped_{why}"] for r in rows for why in ("stale", "zero_std", "stage"))
-    assert added == P * len(rows) + dropped + rows[-1]["async/in_flight"] + rows[-1]["async/waiting"]
+    last = rows[-1]
+    assert drawn == P * len(rows) + dropped + last["async/in_flight"] + last["async/waiting"] + last["async/parked"]
     assert_buffer_kept(rows, age)
 
 
 def assert_buffer_kept(rows, age):
-    """At each step's start (its batch and top-ups added): at least (age + 1) · P − (P − 1) groups in flight or
-    waiting, i.e. the last step's carried groups (less those a stage change drops first) plus what this step added;
-    exactly (age + 1) · P at the first."""
+    """At each step's start (its batch and top-ups drawn): at least (age + 1) · P − (P − 1) groups in flight,
+    waiting or parked, i.e. the last step's carried groups (less those a stage change drops first) plus what this
+    step drew; exactly (age + 1) · P at the first. At its end at most (age + 1) · P − P live (in flight or
+    waiting): the step trained P of at most (age + 1) · P, so none can go stale."""
     carried = 0
     for r in rows:
         start = carried - r["async/dropped_stage"] + P * (1 + r["async/topup_batches"])
         assert start >= (age + 1) * P - (P - 1), (r["step"], start)
-        carried = r["async/in_flight"] + r["async/waiting"]
+        assert r["async/in_flight"] + r["async/waiting"] <= age * P, r
+        carried = r["async/in_flight"] + r["async/waiting"] + r["async/parked"]
     assert P * (1 + rows[0]["async/topup_batches"]) == (age + 1) * P
 
 
@@ -238,18 +242,25 @@ class ScriptedEngine:
 
 
 @given(st.lists(st.integers(1, 6) | st.integers(8, 16), min_size=1, max_size=12), st.integers(1, 2),
-       st.lists(st.booleans(), min_size=1, max_size=4) | st.none())
+       st.lists(st.booleans(), min_size=1, max_size=4) | st.none(), st.lists(st.integers(0, 1), max_size=6))
 @settings(max_examples=8, deadline=None, derandomize=True)
-def test_steps_train_the_lowest_live_groups_in_order_and_lose_none(durations, age, ties):
+def test_steps_train_the_lowest_live_groups_in_order_and_lose_none(durations, age, ties, other):
     """Groups finish in a scripted order (some straddle several updates; ``ties``: dynamic sampling on, the groups
-    whose rewards all tie dropped). Each step trains the P lowest live keys (added, not trained, not dropped without
-    signal), in key order, waiting for them however long they decode: no trained group is older than
-    max_trajectory_age_steps and none is dropped as stale; every group added is trained, dropped, in flight or
-    waiting. The age metrics are those of the trained tokens (recomputed from the groups the step scored and the
-    session's version), the waiting and carried figures those of the groups finished and not trained."""
+    whose rewards all tie dropped; ``other``: another rank that needs a top-up or a refill at those collectives,
+    so this rank draws rows it has no room for). Each step trains the P lowest live keys (added, not trained, not
+    dropped without signal), in key order, waiting for them however long they decode: no trained group is older
+    than max_trajectory_age_steps and none is dropped as stale; every group drawn is trained, dropped, in flight,
+    waiting or parked. The age metrics are those of the trained tokens (recomputed from the groups the step scored
+    and the session's version), the waiting and carried figures those of the groups finished and not trained."""
     import tempfile
 
+    from fastgrpo.algorithms import async_rollout
     from fastgrpo.trainer import Trainer
+
+    demands = iter(other)
+
+    def all_reduce(x, op="sum"):  # this rank's value, or another rank's larger one (the collective's answer)
+        return torch.maximum(x, torch.full_like(x, float(next(demands, 0))))
 
     steps = 6
     ties = ties and [*ties, False]  # at least one group in the cycle has signal
@@ -278,7 +289,8 @@ def test_steps_train_the_lowest_live_groups_in_order_and_lose_none(durations, ag
         trainer.algorithm.score_groups = spy
         try:
             trainer.ctx.engine = engine = ScriptedEngine(trainer.tokenizer, durations, ties or (False,))
-            trainer.fit()
+            with patch.object(async_rollout, "all_reduce", all_reduce):
+                trainer.fit()
         finally:
             trainer.close()
         rows = read_jsonl(f"{out}/metrics.jsonl")
@@ -290,8 +302,9 @@ def test_steps_train_the_lowest_live_groups_in_order_and_lose_none(durations, ag
     (session,) = engine.sessions
     zero_std = sum(r["async/dropped_zero_std"] for r in rows)
     assert zero_std == sum(bool(ties) and session.tie(k) for k, _ in session.returned)
-    added = P * (steps + sum(r["async/topup_batches"] + r["async/refill_batches"] for r in rows))
-    assert added == session.added == P * steps + zero_std + rows[-1]["async/in_flight"] + rows[-1]["async/waiting"]
+    drawn = P * (steps + sum(r["async/topup_batches"] + r["async/refill_batches"] for r in rows))
+    assert drawn - rows[-1]["async/parked"] == session.added
+    assert session.added == P * steps + zero_std + rows[-1]["async/in_flight"] + rows[-1]["async/waiting"]
     assert rows[-1]["async/in_flight"] == session.in_flight
     assert_buffer_kept(rows, age)
 

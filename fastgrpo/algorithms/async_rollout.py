@@ -8,8 +8,11 @@ early and the last rows decode alone. Here the engine keeps one generation sessi
    session, then tops the buffer up so that a rank keeps ``B = (max_trajectory_age_steps + 1) · P_r`` groups in
    flight or waiting, within one batch (``P_r`` its share of a step's prompts): the first step adds
    ``max_trajectory_age_steps`` more batches, a later one a batch whenever the groups dropped (without signal;
-   stale, only as the safety net of 4.) leave a whole batch missing on some rank (every rank adds it: one
-   collective decides).
+   stale, only as the safety net of 4.) leave a whole batch missing on some rank (every rank draws it from the
+   data sampler: one collective decides). A rank never holds more than ``B`` live groups (added, not trained or
+   dropped): rows drawn for it beyond that (another rank was short) are *parked* on the host, unsampled, and added
+   in order as its buffer makes room (``async/parked``; a checkpoint keeps them). Added past ``B``, such a group
+   would be due a step after its deadline and go stale after decoding in full.
 2. **Train in order, by deadline.** Groups are keyed in the order they are added (the data stream's). Step ``t``
    trains the ``P_r`` lowest keys not trained or dropped yet (:func:`due_groups`) and runs the session until all of
    them have finished (a group trains only when all of its ``G`` samples have: the advantage needs the whole group),
@@ -47,8 +50,8 @@ added and not finished at the step's end), ``async/dropped_stale`` (groups dropp
 and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/topup_batches`` (batches added
 at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because the
 rank had fewer live groups than its step, the most on any rank), ``async/dropped_zero_std`` and
-``async/dropped_stage`` (below). ``time/generation``, ``time/update``, ``tokens_per_second`` and
-``generation/rows_active_mean`` are the synchronous step's.
+``async/dropped_stage`` (below), ``async/parked`` (rows drawn and not added yet, 1.). ``time/generation``,
+``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous step's.
 
 **Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
 and the update's activations fit together (``python -m fastgrpo.plan`` gives both; on CUDA the engine otherwise
@@ -164,6 +167,9 @@ class AsyncRollout:
         self.prompts: dict[int, list[int]] = {}  # key -> its prompt ids (multi-turn: rendered after the reset)
         self.at_boundary = True  # between a step's end (after_update) and the next step's start
         self.saved: dict | None = None  # a checkpoint's state, taken back when the session opens
+        self.parked: list[int] = []
+        """Rows drawn for this rank and not added to the session yet, in data order: a top-up or refill that another
+        rank needed and this rank's buffer had no room for (module docstring, 1.)."""
 
     @property
     def share(self) -> int:
@@ -209,12 +215,20 @@ class AsyncRollout:
         self.grpo.rewards.submit(key, [self.prompt_texts[key]] * len(group), texts,
                                  {k: v * len(group) for k, v in columns.items()})
 
-    def _add(self, indices: list[int]) -> None:
-        """This rank's share of the rows ``indices`` (all ranks'), queued in the session (multi-turn: their
-        environments reset first, in the reward workers, and the prompts rendered with the tools)."""
+    def _park(self, indices: list[int]) -> None:
+        """This rank's share of the rows ``indices`` (all ranks') behind the parked ones."""
         st = self.ctx.state
         per_rank = len(indices) // st.world_size
-        idx = indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+        self.parked += indices[st.rank * per_rank : (st.rank + 1) * per_rank]
+
+    def _admit(self, age: int) -> None:
+        """Parked rows into the session, in order, while it holds fewer than ``B = (age + 1) · P_r`` live groups
+        (multi-turn: their environments reset first, in the reward workers, and the prompts rendered with the
+        tools). A group added so trains within ``age`` steps: at most ``B - 1`` live groups are ahead of it."""
+        room = (age + 1) * self.share - len(self.rows)
+        if room <= 0 or not self.parked:
+            return
+        idx, self.parked = self.parked[:room], self.parked[room:]
         if self.turns is not None:
             from fastgrpo.environments.rollout import env_rows
 
@@ -272,16 +286,18 @@ class AsyncRollout:
         return dropped
 
     def _top_up(self, age: int) -> int:
-        """Keep the buffer within one batch of ``B = (age + 1) · P_r`` groups (in flight or waiting): every rank adds
-        as many batches from the data sampler as the rank shortest of ``B`` by whole batches needs (one collective).
-        A new session (the first step, a stage) fills its buffer so; later, each stale or signal-less group dropped
-        shrinks it by one until a batch's worth is missing. Returns the batches added."""
+        """Keep the buffer within one batch of ``B = (age + 1) · P_r`` groups (live, or parked): every rank draws as
+        many batches from the data sampler as the rank shortest of ``B`` by whole batches needs (one collective),
+        parks its share and admits what its buffer has room for. A new session (the first step, a stage) fills its
+        buffer so; later, each signal-less (or stale) group dropped shrinks it by one until a batch's worth is
+        missing. Returns the batches drawn."""
         t = self.ctx
-        short = (age + 1) * self.share - self.session.in_flight - len(self.ready)
+        short = (age + 1) * self.share - len(self.rows) - len(self.parked)
         batches = int(all_reduce(torch.tensor([float(max(short, 0) // self.share)], device=t.coll_device()),
                                  op="max").item())
         for _ in range(batches):
-            self._add(t.sampler.next(self.grpo.rows_per_step))
+            self._park(t.sampler.next(self.grpo.rows_per_step))
+        self._admit(age)
         return batches
 
     def groups(self, indices: list[int], settings: dict) -> tuple[list, dict]:
@@ -298,7 +314,7 @@ class AsyncRollout:
         with t.timer("generation"), full_weights(t.wrapped):  # FSDP2: gathered once a step, on every rank
             if self.session is None:
                 self._open(settings)
-            self._add(indices)
+            self._park(indices)
             topup = self._top_up(age)
             stale = extra = zero_std = 0
             runs = dict.fromkeys(RUN_COUNTS, 0)  # the counts of the step's session runs
@@ -328,7 +344,8 @@ class AsyncRollout:
                         f"{g.dynamic_sampling_max_gen_batches} batches added and still fewer than the step's groups "
                         f"with rewards that differ ({zero_std} dropped on this rank); raise it, or train on prompts "
                         "the policy neither always solves nor always fails")
-                self._add(t.sampler.next(self.grpo.rows_per_step))
+                self._park(t.sampler.next(self.grpo.rows_per_step))
+                self._admit(age)
                 extra += 1
         if not times and self.grpo.rewards is not None:  # nothing scored on this rank this step (its due groups had
             times = self.grpo.rewards.gather()[1]  # finished before): the pool's time keys, as every rank logs them
@@ -361,7 +378,7 @@ class AsyncRollout:
                      "async/dropped_stage/sum": float(changed), "async/dropped_zero_std/sum": float(zero_std),
                      "async/refill_batches/max": float(extra), "async/topup_batches/max": float(topup),
                      "async/in_flight/sum": float(self.session.in_flight),
-                     "async/waiting/sum": float(len(self.ready)),
+                     "async/waiting/sum": float(len(self.ready)), "async/parked/sum": float(len(self.parked)),
                      "async/carried_tokens/sum": float(self.session.in_flight_tokens + waiting)})
         return groups, sums
 
@@ -386,8 +403,10 @@ class AsyncRollout:
         if self.session is None or not self.at_boundary:
             return None
         if self.turns is not None:  # the environments' instances (the user's objects, in the workers) are not saved
-            return {"world_size": self.ctx.state.world_size, "env_groups": self.session.in_flight + len(self.ready)}
-        return {"world_size": self.ctx.state.world_size, "session": self.session.state_dict(), "base": self.base,
+            return {"world_size": self.ctx.state.world_size, "env_groups": self.session.in_flight + len(self.ready),
+                    "parked": list(self.parked)}
+        return {"world_size": self.ctx.state.world_size, "parked": list(self.parked),
+                "session": self.session.state_dict(), "base": self.base,
                 "sampling": dict(self.sampling), "rows": dict(self.rows),
                 "ready": [{"key": key, "group": [completion_state(c) for c in group], "total": list(total),
                            "per_function": {k: list(v) for k, v in per.items()}}
@@ -400,6 +419,8 @@ class AsyncRollout:
             state = None
             print0("async GRPO: the checkpoint's sequences in flight were saved under another world size: a new "
                    "generation session starts (they are not trained)")
+        if state is not None:  # the rows drawn and not added yet are added in order (a new session's too)
+            self.parked = list(state.get("parked", []))
         if state is not None and "env_groups" in state:
             print0(f"async GRPO with environments: the checkpoint holds no sequences in flight (the environments' "
                    f"instances live in the reward workers and cannot be saved): the {state['env_groups']} groups in "
