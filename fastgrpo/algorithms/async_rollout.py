@@ -328,6 +328,8 @@ class AsyncRollout:
                 due, missing = due_groups(self.rows, kept, self.share)
                 starving = len(due) < self.share  # dynamic sampling's drops left fewer live groups than the step
                 if missing and not starving:
+                    if not self.session.in_flight:  # the rows and the session disagree: fail, not spin
+                        raise RuntimeError(f"async GRPO (step {t.step}): {missing} due groups are not in flight")
                     got, dropped = self._collect(self.session.run(missing), faults)
                     for k in RUN_COUNTS:  # engine.last_stats holds the last run's counts only
                         runs[k] += t.engine.last_stats.get(k, 0)
