@@ -141,6 +141,26 @@ def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path):
     assert_same_rows(rows_of(full), rows_of(resumed))
 
 
+def test_a_checkpoint_from_another_world_size_is_counted_as_lost(tmp_path, capsys):
+    """A step-2 checkpoint saved under another world size cannot give this rank its sequences in flight: the resumed
+    run says so, starts a new session (topped up as a first step is) and counts the saved live groups (in flight and
+    waiting: the checkpoint's training rows) in ``async/dropped_resume`` at its first step only."""
+    run = [*RESUMABLE, "train.max_steps=4", f"logging.output_dir={tmp_path}"]
+    fit(*run[:-2], "train.max_steps=3", run[-1])  # killed after step 3: resumes from step 2's checkpoint
+    path = tmp_path / "checkpoints" / "step_00000002" / "state_rank0.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["async"]["rows"]  # live groups at the save
+    state["async"]["world_size"] = 2
+    torch.save(state, path)
+    capsys.readouterr()
+    fit(*run, "checkpoint.resume=auto")
+    assert "saved under another world size" in capsys.readouterr().out
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["async/dropped_resume"] for r in rows] == [0, 0, len(state["async"]["rows"]), 0]
+    assert rows[2]["async/topup_batches"] == 1  # a new session, filled to (age + 1) · P as at the start
+
+
 def test_dynamic_sampling_refills_with_groups_that_have_signal(tmp_path):
     """grpo.use_dynamic_sampling with async: a group whose rewards are all equal is dropped when it finishes and the
     refill replaces it; every step trains P groups, each with rewards that differ, and every group is accounted

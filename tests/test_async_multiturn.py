@@ -216,7 +216,7 @@ def mask_runs(mask: list[int], bit: int) -> list[tuple[int, int]]:
 
 def test_a_resumed_multi_turn_run_starts_a_new_session_and_says_so(tmp_path, capsys):
     """The step-1 checkpoint holds only how many groups were in flight or waiting (the environments' instances
-    cannot be saved); the resumed run says it does not train them, starts a new session (topped up to
+    cannot be saved); the resumed run says it does not train them, counts them (``async/dropped_resume``), starts a new session (topped up to
     ``(AGE + 1) · P`` groups as a first step is) and trains steps 2 and 3 under the same rules."""
     run = ["checkpoint.every_steps=1", "checkpoint.keep_last=10", f"logging.output_dir={tmp_path}"]
     fit(*run, "train.max_steps=2")  # killed after step 2: the run resumes from step 1's checkpoint
@@ -228,6 +228,8 @@ def test_a_resumed_multi_turn_run_starts_a_new_session_and_says_so(tmp_path, cap
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["async/topup_batches"] == AGE  # a new session, filled as at the start
+    lost = [r["async/dropped_resume"] for r in rows]
+    assert lost == [0, state["async"]["env_groups"], 0]  # counted once, at the resumed run's first step
     for r in rows[1:]:
         assert r["async/age_max"] <= AGE and r["async/dropped_stale"] == 0 and r["env/turns/max"] >= 1
         assert len(logged(tmp_path, r["step"])) == P * G

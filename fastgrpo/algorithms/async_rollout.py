@@ -50,7 +50,8 @@ added and not finished at the step's end), ``async/dropped_stale`` (groups dropp
 and waiting), ``async/waiting`` (finished groups waiting for the next step), ``async/topup_batches`` (batches added
 at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because the
 rank had fewer live groups than its step, the most on any rank), ``async/dropped_zero_std`` and
-``async/dropped_stage`` (below), ``async/parked`` (rows drawn and not added yet, 1.). ``time/generation``,
+``async/dropped_stage`` (below), ``async/parked`` (rows drawn and not added yet, 1.), ``async/dropped_resume``
+(live groups a checkpoint could not carry into the resumed run, counted at its first step: Checkpoints). ``time/generation``,
 ``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous step's.
 
 **Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
@@ -109,8 +110,9 @@ the run's end closes the handler, freeing the unfinished groups' instances.
 
 A multi-turn checkpoint holds no sequences in flight: the environments' instances are the user's objects, in the
 reward workers, and cannot be saved (nor can a turn waiting on its worker). It records how many groups were in
-flight or waiting; the resumed run says that it does not train them and starts a new session (topped up as at the
-start), so from the resumed step on it differs from the uninterrupted run (tests/test_async_multiturn.py).
+flight or waiting; the resumed run says that it does not train them (and counts them in ``async/dropped_resume`` at
+its first step, as a resume under another world size counts the saved live groups) and starts a new session (topped
+up as at the start), so from the resumed step on it differs from the uninterrupted run (tests/test_async_multiturn.py).
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ class AsyncRollout:
         self.prompts: dict[int, list[int]] = {}  # key -> its prompt ids (multi-turn: rendered after the reset)
         self.at_boundary = True  # between a step's end (after_update) and the next step's start
         self.saved: dict | None = None  # a checkpoint's state, taken back when the session opens
+        self.lost_at_resume = 0  # groups a checkpoint could not carry (async/dropped_resume, once)
         self.parked: list[int] = []
         """Rows drawn for this rank and not added to the session yet, in data order: a top-up or refill that another
         rank needed and this rank's buffer had no room for (module docstring, 1.)."""
@@ -378,10 +381,12 @@ class AsyncRollout:
         sums.update({"async/age/sum": float(sum(ages)), "async/age_tokens/sum": float(len(ages)),
                      "async/age_max/max": float(max(ages, default=0)), "async/dropped_stale/sum": float(stale),
                      "async/dropped_stage/sum": float(changed), "async/dropped_zero_std/sum": float(zero_std),
+                     "async/dropped_resume/sum": float(self.lost_at_resume),
                      "async/refill_batches/max": float(extra), "async/topup_batches/max": float(topup),
                      "async/in_flight/sum": float(self.session.in_flight),
                      "async/waiting/sum": float(len(self.ready)), "async/parked/sum": float(len(self.parked)),
                      "async/carried_tokens/sum": float(self.session.in_flight_tokens + waiting)})
+        self.lost_at_resume = 0
         return groups, sums
 
     @staticmethod
@@ -418,6 +423,7 @@ class AsyncRollout:
         """Take back :meth:`state_dict` (the session opens with it at the next step). None, or a state saved under
         another world size: the run goes on with a new session (what was in flight is not trained)."""
         if state is not None and state["world_size"] != self.ctx.state.world_size:
+            self.lost_at_resume = len(state["rows"]) if "rows" in state else state["env_groups"]
             state = None
             print0("async GRPO: the checkpoint's sequences in flight were saved under another world size: a new "
                    "generation session starts (they are not trained)")
@@ -428,6 +434,7 @@ class AsyncRollout:
                    f"instances live in the reward workers and cannot be saved): the {state['env_groups']} groups in "
                    "flight or waiting on rank 0 at the save are not trained, a new generation session starts, and "
                    "the resumed run differs from an uninterrupted one from here")
+            self.lost_at_resume = state["env_groups"]
             state = None
         self.saved = state
 
