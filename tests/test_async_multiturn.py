@@ -216,8 +216,9 @@ def mask_runs(mask: list[int], bit: int) -> list[tuple[int, int]]:
 
 def test_a_resumed_multi_turn_run_starts_a_new_session_and_says_so(tmp_path, capsys):
     """The step-1 checkpoint holds only how many groups were in flight or waiting (the environments' instances
-    cannot be saved); the resumed run says it does not train them, counts them (``async/dropped_resume``), starts a new session (topped up to
-    ``(AGE + 1) · P`` groups as a first step is) and trains steps 2 and 3 under the same rules."""
+    cannot be saved); the resumed run says it does not train them, counts them (``async/dropped_resume``), starts
+    a new session (topped up to ``(AGE + 1) · P`` groups as a first step is) and trains steps 2 and 3 under the
+    same rules."""
     run = ["checkpoint.every_steps=1", "checkpoint.keep_last=10", f"logging.output_dir={tmp_path}"]
     fit(*run, "train.max_steps=2")  # killed after step 2: the run resumes from step 1's checkpoint
     state = torch.load(tmp_path / "checkpoints" / "step_00000001" / "state_rank0.pt", weights_only=True)

@@ -51,8 +51,9 @@ and waiting), ``async/waiting`` (finished groups waiting for the next step), ``a
 at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because the
 rank had fewer live groups than its step, the most on any rank), ``async/dropped_zero_std`` and
 ``async/dropped_stage`` (below), ``async/parked`` (rows drawn and not added yet, 1.), ``async/dropped_resume``
-(live groups a checkpoint could not carry into the resumed run, counted at its first step: Checkpoints). ``time/generation``,
-``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous step's.
+(live groups a checkpoint could not carry into the resumed run, counted at its first step: Checkpoints).
+``time/generation``, ``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous
+step's.
 
 **Memory.** The session's page pool lives through the update: set ``rollout.max_total_tokens`` so that the KV pool
 and the update's activations fit together (``python -m fastgrpo.plan`` gives both; on CUDA the engine otherwise
