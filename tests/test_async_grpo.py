@@ -188,10 +188,23 @@ def test_a_stage_change_trains_the_finished_groups_and_drops_the_unfinished(tmp_
         "stages=[{at_step: 2, max_new_tokens: 16}]", f"train.max_steps={steps}", f"logging.output_dir={tmp_path}")
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["async/dropped_stage"] > 0 for r in rows] == [False, False, True, False, False]
+    assert all(0 <= r["async/age_mean"] <= r["async/age_max"] <= 1 for r in rows)
     lengths = [[n for g in logged_groups(tmp_path, r["step"]).values() for n, _ in g] for r in rows]
     assert all(len(x) == P * G for x in lengths)
     assert max(lengths[0] + lengths[1]) <= 8 and max(x for step in lengths[2:] for x in step) == 16
     assert_groups_conserved(rows, 1)
+
+
+def test_the_groups_a_stage_change_trains_keep_their_age(tmp_path):
+    """Every group finishes in step 1 (room for all rows), so at step 2's stage change the P groups waiting were
+    sampled at version 0 and train at version 1: the new session's version goes on from the old one's, so their
+    age is 1 (a session counting from 0 again gave them age 0, and would never see them go stale)."""
+    fit("rollout.max_new_tokens=8", "rollout.max_batch_size=64", "reward.functions=[test_async_grpo:parity_reward]",
+        "stages=[{at_step: 1, max_new_tokens: 16}]", "train.max_steps=2", f"logging.output_dir={tmp_path}")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rows[0]["async/waiting"] == P and rows[0]["async/in_flight"] == 0 and rows[1]["async/dropped_stage"] == 0
+    assert [(r["async/age_mean"], r["async/age_max"]) for r in rows] == [(0, 0), (1, 1)]
+    assert logged_groups(tmp_path, 2) and max(n for g in logged_groups(tmp_path, 2).values() for n, _ in g) <= 8
 
 
 class ScriptedSession:
@@ -255,8 +268,8 @@ class ScriptedEngine:
     def __init__(self, tok, durations, ties=(False,)):
         self.tok, self.durations, self.ties, self.last_stats, self.sessions = tok, durations, ties, {}, []
 
-    def session(self, params, *, max_prompt_tokens, on_group_done, moving_weights, turns=None):
-        assert turns is None  # single-turn (multi-turn: tests/test_async_multiturn.py)
+    def session(self, params, *, max_prompt_tokens, on_group_done, moving_weights, turns=None, version=0):
+        assert turns is None and version == 0  # single-turn (multi-turn: tests/test_async_multiturn.py), one stage
         self.sessions.append(ScriptedSession(self.tok, self.durations, self.ties, on_group_done, params.n))
         return self.sessions[-1]
 

@@ -191,6 +191,35 @@ def test_async_multi_turn_run_trains_in_order_with_the_synchronous_rewards(tmp_p
             assert OBS not in tok.decode(sampled) and len(runs) == sum(s.loss_mask[b:b + 1] == [1] for _, b in runs)
 
 
+def test_multi_turn_dynamic_sampling_and_a_stage_change_lose_no_group(tmp_path):
+    """Multi-turn async with dynamic sampling (groups of 2: about half tie) and a stage that raises the token limit
+    at step 2: each step trains P groups whose rewards differ, each reward by the synchronous rule; the unfinished
+    conversations are dropped at the stage change (their instances freed with the old handler) and a new session
+    goes on; every group drawn is trained, dropped (tied, or at the stage change) or still live at the end."""
+    steps = 4
+    fit(f"train.max_steps={steps}", "checkpoint.every_steps=0", f"logging.output_dir={tmp_path}",
+        "grpo.num_generations=2", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=30",
+        "stages=[{at_step: 2, max_new_tokens: 10}]", "rollout.max_batch_size=3")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["async/dropped_stage"] > 0 for r in rows] == [False, False, True, False]
+    for r in rows:
+        log = logged(tmp_path, r["step"])
+        rewards = {}
+        for x in log:
+            assert x["reward"] == x["rewards"]["parity"] + WEIGHT * x["rewards"]["env"]
+            rewards.setdefault(x["group"], set()).add(x["reward"])
+        assert len(rewards) == P and all(len(r) == 2 for r in rewards.values())  # signal in every trained group
+        assert r["frac_reward_zero_std"] == 0 and r["dynamic_sampling/dropped_groups"] == r["async/dropped_zero_std"]
+        assert 0 <= r["async/age_mean"] <= r["async/age_max"] <= AGE and r["async/dropped_stale"] == 0
+        assert r["loss"] == r["loss"]
+    assert sum(r["async/dropped_zero_std"] for r in rows) > 0
+    drawn = P * sum(1 + r["async/topup_batches"] + r["async/refill_batches"] for r in rows)
+    dropped = sum(r["async/dropped_zero_std"] + r["async/dropped_stage"] for r in rows)
+    last = rows[-1]
+    assert drawn == P * steps + dropped + last["async/in_flight"] + last["async/waiting"] + last["async/parked"]
+
+
 def stepped_turns(x: dict, tok) -> list[str]:
     """The turns the environment stepped, read back from a logged trajectory ``x``: its transcript split at the
     observations (the tiny tokenizer's template: the end of turn, the user message ``OBS``, the next assistant

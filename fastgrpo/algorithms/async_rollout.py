@@ -160,6 +160,7 @@ class AsyncRollout:
         self.session = None
         self.turns = None  # multi-turn: the session's EnvTurns (fastgrpo.environments.turns)
         self.base = 0  # the run's key of the session's key 0
+        self.version = 0  # the weights' version a new session starts at (a stage's goes on from the last one's)
         self.sampling: dict = {}  # SAMPLING_SETTINGS of the session
         self.rows: dict[int, int] = {}  # key -> its training row
         self.ready: list[tuple[int, list, list[float], dict[str, list[float]], list | None]] = []
@@ -195,7 +196,8 @@ class AsyncRollout:
             self.turns = EnvTurns(self.grpo.envs, self.grpo.templates, [], params.n)
         longest = max(map(len, self.grpo.train_data.prompt_ids))
         self.session = t.engine.session(params, max_prompt_tokens=longest, on_group_done=self._submit,
-                                        turns=self.turns, moving_weights=is_fsdp(t.wrapped))
+                                        turns=self.turns, moving_weights=is_fsdp(t.wrapped),
+                                        version=0 if saved else self.version)
         if saved:
             self.session.load_state_dict(saved["session"])
             self.base, self.rows = saved["base"], dict(saved["rows"])
@@ -286,6 +288,7 @@ class AsyncRollout:
         waiting = {key for key, *_ in self.ready}
         self._forget([key for key in self.rows if key not in waiting])
         self.base += self.session.added
+        self.version = self.session.version  # the next session's count goes on: the waiting groups' ages compare
         self.close()
         return dropped
 

@@ -322,14 +322,15 @@ class GenerationEngine:
 
     def session(self, params: SamplingParams, *, max_prompt_tokens: int,
                 on_group_done: Callable[[int, list[Completion]], None] | None = None,
-                turns: TurnHandler | None = None, moving_weights: bool = False):
+                turns: TurnHandler | None = None, moving_weights: bool = False, version: int = 0):
         """A :class:`fastgrpo.engine.session.GenerationSession`: prompts added over time, decoded across weight
         updates (asynchronous RL: generation that never drains); ``max_prompt_tokens`` bounds the prompts it will
-        take; ``moving_weights``: FSDP2 (see the session's module docstring)."""
+        take; ``moving_weights``: FSDP2 (see the session's module docstring); ``version``: the weights' version at
+        its start (a session that follows another on the same weights continues its count)."""
         from fastgrpo.engine.session import GenerationSession
 
         return GenerationSession(self, params, max_prompt_tokens=max_prompt_tokens, on_group_done=on_group_done,
-                                 turns=turns, moving_weights=moving_weights)
+                                 turns=turns, moving_weights=moving_weights, version=version)
 
     @contextmanager
     def calling(self, device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):

@@ -82,13 +82,17 @@ class GenerationSession:
     will take (it sizes the block tables and buffers). ``on_group_done(key, completions)``: called as each group
     finishes, inside :meth:`run` (a reward pool can score it while the rest decode). ``turns``: a multi-turn handler,
     as for ``generate``. ``moving_weights``: the parameters may be at other addresses at each :meth:`run` (FSDP2
-    gathers them for each run): the CUDA graphs and the CPU step's packs are made again at each run.
+    gathers them for each run): the CUDA graphs and the CPU step's packs are made again at each run. ``version``: the
+    weights' version at the start, what the first tokens record (a session that follows another on the same weights
+    continues its count, so that the two sessions' completions' versions compare).
     """
 
     def __init__(self, engine, params: SamplingParams, *, max_prompt_tokens: int,
                  on_group_done: Callable[[int, list[Completion]], None] | None = None,
-                 turns: TurnHandler | None = None, moving_weights: bool = False):
+                 turns: TurnHandler | None = None, moving_weights: bool = False, version: int = 0):
         engine._check_call(params, on_group_done, turns)
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
         if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
         context = params.context(engine.max_positions)
@@ -101,7 +105,7 @@ class GenerationSession:
         self._finished: list[tuple[int, list[Completion]]] = []
         self._added = 0
         self._returned = 0
-        self.version = 0
+        self.version = self._first_version = version
         param = next(engine.model.parameters())
         self._device, self._dtype, self._param_dtype = param.device, engine._dtype or param.dtype, param.dtype
         max_context = context if turns is not None else None
@@ -230,7 +234,7 @@ class GenerationSession:
         included): every unfinished sample continues where it was, its K/V recomputed at its admission on the
         current weights."""
         self._check_open("load_state_dict")
-        if self._added or self.version:
+        if self._added or self.version != self._first_version:
             raise RuntimeError("GenerationSession.load_state_dict needs a fresh session (nothing added, no update)")
         restore(self._run, state)
         if self._vision is not None:
