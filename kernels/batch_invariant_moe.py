@@ -32,15 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .batch_invariant import active
-
-
-def ordered_sum(x_TK: torch.Tensor) -> torch.Tensor:
-    """``((x_0 + x_1) + x_2) + …`` over the last dim, left to right (``[T]``): a fixed order whatever the shape."""
-    total = x_TK[..., 0]
-    for k in range(1, x_TK.shape[-1]):
-        total = total + x_TK[..., k]
-    return total
+from .batch_invariant import active, ordered_sum
 
 
 def _require_forward_scope() -> None:
