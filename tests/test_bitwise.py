@@ -15,6 +15,7 @@ The fast tier runs a few derandomized examples of each; ``-m slow`` runs a large
 """
 
 import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generation import ARCHS, MOE_ARCH, random_prompts, tiny_model
 from test_generation_fidelity import cases, engine_for, run_turns, turn_cases
-from test_lora import random_lora
 from turn_script import CharTokenizer
 
 from fastgrpo.algorithms.batch import Sample, pack_microbatches
@@ -34,7 +34,11 @@ from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.loading import enable_activation_checkpointing
 from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MoERouting, enable_moe, moe_blocks
 
-peft = pytest.importorskip("peft")
+# PEFT for the LoRA cases only: the others (the CUDA tier's too, tests/test_bitwise_devices.py) run without it
+PEFT = importlib.util.find_spec("peft") is not None
+if PEFT:
+    from test_lora import random_lora
+needs_peft = pytest.mark.skipif(not PEFT, reason="needs peft")
 
 
 def trainer_mismatches(model, prompts, outs, temperature, budget, threads) -> tuple[int, int]:
@@ -206,6 +210,7 @@ def lora(model, seed):
     return random_lora(model, seed, dropout=0.0)
 
 
+@needs_peft
 @settings(max_examples=3, deadline=None)
 @given(bitwise_cases(cases(max_prompts=3, max_samples=12)))
 def test_lora_engine_logprobs_equal_the_trainers(case):
@@ -218,6 +223,7 @@ def attention_lora(model, seed):
     return random_lora(model, seed, dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+@needs_peft
 @settings(max_examples=2, deadline=None)
 @given(bitwise_cases(moe_cases(max_prompts=3, max_samples=12)))
 def test_moe_lora_engine_logprobs_and_routing_equal_the_trainers(case):
