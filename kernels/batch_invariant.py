@@ -30,7 +30,7 @@ position-independent in this torch build on AVX-512, AVX2 and the default ISA (c
 body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` from the ops above, :func:`sigmoid`
 ``1 / (1 + exp(−x))``.
 
-**Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU kernels of ``aten::mm``,
+**Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU and CUDA kernels of ``aten::mm``,
 ``addmm``, ``bmm``, ``silu``, ``sigmoid``, ``_softmax`` and ``mean.dim`` (a ``torch.library`` registration,
 counted: the last exit removes it); inside :func:`invariant_forward` (the trainer's forward through the Hugging Face
 modules; the engine calls the ops directly) those kernels compute the invariant values, outside it they call
@@ -39,12 +39,26 @@ Attention is ``fastgrpo.kernels.batch_invariant_attention``, an MoE block's rout
 ``fastgrpo.kernels.batch_invariant_moe``; the LM head and log-probs are :func:`linear_logprobs` (trainer) and
 :func:`logsumexp_tiles` (engine).
 
-Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids: seven elementwise passes over an
-activation (:func:`to_grid`; the q, k and v projections share their input's, as the gate and up do), none over a
-weight once its grid is kept (:func:`keep_weight_grids`: made once per weight version and shared by the engine's
-call and the training forwards of that version). Memory: the fp64 integer copy of an operand, 2x its fp32 bytes
-(the kept grids: 2x the fp32 weights, 4x bf16 ones; for DeepSeek-R1-Distill-Qwen-1.5B bf16 that is 12 GiB, which is
-why the mode is for CPU-sized models).
+**On CUDA** the same functions run on CUDA tensors, and what makes them exact holds there unchanged: no step rests on
+a kernel's summation order (every partial sum of an fp64 product of grid operands is exact, so cuBLAS's DGEMM gives
+the same bits in any blocking, split-K or not; the other sums are exact or fixed loops of adds), the elementwise ops
+are correctly rounded, and the transcendental ones must be position-independent on the device, which
+:func:`self_check` verifies there (:func:`device_checked`: once per device and process, before the overrides are
+registered). Two things are CUDA-specific: ``cumsum`` along the last dim is a tree scan whose association depends on
+the number of rows (and one row takes CUB's scan), so the LM head's tiles are summed by :func:`ordered_sum`; and the
+attention's running sum over big blocks is a ``cumsum`` over a middle dim, which CUDA computes left to right per
+column (checked by :func:`self_check`).
+
+Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, and about 15x a bf16 one on an H100 / H200 (FP64 tensor
+cores, about 60-67 TFLOP/s against about 990; a GPU without full-rate fp64 runs it at 1/64 of fp32's rate: a warning
+at start-up), plus the grids: seven elementwise passes over an activation (:func:`to_grid`; the q, k and v
+projections share their input's, as the gate and up do), none over a weight once its grid is kept
+(:func:`keep_weight_grids`: made once per weight version and shared by the engine's call and the training forwards of
+that version). Memory: the fp64 integer copy of an operand, 2x its fp32 bytes (the kept grids: 2x the fp32 weights,
+4x bf16 ones; for DeepSeek-R1-Distill-Qwen-1.5B bf16 that is about 12 GiB, read by every decode step: about 3.8 ms at
+an H100's 3.35 TB/s against about 1 ms for the bf16 weights), which is why the mode is for verifying on-policy
+numerics on small and mid-size models, not yet for the 1.5B run's speed; a persistent Triton matmul on the bf16
+tensor cores with one fixed tile schedule and no split-K is the cheaper path, future work.
 
 Shape legend: M rows, K reduced dim, N output columns, V vocabulary, C vocabulary tiles.
 """
@@ -281,7 +295,7 @@ def linear_logprobs(h_NH: torch.Tensor, w_VH: torch.Tensor, b_V: torch.Tensor | 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The overrides of PyTorch's CPU kernels, and their scopes
+# The overrides of PyTorch's CPU and CUDA kernels, and their scopes
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -464,7 +478,7 @@ def device_checked(device: torch.device | str) -> None:
     """:func:`self_check` on ``device``, once per device and process (what it checks does not change; the devices
     checked are ``CHECKED_DEVICES``): CUDA's ``exp``, ``log``, fp64 GEMM and ``cumsum`` are other code than the CPU's,
     so each device is checked where the mode runs on it. A CUDA device without full-rate fp64 (consumer GPUs run it
-    at 1/64 of fp32's rate) warns: the mode's products are fp64 GEMMs. On CPU the check runs on one thread (a tiny
+    at 1/64 of fp32's rate) warns: the mode's products are fp64 GEMMs. The check runs on one CPU thread (a tiny
     multi-threaded fp64 gemv can take 40 ms on a loaded 2-core host, and nothing it checks depends on the threads)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

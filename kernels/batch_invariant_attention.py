@@ -37,8 +37,10 @@ causal half of the pairs), :func:`attention` its rows so that their fp64 tempora
 GEMMs for the scores and the blocks (about 2x fp32 SDPA's arithmetic there), the fp64 copies of K and V, the grids
 (a few elementwise passes over q and v per call; the engine's row cache keeps the values' grids, ``v_kept``), and
 8 multiply-adds per query and feature for the query's own small block, elementwise in fp64;
-measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). All on
-CPU.
+measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). The same
+functions on CUDA tensors (``batch_invariant``'s module docstring: what holds there; the big blocks' ``cumsum`` runs
+over a middle dim, left to right per column on CUDA as on the CPU, checked at start-up), with every index tensor made
+on the inputs' device; the engine's CUDA decode reads the pages (no kept value grids).
 
 Shape legend: B sequences, M queries each, L keys each (padded to a multiple of BK), Hq/Hkv heads, G = Hq / Hkv,
 D head dim, T packed tokens.

@@ -136,9 +136,11 @@ gpu = pytest.mark.gpu
 
 @gpu
 def test_cuda_self_check_and_exact_products_give_the_cpus_bits():
-    """The device's self-check passes, and the exact products and RMSNorm's mean are device-independent: every
-    partial sum is exact, so CUDA's DGEMM in whatever blocking gives the CPU's bits (fp32 and bf16, decode and
-    training row counts, a long K where cuBLAS may split it)."""
+    """The device's self-check passes, and the exact products are device-independent: every partial sum is exact
+    and the bias add and the cast are correctly rounded, so CUDA's DGEMM in whatever blocking gives the CPU's bits
+    (fp32 and bf16, decode and training row counts, a long K where cuBLAS may split it). (RMSNorm's mean is not
+    compared: CUDA divides by a scalar as a product with its reciprocal, the CPU divides; each device is
+    consistent with itself, which is what the mode needs.)"""
     bi.self_check("cuda")
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -149,7 +151,7 @@ def test_cuda_self_check_and_exact_products_give_the_cpus_bits():
             for dev in ("cpu", "cuda"):
                 with bi.invariant_ops(dev), bi.invariant_forward():
                     xd, wd, bd = x.to(dev), w.to(dev), b.to(dev)
-                    outs.append((F.linear(xd, wd, bd).cpu(), F.linear(xd, wd).cpu(), xd.pow(2).mean(-1).cpu()))
+                    outs.append((F.linear(xd, wd, bd).cpu(), F.linear(xd, wd).cpu()))
             for cpu, cuda in zip(*outs):
                 assert torch.equal(cpu, cuda)
 

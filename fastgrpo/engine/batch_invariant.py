@@ -28,6 +28,13 @@ The LM head is :func:`fastgrpo.kernels.batch_invariant.linear` in fp32; the samp
 ``logits[token] / T − logsumexp_tiles(logits / T)`` (``fastgrpo.engine.sampling.sample_tokens``), the trainer's
 ``fastgrpo.kernels.batch_invariant.linear_logprobs``.
 
+On CUDA the same code runs on CUDA tensors (``fastgrpo.kernels.batch_invariant``: what holds there and why), every
+index tensor made on the tokens' device. The engine then runs it eagerly: no CUDA graph captures the mode's decode
+(it reads shapes and the row layout on the host, keeps its weight grids per weight version and would replay a stale
+one after an in-place update), no compiled elementwise op is taken, and K/V are read through the pages
+(:class:`PagedKV`: CUDA has no row cache). The kept weight grids (:meth:`BatchInvariantForward.grid_bytes`, about
+12 GiB for DeepSeek-R1-Distill-Qwen-1.5B) are taken off the free GPU memory before the KV budget.
+
 Tensor names carry their shape: S rows, N packed tokens, P block-table width, H hidden, Hq/Hkv heads, D head dim.
 """
 
