@@ -157,6 +157,23 @@ def test_cuda_self_check_and_exact_products_give_the_cpus_bits():
 
 
 @gpu
+def test_cuda_attention_backward_is_the_triton_kernels():
+    """The mode's attention on CUDA: forward values its own, gradients those of the trainer's Triton varlen kernel
+    (recomputed in the backward), bit for bit."""
+    from fastgrpo.kernels.batch_invariant_attention import varlen_attention as invariant
+    from fastgrpo.kernels.varlen_attention import varlen_attention_unchecked
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu = torch.tensor([0, 37, 130, 200], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(200, h, 64, generator=g, device="cuda", requires_grad=True) for h in (4, 2, 2))
+    do = torch.randn(200, 4, 64, generator=g, device="cuda")
+    got = torch.autograd.grad(invariant(q, k, v, cu, 0.125), (q, k, v), do)
+    want = torch.autograd.grad(varlen_attention_unchecked(q, k, v, cu, 93, softmax_scale=0.125), (q, k, v), do)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@gpu
 def test_check_model_accepts_a_cuda_model(monkeypatch):
     """A CUDA model is accepted, and the engine's mode-on call decodes eagerly: no CUDA graph is made."""
     from fastgrpo.engine import runner
