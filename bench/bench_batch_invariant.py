@@ -1,7 +1,7 @@
 """The cost of ``numerics.batch_invariant`` (issue 35): the mode on against off, measured in one run.
 
 Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``: seconds, records nothing;
-``--device cuda --steps 2 --repeats 1``: the GPU rows in about 40 s).
+``--device cuda --steps 1 --repeats 1``: the GPU rows, bounded by ``bench/gpu_check.sh`` at 40 s).
 
 - **GRPO step** of the ``tiny`` recipe (its 130K-parameter Qwen2, 32 prompts × 8 samples, 8 new tokens, one thread
   as the recipe sets), without the warm-up and with ``grpo.mask_zero_std_groups=false`` so that every step runs the

@@ -100,7 +100,7 @@ step multiturn 30 python3 bench/bench_multiturn.py --quick
 step vlm 25 python3 bench/bench_vlm.py --device cuda --prompts 8 --group 8 --side 112 --new 16
 # numerics.batch_invariant on vs off on the GPU: micro rows at the 1.5B widths, the ~10M Qwen2's generation, the tiny
 # recipe's GRPO step (bench/results/batch_invariant.csv, each part appended as it is measured)
-step bitwise 40 python3 bench/bench_batch_invariant.py --device cuda --steps 2 --repeats 1
+step bitwise 40 python3 bench/bench_batch_invariant.py --device cuda --steps 1 --repeats 1
 if [ -f bench/bench_e2e_gpu.py ]; then
   step e2e 50 python3 bench/bench_e2e_gpu.py
 fi
