@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_bitwise import bitwise_cases, check_bitwise, check_turns_bitwise, moe_cases, trainer_mismatches
 from test_generation import random_prompts, tiny_model
-from test_generation_fidelity import cases, turn_cases
+from test_generation_fidelity import cases, run_turns, turn_cases
 from torch.overrides import TorchFunctionMode
+from turn_script import CharTokenizer
 
 import fastgrpo
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
@@ -69,6 +70,25 @@ def test_the_mode_makes_its_tensors_on_its_inputs_device(arch, row_cache, change
                               batch_invariant=True, record_routing=arch == "qwen3_moe")
     with ImplicitDeviceTrap():
         outs = engine.generate(prompts, params)
+    enable_packed_attention(model)
+    with ImplicitDeviceTrap():
+        differ, total = trainer_mismatches(model, prompts, outs, 1.0, 4096, 1)
+    assert total > 0 and differ == 0
+
+
+def test_resumed_turns_make_their_tensors_on_their_inputs_device():
+    """Multi-turn inside the trap: turns resumed by a prefill onto their cached K/V through the pages
+    (``PagedKV`` with per-sequence rows, positions and tables), then the trainer's forward, bit for bit."""
+    model = tiny_model("qwen2", seed=2)
+    prompts = random_prompts([6, 3], seed=4)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, stop_token_ids=tuple(range(0, 96, 6)),
+                            max_turns=3, seed=5)
+    script = dict(seed=1, max_obs=3, finish_prob=0.0, max_delay=0)
+    with ImplicitDeviceTrap():
+        outs, _, engine = run_turns(model, CharTokenizer(96, seed=0), prompts, params, script, max_batch_size=4,
+                                    sync_every=2, page_size=4, spare_pages=None, row_cache=False,
+                                    batch_invariant=True)
+    assert engine.last_stats["resume_prefill_tokens"] > 0
     enable_packed_attention(model)
     with ImplicitDeviceTrap():
         differ, total = trainer_mismatches(model, prompts, outs, 1.0, 4096, 1)
