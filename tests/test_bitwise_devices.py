@@ -209,12 +209,13 @@ def test_check_model_accepts_a_cuda_model(monkeypatch):
 
 @gpu
 @settings(max_examples=4, deadline=None)
-@given(bitwise_cases(cases()))
-def test_cuda_engine_logprobs_equal_the_trainers(case):
+@given(bitwise_cases(cases()), st.sampled_from([96, 9000]))
+def test_cuda_engine_logprobs_equal_the_trainers(case, vocab):
     """The bitwise tier on CUDA: random tiny Qwen2 / Llama / Qwen3, fp32 and bf16, the engine's schedules (batch
     sizes, preemption, page sizes, sync intervals; the pages: CUDA has no row cache), every sampled token's log-prob
-    ``torch.equal`` to the trainer's packed forward's."""
-    check_bitwise(*case, device="cuda")
+    ``torch.equal`` to the trainer's packed forward's. A vocabulary of 9000 spans 5 of the LM head's tiles, whose sum
+    must not depend on the number of rows (a decode of one row against the trainer's chunk of many)."""
+    check_bitwise(*case, changes=dict(vocab_size=vocab), device="cuda")
 
 
 @gpu
