@@ -1,6 +1,7 @@
 """The cost of ``numerics.batch_invariant`` (issue 35): the mode on against off, measured in one run.
 
-Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``: seconds, records nothing).
+Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``: seconds, records nothing;
+``--device cuda --steps 1 --repeats 1``: the GPU rows, bounded by ``bench/gpu_check.sh`` at 40 s).
 
 - **GRPO step** of the ``tiny`` recipe (its 130K-parameter Qwen2, 32 prompts × 8 samples, 8 new tokens, one thread
   as the recipe sets), without the warm-up and with ``grpo.mask_zero_std_groups=false`` so that every step runs the
@@ -17,6 +18,13 @@ Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``:
   tokens a sequence; one decode query per row over a cache of 256, 1024 and 4096 keys, the big blocks' value grids
   kept as the engine's row cache keeps them), the log-probs (``fused_linear_logprobs``' torch path vs the invariant
   one).
+
+``--device cuda`` (``bench/gpu_check.sh``; each part appended as soon as it is measured, so a step limit loses only
+what was still running): the micro rows at DeepSeek-R1-Distill-Qwen-1.5B's widths in bf16 (its MLP product at decode
+and training row counts, packed attention with 12 query and 2 key-value heads of 128 against the trainer's Triton
+varlen kernel, a decode step against SDPA, log-probs over 65,536 vocabulary entries against the Triton kernel), the
+~10M Qwen2's generation in bf16 (mode off: the engine's defaults on CUDA, compiled elementwise ops and CUDA graphs;
+on: eager) and the ``tiny`` recipe's GRPO step on the GPU (one optimizer step per rollout).
 
 The ratio is on / off (> 1: the mode costs that much more). Rows go to ``bench/results/batch_invariant.csv``.
 """
@@ -36,7 +44,7 @@ from common import append_rows, assert_timing_state, median_ms, print_table
 from fastgrpo.kernels import batch_invariant as bi
 from fastgrpo.kernels import batch_invariant_attention as ba
 from fastgrpo.kernels.linear_logprobs import fused_linear_logprobs
-from fastgrpo.kernels.varlen_attention import varlen_attention_torch
+from fastgrpo.kernels.varlen_attention import varlen_attention, varlen_attention_torch
 
 from fastgrpo.config import load_config
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
@@ -129,12 +137,81 @@ def micro_rows(smoke: bool) -> list[dict]:
     return rows
 
 
+def micro_rows_cuda() -> list[dict]:
+    """The micro rows on the GPU (module docstring), bf16, each pair timed in one run (CUDA events)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf16)
+
+    def pair(what, shape, default, invariant):
+        off, on = median_ms(default, dev), median_ms(invariant, dev)
+        rows.append(dict(part="micro", what=what, shape=shape, off_ms=off, on_ms=on, ratio=on / off))
+
+    w = randn(8960, 1536)
+    grid = bi.weight_grid(w)
+    for M in (64, 8192):
+        x = randn(M, 1536)
+        pair("matmul x Wᵀ (weight grid kept)", f"M={M} K=1536 N=8960", partial(F.linear, x, w),
+             partial(bi.linear, x, w, grid=grid))
+    del grid
+    for B, L in ((8, 512), (2, 2048)):
+        q, k, v = (randn(B * L, h, 128) for h in (12, 2, 2))
+        cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=dev)
+        pair("attention, packed causal (trainer)", f"{B}x{L} tokens, Hq=12 Hkv=2 D=128",
+             partial(varlen_attention, q, k, v, cu, L), partial(ba.varlen_attention, q, k, v, cu, 128**-0.5))
+    S = 64
+    for L in (1024, 4096):  # the engine's CUDA decode reads the pages: no kept value grids
+        q, k, v = randn(S, 12, 1, 128), randn(S, 2, L, 128), randn(S, 2, L, 128)
+        pos = torch.full((S, 1), L - 1, device=dev)
+        pair("attention, decode step (one query per row)", f"S={S} L={L}, Hq=12 Hkv=2 D=128",
+             partial(F.scaled_dot_product_attention, q.view(S, 2, 6, 128), k, v, scale=128**-0.5),
+             partial(ba.attention, q, ba.key_grid(k), v, pos, 128**-0.5))
+    N, H, V = 2048, 1536, 65536
+    h, w, y = randn(N, H), randn(V, H, scale=1 / 32), torch.randint(0, V, (N,), generator=g, device=dev)
+    pair("log-probs from hidden states", f"N={N} H={H} V={V}", partial(fused_linear_logprobs, h, w, y),
+         partial(bi.linear_logprobs, h, w, None, y, 1.0, False))
+    return rows
+
+
+def main_cuda(args) -> None:
+    """The GPU rows (module docstring), each part appended when measured."""
+    parts = []
+
+    def record(rows: list[dict]) -> None:
+        print_table(rows, "numerics.batch_invariant on vs off (CUDA)")
+        if not args.smoke:
+            print(f"rows appended to {append_rows('batch_invariant', rows, 'cuda')}")
+        parts.extend(rows)
+
+    record(micro_rows_cuda())
+    model = build_model(CPU_CONFIG, "cuda", torch.bfloat16)
+    params = SamplingParams(n=4, max_new_tokens=16 if args.smoke else 128, seed=0)
+    rate = generation(model, make_prompts(8, 32, 64, CPU_CONFIG["vocab_size"]), params, args.repeats)
+    record([dict(part="generation", what="~10M Qwen2 bf16 (bench_generation)",
+                 shape=f"8x4, {params.max_new_tokens} new", off_tokens_per_s=rate[False], on_tokens_per_s=rate[True],
+                 ratio=rate[False] / rate[True])])
+    small = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4"] if args.smoke else []
+    t = grpo_steps(args.steps, ["train.device=cuda", *small], "/tmp/bench_batch_invariant_cuda", "tiny")
+    label = "1 optimizer step per rollout"
+    record([*(dict(part="grpo step (tiny)", what=f"{part} ({label})", off_s=t[False][part], on_s=t[True][part],
+                   ratio=t[True][part] / t[False][part]) for part in ("time/step", "time/generation", "time/update")),
+            dict(part="grpo step (tiny)", what=f"sampling_logp_difference/max ({label})", off=t[False]["diff_max"],
+                 on=t[True]["diff_max"])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a repeat each, nothing recorded")
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps timed per mode and configuration")
+    parser.add_argument("--repeats", type=int, default=3, help="generation calls timed per mode and model")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the ops run")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        return main_cuda(args)
     rows = micro_rows(args.smoke)
     tiny_model, _ = load_model(load_config().model, torch.device("cpu"), seed=0)
     cases = [("tiny (the recipe's model)", tiny_model, make_prompts(32, 6, 12, tiny_model.config.vocab_size),
@@ -146,7 +223,7 @@ def main() -> None:
               make_prompts(8, 392, 400, CPU_CONFIG["vocab_size"]), SamplingParams(n=4, max_new_tokens=16 if args.smoke
                                                                                   else 96, seed=0))]
     for name, model, prompts, params in cases:
-        rate = generation(model, prompts, params, 1 if args.smoke else 3)
+        rate = generation(model, prompts, params, 1 if args.smoke else args.repeats)
         rows.append(dict(part="generation", what=name, shape=f"{len(prompts)}x{params.n}, {params.max_new_tokens} new",
                          off_tokens_per_s=rate[False], on_tokens_per_s=rate[True], ratio=rate[False] / rate[True]))
     small = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4"] if args.smoke else []

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU script: the GPU test tier, the microbenchmarks, generation and end to end, each bounded;
-# the whole script stays within 540 s (env 15 + ceilings 20 + gpu_tests 60 + micro 230 + generation 55 + moe 35
-# + multiturn 35 + vlm 30 + e2e 60; the MoE and VLM rows took their 65 s from the others, none of it measured: no GPU
-# in the sessions that added them).
+# the whole script stays within 540 s (env 15 + ceilings 15 + gpu_tests 75 + micro 215 + generation 45 + moe 30
+# + multiturn 30 + vlm 25 + bitwise 40 + e2e 50; the MoE and VLM rows took their 65 s from the others, the
+# batch-invariant mode's bench row (bitwise) and its GPU tests (tests/test_bitwise_devices.py, 15 s more for
+# gpu_tests) their 55 s, none of it measured: no GPU in the sessions that added them).
 #
 #   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
 #   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
@@ -63,19 +64,19 @@ step() {  # step NAME SECONDS CMD...: run one bounded step, record status and wa
 
 step env 15 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, \
 transformers.__version__, torch.cuda.get_device_name())"
-step ceilings 20 python3 -c "import sys; sys.path.insert(0, 'bench'); from common import *; \
+step ceilings 15 python3 -c "import sys; sys.path.insert(0, 'bench'); from common import *; \
 print(f'copy bandwidth {copy_bandwidth_gbps():.0f} GB/s, bf16 matmul {matmul_tflops():.0f} TFLOP/s')"
 # Only the test files that hold GPU cases are collected (the others may import packages the GPU machine lacks,
 # such as math-verify). Run from inside $site: `python -m` puts the working directory first on sys.path, and the
 # repository root would offer its fastgrpo/ (without kernels/) ahead of the laid-out package.
 gpu_files=$(grep -rl "mark.gpu" "$root/tests" | sort | tr '\n' ' ')
-step gpu_tests 60 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
+step gpu_tests 75 bash -c "cd '$site' && python3 -m pytest -q -m gpu -p no:cacheprovider $gpu_files"
 
-# Microbenchmarks: 230 s in all, per file (torch.compile, flex and autotuning dominate; micro_moe: the MoE block's
+# Microbenchmarks: 215 s in all, per file (torch.compile, flex and autotuning dominate; micro_moe: the MoE block's
 # Triton compiles and transformers' per-expert loop). Same reason to run from
 # $site; bench/ is passed by absolute path, so its conftest.py and pyproject's settings (rootdir) apply.
 if [ "$dry_run" = 1 ] || python3 -c "import pytest_benchmark" 2>/dev/null; then
-  for b in logprobs:30 grpo_loss:40 dpo_loss:15 linear_logprobs:35 varlen_attention:45 distill_loss:35 moe:30; do
+  for b in logprobs:30 grpo_loss:35 dpo_loss:15 linear_logprobs:35 varlen_attention:40 distill_loss:30 moe:30; do
     name=${b%%:*}
     [ -f "bench/micro_$name.py" ] && step "micro_$name" "${b##*:}" bash -c "cd '$site' && python3 -m pytest -q \
 -p no:cacheprovider --rootdir='$root' '$root/bench/micro_$name.py' --benchmark-only --benchmark-columns=median,rounds \
@@ -90,15 +91,18 @@ else
   record micro "SKIP(no pytest-benchmark)" 0
 fi
 
-step generation 55 python3 bench/bench_generation.py
+step generation 45 python3 bench/bench_generation.py
 # the engine on 4 layers of Qwen3-30B-A3B's shape against transformers' generate (grouped_mm experts), the decode
 # step against its active-expert roofline (bench/results/moe.csv)
-step moe 35 python3 bench/bench_moe.py --quick
-step multiturn 35 python3 bench/bench_multiturn.py --quick
+step moe 30 python3 bench/bench_moe.py --quick
+step multiturn 30 python3 bench/bench_multiturn.py --quick
 # the VLM engine row: 8 prompts x 8 samples of 112-px images (16 image tokens), 16 new tokens, shared vs per sample
-step vlm 30 python3 bench/bench_vlm.py --device cuda --prompts 8 --group 8 --side 112 --new 16
+step vlm 25 python3 bench/bench_vlm.py --device cuda --prompts 8 --group 8 --side 112 --new 16
+# numerics.batch_invariant on vs off on the GPU: micro rows at the 1.5B widths, the ~10M Qwen2's generation, the tiny
+# recipe's GRPO step (bench/results/batch_invariant.csv, each part appended as it is measured)
+step bitwise 40 python3 bench/bench_batch_invariant.py --device cuda --steps 1 --repeats 1
 if [ -f bench/bench_e2e_gpu.py ]; then
-  step e2e 60 python3 bench/bench_e2e_gpu.py
+  step e2e 50 python3 bench/bench_e2e_gpu.py
 fi
 
 if [ -n "${OUT:-}" ] && [ "$dry_run" = 0 ]; then tar czf "$OUT/results.tgz" bench/results; fi

@@ -30,7 +30,7 @@ position-independent in this torch build on AVX-512, AVX2 and the default ISA (c
 body: 161 of 70,000 elements moved): :func:`silu` is ``x / (1 + exp(−x))`` from the ops above, :func:`sigmoid`
 ``1 / (1 + exp(−x))``.
 
-**Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU kernels of ``aten::mm``,
+**Where the ops run.** :func:`invariant_ops` registers them in place of PyTorch's CPU and CUDA kernels of ``aten::mm``,
 ``addmm``, ``bmm``, ``silu``, ``sigmoid``, ``_softmax`` and ``mean.dim`` (a ``torch.library`` registration,
 counted: the last exit removes it); inside :func:`invariant_forward` (the trainer's forward through the Hugging Face
 modules; the engine calls the ops directly) those kernels compute the invariant values, outside it they call
@@ -39,12 +39,26 @@ Attention is ``fastgrpo.kernels.batch_invariant_attention``, an MoE block's rout
 ``fastgrpo.kernels.batch_invariant_moe``; the LM head and log-probs are :func:`linear_logprobs` (trainer) and
 :func:`logsumexp_tiles` (engine).
 
-Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, plus the grids: seven elementwise passes over an
-activation (:func:`to_grid`; the q, k and v projections share their input's, as the gate and up do), none over a
-weight once its grid is kept (:func:`keep_weight_grids`: made once per weight version and shared by the engine's
-call and the training forwards of that version). Memory: the fp64 integer copy of an operand, 2x its fp32 bytes
-(the kept grids: 2x the fp32 weights, 4x bf16 ones; for DeepSeek-R1-Distill-Qwen-1.5B bf16 that is 12 GiB, which is
-why the mode is for CPU-sized models).
+**On CUDA** the same functions run on CUDA tensors, and what makes them exact holds there unchanged: no step rests on
+a kernel's summation order (every partial sum of an fp64 product of grid operands is exact, so cuBLAS's DGEMM gives
+the same bits in any blocking, split-K or not; the other sums are exact or fixed loops of adds), the elementwise ops
+are correctly rounded, and the transcendental ones must be position-independent on the device, which
+:func:`self_check` verifies there (:func:`device_checked`: once per device and process, before the overrides are
+registered). Two things are CUDA-specific: ``cumsum`` along the last dim is a tree scan whose association depends on
+the number of rows (and one row takes CUB's scan), so the LM head's tiles are summed by :func:`ordered_sum`; and the
+attention's running sum over big blocks is a ``cumsum`` over a middle dim, which CUDA computes left to right per
+column (checked by :func:`self_check`).
+
+Cost: an fp64 GEMM is about twice an fp32 one on AVX-512, and about 15x a bf16 one on an H100 / H200 (FP64 tensor
+cores, about 60-67 TFLOP/s against about 990; a GPU without full-rate fp64 runs it at 1/64 of fp32's rate: a warning
+at start-up), plus the grids: seven elementwise passes over an activation (:func:`to_grid`; the q, k and v
+projections share their input's, as the gate and up do), none over a weight once its grid is kept
+(:func:`keep_weight_grids`: made once per weight version and shared by the engine's call and the training forwards of
+that version). Memory: the fp64 integer copy of an operand, 2x its fp32 bytes (the kept grids: 2x the fp32 weights,
+4x bf16 ones; for DeepSeek-R1-Distill-Qwen-1.5B bf16 that is about 12 GiB, read by every decode step: about 3.8 ms at
+an H100's 3.35 TB/s against about 1 ms for the bf16 weights), which is why the mode is for verifying on-policy
+numerics on small and mid-size models, not yet for the 1.5B run's speed; a persistent Triton matmul on the bf16
+tensor cores with one fixed tile schedule and no split-K is the cheaper path, future work.
 
 Shape legend: M rows, K reduced dim, N output columns, V vocabulary, C vocabulary tiles.
 """
@@ -52,7 +66,6 @@ Shape legend: M rows, K reduced dim, N output columns, V vocabulary, C vocabular
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 import warnings
@@ -65,9 +78,11 @@ TILE_EXP_BITS = FP64_BITS - 11  # exp(z − m_c) ≤ 1 on a grid of 2^-42: 2048 
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the overrides compute for
 FP32_EXPONENT = 0x7F800000  # the exponent field of an fp32's bits: 2^⌊log₂ |x|⌋ once the rest is cleared
 FP32_NORMAL = 0x00800000  # the bits of 2^-126, the smallest normal fp32
+FULL_RATE_FP64 = ((6, 0), (7, 0), (8, 0), (9, 0), (10, 0))  # CUDA capabilities with fp64 at half fp32's rate or more
 
 _local = threading.local()  # .active (a forward on the invariant ops), .last_input (_shared_input_grid's entry)
 _registry = {"lib": None, "refs": 0}
+CHECKED_DEVICES: set[str] = set()  # the devices whose self_check passed in this process (device_checked)
 _kept_storages: dict[int, int] = {}  # storage address of a kept parameter -> open keep_weight_grids scopes
 _kept_grids: dict[tuple, tuple] = {}  # (address, shape, strides, dtype) of a kept weight view -> (version, view, grid)
 
@@ -136,6 +151,15 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return denominator.reciprocal_().to(x.dtype)
 
 
+def ordered_sum(x_TK: torch.Tensor) -> torch.Tensor:
+    """``((x_0 + x_1) + x_2) + …`` over the last dim, left to right (``[T]``): a fixed order whatever the shape and
+    the device (one elementwise add per term)."""
+    total = x_TK[..., 0]
+    for k in range(1, x_TK.shape[-1]):
+        total = total + x_TK[..., k]
+    return total
+
+
 def exact_sum(x: torch.Tensor) -> torch.Tensor:
     """The sum over the last dim (keepdim, fp64): the row's terms on a grid of ``53 − ⌈log₂ n⌉`` bits below its
     largest, so the fp64 sum is exact in any order."""
@@ -194,14 +218,15 @@ def vocab_tile_stats(z_MC: torch.Tensor, inv_temp: float, entropy: bool = False)
 def combine_tiles(m_MC: torch.Tensor, s_MC: torch.Tensor, a_MC: torch.Tensor | None = None):
     """The tiles' parts (:func:`vocab_tile_stats`, tile ``c`` in column ``c``, always in vocabulary order) as
     ``lse = m + log S``, ``S = Σ_c g_c s_c 2^-42``, ``g_c = exp(m_c − m)``, ``m = max_c m_c``; the sum over tiles runs
-    left to right (``cumsum``), so the result depends on the tiles alone. With ``a``: also the entropy
+    left to right (:func:`ordered_sum`: not ``cumsum``, which CUDA computes as a tree scan whose association
+    depends on the number of rows), so the result depends on the tiles alone. With ``a``: also the entropy
     ``H = log S − Σ_c g_c (a_c + s_c 2^-42 (m_c − m)) / S`` (every term of the sum ≤ 0: no cancellation).
     Returns ``(lse fp32 [M], H fp32 [M] or None)``."""
     m_M = m_MC.amax(-1)
     shift_MC = m_MC.double() - m_M.double()[:, None]
     g_MC = torch.exp(shift_MC)
     mass_MC = s_MC * 2.0**-TILE_EXP_BITS
-    total_M = (mass_MC * g_MC).cumsum(-1)[:, -1]
+    total_M = ordered_sum(mass_MC * g_MC)
     lse_M = (m_M.double() + total_M.log()).float()
     if a_MC is None:
         return lse_M, None
@@ -270,7 +295,7 @@ def linear_logprobs(h_NH: torch.Tensor, w_VH: torch.Tensor, b_V: torch.Tensor | 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The overrides of PyTorch's CPU kernels, and their scopes
+# The overrides of PyTorch's CPU and CUDA kernels, and their scopes
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -394,19 +419,23 @@ OVERRIDES = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "silu": _silu, "sigmoid": 
              "mean.dim": _mean_dim}
 
 
+OVERRIDDEN_KEYS = ("CPU", "CUDA")  # the dispatch keys whose kernels the overrides replace
+
+
 @contextlib.contextmanager
-def invariant_ops():
-    """Register the invariant kernels in place of PyTorch's CPU ``aten::mm``, ``addmm``, ``bmm``, ``silu``,
+def invariant_ops(device: torch.device | str = "cpu"):
+    """Register the invariant kernels in place of PyTorch's CPU and CUDA ``aten::mm``, ``addmm``, ``bmm``, ``silu``,
     ``sigmoid``, ``_softmax`` and ``mean.dim`` (counted: nested and repeated scopes share one registration; the
-    last exit removes it). On the first registration of the process the host is checked (:func:`self_check`).
-    Outside :func:`invariant_forward` they call PyTorch's kernels (about 7 µs more a call)."""
+    last exit removes it). ``device``: where the mode runs, checked first (:func:`device_checked`: once per device
+    and process). Outside :func:`invariant_forward` they call PyTorch's kernels (about 7 µs more a call)."""
+    device_checked(device)
     if _registry["refs"] == 0:
-        host_checked()
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # "overriding a previously registered kernel": the point
             warnings.simplefilter("ignore")
             for name, fn in OVERRIDES.items():
-                lib.impl(name, fn, "CPU")
+                for key in OVERRIDDEN_KEYS:
+                    lib.impl(name, fn, key)
         _registry["lib"] = lib
     _registry["refs"] += 1
     try:
@@ -445,42 +474,56 @@ def forward_scope():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def host_checked() -> bool:
-    """:func:`self_check`, once per process (the host does not change), on one thread (what it checks does not
-    depend on the thread count: exact sums in any order, elementwise ops; a tiny multi-threaded fp64 gemv can take
-    40 ms on a loaded 2-core host)."""
+def device_checked(device: torch.device | str) -> None:
+    """:func:`self_check` on ``device``, once per device and process (what it checks does not change; the devices
+    checked are ``CHECKED_DEVICES``): CUDA's ``exp``, ``log``, fp64 GEMM and ``cumsum`` are other code than the CPU's,
+    so each device is checked where the mode runs on it. A CUDA device without full-rate fp64 (consumer GPUs run it
+    at 1/64 of fp32's rate) warns: the mode's products are fp64 GEMMs. The check runs on one CPU thread (a tiny
+    multi-threaded fp64 gemv can take 40 ms on a loaded 2-core host, and nothing it checks depends on the threads)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if str(device) in CHECKED_DEVICES:
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) not in FULL_RATE_FP64:
+        warnings.warn(f"numerics.batch_invariant on {torch.cuda.get_device_name(device)}: its fp64 GEMMs run at a "
+                      "small fraction of the fp32 rate on this GPU (A100 / H100 / H200 run them at half or more), so "
+                      "the mode is far slower here", stacklevel=3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        self_check()
+        self_check(device)
     finally:
         torch.set_num_threads(threads)
-    return True
+    CHECKED_DEVICES.add(str(device))
 
 
-def self_check() -> None:
-    """What the mode rests on, checked on this host (a few milliseconds); raises ``RuntimeError`` naming the
+def self_check(device: torch.device | str = "cpu") -> None:
+    """What the mode rests on, checked on ``device`` (a few milliseconds); raises ``RuntimeError`` naming the
     property that fails, so the mode is refused rather than silently not invariant:
 
-    - fp64 GEMM is exact on integer operands whose sums stay below 2^53 (against int64 products), single rows
-      (gemv), whole matrices and batches alike;
+    - fp64 GEMM is exact on integer operands whose sums stay below 2^53 (against int64 products computed on the
+      CPU), single rows (gemv), whole matrices, batches and a long reduction (K = 4096, where cuBLAS may split K)
+      alike;
     - fp32 ``exp``, ``cos``, ``sin``, ``rsqrt`` and fp64 ``exp``, ``log`` give an element the same value wherever
-      it sits in the tensor (offsets and lengths that move it between SIMD body and tail);
-    - ``cumsum`` sums left to right (the order the LM head's tiles are combined in)."""
-    gen = torch.Generator().manual_seed(0)
-    for K in (5, 64, 300):
+      it sits in the tensor (offsets and lengths that move it between SIMD body and tail, or between a CUDA kernel's
+      vectorised and unaligned paths);
+    - ``cumsum`` over a middle dim sums left to right (the order the attention's big blocks are added in)."""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU, moved to the device: the same inputs everywhere
+    for K in (5, 64, 300, 4096):
         bits = product_bits(K)
-        a = torch.randint(-(2**bits), 2**bits + 1, (9, K), generator=gen)
-        b = torch.randint(-(2**bits), 2**bits + 1, (K, 7), generator=gen)
+        a = torch.randint(-(2**bits), 2**bits + 1, (9, K), generator=gen, device="cpu")
+        b = torch.randint(-(2**bits), 2**bits + 1, (K, 7), generator=gen, device="cpu")
         want = torch.mm(a, b).double()
-        got = [torch.mm(a.double(), b.double()), torch.bmm(a.double().expand(3, 9, K), b.double().expand(3, K, 7))[1]]
-        got += [torch.mm(a[i : i + 1].double(), b.double()) for i in (0, 8)]  # single rows: a gemv
+        a, b = a.double().to(dev), b.double().to(dev)
+        got = [torch.mm(a, b), torch.bmm(a.expand(3, 9, K), b.expand(3, K, 7))[1]]
+        got += [torch.mm(a[i : i + 1], b) for i in (0, 8)]  # single rows: a gemv
         want = [want, want, want[:1], want[8:]]
-        if not all(torch.equal(g, w) for g, w in zip(got, want)):
-            raise RuntimeError(f"numerics.batch_invariant refused: fp64 GEMM on this host is not exact on integer "
+        if not all(torch.equal(g.cpu(), w) for g, w in zip(got, want)):
+            raise RuntimeError(f"numerics.batch_invariant refused: fp64 GEMM on {dev} is not exact on integer "
                                f"operands (K={K}); the invariant products rest on it")
-    x = torch.randn(1031, generator=gen) * 8
+    x = (torch.randn(1031, generator=gen, device="cpu") * 8).to(dev)
     checks = {"exp": (torch.exp, x), "cos": (torch.cos, x), "sin": (torch.sin, x),
               "rsqrt": (torch.rsqrt, x.abs() + 1e-3), "exp fp64": (torch.exp, x.double()),
               "log fp64": (torch.log, x.double().abs() + 1e-3)}
@@ -488,12 +531,12 @@ def self_check() -> None:
         whole = fn(t)
         for start, length in ((0, 1), (3, 17), (5, 64), (1, 1029), (512, 519), (77, 33)):
             if not torch.equal(fn(t[start : start + length]), whole[start : start + length]):
-                raise RuntimeError(f"numerics.batch_invariant refused: torch's {name} on this host gives an element "
+                raise RuntimeError(f"numerics.batch_invariant refused: torch's {name} on {dev} gives an element "
                                    "a value that depends on its position in the tensor")
-    terms = torch.randn(40, 3, generator=gen, dtype=torch.float64) * torch.logspace(-8, 8, 40, dtype=torch.float64)[
-        :, None]
-    seq = terms[0].clone()
-    for row in terms[1:]:
-        seq = seq + row
-    if not torch.equal(terms.cumsum(0)[-1], seq):
-        raise RuntimeError("numerics.batch_invariant refused: torch's cumsum on this host does not sum left to right")
+    scales = torch.logspace(-8, 8, 40, dtype=torch.float64, device="cpu")[:, None]
+    terms = torch.randn(2, 40, 3, generator=gen, dtype=torch.float64, device="cpu") * scales
+    seq = terms[:, 0].clone()
+    for i in range(1, terms.shape[1]):
+        seq = seq + terms[:, i]
+    if not torch.equal(terms.to(dev).cumsum(1)[:, -1].cpu(), seq):
+        raise RuntimeError(f"numerics.batch_invariant refused: torch's cumsum on {dev} does not sum left to right")

@@ -37,8 +37,10 @@ causal half of the pairs), :func:`attention` its rows so that their fp64 tempora
 GEMMs for the scores and the blocks (about 2x fp32 SDPA's arithmetic there), the fp64 copies of K and V, the grids
 (a few elementwise passes over q and v per call; the engine's row cache keeps the values' grids, ``v_kept``), and
 8 multiply-adds per query and feature for the query's own small block, elementwise in fp64;
-measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). All on
-CPU.
+measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). The same
+functions on CUDA tensors (``batch_invariant``'s module docstring: what holds there; the big blocks' ``cumsum`` runs
+over a middle dim, left to right per column on CUDA as on the CPU, checked at start-up), with every index tensor made
+on the inputs' device; the engine's CUDA decode reads the pages (no kept value grids).
 
 Shape legend: B sequences, M queries each, L keys each (padded to a multiple of BK), Hq/Hkv heads, G = Hq / Hkv,
 D head dim, T packed tokens.
@@ -51,7 +53,7 @@ import math
 import torch
 
 from .batch_invariant import FP64_BITS, grid_values, product_bits, to_grid
-from .varlen_attention import varlen_attention_torch
+from .varlen_attention import varlen_attention_torch, varlen_attention_unchecked
 
 BIG_BLOCK = 64  # keys per big block: the exact products below the query's big block
 KEY_BLOCK = 8  # keys per small block: exact products inside a big block; the query's own summed key by key
@@ -299,8 +301,9 @@ def diagonal_block(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.T
 
 
 class _VarlenAttention(torch.autograd.Function):
-    """The invariant forward; the backward differentiates PyTorch's attention (``varlen_attention_torch``, the
-    trainer's CPU path) recomputed on the same inputs: only forward values must be invariant."""
+    """The invariant forward; the backward differentiates the trainer's own attention recomputed on the same inputs
+    (the Triton kernel on CUDA, ``varlen_attention_torch`` elsewhere: ``fastgrpo.models.attention``'s dispatch):
+    only forward values must be invariant."""
 
     @staticmethod
     def forward(ctx, q_THD, k_THD, v_THD, cu_seqlens, scale):
@@ -314,7 +317,8 @@ class _VarlenAttention(torch.autograd.Function):
         with torch.enable_grad():
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            out = varlen_attention_torch(q, k, v, cu_seqlens, longest, softmax_scale=ctx.scale)
+            attend = varlen_attention_unchecked if q.is_cuda else varlen_attention_torch
+            out = attend(q, k, v, cu_seqlens, longest, softmax_scale=ctx.scale)
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), do_THD)
         return dq, dk, dv, None, None
 
@@ -322,7 +326,7 @@ class _VarlenAttention(torch.autograd.Function):
 def varlen_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """:func:`invariant_varlen` on the keys put on their grid (:func:`key_grid`), differentiable in q, k and v (the
-    backward is PyTorch's attention's, recomputed: one more attention forward per layer in the backward)."""
+    backward is the trainer's own attention's, recomputed: one more attention forward per layer in the backward)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q_THD, k_THD, v_THD)):
         return _VarlenAttention.apply(q_THD, k_THD, v_THD, cu_seqlens, scale)
     return invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale)

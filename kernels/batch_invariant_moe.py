@@ -21,8 +21,8 @@ over these ops: the products' and SiLU's, outside the forward scope) is PyTorch'
 
 Cost against ``fastgrpo.kernels.moe``'s per-expert CPU path: the exact products (fp64 GEMMs on grids; the experts'
 weight grids kept per version like every weight's, 2x their fp32 bytes: for Qwen3-30B-A3B's 48 × 128 experts that is
-why the mode stays on CPU-sized models), a ``[T, E]`` stable sort, and ``[T, K, H]`` of the experts' outputs before
-the ordered sum (``fastgrpo.kernels.moe`` sums them in place: ``[T, H]``).
+why the mode stays on small and mid-size models), a ``[T, E]`` stable sort, and ``[T, K, H]`` of the experts' outputs
+before the ordered sum (``fastgrpo.kernels.moe`` sums them in place: ``[T, H]``).
 
 Shape legend: T tokens, H hidden size, E experts, I expert width, K experts per token, S = T·K (token, expert) pairs.
 """
@@ -32,15 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .batch_invariant import active
-
-
-def ordered_sum(x_TK: torch.Tensor) -> torch.Tensor:
-    """``((x_0 + x_1) + x_2) + …`` over the last dim, left to right (``[T]``): a fixed order whatever the shape."""
-    total = x_TK[..., 0]
-    for k in range(1, x_TK.shape[-1]):
-        total = total + x_TK[..., k]
-    return total
+from .batch_invariant import active, ordered_sum
 
 
 def _require_forward_scope() -> None:
@@ -66,7 +58,8 @@ def route(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool, ids_TK: tor
 def experts(x_TH: torch.Tensor, gate_up_EIH: torch.Tensor, down_EHI: torch.Tensor, ids_TK: torch.Tensor,
             w_TK: torch.Tensor) -> torch.Tensor:
     """``Σ_k w_k y_{e_k}(x)`` per token (module docstring), ``[T, H]`` in x's dtype: the (token, expert) pairs sorted by
-    expert, two exact products per expert with rows (the host reads the ``[E]`` counts: CPU tensors), the outputs
+    expert, two exact products per expert with rows (the host reads the ``[E]`` counts: one
+synchronisation a block on CUDA), the outputs
     back in (token, k) order and summed over k in that order. ``gate_up`` ``[E, 2I, H]`` (gate rows first), ``down``
     ``[E, H, I]``: Hugging Face's fused expert layout. Differentiable in x, both weights and ``w``."""
     _require_forward_scope()

@@ -21,9 +21,9 @@ Masking and packing: this op is per token, so it needs no ``cu_seqlens``. Pass o
 
 Paths (``kernels/utils.use_triton``): Triton on CUDA and under ``TRITON_INTERPRET=1``; otherwise a plain-torch path
 chunked over tokens and vocabulary with the same memory promise (nothing ``[N, V]``; the only ``[V, H]`` buffer is
-the one fp32 gradient accumulator). With ``numerics.batch_invariant`` on (``batch_invariant.enabled()``), the CPU
-forward is ``batch_invariant.linear_logprobs`` (the generation engine's sampled log-probs bit for bit) and the
-backward the plain-torch one.
+the one fp32 gradient accumulator). With ``numerics.batch_invariant`` on (``batch_invariant.enabled()``), the
+forward is ``batch_invariant.linear_logprobs`` on CPU and CUDA (the generation engine's sampled log-probs bit for
+bit) and the backward the Triton one on CUDA, the plain-torch one elsewhere (only forward values must be invariant).
 
 The Triton functions and launch choices it shares with the distillation kernels are in ``vocab_tiles.py``.
 
@@ -391,8 +391,8 @@ class _LinearLogprobs(torch.autograd.Function):
         kernel = use_triton(h_NH)
         inv_temp = 1.0 / temperature
         fwd = _forward_triton if kernel else _forward_torch
-        if batch_invariant.enabled() and not h_NH.is_cuda:  # the engine's sampled log-probs, bit for bit
-            fwd, kernel = batch_invariant.linear_logprobs, False
+        if batch_invariant.enabled():  # the engine's sampled log-probs, bit for bit; the backward stays the fast one
+            fwd, kernel = batch_invariant.linear_logprobs, kernel and h_NH.is_cuda
         logp_N, lse_N, ent_N = fwd(h_NH, w_VH, b_V, y_N, inv_temp, return_entropy)
         ctx.save_for_backward(h_NH, w_VH, b_V, y_N, lse_N, ent_N)
         ctx.kernel, ctx.inv_temp, ctx.grad_filter_eps = kernel, inv_temp, grad_filter_eps

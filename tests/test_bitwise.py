@@ -15,6 +15,7 @@ The fast tier runs a few derandomized examples of each; ``-m slow`` runs a large
 """
 
 import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generation import ARCHS, MOE_ARCH, random_prompts, tiny_model
 from test_generation_fidelity import cases, engine_for, run_turns, turn_cases
-from test_lora import random_lora
 from turn_script import CharTokenizer
 
 from fastgrpo.algorithms.batch import Sample, pack_microbatches
@@ -34,14 +34,18 @@ from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.loading import enable_activation_checkpointing
 from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MoERouting, enable_moe, moe_blocks
 
-peft = pytest.importorskip("peft")
+# PEFT for the LoRA cases only: the others (the CUDA tier's too, tests/test_bitwise_devices.py) run without it
+PEFT = importlib.util.find_spec("peft") is not None
+if PEFT:
+    from test_lora import random_lora
+needs_peft = pytest.mark.skipif(not PEFT, reason="needs peft")
 
 
 def trainer_mismatches(model, prompts, outs, temperature, budget, threads) -> tuple[int, int]:
     """(tokens whose engine log-prob differs from the trainer's, sampled tokens): every trajectory of ``outs``
     packed into micro-batches of at most ``budget`` tokens, scored by ``packed_logprobs`` with the invariant ops on
-    ``threads`` threads. An MoE model (the engine recorded its routing) runs the trainer's experts and routing hooks
-    (``enable_moe``), and each micro-batch is checked further (:func:`check_moe_routing`)."""
+    ``threads`` threads, on the model's device. An MoE model (the engine recorded its routing) runs the trainer's
+    experts and routing hooks (``enable_moe``), and each micro-batch is checked further (:func:`check_moe_routing`)."""
     enable_packed_attention(model)
     moe = bool(moe_blocks(model))
     if moe and model.config._experts_implementation != EXPERTS_IMPLEMENTATION:
@@ -49,12 +53,13 @@ def trainer_mismatches(model, prompts, outs, temperature, budget, threads) -> tu
     samples = [Sample(p, list(c.token_ids), list(c.logprobs), 0.0, True, loss_mask=list(c.loss_mask),
                       routing=c.routing) for p, comps in zip(prompts, outs) for c in comps]
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    device = next(model.parameters()).device
     differ = total = 0
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with invariant_ops():
-            for mb in pack_microbatches(samples, max(budget, longest), torch.device("cpu")):
+        with invariant_ops(device):
+            for mb in pack_microbatches(samples, max(budget, longest), device):
                 forward = ForwardWrapper(model, packed_forward)
                 logp = (check_moe_routing(model, forward, mb, temperature) if moe else
                         packed_logprobs(forward, mb, temperature))
@@ -114,10 +119,11 @@ def bitwise_cases(draw, base, max_threads=1):
             draw(st.integers(1, max_threads)), draw(st.sampled_from([16, 64, 4096])))
 
 
-def check_bitwise(case, dtype, engine_threads, trainer_threads, budget, adapt=None, changes=None):
-    """``changes``: the tiny model's config fields to change (``tiny_model``)."""
+def check_bitwise(case, dtype, engine_threads, trainer_threads, budget, adapt=None, changes=None, device="cpu"):
+    """``changes``: the tiny model's config fields to change (``tiny_model``); ``device``: where the model, the
+    engine and the trainer's forward run."""
     arch, seed, lengths, params, schedules = case
-    model = tiny_model(arch, seed=seed % 5, **(changes or {})).to(dtype)
+    model = tiny_model(arch, seed=seed % 5, **(changes or {})).to(device, dtype)
     model = model if adapt is None else adapt(model, seed)
     prompts = random_prompts(lengths, seed=seed)
     record = arch in MOE_ARCH  # an MoE model's engine records its routing (router replay)
@@ -204,6 +210,7 @@ def lora(model, seed):
     return random_lora(model, seed, dropout=0.0)
 
 
+@needs_peft
 @settings(max_examples=3, deadline=None)
 @given(bitwise_cases(cases(max_prompts=3, max_samples=12)))
 def test_lora_engine_logprobs_equal_the_trainers(case):
@@ -216,15 +223,16 @@ def attention_lora(model, seed):
     return random_lora(model, seed, dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+@needs_peft
 @settings(max_examples=2, deadline=None)
 @given(bitwise_cases(moe_cases(max_prompts=3, max_samples=12)))
 def test_moe_lora_engine_logprobs_and_routing_equal_the_trainers(case):
     check_bitwise(*case, adapt=attention_lora)
 
 
-def check_turns_bitwise(case, dtype, budget):
+def check_turns_bitwise(case, dtype, budget, device="cpu"):
     arch, seed, lengths, params, script, schedules = case
-    model = tiny_model(arch, seed=seed % 5).to(dtype)
+    model = tiny_model(arch, seed=seed % 5).to(device, dtype)
     tokenizer = CharTokenizer(96, seed=seed)
     prompts = random_prompts(lengths, seed=seed)
     saved = torch.get_num_threads()

@@ -28,6 +28,13 @@ The LM head is :func:`fastgrpo.kernels.batch_invariant.linear` in fp32; the samp
 ``logits[token] / T − logsumexp_tiles(logits / T)`` (``fastgrpo.engine.sampling.sample_tokens``), the trainer's
 ``fastgrpo.kernels.batch_invariant.linear_logprobs``.
 
+On CUDA the same code runs on CUDA tensors (``fastgrpo.kernels.batch_invariant``: what holds there and why), every
+index tensor made on the tokens' device. The engine then runs it eagerly: no CUDA graph captures the mode's decode
+(it reads shapes and the row layout on the host, keeps its weight grids per weight version and would replay a stale
+one after an in-place update), no compiled elementwise op is taken, and K/V are read through the pages
+(:class:`PagedKV`: CUDA has no row cache). The kept weight grids (:meth:`BatchInvariantForward.grid_bytes`, about
+12 GiB for DeepSeek-R1-Distill-Qwen-1.5B) are taken off the free GPU memory before the KV budget.
+
 Tensor names carry their shape: S rows, N packed tokens, P block-table width, H hidden, Hq/Hkv heads, D head dim.
 """
 
@@ -157,7 +164,8 @@ class RowKV:
     def attend(self, layer: int, q_SHD, k_SHD, v_SHD, scale: float) -> torch.Tensor:
         S = q_SHD.shape[0]
         rows = self.kv_rows[layer]  # [R, 2, Hkv, T_max, D]
-        rows[torch.arange(S), :, :, self.pos_S] = torch.stack((key_grid(k_SHD), v_SHD), 1)  # keys on their grid
+        k_v = torch.stack((key_grid(k_SHD), v_SHD), 1)  # keys on their grid
+        rows[torch.arange(S, device=q_SHD.device), :, :, self.pos_S] = k_v
         k, v = rows[:S, 0, :, : self.T], rows[:S, 1, :, : self.T]  # [S, Hkv, T, D]
         v_kept = None
         if self.kept is not None:
@@ -192,13 +200,20 @@ class BatchInvariantForward:
         self.lora: dict = {}  # projection module -> its live LoRA adapters, read once per call
         self.kept: KeptValueGrids | None = None  # the call's row cache's value grids
 
+    def grid_bytes(self) -> int:
+        """Bytes of the weights' fp64 grids a call keeps (``keep_weight_grids``): 8 an entry of every matrix a product
+        reads (every parameter of 2 or more dims but the input embedding, unless the LM head shares it)."""
+        embed = self.decoder.embed_tokens.weight
+        tied = embed is self.model.lm_head.weight
+        return 8 * sum(p.numel() for p in self.model.parameters() if p.dim() >= 2 and (tied or p is not embed))
+
     @contextlib.contextmanager
     def calling(self):
         """One ``generate`` call (or session): the invariant ops registered, the weights' grids kept (for the call,
         or longer when the trainer keeps them), the LoRA adapters read."""
         self.lora = {m: t for layer in self.layers for m in layer.modules() if (t := lora_terms(m))}
         try:
-            with invariant_ops(), keep_weight_grids(list(self.model.parameters())):
+            with invariant_ops(self.model.lm_head.weight.device), keep_weight_grids(list(self.model.parameters())):
                 yield
         finally:
             self.lora, self.kept = {}, None

@@ -143,7 +143,8 @@ class GenerationEngine:
         dtype: activation and KV-cache dtype; None = the parameters' dtype. A different dtype runs the matmuls under
             ``torch.autocast`` (weights cast on the fly, never stored).
         sync_every: decode steps between host reads of the stop flags; None = 8 on CUDA, 1 on CPU.
-        cuda_graphs: capture the decode step in CUDA graphs; None = on when the model is on CUDA.
+        cuda_graphs: capture the decode step in CUDA graphs; None = on when the model is on CUDA and
+            ``batch_invariant`` is off (its decode runs eagerly: it reads shapes and kept grids on the host).
         compile: fuse the elementwise pieces (RMSNorm, residual add, rotary, SiLU·up) with ``torch.compile``;
             None = on when the model is on CUDA (the CPU path stays eager).
         page_size: tokens per KV page; None = 64 on CUDA (the decode kernel's keys per inner step; < 64 tokens
@@ -160,7 +161,9 @@ class GenerationEngine:
             handler (its ``turn_text``). Never used to encode.
         batch_invariant: ``numerics.batch_invariant``: the model's own decoder on the batch-invariant ops, so that
             every sampled token's log-prob equals the trainer's packed forward's bit for bit
-            (``fastgrpo.engine.batch_invariant``; CPU, dense Llama / Qwen2 / Qwen3: refused otherwise).
+            (``fastgrpo.engine.batch_invariant``; CPU or CUDA, its decode eager on CUDA; dense Llama / Qwen2 /
+            Qwen3 and Qwen3-MoE / Qwen2-MoE: refused otherwise). Its weights' fp64 grids (4x bf16 weights' bytes)
+            are taken off the free GPU memory before the KV budget.
         record_routing: a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): record the experts each token was routed
             to, every ``Completion.routing`` (router replay; ``fastgrpo.engine.moe``).
     """
@@ -242,6 +245,9 @@ class GenerationEngine:
 
         if batch_invariant:
             check_model(model)
+            if cuda_graphs:
+                raise ValueError("cuda_graphs=True with batch_invariant: the mode's decode runs eagerly (its host "
+                                 "reads of shapes and its weight grids kept per version cannot be captured)")
         self.forward = ModelForward(model, compile, batch_invariant)  # the forward pieces, from the model's modules
         if record_routing not in (True, False) or (record_routing and self.forward.moe is None):
             raise ValueError(f"record_routing={record_routing!r}: True records a mixture-of-experts model's routing "
@@ -350,12 +356,12 @@ class GenerationEngine:
 
     def _call_settings(self, params: SamplingParams, device: torch.device, dtype: torch.dtype,
                        max_context: int | None) -> CallSettings:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if params.seed is None else params.seed
+        seed = int(torch.randint(0, 2**62, (1,), device="cpu").item()) if params.seed is None else params.seed
         cuda = device.type == "cuda"
         return CallSettings(
             device=device, dtype=dtype, seed=seed, budget=self._budget_tokens(device, dtype),
             sync_every=self._sync_every or (CUDA_SYNC_EVERY if cuda else 1),
-            cuda_graphs=cuda and self._cuda_graphs is not False,
+            cuda_graphs=cuda and self._cuda_graphs is not False and self.forward.invariant is None,
             page_size=self.page_size or DEFAULT_PAGE_SIZE[cuda], max_batch_size=self.max_batch_size,
             row_cache=self._row_cache, cpu_packed=False if self.forward.invariant else self._cpu_packed,
             record_routing=self._record_routing,
@@ -429,5 +435,7 @@ class GenerationEngine:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached, reusable
-            return int(free * CUDA_MEMORY_FRACTION) // self.forward.kv_bytes_per_token(dtype)
+            if self.forward.invariant is not None:  # the weights' fp64 grids, made during the call after the pool
+                free -= self.forward.invariant.grid_bytes()
+            return max(int(free * CUDA_MEMORY_FRACTION), 0) // self.forward.kv_bytes_per_token(dtype)
         return DEFAULT_CPU_TOTAL_TOKENS

@@ -86,9 +86,10 @@ class ModelForward:
         return cos[0].to(dtype), sin[0].to(dtype)  # [T, D]
 
     def elementwise_ops(self, device: torch.device) -> Ops:
-        """The elementwise helpers: compiled (fused kernels) on CUDA unless ``compile=False``, eager elsewhere."""
+        """The elementwise helpers: compiled (fused kernels) on CUDA unless ``compile=False``, eager elsewhere and in
+        the batch-invariant mode (whose forward does not take them: nothing compiled)."""
         want = device.type == "cuda" if self._compile is None else self._compile
-        if not want:
+        if not want or self.invariant is not None:
             return EAGER_OPS
         if self._compiled_ops is None:
             self._compiled_ops = Ops(*(torch.compile(f, dynamic=True, fullgraph=True) for f in EAGER_OPS))

@@ -370,7 +370,8 @@ class Run:
             width = state.table.shape[1]
             table = [seq.pages + [0] * (width - len(seq.pages)) for seq in sched.rows]
             table += [[0] * width] * (S_b - running)  # padding rows: the scratch page
-            state.table[:S_b] = torch.tensor(table, dtype=torch.int32).to(self.settings.device, non_blocking=True)
+            table_SP = torch.tensor(table, dtype=torch.int32, device="cpu")  # made on the host, copied in one go
+            state.table[:S_b] = table_SP.to(self.settings.device, non_blocking=True)
             self.table_rows, self.table_layout = S_b, layout
         if running < S_b:
             state.done[running:S_b] = True  # padding rows: write to the scratch page, never recorded

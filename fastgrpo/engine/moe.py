@@ -119,7 +119,7 @@ class RoutingLog:
             return
         if buf is None or buf.shape[0] < end:
             grown = torch.full((max(end, 2 * (0 if buf is None else buf.shape[0]), 64), *self.shape), self.sentinel,
-                               dtype=self.dtype)
+                               dtype=self.dtype, device="cpu")  # the host's record
             if buf is not None:
                 grown[:n] = buf[:n]
             buf = grown
@@ -147,7 +147,8 @@ class RoutingLog:
         """``[P + length, L_moe, K]``: prompt ``p``'s ids, then sample's for its ``length`` completion tokens (E where
         none was recorded); forgets the sample's record."""
         buf, n = self.samples.pop(sample, (None, 0))
-        out = torch.full((self.prompts[p].shape[0] + length, *self.shape), self.sentinel, dtype=self.dtype)
+        out = torch.full((self.prompts[p].shape[0] + length, *self.shape), self.sentinel, dtype=self.dtype,
+                         device="cpu")
         P = self.prompts[p].shape[0]
         out[:P] = self.prompts[p]
         keep = min(n, length)

@@ -6,12 +6,11 @@ The mode's ops are ``fastgrpo.kernels.batch_invariant`` (products, RMSNorm's mea
 takes :func:`invariant_attention` while a forward runs in the mode), the generation engine the same calls in the
 same order without the modules (``fastgrpo.engine.batch_invariant``).
 
-What breaks invariance, refused at start-up (:func:`check_model`) with the reason:
+CPU and CUDA alike: the same ops on the model's device (the exact products are cuBLAS DGEMMs on CUDA, exact in any
+blocking or split-K; ``fastgrpo.kernels.batch_invariant``), the device's own ``exp`` / ``log`` / GEMM checked where
+the mode runs (``invariant_ops(device)``). What breaks invariance, refused at start-up (:func:`check_model`) with the
+reason:
 
-- a CUDA model: the mode is built for CPU. On CUDA it needs a persistent Triton matmul with one fixed tile
-  schedule and no split-K (or the exact-product scheme here on the tensor cores: an fp64-exact GEMM is not
-  available there), one attention kernel for prefill, decode and varlen reading key blocks in this fixed order,
-  and the LM head's fixed vocabulary tiles in ``fused_linear_logprobs``' Triton kernel;
 - an architecture other than dense Llama / Qwen2 / Qwen3 and the mixture-of-experts Qwen3-MoE / Qwen2-MoE (their
   router and experts: ``fastgrpo.kernels.batch_invariant_moe``, the same functions on both sides), an activation
   other than SiLU, sliding-window layers, attention dropout, a rope whose frequencies depend on the
@@ -35,9 +34,6 @@ from fastgrpo.kernels.batch_invariant_attention import varlen_attention
 from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MOE_MODEL_TYPES, is_moe
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
-CUDA_REFUSAL = ("numerics.batch_invariant runs on CPU only: on CUDA it needs a persistent Triton matmul with a fixed "
-                "tile schedule (no split-K), one attention kernel for prefill, decode and the packed forward with a "
-                "fixed key-block order, and the LM head's fixed vocabulary tiles in the log-prob kernel (not built)")
 
 
 def check_model(model: torch.nn.Module, attn_implementation: str | None = None, replay: bool = False) -> None:
@@ -47,8 +43,8 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None, 
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("numerics.batch_invariant: a torch.compile'd model reorders its reductions; refused")
     param = next(model.parameters())
-    if param.device.type != "cpu":
-        raise ValueError(CUDA_REFUSAL)
+    if param.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"numerics.batch_invariant: a model on {param.device.type} is not supported (cpu, cuda)")
     if param.dtype == torch.float64:
         raise ValueError("numerics.batch_invariant: fp64 weights are not supported (model.dtype float32 or bfloat16)")
     config = model.config
@@ -86,7 +82,7 @@ def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str, rep
     the packed forward and the log-prob kernels take them) and the model's weight grids kept
     (``keep_weight_grids``: made once per weight version, shared by the engine's call and the training forwards)."""
     check_model(model, attn_implementation, replay)
-    with invariant_ops(), keep_weight_grids(list(model.parameters())):
+    with invariant_ops(next(model.parameters()).device), keep_weight_grids(list(model.parameters())):
         yield
 
 

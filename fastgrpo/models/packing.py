@@ -70,7 +70,7 @@ def pack(sequences: Sequence[Sequence[int]] | Sequence[torch.Tensor]) -> PackedB
         raise ValueError("sequences is empty: pack needs at least one sequence")
     tensors = []
     for i, s in enumerate(sequences):
-        t = s if isinstance(s, torch.Tensor) else torch.as_tensor(list(s), dtype=torch.long)
+        t = s if isinstance(s, torch.Tensor) else torch.as_tensor(list(s), dtype=torch.long, device="cpu")
         if t.dim() != 1:
             raise ValueError(f"sequences[{i}] must be 1-D, got shape {tuple(t.shape)}")
         if t.numel() == 0:
@@ -83,7 +83,7 @@ def pack(sequences: Sequence[Sequence[int]] | Sequence[torch.Tensor]) -> PackedB
     input_ids = torch.cat([t.to(device=device, dtype=torch.long) for t in tensors])  # [N]
     position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])  # [N]
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)  # [B + 1]
-    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0).to(device)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32, device=device), 0)
     return PackedBatch(input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max(lengths))
 
 
