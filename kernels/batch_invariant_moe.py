@@ -59,8 +59,9 @@ def experts(x_TH: torch.Tensor, gate_up_EIH: torch.Tensor, down_EHI: torch.Tenso
             w_TK: torch.Tensor) -> torch.Tensor:
     """``Σ_k w_k y_{e_k}(x)`` per token (module docstring), ``[T, H]`` in x's dtype: the (token, expert) pairs sorted by
     expert, two exact products per expert with rows (the host reads the ``[E]`` counts: one synchronisation a
-    block on CUDA), the outputs back in (token, k) order and summed over k in that order. ``gate_up`` ``[E, 2I, H]`` (gate rows first), ``down``
-    ``[E, H, I]``: Hugging Face's fused expert layout. Differentiable in x, both weights and ``w``."""
+    block on CUDA), the outputs back in (token, k) order and summed over k in that order. ``gate_up`` ``[E, 2I, H]``
+    (gate rows first), ``down`` ``[E, H, I]``: Hugging Face's fused expert layout. Differentiable in x, both weights
+    and ``w``."""
     _require_forward_scope()
     T, K = ids_TK.shape
     H = x_TH.shape[1]
