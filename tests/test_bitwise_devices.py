@@ -141,11 +141,14 @@ def test_the_overrides_cover_the_cuda_dispatch_key():
 
 def test_refusals_of_devices_and_graphs():
     """A model on another device than CPU / CUDA is refused, and so are CUDA graphs asked for with the mode (its
-    decode runs eagerly)."""
+    decode runs eagerly) and an activation dtype other than the weights' (autocast)."""
     with pytest.raises(ValueError, match="a model on meta"):
         check_model(tiny_model("qwen2").to("meta"))
     with pytest.raises(ValueError, match="cuda_graphs=True with batch_invariant"):
         GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], batch_invariant=True, cuda_graphs=True)
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16 with batch_invariant"):  # autocast of fp32 weights
+        GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], batch_invariant=True, dtype=torch.bfloat16)
+    GenerationEngine(tiny_model("qwen2"), eos_token_ids=[], batch_invariant=True, dtype=torch.float32)  # theirs
 
 
 # ---------------------------------------------------------------- the gpu tier

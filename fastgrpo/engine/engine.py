@@ -248,6 +248,11 @@ class GenerationEngine:
             if cuda_graphs:
                 raise ValueError("cuda_graphs=True with batch_invariant: the mode's decode runs eagerly (its host "
                                  "reads of shapes and its weight grids kept per version cannot be captured)")
+            weights = next(model.parameters()).dtype
+            if dtype is not None and dtype != weights:
+                raise ValueError(f"dtype={dtype} with batch_invariant: the mode computes in the weights' dtype "
+                                 f"({weights}), as the trainer's forward does; autocast would round the weights "
+                                 "before their grids")
         self.forward = ModelForward(model, compile, batch_invariant)  # the forward pieces, from the model's modules
         if record_routing not in (True, False) or (record_routing and self.forward.moe is None):
             raise ValueError(f"record_routing={record_routing!r}: True records a mixture-of-experts model's routing "
