@@ -33,7 +33,11 @@ products ``[B, Hkv, L / 64, G·M, D]`` fp64 (in pieces of ``BLOCK_PRODUCTS``), t
 D]``, the grids of q and v (fp64 copies). :func:`varlen_attention` splits a packed batch so that a call holds at
 most ``PAIRS_PER_CALL`` query-key pairs per head (a long sequence's query chunks read the keys up to their end: the
 causal half of the pairs), :func:`attention` its rows so that their fp64 temporaries stay under ``CHUNK_BYTES``
-(16 MiB: glibc serves 32 MiB and more fresh from the OS, zero-filled on first touch, 5x slower a byte). Cost: fp64
+(16 MiB: glibc serves 32 MiB and more fresh from the OS, zero-filled on first touch, 5x slower a byte). On CUDA the
+bounds are larger (:func:`split_bounds`: 1 GiB of a call's temporaries, 2^22 pairs a head), since there each chunk
+costs dozens of kernel launches from Python (counted with the ops of one decode step's attention at the 1.5B heads,
+12 / 2 x 128, 28 layers: 256 rows of 4096 keys take 5 calls and about 28K ops a step, 256 rows of 16K keys 18 calls
+and about 100K ops, against 1 row a call and about 1.4M ops at 256 x 4096 with the CPU's bound). Cost: fp64
 GEMMs for the scores and the blocks (about 2x fp32 SDPA's arithmetic there), the fp64 copies of K and V, the grids
 (a few elementwise passes over q and v per call; the engine's row cache keeps the values' grids, ``v_kept``), and
 8 multiply-adds per query and feature for the query's own small block, elementwise in fp64;
@@ -65,6 +69,11 @@ PAIRS_PER_CALL = 1 << 16  # query-key pairs per head in one call of varlen_atten
 BLOCK_PRODUCTS = 1 << 21  # fp64 entries of the blocks' products held at once (16 MiB)
 CHUNK_BYTES = 16 << 20  # fp64 bytes of a call's per-row temporaries (K, V, scores, π) computed at once: rows in chunks
 # (glibc hands a block of 32 MiB or more straight from the OS, zero-filled page by page on first touch: 5x the time)
+# On CUDA the bounds are set by launches, not by the allocator: every chunk is dozens of small ops launched from
+# Python (5-10 us each), and the caching allocator reuses its blocks whatever their size
+CUDA_PAIRS_PER_CALL = 1 << 22  # 48 MiB a head: a 16K-token sequence in 256-query chunks (64 calls a layer)
+CUDA_BLOCK_PRODUCTS = 1 << 24  # 128 MiB: a decode step's big blocks in one product at the 1.5B heads up to 24K keys
+CUDA_CHUNK_BYTES = 1 << 30  # 1 GiB: a decode step of 256 rows at the 1.5B heads in 2 calls at 1K keys, 18 at 16K
 
 
 def key_grid(k: torch.Tensor) -> torch.Tensor:
@@ -91,7 +100,7 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     any finite values past those."""
     B, Hq, M, D = q_BHMD.shape
     Hkv, L = k_BHLD.shape[1], k_BHLD.shape[2]
-    rows = max(1, CHUNK_BYTES // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
+    rows = rows_per_call(q_BHMD.device, Hq, Hkv, L, M, D)
     if B > rows:  # a row's result is its own: chunks of rows keep the temporaries in the allocator's reused memory
         return torch.cat([attention(q_BHMD[b : b + rows], k_BHLD[b : b + rows], v_BHLD[b : b + rows],
                                     qpos_BM[b : b + rows], scale, dense_from,
@@ -122,6 +131,25 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
         small = small_blocks(pi_BHRL, v_BHLD, qpos_BM, v_kept_BHLD)
         diagonal = diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
     return out.add_(small).add_(diagonal).div_(l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)  # ((S₁ + S₂) + Δ) / l
+
+
+def split_bounds(device: torch.device) -> tuple[int, int, int]:
+    """The work's split on ``device``: query-key pairs per head in one call of :func:`invariant_varlen`, fp64 entries
+    of :func:`big_blocks`' products held at once, and bytes of :func:`attention`'s per-row fp64 temporaries (the
+    CPU's ``PAIRS_PER_CALL``, ``BLOCK_PRODUCTS``, ``CHUNK_BYTES``; the ``CUDA_*`` ones on CUDA). The split never
+    changes a value (a row's result is its own, the blocks' running sum is carried across products)."""
+    if device.type == "cuda":
+        return CUDA_PAIRS_PER_CALL, CUDA_BLOCK_PRODUCTS, CUDA_CHUNK_BYTES
+    return PAIRS_PER_CALL, BLOCK_PRODUCTS, CHUNK_BYTES
+
+
+def rows_per_call(device: torch.device, Hq: int, Hkv: int, L: int, M: int, D: int) -> int:
+    """Rows of ``M`` queries over ``L`` keys that one :func:`attention` call computes at once on ``device``: its
+    fp64 temporaries, ``8 · Hkv · L · (2 · D + 2 · M · Hq / Hkv)`` bytes a row (K and V, the scores and π), within
+    :func:`split_bounds`' chunk bytes; at least 1. At DeepSeek-R1-Distill-Qwen-1.5B's heads (12 / 2 x 128) a decode row
+    holds 4288 bytes a key: 70 MB at 16K keys, 15 rows in CUDA's 1 GiB (the real peak is about twice the count: the
+    masked π and the values' grids are copies)."""
+    return max(1, split_bounds(device)[2] // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
 
 
 def big_value_grid(v_BHLD: torch.Tensor) -> torch.Tensor:
@@ -165,7 +193,7 @@ def big_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, start_B1R1: torch.Te
         v_tilde = v_kept_BHLD[:, :, : nb * BIG_BLOCK].double().reshape(B, Hkv, nb, BIG_BLOCK, D)
     else:
         v_tilde = to_grid(v_BHLD[:, :, : nb * BIG_BLOCK].reshape(B, Hkv, nb, BIG_BLOCK, D), -2, BIG_VALUE_BITS)
-    step = max(1, BLOCK_PRODUCTS // max(B * Hkv * R * D, 1))  # blocks per product: bounds [B, Hkv, step, R, D]
+    step = max(1, split_bounds(pi_BHRL.device)[1] // max(B * Hkv * R * D, 1))  # blocks a product: [B, Hkv, step, R, D]
     for b0 in range(0, nb, step):
         blocks = torch.matmul(full[:, :, b0 : b0 + step], v_tilde[:, :, b0 : b0 + step])  # [B, Hkv, step, R, D]
         if b0:  # the running sum first: cumsum adds left to right from 0 (self_check), so its last is the loop's
@@ -216,7 +244,7 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
     base_BM = qpos_BM - qpos_BM % BIG_BLOCK  # the query's big block's first key
     below_BM = (qpos_BM % BIG_BLOCK) // BK  # how many of its small blocks lie below the query's
     out = pi_BHRL.new_zeros(B, Hkv, M, G, D)
-    if B * M * Hkv * BIG_BLOCK * D <= BLOCK_PRODUCTS:
+    if B * M * Hkv * BIG_BLOCK * D <= split_bounds(pi_BHRL.device)[1]:
         # its big block's keys by index, those past the keys clamped: they lie past the query (π = 0 there)
         keys_BMK = (base_BM[..., None] + torch.arange(BIG_BLOCK, device=qpos_BM.device)).clamp_(max=Lp - 1)
         v_own = v_BHLD.transpose(1, 2)[rows_B1[..., None], keys_BMK]  # [B, M, BB, Hkv, D]
@@ -344,17 +372,18 @@ def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tens
     lengths = {b: bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)}
     order = sorted(lengths, key=lengths.get)
     dev = q_THD.device
+    pairs = split_bounds(dev)[0]
     i = 0
     while i < len(order):
         group = [order[i]]
-        while i + len(group) < len(order) and (len(group) + 1) * lengths[order[i + len(group)]] ** 2 <= PAIRS_PER_CALL:
+        while i + len(group) < len(order) and (len(group) + 1) * lengths[order[i + len(group)]] ** 2 <= pairs:
             group.append(order[i + len(group)])
         i += len(group)
         whole = KEY_BLOCK if lengths[group[-1]] <= BIG_BLOCK else BIG_BLOCK  # dense_blocks reads whole blocks
         L = -(-lengths[group[-1]] // whole) * whole
         start_B1 = torch.tensor([bounds[b] for b in group], device=dev)[:, None]
         n_B1 = torch.tensor([lengths[b] for b in group], device=dev)[:, None]
-        chunk = L if L * L <= PAIRS_PER_CALL else max(BIG_BLOCK, PAIRS_PER_CALL // L // BIG_BLOCK * BIG_BLOCK)
+        chunk = L if L * L <= pairs else max(BIG_BLOCK, pairs // L // BIG_BLOCK * BIG_BLOCK)
         for m0 in range(0, L, chunk):  # a sequence too long for one call: query chunks of whole big blocks
             m1 = min(L, m0 + chunk)
             kpos_BL = torch.arange(m1, device=dev).expand(len(group), m1)

@@ -359,3 +359,24 @@ def test_invariant_forward_needs_the_ops_registered():
     assert not bi.enabled()
     with pytest.raises(RuntimeError, match="registered"), bi.invariant_forward():
         pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(device=st.sampled_from(["cpu", "cuda"]), heads=st.sampled_from([(1, 1), (4, 2), (12, 2), (16, 8)]),
+       L=st.integers(1, 1 << 16), M=st.integers(1, 512), D=st.sampled_from([64, 128]))
+def test_rows_per_call_fill_the_devices_bound(device, heads, L, M, D):
+    """A call's rows hold at most the device's chunk bytes of fp64 temporaries (``8 · Hkv · L · (2D + 2M · G)`` a
+    row: K and V, the scores and π) and as many rows as fit, at least one; CUDA's bounds are the ``CUDA_*`` ones, not
+    the CPU's (whose 16 MiB ran a 1.5B decode step's 256 rows of 4096 keys one call a row)."""
+    Hq, Hkv = heads
+    dev = torch.device(device)  # a device name only: no tensor is made on it
+    cuda = (ba.CUDA_PAIRS_PER_CALL, ba.CUDA_BLOCK_PRODUCTS, ba.CUDA_CHUNK_BYTES)
+    assert ba.split_bounds(dev) == (cuda if device == "cuda" else (ba.PAIRS_PER_CALL, ba.BLOCK_PRODUCTS,
+                                                                   ba.CHUNK_BYTES))
+    chunk = ba.split_bounds(dev)[2]
+    per_row = 8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))
+    rows = ba.rows_per_call(dev, Hq, Hkv, L, M, D)
+    assert rows >= 1 and (rows == 1 or rows * per_row <= chunk) and (rows + 1) * per_row > chunk
+    # the 1.5B model's heads (12 / 2 x 128), one decode step of 256 rows at 4096 keys: calls a layer
+    calls = -(-256 // ba.rows_per_call(dev, 12, 2, 4096, 1, 128))
+    assert calls == (5 if device == "cuda" else 256)
