@@ -332,6 +332,14 @@ def keep_weight_grids(params):
                     del _kept_grids[key]
 
 
+def held_grid_bytes(params) -> int:
+    """Bytes of the grids :func:`kept_grid` holds now for views of these parameters (made at a product while their
+    scope is open; one a weight, of whichever version it was last made for)."""
+    ptrs = {p.untyped_storage().data_ptr() for p in params}
+    return sum(grid.numel() * grid.element_size() for _, b, grid in _kept_grids.values()
+               if b.untyped_storage().data_ptr() in ptrs)
+
+
 def kept_grid(b_KN: torch.Tensor) -> torch.Tensor | None:
     """The grid of ``b`` (per column over ``K``) when ``b`` is a view of a kept parameter (:func:`keep_weight_grids`),
     made once per version of it; else None. An entry holds ``b``, so its storage (the key) cannot be reused."""

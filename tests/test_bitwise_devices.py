@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastgrpo.kernels import batch_invariant as bi
+from fastgrpo.kernels import batch_invariant_attention as ba
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_bitwise import bitwise_cases, check_bitwise, check_turns_bitwise, moe_cases, trainer_mismatches
@@ -25,6 +26,8 @@ from torch.overrides import TorchFunctionMode
 from turn_script import CharTokenizer
 
 import fastgrpo
+from fastgrpo.engine.batch_invariant import PagedKV
+from fastgrpo.engine.cache import KVCache
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.batch_invariant import check_model
@@ -51,6 +54,78 @@ class ImplicitDeviceTrap(TorchFunctionMode):
                                      f"{caller.f_lineno}")
             kwargs["device"] = "meta"
         return func(*args, **kwargs)
+
+
+@settings(max_examples=10, deadline=None)
+@given(B=st.integers(1, 5), M=st.integers(1, 3), ps=st.sampled_from([1, 3, 8]), P=st.integers(1, 5),
+       rows=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 1000))
+def test_paged_attention_in_row_chunks_gives_the_whole_gathers_bits(B, M, ps, P, rows, dtype, seed):
+    """``PagedKV`` (the CUDA path's attention over the pages) gathers its sequences' K/V ``rows`` at a time (the
+    attention's bound set so): every live query's output is the bits of the attention over the whole batch's K/V
+    gathered at once from the same pages, the padded queries (row -1) written nowhere; the decode step's form (no
+    rows: query ``i`` is row ``i``) likewise."""
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv, D, L = 4, 2, 8, P * ps
+    kv = torch.randn(1, 2, Hkv, B * P + 1, ps, D, generator=g).to(dtype)  # one page more: never read
+    kv[:, 0] = ba.key_grid(kv[:, 0])
+    table_BP = torch.randperm(B * P + 1, generator=g)[: B * P].view(B, P)
+    qpos_BM = torch.randint(0, L, (B, M), generator=g)
+    live_BM = torch.rand(B, M, generator=g) < 0.7
+    live_BM[:, 0] = True
+    N = int(live_BM.sum())
+    rows_BM = torch.full((B, M), -1)
+    rows_BM[live_BM] = torch.randperm(N, generator=g)
+    slot_N = torch.empty(N, dtype=torch.long)  # the new tokens' slots: their queries' positions' (distinct)
+    b_N, m_N = live_BM.nonzero().unbind(1)
+    p_N = qpos_BM[b_N, m_N]
+    slot_N[rows_BM[b_N, m_N]] = table_BP[b_N, p_N // ps] * ps + p_N % ps
+    q_NHD = torch.randn(N, Hq, D, generator=g).to(dtype)
+    k_NHD, v_NHD = (torch.randn(N, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    whole = kv.clone()
+    KVCache(whole).write(0, slot_N, ba.key_grid(k_NHD), v_NHD)
+    k, v = whole[0][:, :, table_BP].permute(0, 2, 1, 3, 4, 5).reshape(2, B, Hkv, L, D)
+    o_BHMD = ba.attention(q_NHD[rows_BM].transpose(1, 2), k, v, qpos_BM, D**-0.5)
+    expected = torch.empty_like(q_NHD)
+    expected[rows_BM[live_BM]] = o_BHMD.transpose(1, 2)[live_BM]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ba, "CHUNK_BYTES", rows * 8 * Hkv * L * (2 * D + 2 * M * Hq // Hkv))
+        assert ba.rows_per_call(torch.device("cpu"), Hq, Hkv, L, M, D) == rows
+        out = PagedKV(KVCache(kv), slot_N, qpos_BM, table_BP, rows_BM).attend(0, q_NHD, k_NHD, v_NHD, D**-0.5)
+        assert torch.equal(out, expected) and torch.equal(kv, whole)
+        decode = PagedKV(KVCache(kv.clone()), slot_N[:0], qpos_BM[:, :1], table_BP).attend(
+            0, q_NHD[rows_BM[:, 0]], k_NHD[:0], v_NHD[:0], D**-0.5)
+        assert torch.equal(decode, o_BHMD[:, :, 0])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_cuda_kv_budget_takes_off_only_the_grids_not_held(monkeypatch, tied):
+    """On CUDA the engine's KV budget is ``0.8 · (free + cached − allocated − grids)`` tokens of
+    ``2 · layers · Hkv · D · 4`` bytes (fp32), where ``grids`` is 8 bytes an entry of every matrix but an untied input
+    embedding while none is held, 0 while a scope keeps them made (the trainer's, for its run: a call made them, then
+    the weights moved), and all of them again once that scope has closed. The memory figures are patched in."""
+    model = tiny_model("qwen2", tie_word_embeddings=tied)
+    engine = GenerationEngine(model, eos_token_ids=[], batch_invariant=True)
+    free, cached, allocated = 3 << 30, 5 << 26, 3 << 26
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cached)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    c = model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    grids = 8 * sum(p.numel() for name, p in model.named_parameters()
+                    if p.dim() == 2 and (tied or name != "model.embed_tokens.weight"))
+
+    def budget() -> int:
+        return engine._budget_tokens(torch.device("cuda"), torch.float32)
+
+    assert budget() == int(0.8 * (free + cached - allocated - grids)) // per_token
+    with bi.keep_weight_grids(list(model.parameters())):  # the trainer's scope
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
+        assert budget() == int(0.8 * (free + cached - allocated)) // per_token
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        assert budget() == int(0.8 * (free + cached - allocated)) // per_token  # stale, still held
+    assert budget() == int(0.8 * (free + cached - allocated - grids)) // per_token
 
 
 @pytest.mark.parametrize("arch, row_cache, changes", [

@@ -33,7 +33,8 @@ index tensor made on the tokens' device. The engine then runs it eagerly: no CUD
 (it reads shapes and the row layout on the host, keeps its weight grids per weight version and would replay a stale
 one after an in-place update), no compiled elementwise op is taken, and K/V are read through the pages
 (:class:`PagedKV`: CUDA has no row cache). The kept weight grids (:meth:`BatchInvariantForward.grid_bytes`, about
-12 GiB for DeepSeek-R1-Distill-Qwen-1.5B) are taken off the free GPU memory before the KV budget.
+12 GiB for DeepSeek-R1-Distill-Qwen-1.5B) not held yet (:meth:`BatchInvariantForward.grid_bytes_to_make`) are taken
+off the free GPU memory before the KV budget.
 
 Tensor names carry their shape: S rows, N packed tokens, P block-table width, H hidden, Hq/Hkv heads, D head dim.
 """
@@ -49,6 +50,7 @@ from fastgrpo.engine.moe import EngineMoE
 from fastgrpo.engine.ops import rope
 from fastgrpo.kernels import batch_invariant_moe
 from fastgrpo.kernels.batch_invariant import (
+    held_grid_bytes,
     input_grid,
     invariant_forward,
     invariant_ops,
@@ -66,6 +68,7 @@ from fastgrpo.kernels.batch_invariant_attention import (
     big_value_grid,
     invariant_varlen,
     key_grid,
+    rows_per_call,
     small_value_grid,
 )
 from fastgrpo.models.lora import lora_terms
@@ -87,21 +90,41 @@ class PrefillKV:
 class PagedKV:
     """K/V read back from the pages: the new tokens' K/V written to their slots first, then the queries of
     sequence ``i`` (rows ``rows[i]`` of the call, at positions ``qpos[i]``) attend over its pages ``tables[i]``
-    (positions ``[0, keys)``, ``keys`` = the widest table's). Queries of one sequence, padded to the longest."""
+    (positions ``[0, keys)``, ``keys`` = the widest table's). Queries of one sequence, padded to the longest;
+    ``rows`` None: query ``i`` is row ``i`` (a decode step, one query a sequence).
 
-    def __init__(self, cache, slot_N: torch.Tensor, rows_BM: torch.Tensor, qpos_BM: torch.Tensor,
-                 table_BP: torch.Tensor):
-        self.cache, self.slot_N, self.rows_BM, self.qpos_BM, self.table_BP = cache, slot_N, rows_BM, qpos_BM, table_BP
+    Each layer gathers the sequences' K/V in chunks of rows (``rows_per_call``, the attention's own bound), one copy
+    ``[2, b, Hkv, keys, D]`` in the cache's dtype a chunk: at most a quarter (bf16) or half (fp32) of the
+    attention's fp64 temporaries' bound, 256 / 512 MiB on CUDA, instead of every row at once (at 256 rows of 16K
+    keys on DeepSeek-R1-Distill-Qwen-1.5B bf16, 4.3 GB twice a layer). A row's result is its own, so the chunks give
+    the same bits. Host syncs: the live queries' indices once per forward (``nonzero``; none for a decode step);
+    the packed prefill's ``cu_seqlens.tolist()`` (:class:`PrefillKV`) and an MoE block's ``bincount().tolist()``
+    stay, once a layer per prefill, where the host must know the shapes."""
+
+    def __init__(self, cache, slot_N: torch.Tensor, qpos_BM: torch.Tensor, table_BP: torch.Tensor,
+                 rows_BM: torch.Tensor | None = None):
+        self.cache, self.slot_N, self.qpos_BM, self.rows_BM = cache, slot_N, qpos_BM, rows_BM
+        ps = cache.kv.shape[4]
+        offsets = torch.arange(ps, device=table_BP.device)
+        self.slots_BL = (table_BP[..., None] * ps + offsets).flatten(1)  # [B, P · ps]: every key's flat slot
+        self.live_n = None if rows_BM is None else (rows_BM.flatten() >= 0).nonzero().squeeze(1)
 
     def attend(self, layer: int, q_NHD, k_NHD, v_NHD, scale: float) -> torch.Tensor:
         self.cache.write(layer, self.slot_N, key_grid(k_NHD), v_NHD)
-        kv = self.cache.kv[layer][:, :, self.table_BP]  # [2, Hkv, B, P, page_size, D]
-        _, Hkv, B, P, ps, D = kv.shape
-        k, v = kv.permute(0, 2, 1, 3, 4, 5).reshape(2, B, Hkv, P * ps, D)
-        o_BHMD = attention(q_NHD[self.rows_BM].transpose(1, 2), k, v, self.qpos_BM, scale)
+        _, Hkv, _, _, D = self.cache.kv[layer].shape  # [2, Hkv, pages, page_size, D]
+        kv_flat = self.cache.kv[layer].flatten(2, 3)  # [2, Hkv, pages · page_size, D] view
+        q_BHMD = (q_NHD[:, :, None] if self.rows_BM is None else q_NHD[self.rows_BM].transpose(1, 2))
+        B, Hq, M, _ = q_BHMD.shape
+        rows = rows_per_call(q_NHD.device, Hq, Hkv, self.slots_BL.shape[1], M, D)
+        o = []
+        for b0 in range(0, B, rows):
+            k, v = kv_flat[:, :, self.slots_BL[b0 : b0 + rows]].transpose(1, 2)  # [b, Hkv, keys, D] each
+            o.append(attention(q_BHMD[b0 : b0 + rows], k, v, self.qpos_BM[b0 : b0 + rows], scale))
+        o_nHD = torch.cat(o).transpose(1, 2).flatten(0, 1)  # [B · M, Hq, D]
+        if self.live_n is None:
+            return o_nHD
         out = q_NHD.new_empty(q_NHD.shape)  # [N, Hq, D]
-        live = self.rows_BM >= 0
-        out[self.rows_BM[live]] = o_BHMD.transpose(1, 2)[live]
+        out[self.rows_BM.flatten()[self.live_n]] = o_nHD[self.live_n]
         return out
 
 
@@ -207,6 +230,13 @@ class BatchInvariantForward:
         tied = embed is self.model.lm_head.weight
         return 8 * sum(p.numel() for p in self.model.parameters() if p.dim() >= 2 and (tied or p is not embed))
 
+    def grid_bytes_to_make(self) -> int:
+        """:meth:`grid_bytes` less the grids held already (``held_grid_bytes``: the trainer keeps its policy's for
+        the run, so from the second call on they are in the memory the KV budget sees used). A grid stale since an
+        update is made again before the old one is dropped: one weight's grid more for a moment (the LM head's,
+        1.9 GB on DeepSeek-R1-Distill-Qwen-1.5B), within the share of free memory the budget leaves."""
+        return max(self.grid_bytes() - held_grid_bytes(list(self.model.parameters())), 0)
+
     @contextlib.contextmanager
     def calling(self):
         """One ``generate`` call (or session): the invariant ops registered, the weights' grids kept (for the call,
@@ -303,7 +333,7 @@ class BatchInvariantForward:
             rows_BM[i, :m] = torch.arange(start, start + m, device=dev)
             qpos_BM[i, :m] = torch.arange(kv, kv + m, device=dev)
             table_BP[i, : len(pages)] = pages
-        return self.hidden(tokens_N, pos_N, PagedKV(cache, slot_N, rows_BM, qpos_BM, table_BP))
+        return self.hidden(tokens_N, pos_N, PagedKV(cache, slot_N, qpos_BM, table_BP, rows_BM))
 
     def decode(self, cache, tok_S, pos_S, table_SP) -> torch.Tensor:
         """``ModelForward.decode``: one token per row at ``pos_S``, its K/V written to the row cache (when there is
@@ -315,6 +345,5 @@ class BatchInvariantForward:
             context = RowKV(cache.rows, pos_S, table_SP.shape[1] * ps, self.kept, cache.loads)
         else:
             page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()
-            rows = torch.arange(tok_S.shape[0], device=tok_S.device)[:, None]
-            context = PagedKV(cache, page_S * ps + pos_S % ps, rows, pos_S[:, None], table_SP.long())
+            context = PagedKV(cache, page_S * ps + pos_S % ps, pos_S[:, None], table_SP.long())
         return self.logits(self.hidden(tok_S, pos_S, context))

@@ -440,7 +440,7 @@ class GenerationEngine:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached, reusable
-            if self.forward.invariant is not None:  # the weights' fp64 grids, made during the call after the pool
-                free -= self.forward.invariant.grid_bytes()
+            if self.forward.invariant is not None:  # the weights' fp64 grids not held yet, made after the pool
+                free -= self.forward.invariant.grid_bytes_to_make()
             return max(int(free * CUDA_MEMORY_FRACTION), 0) // self.forward.kv_bytes_per_token(dtype)
         return DEFAULT_CPU_TOTAL_TOKENS
