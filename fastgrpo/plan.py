@@ -105,6 +105,15 @@ pool (``rollout.max_total_tokens``; unset, the engine takes ``CUDA_MEMORY_FRACTI
 free at the session's start) and the training peak adds it; the cure of a training peak over the GPU names the pool
 that leaves the update its room.
 A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation and kernels' scratch.
+
+``numerics.batch_invariant`` (``fastgrpo.kernels.batch_invariant``; ddp or one GPU: the mode refuses fsdp2) keeps
+the policy's fp64 weight grids for the run, in both phases: ``8·(P − V·h)`` (``8·P`` with a tied head; the norms'
+and biases' few entries counted too), 11.5 GiB for DeepSeek-R1-Distill-Qwen-1.5B. Its fp64 temporaries, by reading
+the code (not measured on a GPU): the attention's, twice its count's bound ``CUDA_CHUNK_BYTES`` (the masked π and
+the values' grids are copies), plus in generation the pages' K/V gathered for a chunk of rows (``c/8`` of the bound),
+the exact products of a prefill chunk's tokens (an input's fp64 grid and the fp64 product, ``8·n·(h + I)`` at the
+MLP's widest) and the LM head's fp64 product for the decoding batch (``8·batch·V``); in training the products of a
+micro-batch, ``8·T·(h + I)`` (the log-prob kernel's vocabulary tiles are bounded).
 """
 
 from __future__ import annotations
@@ -118,6 +127,7 @@ import torch
 
 from fastgrpo.config import Config, load_config, stage_settings
 from fastgrpo.engine.engine import CUDA_MEMORY_FRACTION, PREFILL_CHUNK_TOKENS
+from fastgrpo.kernels.batch_invariant_attention import CUDA_CHUNK_BYTES
 from fastgrpo.models.vlm import image_token_range
 from fastgrpo.shapes import (
     ModelShape,
@@ -175,6 +185,12 @@ class MemoryPlan:
     """The update's images (module docstring)."""
     vision_generation: int = 0
     """Generation's images (module docstring)."""
+    invariant_grids: int = 0
+    """numerics.batch_invariant: the policy's fp64 weight grids, kept for the run (module docstring)."""
+    invariant_generation: int = 0
+    """numerics.batch_invariant: generation's fp64 temporaries (module docstring)."""
+    invariant_training: int = 0
+    """numerics.batch_invariant: the training forward's fp64 temporaries (module docstring)."""
 
     @property
     def usable(self) -> int:
@@ -183,11 +199,12 @@ class MemoryPlan:
     @property
     def static(self) -> int:
         return (self.base_shard + self.masters + self.optimizer + self.gradients + self.reference + self.teacher
-                + self.reward_models + self.vision_tower)
+                + self.reward_models + self.vision_tower + self.invariant_grids)
 
     @property
     def generation_base(self) -> int:
-        return self.static + self.weights + self.generation_workspace + self.vision_generation
+        return (self.static + self.weights + self.generation_workspace + self.vision_generation
+                + self.invariant_generation)
 
     @property
     def session_pool(self) -> int:
@@ -217,7 +234,7 @@ class MemoryPlan:
     @property
     def training_peak(self) -> int:
         return (self.static + self.train_extra + self.activations + self.loss_workspace + self.teacher_hidden
-                + self.vision_train + self.session_pool)
+                + self.vision_train + self.session_pool + self.invariant_training)
 
     @property
     def scoring_peak(self) -> int:
@@ -314,6 +331,9 @@ class MemoryPlan:
             row("loss workspace (fused linear loss)", self.loss_workspace),
             *([row("images (update)", self.vision_train, "pixels, kept tower output, a tower pass")]
               if s.vision else []),
+            *([row("batch-invariant weight grids (fp64)", self.invariant_grids, "kept for the run"),
+               row("batch-invariant temporaries", self.invariant_training, "training forward; generation: "
+                   f"{self.invariant_generation / GIB:.3f} GiB")] if self.invariant_grids else []),
         ]
         if self.batch:
             out += [
@@ -418,6 +438,12 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         vision_train += vision_pass_bytes(s, c, v) + (0 if frozen_tower else q * tokens * (
             vs.layers * c * vs.hidden + a if ckpt else vs.layers * a))
         vision_gen = math.ceil(g.prompts_per_gen_batch / nproc) * c * v * s.hidden + vision_pass_bytes(s, c, v)
+    grids = inv_gen = inv_train = 0
+    if cfg.numerics.batch_invariant:  # module docstring
+        grids = 8 * (P - (0 if s.tied else s.vocab * s.hidden))
+        products = 8 * (s.hidden + s.intermediate)
+        inv_gen = 2 * CUDA_CHUNK_BYTES + c * CUDA_CHUNK_BYTES // 8 + prompt_tokens * products + 8 * batch * s.vocab
+        inv_train = 2 * CUDA_CHUNK_BYTES + tokens * products
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
         weights=c * (P - frozen_tower), base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,
@@ -430,7 +456,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         loss_workspace=loss_workspace_bytes(s, c, tokens, kernel_loss, frozen_head=bool(p)),
         generation_workspace=gen_ws,
         kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch,
-        vision_tower=c * frozen_tower, vision_train=vision_train, vision_generation=vision_gen if generates else 0)
+        vision_tower=c * frozen_tower, vision_train=vision_train, vision_generation=vision_gen if generates else 0,
+        invariant_grids=grids, invariant_generation=inv_gen if generates else 0, invariant_training=inv_train)
 
 
 def longest_sequence(cfg: Config) -> int:

@@ -44,6 +44,8 @@ class ModelShape:
     """A mixture-of-experts model's experts (None: dense)."""
     vision: ModelShape | None = None
     """A VLM's vision tower (``fastgrpo.models.vlm.tower_dims``: blocks as layers, patches as tokens), else None."""
+    tied: bool = False
+    """The LM head is the input embedding (``tie_word_embeddings``)."""
     patch: int = 0  # a vision tower's patch side (px), patches merged per side, and pixel values per patch
     merge: int = 1
     patch_values: int = 0
@@ -126,13 +128,15 @@ def shape_of(model) -> ModelShape:
     layer = model.get_decoder().layers[0]
     heads = c.num_attention_heads
     dims = tower_dims(model)
+    head = model.get_output_embeddings()
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()), layers=c.num_hidden_layers, hidden=c.hidden_size,
         heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, intermediate=c.intermediate_size,
         vocab=c.vocab_size, qk_norm=hasattr(layer.self_attn, "q_norm"),
         layer_params=sum(p.numel() for p in model.get_decoder().layers.parameters()) // c.num_hidden_layers,
-        moe=moe_shape(model), vision=dims and ModelShape(**dims))
+        moe=moe_shape(model), vision=dims and ModelShape(**dims),
+        tied=head is not None and head.weight is model.get_input_embeddings().weight)
 
 
 def vision_pass_bytes(s: ModelShape, c: int, tokens: int) -> int:

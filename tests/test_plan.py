@@ -406,3 +406,39 @@ def test_the_router_logits_of_the_aux_loss_count_in_every_algorithm(recipe):
              for coef in (0.01, 0.0)]
     m = plans[0].shape.moe
     assert plans[0].activations - plans[1].activations == plans[0].tokens * 4 * m.experts * m.layers > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_batch_invariant_mode_adds_its_grids_and_temporaries(tied):
+    """``numerics.batch_invariant`` on the 1.5B recipe (ddp: the mode refuses fsdp2): the static part grows by the
+    fp64 weight grids, 8 bytes an entry of every parameter of the meta model but an untied input embedding (11.5 GiB);
+    generation by twice the attention's 1 GiB bound, the gathered pages' quarter of it (bf16), a prefill chunk's
+    fp64 products ``8·n·(h + I)`` and the LM head's ``8·batch·V``; training by twice the bound and ``8·T·(h + I)``;
+    the KV cache the rest allows shrinks by the generation's share."""
+    import math
+
+    from fastgrpo.engine.engine import PREFILL_CHUNK_TOKENS
+
+    overrides = [f"model.path={QWEN_1P5B}", "train.strategy=ddp"]
+    off_cfg = load_config("deepscaler-1.5b", overrides=overrides)
+    on_cfg = load_config("deepscaler-1.5b", overrides=[*overrides, "numerics.batch_invariant=true"])
+    with torch.device("meta"):
+        import transformers
+
+        hf = transformers.AutoConfig.from_pretrained(QWEN_1P5B)
+        hf.tie_word_embeddings = tied
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    s = shape_of(model)
+    assert s.tied == tied
+    grids = 8 * sum(p.numel() for n, p in model.named_parameters() if tied or n != "model.embed_tokens.weight")
+    assert grids / 2**30 == pytest.approx(11.5, abs=0.01)  # tied: the head's matrix is the embedding's, counted once
+    off, on = memory_plan(off_cfg, 8, 141, shape=s), memory_plan(on_cfg, 8, 141, shape=s)
+    assert on.static - off.static == grids
+    h, inter, V, chunk = 1536, 8960, 151936, 1 << 30
+    prompt_tokens = min(math.ceil(on_cfg.grpo.prompts_per_gen_batch / 8) * 1024, max(PREFILL_CHUNK_TOKENS, 8192))
+    gen = 2 * chunk + chunk // 4 + 8 * prompt_tokens * (h + inter) + 8 * on.batch * V
+    assert on.generation_base - off.generation_base == grids + gen
+    assert on.training_peak - off.training_peak == grids + 2 * chunk + 8 * 32768 * (h + inter)
+    assert off.kv_cache - on.kv_cache == grids + gen and on.batch == 80
+    rows = [[line for line in plan.lines() if "batch-invariant weight grids" in line] for plan in (off, on)]
+    assert rows[0] == [] and "11.502 GiB" in rows[1][0]
