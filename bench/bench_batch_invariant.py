@@ -1,7 +1,8 @@
 """The cost of ``numerics.batch_invariant`` (issue 35): the mode on against off, measured in one run.
 
 Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``: seconds, records nothing;
-``--device cuda --steps 1 --repeats 1``: the GPU rows, bounded by ``bench/gpu_check.sh`` at 40 s).
+``--device cuda``: the GPU rows; ``bench/gpu_check.sh`` runs ``--device cuda --quick --steps 1 --repeats 1``,
+bounded at 40 s).
 
 - **GRPO step** of the ``tiny`` recipe (its 130K-parameter Qwen2, 32 prompts × 8 samples, 8 new tokens, one thread
   as the recipe sets), without the warm-up and with ``grpo.mask_zero_std_groups=false`` so that every step runs the
@@ -24,7 +25,9 @@ what was still running): the micro rows at DeepSeek-R1-Distill-Qwen-1.5B's width
 and training row counts, packed attention with 12 query and 2 key-value heads of 128 against the trainer's Triton
 varlen kernel, a decode step against SDPA, log-probs over 65,536 vocabulary entries against the Triton kernel), the
 ~10M Qwen2's generation in bf16 (mode off: the engine's defaults on CUDA, compiled elementwise ops and CUDA graphs;
-on: eager) and the ``tiny`` recipe's GRPO step on the GPU (one optimizer step per rollout).
+on: eager) and the ``tiny`` recipe's GRPO step on the GPU (one optimizer step per rollout), run in the order GRPO
+step, micro rows, generation. ``--quick`` (the gpu_check step): the micro rows cut to the decode-row product and the
+decode step at 4096 keys (the pairs that compile no Triton kernel), 16 new tokens in the generation row.
 
 The ratio is on / off (> 1: the mode costs that much more). Rows go to ``bench/results/batch_invariant.csv``.
 """
@@ -137,8 +140,9 @@ def micro_rows(smoke: bool) -> list[dict]:
     return rows
 
 
-def micro_rows_cuda() -> list[dict]:
-    """The micro rows on the GPU (module docstring), bf16, each pair timed in one run (CUDA events)."""
+def micro_rows_cuda(quick: bool) -> list[dict]:
+    """The micro rows on the GPU (module docstring), bf16, each pair timed in one run (CUDA events); ``quick``: the
+    decode-row product and the decode step at 4096 keys only (no Triton compile)."""
     dev, bf16 = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -152,23 +156,25 @@ def micro_rows_cuda() -> list[dict]:
 
     w = randn(8960, 1536)
     grid = bi.weight_grid(w)
-    for M in (64, 8192):
+    for M in (64,) if quick else (64, 8192):
         x = randn(M, 1536)
         pair("matmul x Wᵀ (weight grid kept)", f"M={M} K=1536 N=8960", partial(F.linear, x, w),
              partial(bi.linear, x, w, grid=grid))
     del grid
-    for B, L in ((8, 512), (2, 2048)):
+    for B, L in () if quick else ((8, 512), (2, 2048)):
         q, k, v = (randn(B * L, h, 128) for h in (12, 2, 2))
         cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=dev)
         pair("attention, packed causal (trainer)", f"{B}x{L} tokens, Hq=12 Hkv=2 D=128",
              partial(varlen_attention, q, k, v, cu, L), partial(ba.varlen_attention, q, k, v, cu, 128**-0.5))
     S = 64
-    for L in (1024, 4096):  # the engine's CUDA decode reads the pages: no kept value grids
+    for L in (4096,) if quick else (1024, 4096):  # the engine's CUDA decode reads the pages: no kept value grids
         q, k, v = randn(S, 12, 1, 128), randn(S, 2, L, 128), randn(S, 2, L, 128)
         pos = torch.full((S, 1), L - 1, device=dev)
         pair("attention, decode step (one query per row)", f"S={S} L={L}, Hq=12 Hkv=2 D=128",
              partial(F.scaled_dot_product_attention, q.view(S, 2, 6, 128), k, v, scale=128**-0.5),
              partial(ba.attention, q, ba.key_grid(k), v, pos, 128**-0.5))
+    if quick:
+        return rows
     N, H, V = 2048, 1536, 65536
     h, w, y = randn(N, H), randn(V, H, scale=1 / 32), torch.randint(0, V, (N,), generator=g, device=dev)
     pair("log-probs from hidden states", f"N={N} H={H} V={V}", partial(fused_linear_logprobs, h, w, y),
@@ -177,7 +183,9 @@ def micro_rows_cuda() -> list[dict]:
 
 
 def main_cuda(args) -> None:
-    """The GPU rows (module docstring), each part appended when measured."""
+    """The GPU rows (module docstring), each part appended when measured: the GRPO step first (the issue's 1.3x
+    goal and the 0.0 gate), then the micro rows, then the generation (its mode-off engine compiles its elementwise
+    ops and captures CUDA graphs: the slowest part to start)."""
     parts = []
 
     def record(rows: list[dict]) -> None:
@@ -186,13 +194,6 @@ def main_cuda(args) -> None:
             print(f"rows appended to {append_rows('batch_invariant', rows, 'cuda')}")
         parts.extend(rows)
 
-    record(micro_rows_cuda())
-    model = build_model(CPU_CONFIG, "cuda", torch.bfloat16)
-    params = SamplingParams(n=4, max_new_tokens=16 if args.smoke else 128, seed=0)
-    rate = generation(model, make_prompts(8, 32, 64, CPU_CONFIG["vocab_size"]), params, args.repeats)
-    record([dict(part="generation", what="~10M Qwen2 bf16 (bench_generation)",
-                 shape=f"8x4, {params.max_new_tokens} new", off_tokens_per_s=rate[False], on_tokens_per_s=rate[True],
-                 ratio=rate[False] / rate[True])])
     small = ["grpo.num_prompts_per_step=4", "grpo.num_generations=4"] if args.smoke else []
     t = grpo_steps(args.steps, ["train.device=cuda", *small], "/tmp/bench_batch_invariant_cuda", "tiny")
     label = "1 optimizer step per rollout"
@@ -200,6 +201,13 @@ def main_cuda(args) -> None:
                    ratio=t[True][part] / t[False][part]) for part in ("time/step", "time/generation", "time/update")),
             dict(part="grpo step (tiny)", what=f"sampling_logp_difference/max ({label})", off=t[False]["diff_max"],
                  on=t[True]["diff_max"])])
+    record(micro_rows_cuda(args.quick))
+    model = build_model(CPU_CONFIG, "cuda", torch.bfloat16)
+    params = SamplingParams(n=4, max_new_tokens=16 if args.smoke or args.quick else 128, seed=0)
+    rate = generation(model, make_prompts(8, 32, 64, CPU_CONFIG["vocab_size"]), params, args.repeats)
+    record([dict(part="generation", what="~10M Qwen2 bf16 (bench_generation)",
+                 shape=f"8x4, {params.max_new_tokens} new", off_tokens_per_s=rate[False], on_tokens_per_s=rate[True],
+                 ratio=rate[False] / rate[True])])
 
 
 def main() -> None:
@@ -208,6 +216,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps timed per mode and configuration")
     parser.add_argument("--repeats", type=int, default=3, help="generation calls timed per mode and model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the ops run")
+    parser.add_argument("--quick", action="store_true", help="cuda: 2 micro rows (no Triton compile), 16 new tokens")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.device == "cuda":

@@ -98,9 +98,10 @@ step moe 30 python3 bench/bench_moe.py --quick
 step multiturn 30 python3 bench/bench_multiturn.py --quick
 # the VLM engine row: 8 prompts x 8 samples of 112-px images (16 image tokens), 16 new tokens, shared vs per sample
 step vlm 25 python3 bench/bench_vlm.py --device cuda --prompts 8 --group 8 --side 112 --new 16
-# numerics.batch_invariant on vs off on the GPU: micro rows at the 1.5B widths, the ~10M Qwen2's generation, the tiny
-# recipe's GRPO step (bench/results/batch_invariant.csv, each part appended as it is measured)
-step bitwise 40 python3 bench/bench_batch_invariant.py --device cuda --steps 1 --repeats 1
+# numerics.batch_invariant on vs off on the GPU: the tiny recipe's GRPO step first, then two micro rows at the 1.5B
+# widths (no Triton compile: --quick), then the ~10M Qwen2's generation, whose mode-off engine compiles and captures
+# graphs (bench/results/batch_invariant.csv, each part appended as it is measured: a timeout loses the last only)
+step bitwise 40 python3 bench/bench_batch_invariant.py --device cuda --quick --steps 1 --repeats 1
 if [ -f bench/bench_e2e_gpu.py ]; then
   step e2e 50 python3 bench/bench_e2e_gpu.py
 fi

@@ -285,14 +285,20 @@ def test_check_model_accepts_a_cuda_model(monkeypatch):
 
 
 @gpu
-@settings(max_examples=4, deadline=None)
-@given(bitwise_cases(cases()), st.sampled_from([96, 9000]))
-def test_cuda_engine_logprobs_equal_the_trainers(case, vocab):
-    """The bitwise tier on CUDA: random tiny Qwen2 / Llama / Qwen3, fp32 and bf16, the engine's schedules (batch
-    sizes, preemption, page sizes, sync intervals; the pages: CUDA has no row cache), every sampled token's log-prob
-    ``torch.equal`` to the trainer's packed forward's. A vocabulary of 9000 spans 5 of the LM head's tiles, whose sum
-    must not depend on the number of rows (a decode of one row against the trainer's chunk of many)."""
-    check_bitwise(*case, changes=dict(vocab_size=vocab), device="cuda")
+@pytest.mark.parametrize("arch, dtype, vocab", [
+    (arch, dtype, 9000 if (i + j) % 2 else 96)
+    for i, arch in enumerate(("qwen2", "llama", "qwen3")) for j, dtype in enumerate((torch.float32, torch.bfloat16))])
+@settings(max_examples=2, deadline=None)
+@given(bitwise_cases(cases()))
+def test_cuda_engine_logprobs_equal_the_trainers(arch, dtype, vocab, case):
+    """The bitwise tier on CUDA: each of the random tiny Qwen2 / Llama / Qwen3 in fp32 and in bf16, each
+    architecture once with a vocabulary of 9000 (5 of the LM head's tiles, whose sum must not depend on the number of
+    rows: a decode of one row against the trainer's chunk of many), on two drawn schedules of the engine (the first
+    the smallest, one token of one prompt; batch sizes, preemption, page sizes, sync intervals; the pages: CUDA has no
+    row cache), every sampled token's log-prob ``torch.equal`` to the trainer's packed forward's."""
+    schedule, _, engine_threads, trainer_threads, budget = case
+    check_bitwise((arch, *schedule[1:]), dtype, engine_threads, trainer_threads, budget,
+                  changes=dict(vocab_size=vocab), device="cuda")
 
 
 @gpu
