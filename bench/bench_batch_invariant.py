@@ -29,6 +29,9 @@ on: eager) and the ``tiny`` recipe's GRPO step on the GPU (one optimizer step pe
 step, micro rows, generation. ``--quick`` (the gpu_check step): the micro rows cut to the decode-row product and the
 decode step at 4096 keys (the pairs that compile no Triton kernel), 16 new tokens in the generation row.
 
+``--decode-ops``: the ATen ops of a 1.5B decode step's attention with the CPU's and with CUDA's split (counted on
+CPU tensors; each op a launch on a GPU), the figures the README's CUDA cost rests on.
+
 The ratio is on / off (> 1: the mode costs that much more). Rows go to ``bench/results/batch_invariant.csv``.
 """
 
@@ -39,6 +42,7 @@ import contextlib
 import statistics
 import time
 from functools import partial
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +52,7 @@ from fastgrpo.kernels import batch_invariant as bi
 from fastgrpo.kernels import batch_invariant_attention as ba
 from fastgrpo.kernels.linear_logprobs import fused_linear_logprobs
 from fastgrpo.kernels.varlen_attention import varlen_attention, varlen_attention_torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastgrpo.config import load_config
 from fastgrpo.engine.engine import GenerationEngine, SamplingParams
@@ -140,6 +145,40 @@ def micro_rows(smoke: bool) -> list[dict]:
     return rows
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the ATen ops run under it (each a kernel launch from Python on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_op_counts() -> None:
+    """The ops of one decode step's attention at DeepSeek-R1-Distill-Qwen-1.5B's heads (12 / 2 x 128, bf16, 28
+    layers), rows of ``S`` queries over ``L`` keys, run on CPU tensors with the CPU's and with CUDA's split
+    (``batch_invariant_attention.split_bounds``): the calls a layer and the ops a step that the README's CUDA cost
+    rests on (the largest case takes about 15 GB of host memory, a minute)."""
+    Hq, Hkv, D, layers = 12, 2, 128, 28
+    g = torch.Generator().manual_seed(0)
+    for device, cases in (("cpu", ((64, 1024), (64, 4096))), ("cuda", ((64, 1024), (64, 4096), (256, 4096),
+                                                                      (256, 16384)))):
+        for S, L in cases:
+            q = torch.randn(S, Hq, 1, D, generator=g).to(torch.bfloat16)
+            k, v = (torch.randn(S, Hkv, L, D, generator=g).to(torch.bfloat16) for _ in range(2))
+            k = ba.key_grid(k)
+            bounds, pos = ba.split_bounds(torch.device(device)), torch.full((S, 1), L - 1)
+            with mock.patch.object(ba, "split_bounds", lambda _device, b=bounds: b), _OpCount() as count:
+                ba.attention(q, k, v, pos, D**-0.5)
+            rows = ba.rows_per_call(torch.device(device), Hq, Hkv, L, 1, D)
+            print(f"{device} split: S={S} L={L}: {rows} rows a call, {-(-S // rows)} calls a layer, "
+                  f"{count.ops * layers} ops a decode step", flush=True)
+            del q, k, v
+
+
 def micro_rows_cuda(quick: bool) -> list[dict]:
     """The micro rows on the GPU (module docstring), bf16, each pair timed in one run (CUDA events); ``quick``: the
     decode-row product and the decode step at 4096 keys only (no Triton compile)."""
@@ -217,8 +256,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="generation calls timed per mode and model")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the ops run")
     parser.add_argument("--quick", action="store_true", help="cuda: 2 micro rows (no Triton compile), 16 new tokens")
+    parser.add_argument("--decode-ops", action="store_true", help="count a 1.5B decode step's attention ops, only")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.decode_ops:
+        return decode_op_counts()
     if args.device == "cuda":
         return main_cuda(args)
     rows = micro_rows(args.smoke)
