@@ -97,9 +97,10 @@ class PagedKV:
     ``[2, b, Hkv, keys, D]`` in the cache's dtype a chunk: at most a quarter (bf16) or half (fp32) of the
     attention's fp64 temporaries' bound, 256 / 512 MiB on CUDA, instead of every row at once (at 256 rows of 16K
     keys on DeepSeek-R1-Distill-Qwen-1.5B bf16, 4.3 GB twice a layer). A row's result is its own, so the chunks give
-    the same bits. Host syncs: the live queries' indices once per forward (``nonzero``; none for a decode step);
-    the packed prefill's ``cu_seqlens.tolist()`` (:class:`PrefillKV`) and an MoE block's ``bincount().tolist()``
-    stay, once a layer per prefill, where the host must know the shapes."""
+    the same bits. Host syncs: the live queries' indices once per forward (``nonzero``; none for a decode step).
+    Two stay, where the host must know the shapes: the packed prefill's ``cu_seqlens.tolist()`` (:class:`PrefillKV`,
+    once a layer per prefill) and an MoE block's ``bincount().tolist()`` (its experts' row counts, once an MoE layer
+    per forward, decode steps included)."""
 
     def __init__(self, cache, slot_N: torch.Tensor, qpos_BM: torch.Tensor, table_BP: torch.Tensor,
                  rows_BM: torch.Tensor | None = None):
