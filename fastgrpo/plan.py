@@ -109,8 +109,9 @@ A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation 
 ``numerics.batch_invariant`` (``fastgrpo.kernels.batch_invariant``; ddp or one GPU: the mode refuses fsdp2) keeps
 the policy's fp64 weight grids for the run, in both phases: ``8·(P − V·h)`` (``8·P`` with a tied head; the norms'
 and biases' few entries counted too), 11.5 GiB for DeepSeek-R1-Distill-Qwen-1.5B. Its fp64 temporaries, by reading
-the code (not measured on a GPU): the attention's, twice its count's bound ``CUDA_CHUNK_BYTES`` (the masked π and
-the values' grids are copies), plus in generation the pages' K/V gathered for a chunk of rows (``c/8`` of the bound),
+the code (not measured on a GPU): the attention's, twice the bound ``CUDA_CHUNK_BYTES`` of a call's counted bytes
+(``rows_per_call``; a call's peak measured on CPU is 0.6x the count in a decode step, 1.5x in a packed forward's
+call), plus in generation the pages' K/V gathered for a chunk of rows (``c/8`` of the bound),
 the exact products of a prefill chunk's tokens (an input's fp64 grid and the fp64 product, ``8·n·(h + I)`` at the
 MLP's widest) and the LM head's fp64 product for the decoding batch (``8·batch·V``); in training the products of a
 micro-batch, ``8·T·(h + I)`` (the log-prob kernel's vocabulary tiles are bounded).

@@ -147,8 +147,10 @@ def rows_per_call(device: torch.device, Hq: int, Hkv: int, L: int, M: int, D: in
     """Rows of ``M`` queries over ``L`` keys that one :func:`attention` call computes at once on ``device``: its
     fp64 temporaries, ``8 · Hkv · L · (2 · D + 2 · M · Hq / Hkv)`` bytes a row (K and V, the scores and π), within
     :func:`split_bounds`' chunk bytes; at least 1. At DeepSeek-R1-Distill-Qwen-1.5B's heads (12 / 2 x 128) a decode row
-    holds 4288 bytes a key: 70 MB at 16K keys, 15 rows in CUDA's 1 GiB (the real peak is about twice the count: the
-    masked π and the values' grids are copies)."""
+    holds 4288 bytes a key: 70 MB at 16K keys, 15 rows in CUDA's 1 GiB. A call's peak against the count (on CPU,
+    ``bench/common.peak_extra_bytes``, the 1.5B heads with CUDA's split): 0.6x for a decode step's rows (15 x 16K
+    and 61 x 4K keys: K's fp64 copy is freed before the values' grids are made), 1.5x for a packed forward's call of
+    1024 queries over 4096 keys (the scores, π and its masked copy)."""
     return max(1, split_bounds(device)[2] // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
 
 
