@@ -59,7 +59,7 @@ that version). Memory: the fp64 integer copy of an operand, 2x its fp32 bytes (t
 an H100's 3.35 TB/s against about 1 ms for the bf16 weights). The attention costs more at long contexts
 (``batch_invariant_attention``: about 4.3 KB of fp64 temporaries a key and row at the 1.5B heads, 18 GB a layer for
 256 rows of 16K keys, and about 100K small ops a decode step there): from the bytes and the ops counted, about
-0.1 s a decode step at 64 rows of 4K keys and 1-2 s at 256 rows of 16K, against the weight grids' 3.8 ms
+0.1 s a decode step at 64 rows of 4K keys and about 1 s at 256 rows of 16K, against the weight grids' 3.8 ms
 (estimates, not measured on a GPU). Which is why the mode is for verifying on-policy numerics on small and
 mid-size models, not yet for the 1.5B run's speed; a persistent Triton matmul on the bf16 tensor cores with one
 fixed tile schedule and no split-K (and an attention kernel over the fixed key blocks) is the cheaper path, future
