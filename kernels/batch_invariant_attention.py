@@ -154,6 +154,14 @@ def rows_per_call(device: torch.device, Hq: int, Hkv: int, L: int, M: int, D: in
     return max(1, split_bounds(device)[2] // (8 * Hkv * L * (2 * D + 2 * M * (Hq // Hkv))))
 
 
+def queries_per_row(device: torch.device, Hq: int, Hkv: int, L: int, D: int) -> int:
+    """Queries of one row over ``L`` keys whose fp64 temporaries (:func:`rows_per_call`'s count) fit the device's
+    chunk bytes, at least 1: how a caller splits a row too long for one call (a resumed turn's new tokens onto 16K
+    cached keys at the 1.5B heads: 3 MiB a query, 320 queries a call on CUDA). Each query's result is its
+    own (its keys picked by index), so the split gives the same bits."""
+    return max(1, (split_bounds(device)[2] // (8 * Hkv * L) - 2 * D) // (2 * (Hq // Hkv)))
+
+
 def big_value_grid(v_BHLD: torch.Tensor) -> torch.Tensor:
     """Values of whole big blocks (``L`` a multiple of ``BIG_BLOCK``) on their grids, per (big block, feature) of
     ``BIG_VALUE_BITS``, in fp32: exact (a value rounded onto a power-of-two grid coarser than its own spacing keeps

@@ -56,14 +56,21 @@ class ImplicitDeviceTrap(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@settings(max_examples=10, deadline=None)
-@given(B=st.integers(1, 5), M=st.integers(1, 3), ps=st.sampled_from([1, 3, 8]), P=st.integers(1, 5),
-       rows=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 1000))
-def test_paged_attention_in_row_chunks_gives_the_whole_gathers_bits(B, M, ps, P, rows, dtype, seed):
-    """``PagedKV`` (the CUDA path's attention over the pages) gathers its sequences' K/V ``rows`` at a time (the
-    attention's bound set so): every live query's output is the bits of the attention over the whole batch's K/V
-    gathered at once from the same pages, the padded queries (row -1) written nowhere; the decode step's form (no
-    rows: query ``i`` is row ``i``) likewise."""
+@pytest.mark.parametrize("by_queries", [False, True])
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 5), M=st.integers(1, 5), ps=st.sampled_from([1, 3, 8]), P=st.integers(1, 5),
+       rows=st.integers(1, 5), queries=st.integers(1, 4), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 1000))
+def test_paged_attention_in_row_chunks_gives_the_whole_gathers_bits(by_queries, B, M, ps, P, rows, queries, dtype,
+                                                                    seed):
+    """``PagedKV`` (the CUDA path's attention over the pages) gathers its sequences' K/V ``rows`` at a time, or
+    (``by_queries``: not one row fits) one row at a time with its queries ``queries`` (fewer than the row's) at a
+    time, the attention's bound set so: every live query's output is the bits of the attention over the whole
+    batch's K/V gathered at once from the same pages, the padded queries (row -1) written nowhere; the decode step's
+    form (no rows: query ``i`` is row ``i``) likewise."""
+    if by_queries:
+        M, rows = max(M, 2), 0
+        queries = 1 + (queries - 1) % (M - 1)
     g = torch.Generator().manual_seed(seed)
     Hq, Hkv, D, L = 4, 2, 8, P * ps
     kv = torch.randn(1, 2, Hkv, B * P + 1, ps, D, generator=g).to(dtype)  # one page more: never read
@@ -87,9 +94,11 @@ def test_paged_attention_in_row_chunks_gives_the_whole_gathers_bits(B, M, ps, P,
     o_BHMD = ba.attention(q_NHD[rows_BM].transpose(1, 2), k, v, qpos_BM, D**-0.5)
     expected = torch.empty_like(q_NHD)
     expected[rows_BM[live_BM]] = o_BHMD.transpose(1, 2)[live_BM]
+    queries = queries if by_queries else M
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ba, "CHUNK_BYTES", rows * 8 * Hkv * L * (2 * D + 2 * M * Hq // Hkv))
-        assert ba.rows_per_call(torch.device("cpu"), Hq, Hkv, L, M, D) == rows
+        mp.setattr(ba, "CHUNK_BYTES", max(rows, 1) * 8 * Hkv * L * (2 * D + 2 * queries * Hq // Hkv))
+        assert ba.rows_per_call(torch.device("cpu"), Hq, Hkv, L, M, D) == max(rows, 1)
+        assert rows or ba.queries_per_row(torch.device("cpu"), Hq, Hkv, L, D) == queries
         out = PagedKV(KVCache(kv), slot_N, qpos_BM, table_BP, rows_BM).attend(0, q_NHD, k_NHD, v_NHD, D**-0.5)
         assert torch.equal(out, expected) and torch.equal(kv, whole)
         decode = PagedKV(KVCache(kv.clone()), slot_N[:0], qpos_BM[:, :1], table_BP).attend(

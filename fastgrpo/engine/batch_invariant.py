@@ -68,6 +68,7 @@ from fastgrpo.kernels.batch_invariant_attention import (
     big_value_grid,
     invariant_varlen,
     key_grid,
+    queries_per_row,
     rows_per_call,
     small_value_grid,
 )
@@ -93,14 +94,16 @@ class PagedKV:
     (positions ``[0, keys)``, ``keys`` = the widest table's). Queries of one sequence, padded to the longest;
     ``rows`` None: query ``i`` is row ``i`` (a decode step, one query a sequence).
 
-    Each layer gathers the sequences' K/V in chunks of rows (``rows_per_call``, the attention's own bound), one copy
-    ``[2, b, Hkv, keys, D]`` in the cache's dtype a chunk: at most a quarter (bf16) or half (fp32) of the
-    attention's fp64 temporaries' bound, 256 / 512 MiB on CUDA, instead of every row at once (at 256 rows of 16K
-    keys on DeepSeek-R1-Distill-Qwen-1.5B bf16, 4.3 GB twice a layer). A row's result is its own, so the chunks give
-    the same bits. Host syncs: the live queries' indices once per forward (``nonzero``; none for a decode step).
-    Two stay, where the host must know the shapes: the packed prefill's ``cu_seqlens.tolist()`` (:class:`PrefillKV`,
-    once a layer per prefill) and an MoE block's ``bincount().tolist()`` (its experts' row counts, once an MoE layer
-    per forward, decode steps included)."""
+    Each layer gathers the sequences' K/V in chunks of rows (``rows_per_call``, the attention's own bound; a row too
+    long for one call, its queries in chunks of ``queries_per_row``), one copy ``[2, b, Hkv, keys, D]`` in the
+    cache's dtype a chunk: at most a quarter (bf16) or half (fp32) of the attention's fp64 temporaries' bound, 256 /
+    512 MiB on CUDA, instead of every row at once (at 256 rows of 16K keys on DeepSeek-R1-Distill-Qwen-1.5B bf16,
+    4.3 GB twice a layer). A row's and a query's results are their own, so the chunks give the same bits.
+
+    Host syncs: the live queries' indices once per forward (``nonzero``; none for a decode step). Two stay, where the
+    host must know the shapes: the packed prefill's ``cu_seqlens.tolist()`` (:class:`PrefillKV`, once a layer per
+    prefill) and an MoE block's ``bincount().tolist()`` (its experts' row counts, once an MoE layer per forward,
+    decode steps included)."""
 
     def __init__(self, cache, slot_N: torch.Tensor, qpos_BM: torch.Tensor, table_BP: torch.Tensor,
                  rows_BM: torch.Tensor | None = None):
@@ -116,12 +119,17 @@ class PagedKV:
         kv_flat = self.cache.kv[layer].flatten(2, 3)  # [2, Hkv, pages · page_size, D] view
         q_BHMD = (q_NHD[:, :, None] if self.rows_BM is None else q_NHD[self.rows_BM].transpose(1, 2))
         B, Hq, M, _ = q_BHMD.shape
-        rows = rows_per_call(q_NHD.device, Hq, Hkv, self.slots_BL.shape[1], M, D)
-        o = []
+        L = self.slots_BL.shape[1]
+        rows = rows_per_call(q_NHD.device, Hq, Hkv, L, M, D)
+        step = M if rows > 1 else min(M, queries_per_row(q_NHD.device, Hq, Hkv, L, D))
+        o_BHMD = q_BHMD.new_empty(B, Hq, M, D)
         for b0 in range(0, B, rows):
             k, v = kv_flat[:, :, self.slots_BL[b0 : b0 + rows]].transpose(1, 2)  # [b, Hkv, keys, D] each
-            o.append(attention(q_BHMD[b0 : b0 + rows], k, v, self.qpos_BM[b0 : b0 + rows], scale))
-        o_nHD = torch.cat(o).transpose(1, 2).flatten(0, 1)  # [B · M, Hq, D]
+            for m0 in range(0, M, step):  # a row too long for one call: its queries in chunks
+                o_BHMD[b0 : b0 + rows, :, m0 : m0 + step] = attention(
+                    q_BHMD[b0 : b0 + rows, :, m0 : m0 + step], k, v, self.qpos_BM[b0 : b0 + rows, m0 : m0 + step],
+                    scale)
+        o_nHD = o_BHMD.transpose(1, 2).flatten(0, 1)  # [B · M, Hq, D]
         if self.live_n is None:
             return o_nHD
         out = q_NHD.new_empty(q_NHD.shape)  # [N, Hq, D]
