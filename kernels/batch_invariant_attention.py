@@ -62,6 +62,8 @@ BIG_VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(BIG_BLOCK))  # 23: in a b
 PAIRS_PER_CALL = 1 << 16  # query-key pairs per head in one call of varlen_attention (12 bytes each: 768 KiB a head);
 # a long sequence's queries go in chunks that read the keys up to the chunk's end only (about half the pairs)
 BLOCK_PRODUCTS = 1 << 21  # fp64 entries of the blocks' products held at once (16 MiB)
+BLAS_MIN_MACS = 400  # ATen's CPU bmm runs products of fewer multiply-adds (rows · inner · cols) in a scalar loop, 4x
+# slower than its BLAS path at twice the work on this host (a decode step's small blocks at head dim 16): _bmm pads rows
 CHUNK_BYTES = 16 << 20  # fp64 bytes of a call's per-row temporaries (K, V, scores, π) computed at once: rows in chunks
 # (glibc hands a block of 32 MiB or more straight from the OS, zero-filled page by page on first touch: 5x the time)
 
@@ -112,7 +114,7 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     keys_L = torch.arange(Lp, device=q_BHMD.device)
 
     q_tilde = to_grid(q_BHMD.reshape(B, Hkv, R, D), -1, min(product_bits(D), 24))  # [B, Hkv, R, D] fp64
-    s_BHRL = torch.matmul(q_tilde, k_BHLD.double().transpose(-1, -2)).mul_(scale)  # [B, Hkv, R, Lp]: exact, scaled
+    s_BHRL = _bmm(q_tilde, k_BHLD.double().transpose(-1, -2)).mul_(scale)  # [B, Hkv, R, Lp]: exact, scaled
     p_BHRL = s_BHRL.float().masked_fill_(keys_L > pos_B1R1, -math.inf)
     del s_BHRL
     m_BHR1 = p_BHRL.amax(-1, keepdim=True)
@@ -213,8 +215,8 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         nsb = Lp // BK
         below = torch.arange(nsb, device=qpos_BM.device) < (qpos_BM // BK)[..., None]  # [B, M, nsb]
         pi_s = pi_BHRL.view(B, Hkv, G, M, nsb, BK).masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0)
-        parts = torch.matmul(pi_s.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nsb, R, BK),
-                             grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2))  # [B, Hkv, nsb, R, D]
+        parts = _bmm(pi_s.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nsb, R, BK),
+                     grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2))  # [B, Hkv, nsb, R, D]
         out = pi_BHRL.new_zeros(B, Hkv, R, D)
         for i in range(nsb):
             out += parts[:, :, i]
@@ -233,7 +235,7 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
             B, Hkv, G, M, BIG_BLOCK)).view(B, Hkv, G, M, nsb, BK)
         below = torch.arange(nsb, device=qpos_BM.device) < below_BM[..., None]  # [B, M, nsb]
         pi_own = pi_own.masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0).permute(0, 1, 3, 4, 2, 5)
-        parts = torch.matmul(pi_own, v_tilde)  # [B, Hkv, M, nsb, G, D], exact each
+        parts = _bmm(pi_own, v_tilde)  # [B, Hkv, M, nsb, G, D], exact each
         for i in range(nsb):
             out += parts[:, :, :, i]
         return out.transpose(2, 3).reshape(B, Hkv, R, D)
@@ -246,8 +248,19 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         v_tilde = grid(v_BSHKD[rows_B1, block_BM], -2).transpose(1, 2)  # [B, Hkv, M, BK, D]
         pi_i = pi_BHGMSK.gather(4, block_BM.view(B, 1, 1, M, 1, 1).expand(B, Hkv, G, M, 1, BK)).squeeze(4)
         pi_i = pi_i.masked_fill((i >= below_BM).view(B, 1, 1, M, 1), 0.0)  # [B, Hkv, G, M, BK]
-        out += torch.matmul(pi_i.permute(0, 1, 3, 2, 4), v_tilde)  # [B, Hkv, M, G, D], exact per query
+        out += _bmm(pi_i.permute(0, 1, 3, 2, 4), v_tilde)  # [B, Hkv, M, G, D], exact per query
     return out.transpose(2, 3).reshape(B, Hkv, R, D)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched, exact products), ``a``'s rows zero-padded (then dropped) when a product has fewer than
+    ``BLAS_MIN_MACS`` multiply-adds, so that ATen takes its BLAS path: a row's exact result does not depend on the
+    rows beside it."""
+    rows, inner, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+    need = -(-BLAS_MIN_MACS // max(inner * cols, 1))
+    if rows >= need:
+        return torch.matmul(a, b)
+    return torch.matmul(torch.nn.functional.pad(a, (0, 0, 0, need - rows)), b)[..., :rows, :]
 
 
 def dense_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, first: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
