@@ -14,9 +14,9 @@ Run: ``python bench/bench_batch_invariant.py`` (CPU, a few minutes; ``--smoke``:
   with 400-token prompts, 96 new: the attention over 400-500 keys).
 - **Micro rows**, each side by side in one run (medians): a projection (``F.linear`` vs the exact product, decode and
   training row counts), attention (the trainer's CPU varlen path vs the invariant one on packed batches of 64 to 2048
-  tokens a sequence; one decode query per row over a cache of 256, 1024 and 4096 keys, the keys and the value
-  grids kept in fp64 as the engine's row cache keeps them), the log-probs (``fused_linear_logprobs``' torch path vs
-  the invariant one).
+  tokens a sequence; one decode query per row over a cache of 256, 1024 and 4096 keys, the big blocks' value grids
+  kept as the engine's row cache keeps them), the log-probs (``fused_linear_logprobs``' torch path vs the invariant
+  one).
 
 The ratio is on / off (> 1: the mode costs that much more). Rows go to ``bench/results/batch_invariant.csv``.
 """
@@ -116,13 +116,12 @@ def micro_rows(smoke: bool) -> list[dict]:
         pair("attention, packed causal (trainer)", f"{B}x{L} tokens, Hq=8 Hkv=2 D=32",
              partial(varlen_attention_torch, q, k, v, cu, L), partial(ba.varlen_attention, q, k, v, cu, 32**-0.5))
     S = 64
-    for L in (256, 1024, 4096):  # the keys and value grids kept in fp64 as the engine's row cache keeps (KeptGrids)
+    for L in (256, 1024, 4096):  # the value grids kept as the engine's row cache keeps them (KeptValueGrids)
         q, k, v = (torch.randn(S, h, n, 32, generator=g) for h, n in ((8, 1), (2, L), (2, L)))
-        kept = torch.cat((ba.big_value_grid(v[:, :, : L - 64]), ba.small_value_grid(v[:, :, L - 64 :])), 2).double()
+        kept = torch.cat((ba.big_value_grid(v[:, :, : L - 64]), ba.small_value_grid(v[:, :, L - 64 :])), 2)
         pair("attention, decode step (one query per row)", f"S={S} L={L}, Hq=8 Hkv=2 D=32",
              partial(F.scaled_dot_product_attention, q.view(S, 2, 4, 32), k, v, scale=32**-0.5),
-             partial(ba.attention, q, ba.key_grid(k).double(), v, torch.full((S, 1), L - 1), 32**-0.5,
-                     v_kept_BHLD=kept))
+             partial(ba.attention, q, ba.key_grid(k), v, torch.full((S, 1), L - 1), 32**-0.5, v_kept_BHLD=kept))
     N, H, V = (256, 256, 16384)
     h, w, y = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 16, torch.randint(0, V, (N,))
     pair("log-probs from hidden states", f"N={N} H={H} V={V}", partial(fused_linear_logprobs, h, w, y),

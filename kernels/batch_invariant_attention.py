@@ -35,8 +35,7 @@ most ``PAIRS_PER_CALL`` query-key pairs per head (a long sequence's query chunks
 causal half of the pairs), :func:`attention` its rows so that their fp64 temporaries stay under ``CHUNK_BYTES``
 (16 MiB: glibc serves 32 MiB and more fresh from the OS, zero-filled on first touch, 5x slower a byte). Cost: fp64
 GEMMs for the scores and the blocks (about 2x fp32 SDPA's arithmetic there), the fp64 copies of K and V, the grids
-(a few elementwise passes over q and v per call; the engine's row cache keeps the keys and the values' grids in
-fp64, ``v_kept``, so that a decode step copies neither), and
+(a few elementwise passes over q and v per call; the engine's row cache keeps the values' grids, ``v_kept``), and
 8 multiply-adds per query and feature for the query's own small block, elementwise in fp64;
 measured by bench/bench_batch_invariant.py (4-10x PyTorch's SDPA on CPU, its fused kernel being one pass). All on
 CPU.

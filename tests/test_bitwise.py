@@ -148,8 +148,8 @@ def test_engine_logprobs_equal_the_trainers_sweep(case):
 
 @st.composite
 def long_cases(draw):
-    """Sequences past several big blocks of the attention (64 keys): the row cache's kept fp64 keys and value grids
-    (``KeptGrids``) made as the rows pass a block and made again when a row is loaded anew (rows change hands:
+    """Sequences past several big blocks of the attention (64 keys): the row cache's kept value grids
+    (``KeptValueGrids``) made as the rows pass a block and made again when a row is loaded anew (rows change hands:
     a small batch, preemption with few spare pages), against the pages' path and the trainer."""
     P = draw(st.integers(1, 3))
     lengths = draw(st.lists(st.integers(1, 90), min_size=P, max_size=P))

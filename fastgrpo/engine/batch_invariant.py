@@ -11,8 +11,8 @@ Face modules on the same ops (``fastgrpo.algorithms.forward.packed_forward``): t
 the same order with the same dtypes, without the modules' Python layers (hooks, keyword plumbing, output capture: on
 the demo's model they cost more than the arithmetic), and with what the modules cannot share: the input grid of the
 q, k and v projections made once (as the gate's and up's), the weights' grids kept (``keep_weight_grids``: for the
-call, or for the trainer's run when it keeps them), the row cache's keys and value grids kept in fp64 across
-decode steps (:class:`KeptGrids`). Every op gives a row the same value whatever else is in the call
+call, or for the trainer's run when it keeps them), the row cache's value grids kept across decode steps
+(:class:`KeptValueGrids`). Every op gives a row the same value whatever else is in the call
 (exact products and sums, elementwise ops), so a token's hidden state, logits and log-prob are the trainer's, bit
 for bit, under every schedule (tests/test_bitwise.py).
 
@@ -98,47 +98,39 @@ class PagedKV:
         return out
 
 
-class KeptGrids:
-    """The CPU row cache's keys and values in fp64 as a decode step's attention reads them, kept across the decode
-    steps of a call so that a step reads them instead of converting (and, for the values, rounding) them again:
-    ``keys`` (on their grid, as the row cache holds them) and ``grid`` (the values), fp64 ``[layers, R, Hkv, T_max,
-    D]`` each. The values of a row whose query is at ``p``: its big blocks below ``p_B = 64 ⌊p / 64⌋`` on theirs
+class KeptValueGrids:
+    """The CPU row cache's values on the grids a decode step reads them on (fp32 ``[layers, R, Hkv, T_max, D]``, half
+    the bytes of an fp32 row cache), kept across the decode steps of a call so that a step reads them instead of
+    making them again: for a row whose query is at ``p``, its big blocks below ``p_B = 64 ⌊p / 64⌋`` on theirs
     (``big_value_grid``), its small blocks in ``[p_B, 8 ⌊p / 8⌋)`` on theirs (``small_value_grid``). Row ``r`` holds
     them up to ``big[r]`` and ``small[r]`` keys; a step first makes those its query has passed since (a row passes a
     small block every 8 steps, a big block every 64, which then replaces its small blocks' grids), and all of a row's
     again when ``RowCache`` has loaded it anew (``KVCache.loads``: its keys and values were replaced; the decode
-    step's own writes only append). A row's keys are copied whole at its first step after such a load (``filled``),
-    then each step writes its own token's. Past ``small[r]`` (values) and past ``p`` (keys) a row may hold another
-    row's or sequence's: finite values the attention masks. Memory: made (zero-filled) at each ``generate`` call and
-    each session ``run`` that uses the row cache, it adds twice an fp32 row cache's bytes (four times a bf16 one's):
-    the mode's CPU K/V then takes up to 3x (fp32) or 5x (bf16) the row cache
-    (``fastgrpo.engine.workspace.make_workspace`` sizes the row cache alone); for the bench's ~10M Qwen2 (8 layers,
-    2 kv heads of 64) 16 KiB a token of a row's capacity. It saves each step's fp64 copy of every row's K and V: a
-    third of a decode step's attention."""
+    step's own writes only append). Past ``small[r]`` a row may hold another row's or sequence's grids: finite values
+    the attention masks. Memory: made (zero-filled) at each ``generate`` call and each session ``run`` that uses the
+    row cache, it adds half an fp32 row cache's bytes, a bf16 one's own bytes: the mode's CPU K/V then takes up to
+    1.5x (fp32) or 2x (bf16) the row cache (``fastgrpo.engine.workspace.make_workspace`` sizes the row cache alone)."""
 
     def __init__(self, kv_rows: torch.Tensor, loads: list[int]):
         L, R, _, Hkv, T, D = kv_rows.shape
         self.kv_rows = kv_rows
-        self.keys, self.grid = (kv_rows.new_zeros(L, R, Hkv, T, D, dtype=torch.float64) for _ in range(2))
-        self.big, self.small, self.loads, self.filled = [0] * R, [0] * R, list(loads), [False] * R
+        self.grid = kv_rows.new_zeros(L, R, Hkv, T, D, dtype=torch.float32)
+        self.big, self.small, self.loads = [0] * R, [0] * R, list(loads)
 
-    def step(self, pos_S: torch.Tensor, loads: list[int]) -> tuple[list, list, list]:
+    def step(self, pos_S: torch.Tensor, loads: list[int]) -> tuple[list, list]:
         """Before a decode step of rows ``[0, S)`` at ``pos``: the ``(row, first key)`` of the big blocks and of the
-        small blocks whose grids it makes (in that order: a passed big block's grid replaces its small blocks'), and
-        the rows whose keys it copies whole; marks them made."""
-        big, small, fill = [], [], []
+        small blocks whose grids it makes (in that order: a passed big block's grid replaces its small blocks');
+        marks them made."""
+        big, small = [], []
         for r, p in enumerate(pos_S.tolist()):
             p_big, p_small = p - p % BIG_BLOCK, p - p % KEY_BLOCK
             if loads[r] != self.loads[r] or p_small < self.small[r]:
-                self.loads[r], self.big[r], self.small[r], self.filled[r] = loads[r], 0, 0, False
+                self.loads[r], self.big[r], self.small[r] = loads[r], 0, 0
             big += [(r, j) for j in range(self.big[r], p_big, BIG_BLOCK)]
             self.big[r] = max(self.big[r], p_big)
             small += [(r, j) for j in range(max(self.small[r], p_big), p_small, KEY_BLOCK)]
             self.small[r] = max(self.small[r], p_small)
-            if not self.filled[r]:
-                fill.append(r)
-                self.filled[r] = True
-        return big, small, fill
+        return big, small
 
     def make(self, layer: int, rows_RHTD: torch.Tensor, blocks: list, size: int, grid_fn) -> None:
         """The grids (``grid_fn``) of ``blocks`` (``(row, first key)``, ``size`` keys each) of the layer's values
@@ -149,34 +141,27 @@ class KeptGrids:
         r_n1 = torch.tensor([r for r, _ in blocks], device=dev)[:, None]
         keys_nK = torch.tensor([j for _, j in blocks], device=dev)[:, None] + torch.arange(size, device=dev)
         v_nHKD = rows_RHTD[r_n1, :, keys_nK].transpose(1, 2)  # [n, Hkv, size, D]
-        self.grid[layer][r_n1, :, keys_nK] = grid_fn(v_nHKD).transpose(1, 2).double()  # exact: fp32 grids
+        self.grid[layer][r_n1, :, keys_nK] = grid_fn(v_nHKD).transpose(1, 2)
 
 
 class RowKV:
     """The decode step on the CPU row cache: row ``s``'s token K/V written to ``kv_rows[layer, s, :, :, pos]``, then
-    its query attends over the row's first ``T`` keys (those past ``pos`` are never read into its result), the keys
-    and the values below its small block kept in fp64 (:class:`KeptGrids`, when given)."""
+    its query attends over the row's first ``T`` keys (those past ``pos`` are never read into its result), the values
+    below its small block on their kept grids (:class:`KeptValueGrids`, when given)."""
 
-    def __init__(self, kv_rows, pos_S: torch.Tensor, T: int, kept: KeptGrids | None = None,
+    def __init__(self, kv_rows, pos_S: torch.Tensor, T: int, kept: KeptValueGrids | None = None,
                  loads: list[int] | None = None):
         self.kv_rows, self.pos_S, self.T, self.kept = kv_rows, pos_S, T, kept
-        big, small, fill = kept.step(pos_S, loads) if kept is not None else ([], [], [])
-        self.todo = big, small, torch.tensor(fill, dtype=torch.long, device=pos_S.device) if fill else None
+        self.todo = kept.step(pos_S, loads) if kept is not None else ([], [])
 
     def attend(self, layer: int, q_SHD, k_SHD, v_SHD, scale: float) -> torch.Tensor:
         S = q_SHD.shape[0]
         rows = self.kv_rows[layer]  # [R, 2, Hkv, T_max, D]
-        k_SHD = key_grid(k_SHD)  # stored on their grid
-        rows[torch.arange(S), :, :, self.pos_S] = torch.stack((k_SHD, v_SHD), 1)
+        rows[torch.arange(S), :, :, self.pos_S] = torch.stack((key_grid(k_SHD), v_SHD), 1)  # keys on their grid
         k, v = rows[:S, 0, :, : self.T], rows[:S, 1, :, : self.T]  # [S, Hkv, T, D]
         v_kept = None
         if self.kept is not None:
-            big, small, fill_n = self.todo
-            keys = self.kept.keys[layer]  # [R, Hkv, T_max, D] fp64
-            if fill_n is not None:  # rows loaded anew: all their keys (this step's included)
-                keys[fill_n, :, : self.T] = rows[fill_n, 0, :, : self.T].double()
-            keys[torch.arange(S), :, self.pos_S] = k_SHD.double()
-            k = keys[:S, :, : self.T]
+            big, small = self.todo
             self.kept.make(layer, rows[:, 1], big, BIG_BLOCK, big_value_grid)
             self.kept.make(layer, rows[:, 1], small, KEY_BLOCK, small_value_grid)
             v_kept = self.kept.grid[layer, :S, :, : self.T]
@@ -205,7 +190,7 @@ class BatchInvariantForward:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
         self.lora: dict = {}  # projection module -> its live LoRA adapters, read once per call
-        self.kept: KeptGrids | None = None  # the call's row cache's fp64 keys and value grids
+        self.kept: KeptValueGrids | None = None  # the call's row cache's value grids
 
     @contextlib.contextmanager
     def calling(self):
@@ -311,7 +296,7 @@ class BatchInvariantForward:
         ps = cache.kv.shape[4]
         if cache.rows is not None:
             if cache.loads is not None and (self.kept is None or self.kept.kv_rows is not cache.rows):
-                self.kept = KeptGrids(cache.rows, cache.loads)
+                self.kept = KeptValueGrids(cache.rows, cache.loads)
             context = RowKV(cache.rows, pos_S, table_SP.shape[1] * ps, self.kept, cache.loads)
         else:
             page_S = table_SP.gather(1, (pos_S // ps)[:, None]).squeeze(1).long()

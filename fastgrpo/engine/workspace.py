@@ -174,8 +174,8 @@ def make_workspace(forward, R: int, max_keys: int, budget: int, row_cache: bool 
     :class:`Workspace`), and how its products were chosen (the ``last_stats`` entries of :func:`packed_groups`).
     The row cache exists when ``row_cache`` says so, by default (None) only when it holds no more tokens than the
     KV budget (``R · max_keys ≤ budget``: the eager path's K/V stays within twice the budget; with
-    ``numerics.batch_invariant`` the fp64 keys and value grids kept beside it add twice an fp32 row cache's bytes,
-    four times a bf16 one's: ``fastgrpo.engine.batch_invariant.KeptGrids``); no activation buffers under autocast."""
+    ``numerics.batch_invariant`` the value grids kept beside it add up to the row cache's own bytes again:
+    ``fastgrpo.engine.batch_invariant.KeptValueGrids``); no activation buffers under autocast."""
     shape = (len(forward.layers), R, 2, forward.num_kv_heads, max_keys, forward.head_dim)
     rows = R * max_keys <= budget if row_cache is None else row_cache
     packed, products = packed_groups(forward, cpu_packed, R, device, dtype)
