@@ -131,7 +131,7 @@ class Trainer:
                              whole=data_dependent_module(model))  # a VLM's tower: not sharded block by block
         self.numerics = contextlib.ExitStack()  # numerics.batch_invariant: its ops registered until close()
         if cfg.numerics.batch_invariant:
-            self.numerics.enter_context(enable_batch_invariant(model, ATTN_IMPLEMENTATION, cfg.model.moe.router_replay))
+            self.numerics.enter_context(enable_batch_invariant(model, ATTN_IMPLEMENTATION))
         engine = None
         if getattr(algorithm, "generates", True):
             engine = GenerationEngine(unwrap_model(wrapped), eos_token_ids=eos_token_ids(model, tokenizer),

@@ -476,6 +476,14 @@ def invariant_forward():
             _local.last_input = None
 
 
+def checkpoint_contexts():
+    """``torch.utils.checkpoint``'s ``context_fn`` (called at the forward): the backward's recompute runs on the
+    invariant ops when the forward did (:func:`active`), so it recomputes the forward's very values and saves the same
+    tensors (an MoE router chooses the same experts); otherwise neither context does anything. Returns the
+    (forward, recompute) contexts."""
+    return contextlib.nullcontext(), invariant_forward() if active() else contextlib.nullcontext()
+
+
 def forward_scope():
     """The scope of the trainer's packed forward: :func:`invariant_forward` while the invariant ops are registered
     (the trainer's ``numerics.batch_invariant``), else nothing."""

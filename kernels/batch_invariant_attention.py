@@ -67,6 +67,8 @@ BIG_VALUE_BITS = FP64_BITS - PROB_BITS - int(math.log2(BIG_BLOCK))  # 23: in a b
 PAIRS_PER_CALL = 1 << 16  # query-key pairs per head in one call of varlen_attention (12 bytes each: 768 KiB a head);
 # a long sequence's queries go in chunks that read the keys up to the chunk's end only (about half the pairs)
 BLOCK_PRODUCTS = 1 << 21  # fp64 entries of the blocks' products held at once (16 MiB)
+BLAS_MIN_MACS = 400  # ATen's CPU bmm runs products of fewer multiply-adds (rows · inner · cols) in a scalar loop, 4x
+# slower than its BLAS path at twice the work on this host (a decode step's small blocks at head dim 16): _bmm pads rows
 CHUNK_BYTES = 16 << 20  # fp64 bytes of a call's per-row temporaries (K, V, scores, π) computed at once: rows in chunks
 # (glibc hands a block of 32 MiB or more straight from the OS, zero-filled page by page on first touch: 5x the time)
 # On CUDA the bounds are set by launches, not by the allocator: every chunk is dozens of small ops launched from
@@ -84,7 +86,8 @@ def key_grid(k: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Tensor,
-              scale: float, dense_from: int | None = None, v_kept_BHLD: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float, dense_from: int | None = None, v_kept_BHLD: torch.Tensor | None = None,
+              with_lse: bool = False):
     """Causal attention of queries ``q [B, Hq, M, D]`` at positions ``qpos [B, M]`` over their sequence's keys
     ``k, v [B, Hkv, L, D]`` (key ``j`` at position ``j``; a query at ``p`` reads keys ``0..p``, ``p < L``; ``k`` on
     its grid, :func:`key_grid`), as the module docstring computes it. Returns ``[B, Hq, M, D]`` in ``q``'s dtype.
@@ -97,15 +100,19 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     ``v_kept``: the values on the grids each query reads them on, kept by the engine with its row cache and read as
     they are instead of made again (the same numbers): its big blocks' below its own big block
     (:func:`big_value_grid`), its own big block's small blocks below its own small block (:func:`small_value_grid`);
-    any finite values past those."""
+    any finite values past those.
+
+    ``with_lse``: also each query's log-sum-exp of its scaled scores, ``lse = m + log(l · 2^-24)`` (fp32 ``[B, Hq,
+    M]``; the probabilities the output weighs by are ``π_j / l ≈ exp(s_j − lse)``): what PyTorch's flash-attention
+    backward reads (:func:`varlen_attention`'s backward)."""
     B, Hq, M, D = q_BHMD.shape
     Hkv, L = k_BHLD.shape[1], k_BHLD.shape[2]
     rows = rows_per_call(q_BHMD.device, Hq, Hkv, L, M, D)
     if B > rows:  # a row's result is its own: chunks of rows keep the temporaries in the allocator's reused memory
-        return torch.cat([attention(q_BHMD[b : b + rows], k_BHLD[b : b + rows], v_BHLD[b : b + rows],
-                                    qpos_BM[b : b + rows], scale, dense_from,
-                                    None if v_kept_BHLD is None else v_kept_BHLD[b : b + rows])
-                          for b in range(0, B, rows)])
+        parts = [attention(q_BHMD[b : b + rows], k_BHLD[b : b + rows], v_BHLD[b : b + rows], qpos_BM[b : b + rows],
+                           scale, dense_from, None if v_kept_BHLD is None else v_kept_BHLD[b : b + rows], with_lse)
+                 for b in range(0, B, rows)]
+        return tuple(map(torch.cat, zip(*parts))) if with_lse else torch.cat(parts)
     G, BK = Hq // Hkv, KEY_BLOCK
     Lp = -(-L // BK) * BK
     if Lp != L:  # zero keys: a masked key's value must be finite
@@ -117,10 +124,11 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     keys_L = torch.arange(Lp, device=q_BHMD.device)
 
     q_tilde = to_grid(q_BHMD.reshape(B, Hkv, R, D), -1, min(product_bits(D), 24))  # [B, Hkv, R, D] fp64
-    s_BHRL = torch.matmul(q_tilde, k_BHLD.double().transpose(-1, -2)).mul_(scale)  # [B, Hkv, R, Lp]: exact, scaled
+    s_BHRL = _bmm(q_tilde, k_BHLD.double().transpose(-1, -2)).mul_(scale)  # [B, Hkv, R, Lp]: exact, scaled
     p_BHRL = s_BHRL.float().masked_fill_(keys_L > pos_B1R1, -math.inf)
     del s_BHRL
-    p_BHRL.sub_(p_BHRL.amax(-1, keepdim=True)).exp_().mul_(2.0**PROB_BITS)  # P · 2^24, exact in fp32 (a power of two)
+    m_BHR1 = p_BHRL.amax(-1, keepdim=True)
+    p_BHRL.sub_(m_BHR1).exp_().mul_(2.0**PROB_BITS)  # P · 2^24, exact in fp32 (a power of two)
     pi_BHRL = p_BHRL.round_().double()  # integers up to 2^24: exact in fp32
     del p_BHRL
     l_BHR1 = pi_BHRL.sum(-1, keepdim=True)  # exact: integers, at most Lp · 2^24
@@ -130,7 +138,10 @@ def attention(q_BHMD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, 
     else:
         small = small_blocks(pi_BHRL, v_BHLD, qpos_BM, v_kept_BHLD)
         diagonal = diagonal_block(pi_BHRL, v_BHLD, qpos_BM)
-    return out.add_(small).add_(diagonal).div_(l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)  # ((S₁ + S₂) + Δ) / l
+    out = out.add_(small).add_(diagonal).div_(l_BHR1).view(B, Hq, M, D).to(q_BHMD.dtype)  # ((S₁ + S₂) + Δ) / l
+    if not with_lse:
+        return out
+    return out, (m_BHR1.double() + l_BHR1.log()).sub_(PROB_BITS * math.log(2.0)).float().view(B, Hq, M)
 
 
 def split_bounds(device: torch.device) -> tuple[int, int, int]:
@@ -243,8 +254,8 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         nsb = Lp // BK
         below = torch.arange(nsb, device=qpos_BM.device) < (qpos_BM // BK)[..., None]  # [B, M, nsb]
         pi_s = pi_BHRL.view(B, Hkv, G, M, nsb, BK).masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0)
-        parts = torch.matmul(pi_s.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nsb, R, BK),
-                             grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2))  # [B, Hkv, nsb, R, D]
+        parts = _bmm(pi_s.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, nsb, R, BK),
+                     grid(v_BHLD.view(B, Hkv, nsb, BK, D), -2))  # [B, Hkv, nsb, R, D]
         out = pi_BHRL.new_zeros(B, Hkv, R, D)
         for i in range(nsb):
             out += parts[:, :, i]
@@ -263,7 +274,7 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
             B, Hkv, G, M, BIG_BLOCK)).view(B, Hkv, G, M, nsb, BK)
         below = torch.arange(nsb, device=qpos_BM.device) < below_BM[..., None]  # [B, M, nsb]
         pi_own = pi_own.masked_fill(~below.view(B, 1, 1, M, nsb, 1), 0.0).permute(0, 1, 3, 4, 2, 5)
-        parts = torch.matmul(pi_own, v_tilde)  # [B, Hkv, M, nsb, G, D], exact each
+        parts = _bmm(pi_own, v_tilde)  # [B, Hkv, M, nsb, G, D], exact each
         for i in range(nsb):
             out += parts[:, :, :, i]
         return out.transpose(2, 3).reshape(B, Hkv, R, D)
@@ -276,8 +287,19 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
         v_tilde = grid(v_BSHKD[rows_B1, block_BM], -2).transpose(1, 2)  # [B, Hkv, M, BK, D]
         pi_i = pi_BHGMSK.gather(4, block_BM.view(B, 1, 1, M, 1, 1).expand(B, Hkv, G, M, 1, BK)).squeeze(4)
         pi_i = pi_i.masked_fill((i >= below_BM).view(B, 1, 1, M, 1), 0.0)  # [B, Hkv, G, M, BK]
-        out += torch.matmul(pi_i.permute(0, 1, 3, 2, 4), v_tilde)  # [B, Hkv, M, G, D], exact per query
+        out += _bmm(pi_i.permute(0, 1, 3, 2, 4), v_tilde)  # [B, Hkv, M, G, D], exact per query
     return out.transpose(2, 3).reshape(B, Hkv, R, D)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched, exact products), ``a``'s rows zero-padded (then dropped) when a product has fewer than
+    ``BLAS_MIN_MACS`` multiply-adds, so that ATen takes its BLAS path: a row's exact result does not depend on the
+    rows beside it."""
+    rows, inner, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+    need = -(-BLAS_MIN_MACS // max(inner * cols, 1))
+    if rows >= need:
+        return torch.matmul(a, b)
+    return torch.matmul(torch.nn.functional.pad(a, (0, 0, 0, need - rows)), b)[..., :rows, :]
 
 
 def dense_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, first: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,19 +361,25 @@ def diagonal_block(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.T
 
 
 class _VarlenAttention(torch.autograd.Function):
-    """The invariant forward; the backward differentiates the trainer's own attention recomputed on the same inputs
-    (the Triton kernel on CUDA, ``varlen_attention_torch`` elsewhere: ``fastgrpo.models.attention``'s dispatch):
-    only forward values must be invariant."""
+    """The invariant forward; the backward is the trainer's own attention's (only forward values must be invariant):
+    on CPU PyTorch's flash-attention backward fed the invariant forward's output and log-sum-exp
+    (:func:`flash_backward`); on CUDA the trainer's Triton kernel recomputed on the same inputs and differentiated
+    (``fastgrpo.models.attention``'s dispatch; one more attention forward per layer). Saved for the backward besides
+    q, k, v: the output (the tensor the output projection saves as its input anyway) and the log-sum-exp, fp32
+    ``[T, Hq]`` (4 bytes a token and head: 1.1 MiB a layer for 24K tokens of the 1.5B's 12 heads)."""
 
     @staticmethod
     def forward(ctx, q_THD, k_THD, v_THD, cu_seqlens, scale):
-        ctx.save_for_backward(q_THD, k_THD, v_THD, cu_seqlens)
+        out_THD, lse_TH = invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale, with_lse=True)
+        ctx.save_for_backward(q_THD, k_THD, v_THD, cu_seqlens, out_THD, lse_TH)
         ctx.scale = scale
-        return invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale)
+        return out_THD
 
     @staticmethod
     def backward(ctx, do_THD):
-        q, k, v, cu_seqlens = ctx.saved_tensors
+        q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+        if q.device.type == "cpu":
+            return (*flash_backward(do_THD, q, k, v, out, lse, cu_seqlens, ctx.scale), None, None)
         with torch.enable_grad():
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -361,34 +389,74 @@ class _VarlenAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def flash_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+                   out_THD: torch.Tensor, lse_TH: torch.Tensor, cu_seqlens: torch.Tensor, scale: float):
+    """The gradients ``(dq, dk, dv)`` of causal attention over a packed batch (as :func:`invariant_varlen` takes it)
+    by PyTorch's CPU flash-attention backward, fed the forward's output ``out`` and log-sum-exp ``lse [T, Hq]``
+    instead of recomputing them: with ``P = exp(scale · q kᵀ − lse)``, ``dv = Pᵀ do``, ``dS = P ∘ (do vᵀ −
+    rowsum(do ∘ out))``, ``dq = scale · dS k``, ``dk = scale · dSᵀ q`` (fp32 inside). The sequences go in the
+    forward's groups (:func:`length_groups`), each padded to its longest: padding queries have ``do = 0`` and a
+    finite ``lse`` (0), so they add nothing; a real query never reads a padding key (causal). Memory: the group's
+    padded copies of q, k, v, out, do and the three gradients (``[B, L, H, D]`` each)."""
+    dq_THD, dk_THD, dv_THD = (torch.zeros_like(x) for x in (q_THD, k_THD, v_THD))
+    bounds = cu_seqlens.tolist()
+    lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
+    dev = q_THD.device
+    for group in length_groups(lengths, split_bounds(dev)[0]):
+        start_B1 = torch.tensor([bounds[b] for b in group], device=dev)[:, None]
+        n_B1 = torch.tensor([lengths[b] for b in group], device=dev)[:, None]
+        pos_BL = torch.arange(lengths[group[-1]], device=dev).expand(len(group), -1)
+        q, k, v, o, do = (_padded(x, start_B1, pos_BL, n_B1).transpose(1, 2)
+                          for x in (q_THD, k_THD, v_THD, out_THD, do_THD))  # [B, H, L, D] views
+        lse_BHL = _padded(lse_TH[..., None], start_B1, pos_BL, n_B1)[..., 0].transpose(1, 2)  # [B, Hq, L]
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, lse_BHL, 0.0, True, scale=scale)
+        live_BL = pos_BL < n_B1
+        rows = (start_B1 + pos_BL)[live_BL]
+        for acc_THD, g_BHLD in zip((dq_THD, dk_THD, dv_THD), grads):
+            acc_THD.index_copy_(0, rows, g_BHLD.transpose(1, 2)[live_BL])
+    return dq_THD, dk_THD, dv_THD
+
+
 def varlen_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """:func:`invariant_varlen` on the keys put on their grid (:func:`key_grid`), differentiable in q, k and v (the
-    backward is the trainer's own attention's, recomputed: one more attention forward per layer in the backward)."""
+    backward is the trainer's own attention's: :class:`_VarlenAttention`)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q_THD, k_THD, v_THD)):
         return _VarlenAttention.apply(q_THD, k_THD, v_THD, cu_seqlens, scale)
     return invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale)
 
 
-def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Causal attention of a packed batch (``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``k`` on its grid, sequence
-    ``b`` at tokens ``[cu[b], cu[b + 1])``, positions restarting at 0): :func:`attention` on sequences of close
-    length padded into batches (shortest first), a sequence too long for one call in query chunks, at most
-    ``PAIRS_PER_CALL`` query-key pairs a head per call. Each query's result is the one :func:`attention` gives it in
-    any batch (the split only bounds memory). Returns ``[T, Hq, D]``. One host read of ``cu_seqlens``."""
-    out = torch.empty_like(q_THD)
-    bounds = cu_seqlens.tolist()
-    lengths = {b: bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)}
-    order = sorted(lengths, key=lengths.get)
-    dev = q_THD.device
-    pairs = split_bounds(dev)[0]
-    i = 0
+def length_groups(lengths: list[int], pairs: int) -> list[list[int]]:
+    """The sequences (indices into ``lengths``) shortest first, in batches of close length whose padded query-key
+    pairs (count × longest²) stay within ``pairs`` (:func:`split_bounds`' first; one sequence alone when it is
+    longer)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups, i = [], 0
     while i < len(order):
         group = [order[i]]
         while i + len(group) < len(order) and (len(group) + 1) * lengths[order[i + len(group)]] ** 2 <= pairs:
             group.append(order[i + len(group)])
         i += len(group)
+        groups.append(group)
+    return groups
+
+
+def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float, with_lse: bool = False):
+    """Causal attention of a packed batch (``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``k`` on its grid, sequence
+    ``b`` at tokens ``[cu[b], cu[b + 1])``, positions restarting at 0): :func:`attention` on sequences of close
+    length padded into batches (shortest first), a sequence too long for one call in query chunks, at most
+    :func:`split_bounds`' query-key pairs a head per call. Each query's result is the one :func:`attention` gives it
+    in any batch (the split only bounds memory). Returns ``[T, Hq, D]`` (``with_lse``: and each query's log-sum-exp,
+    fp32 ``[T, Hq]``, :func:`attention`'s). One host read of ``cu_seqlens``."""
+    out = torch.empty_like(q_THD)
+    lse_TH = q_THD.new_empty(q_THD.shape[:2], dtype=torch.float32) if with_lse else None
+    bounds = cu_seqlens.tolist()
+    lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
+    dev = q_THD.device
+    pairs = split_bounds(dev)[0]
+    for group in length_groups(lengths, pairs):
         whole = KEY_BLOCK if lengths[group[-1]] <= BIG_BLOCK else BIG_BLOCK  # dense_blocks reads whole blocks
         L = -(-lengths[group[-1]] // whole) * whole
         start_B1 = torch.tensor([bounds[b] for b in group], device=dev)[:, None]
@@ -400,11 +468,15 @@ def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tens
             qpos_BM = kpos_BL[:, m0:m1]
             k, v = _padded(k_THD, start_B1, kpos_BL, n_B1), _padded(v_THD, start_B1, kpos_BL, n_B1)
             q = _padded(q_THD, start_B1, qpos_BM, n_B1)
-            o_BMHD = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qpos_BM, scale,
-                               dense_from=m0).transpose(1, 2)
+            o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), qpos_BM, scale, dense_from=m0,
+                          with_lse=with_lse)
             live_BM = qpos_BM < n_B1
-            out.index_copy_(0, (start_B1 + qpos_BM)[live_BM], o_BMHD[live_BM])
-    return out
+            rows = (start_B1 + qpos_BM)[live_BM]
+            if with_lse:
+                o, lse_BHM = o
+                lse_TH.index_copy_(0, rows, lse_BHM.transpose(1, 2)[live_BM])
+            out.index_copy_(0, rows, o.transpose(1, 2)[live_BM])
+    return (out, lse_TH) if with_lse else out
 
 
 def _padded(x_THD: torch.Tensor, start_B1: torch.Tensor, pos_BL: torch.Tensor, n_B1: torch.Tensor) -> torch.Tensor:

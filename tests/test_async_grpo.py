@@ -128,23 +128,28 @@ def test_async_steps_train_fresh_groups_and_lose_none(tmp_path, recompute):
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows if r["async/age_max"]) > 0
 
 
-def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path):
+@pytest.mark.parametrize("stages", [[], ["stages=[{at_step: 2, max_new_tokens: 12}]"]])
+def test_a_resumed_run_continues_with_the_sequences_in_flight(tmp_path, stages):
     """With the K/V recomputed after each update, a run resumed from its step-2 checkpoint (the sequences in flight,
-    the finished groups waiting, the session's counters) logs steps 3 and 4 exactly as the run that kept going."""
+    the finished groups waiting, the session's counters) logs steps 3 and 4 exactly as the run that kept going; also
+    when a stage starts at step 3, right after the checkpoint (the resumed run opens the saved session first, with
+    its settings, and sees the stage change at the same step)."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run = [*RESUMABLE, "train.max_steps=4", "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true"]
+    run = [*RESUMABLE, "train.max_steps=4", "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true", *stages]
     fit(*run, f"logging.output_dir={full}")
     shutil.copytree(full, resumed)  # its latest checkpoint: step 2 (checkpoint.save_final is off)
     state = torch.load(resumed / "checkpoints" / "step_00000002" / "state_rank0.pt", weights_only=True)
     assert state["async"]["session"]["queue"]  # something was in flight
     fit(*run, f"logging.output_dir={resumed}", "checkpoint.resume=auto")
     assert_same_rows(rows_of(full), rows_of(resumed))
+    if stages:  # the stage change dropped unfinished groups at step 3 in both
+        assert [r["async/dropped_stage"] > 0 for r in rows_of(full)] == [False, False, True, False]
 
 
 def test_a_checkpoint_from_another_world_size_is_counted_as_lost(tmp_path, capsys):
     """A step-2 checkpoint saved under another world size cannot give this rank its sequences in flight: the resumed
-    run says so, starts a new session (topped up as a first step is) and counts the saved live groups (in flight and
-    waiting: the checkpoint's training rows) in ``async/dropped_resume`` at its first step only."""
+    run says so, starts a new session (topped up as a first step is) and counts the saved groups (in flight and
+    waiting: the checkpoint's training rows; parked) in ``async/dropped_resume`` at its first step only."""
     run = [*RESUMABLE, "train.max_steps=4", f"logging.output_dir={tmp_path}"]
     fit(*run[:-2], "train.max_steps=3", run[-1])  # killed after step 3: resumes from step 2's checkpoint
     path = tmp_path / "checkpoints" / "step_00000002" / "state_rank0.pt"
@@ -157,7 +162,8 @@ def test_a_checkpoint_from_another_world_size_is_counted_as_lost(tmp_path, capsy
     assert "saved under another world size" in capsys.readouterr().out
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["async/dropped_resume"] for r in rows] == [0, 0, len(state["async"]["rows"]), 0]
+    lost = len(state["async"]["rows"]) + len(state["async"]["parked"])  # live and parked
+    assert [r["async/dropped_resume"] for r in rows] == [0, 0, lost, 0]
     assert rows[2]["async/topup_batches"] == 1  # a new session, filled to (age + 1) · P as at the start
 
 

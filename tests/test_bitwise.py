@@ -317,10 +317,14 @@ def test_refusals():
         check_model(moe, "fastgrpo_varlen")
     enable_moe(moe)
     check_model(moe, "fastgrpo_varlen")
-    enable_activation_checkpointing(moe)  # its recompute routes outside the mode: replay keeps the experts
-    with pytest.raises(ValueError, match="needs model.moe.router_replay"):
-        check_model(moe, "fastgrpo_varlen")
-    check_model(moe, "fastgrpo_varlen", replay=True)
+    dense = tiny_model("llama")
+    enable_packed_attention(dense)
+    for m in (dense, moe):  # the model's own checkpointing recomputes outside the mode; fastgrpo's in it
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        with pytest.raises(ValueError, match="recomputes outside the mode"):
+            check_model(m, "fastgrpo_varlen")
+        enable_activation_checkpointing(m)
+        check_model(m, "fastgrpo_varlen")
 
 
 # ---------------------------------------------------------------- the GRPO step on the engine's log-probs
@@ -379,6 +383,23 @@ def test_grpo_update_on_the_engine_logprobs(tmp_path, optimizer_steps):
     assert m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-3)
     lr = 3e-4  # the tiny recipe's: an Adam step moves a parameter by at most ~lr per optimizer step
     assert max((a - b).abs().max().item() for a, b in zip(params_on, params_off)) <= 2 * lr * optimizer_steps
+
+
+@pytest.mark.parametrize("recipe", [None, "moe-tiny"])
+def test_activation_checkpointing_recomputes_on_the_invariant_ops(tmp_path, recipe):
+    """``train.activation_checkpointing`` with the mode on: the backward's recompute runs on the invariant ops as the
+    forward did, so it recomputes the very values (an MoE router, without replay, the same experts) and the update
+    equals the one without checkpointing bit for bit: the same loss, gradient norm and parameters after. (Run
+    outside the mode, the recompute's attention saved other tensors than the forward's and the backward raised.)"""
+    extra = ["train.sequences_per_optimizer_step=16",
+             *(["model.moe.router_replay=false", "model.moe.replay_gap=false"] if recipe else [])]
+    plain, m_plain, _, params_plain = grpo_update(tmp_path / "plain", True, *extra, recipe=recipe)
+    ckpt, m_ckpt, _, params_ckpt = grpo_update(tmp_path / "ckpt", True, *extra, "train.activation_checkpointing=true",
+                                               recipe=recipe)
+    assert [s.completion_ids for s in ckpt] == [s.completion_ids for s in plain]
+    assert m_ckpt["sampling/sampling_logp_difference/max"] == 0.0
+    assert (m_ckpt["loss"], m_ckpt["grad_norm"]) == (m_plain["loss"], m_plain["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(params_ckpt, params_plain))
 
 
 def test_moe_grpo_update_on_the_engine_logprobs(tmp_path):

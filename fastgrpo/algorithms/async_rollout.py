@@ -51,7 +51,9 @@ and waiting), ``async/waiting`` (finished groups waiting for the next step), ``a
 at the step's start to keep the buffer at ``B``), ``async/refill_batches`` (batches added during the step because the
 rank had fewer live groups than its step, the most on any rank), ``async/dropped_zero_std`` and
 ``async/dropped_stage`` (below), ``async/parked`` (rows drawn and not added yet, 1.), ``async/dropped_resume``
-(live groups a checkpoint could not carry into the resumed run, counted at its first step: Checkpoints).
+(groups a checkpoint could not carry into the resumed run, counted at its first step: Checkpoints; under another
+world size each rank counts its own file's live and parked groups, and the files of ranks beyond the new world are
+not read).
 ``time/generation``, ``time/update``, ``tokens_per_second`` and ``generation/rows_active_mean`` are the synchronous
 step's.
 
@@ -313,12 +315,14 @@ class AsyncRollout:
         t, g = self.ctx, self.cfg.grpo
         age = g.async_grpo.max_trajectory_age_steps
         changed = 0
-        if self.session is not None and self.sampling != {k: settings[k] for k in SAMPLING_SETTINGS}:
-            changed = self._new_stage()
         self.at_boundary = False
         faults: dict[str, dict[str, int]] = {}
         times: dict[str, float] = {}
         with t.timer("generation"), full_weights(t.wrapped):  # FSDP2: gathered once a step, on every rank
+            if self.session is None and self.saved is not None:  # resumed: the saved session first, with its
+                self._open(settings)  # sampling settings, so that a stage starting at this step is seen below
+            if self.session is not None and self.sampling != {k: settings[k] for k in SAMPLING_SETTINGS}:
+                changed = self._new_stage()
             if self.session is None:
                 self._open(settings)
             self._park(indices)
@@ -427,7 +431,8 @@ class AsyncRollout:
         """Take back :meth:`state_dict` (the session opens with it at the next step). None, or a state saved under
         another world size: the run goes on with a new session (what was in flight is not trained)."""
         if state is not None and state["world_size"] != self.ctx.state.world_size:
-            self.lost_at_resume = len(state["rows"]) if "rows" in state else state["env_groups"]
+            live = len(state["rows"]) if "rows" in state else state["env_groups"]
+            self.lost_at_resume = live + len(state.get("parked", []))  # the drawn rows not added yet too
             state = None
             print0("async GRPO: the checkpoint's sequences in flight were saved under another world size: a new "
                    "generation session starts (they are not trained)")

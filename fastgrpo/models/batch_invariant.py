@@ -19,7 +19,9 @@ reason:
   reduction order by shape), an MoE model's experts on another implementation than ``fastgrpo_grouped`` (transformers'
   eager loop adds the experts' outputs into the tokens' rows in expert order, its ``grouped_mm`` by shape), a
   ``torch.compile``d model (inductor fuses and reorders the reductions), fp64 weights (fp64 products are not exact
-  on the grids);
+  on the grids), activation checkpointing whose recompute runs outside the mode (the model's own: the recompute's
+  attention saves other tensors than the forward's, and an MoE router could choose other experts; fastgrpo's,
+  ``fastgrpo.models.loading.enable_activation_checkpointing``, recomputes on the invariant ops);
 - LoRA dropout (the trainer's forward would not be the sampler's): refused by the config (``model.lora.dropout``).
 """
 
@@ -29,17 +31,16 @@ import contextlib
 
 import torch
 
-from fastgrpo.kernels.batch_invariant import invariant_ops, keep_weight_grids
+from fastgrpo.kernels.batch_invariant import checkpoint_contexts, invariant_ops, keep_weight_grids
 from fastgrpo.kernels.batch_invariant_attention import varlen_attention
 from fastgrpo.models.moe import EXPERTS_IMPLEMENTATION, MOE_MODEL_TYPES, is_moe
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
-def check_model(model: torch.nn.Module, attn_implementation: str | None = None, replay: bool = False) -> None:
+def check_model(model: torch.nn.Module, attn_implementation: str | None = None) -> None:
     """Refuse a model the batch-invariant mode cannot make invariant (module docstring); ``attn_implementation``:
-    the attention the forward must use (None: not checked, the engine sets its own for its calls). ``replay``: an
-    MoE policy's forwards replay the engine's routing (``model.moe.router_replay``)."""
+    the attention the forward must use (None: not checked, the engine sets its own for its calls)."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("numerics.batch_invariant: a torch.compile'd model reorders its reductions; refused")
     param = next(model.parameters())
@@ -69,19 +70,25 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None, 
     if attn_implementation is not None and is_moe(config) and experts != EXPERTS_IMPLEMENTATION:
         raise ValueError(f"numerics.batch_invariant: the model's experts are {experts!r}, not "
                          f"{EXPERTS_IMPLEMENTATION!r} (whose batch-invariant path the mode runs)")
-    if is_moe(config) and getattr(model, "is_gradient_checkpointing", False) and not replay:
-        # the recompute runs in the backward, outside the mode: its router could pick other experts at a near-tie
-        raise ValueError("numerics.batch_invariant: an MoE model with train.activation_checkpointing needs "
-                         "model.moe.router_replay (the recompute routes outside the mode; replay keeps the experts)")
+    recomputed = [m._gradient_checkpointing_func for m in model.modules()
+                  if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+    if any(getattr(f, "keywords", {}).get("context_fn") is not checkpoint_contexts for f in recomputed):
+        # outside the mode the recompute saves other tensors than the forward (the backward raises) and an MoE
+        # router could choose other experts at a near-tie
+        raise ValueError("numerics.batch_invariant: the model's activation checkpointing recomputes outside the mode; "
+                         "enable it with fastgrpo.models.loading.enable_activation_checkpointing "
+                         "(train.activation_checkpointing), whose recompute runs on the invariant ops")
+
+
 
 
 @contextlib.contextmanager
-def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str, replay: bool = False):
+def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str):
     """The trainer's switch: the model checked (:func:`check_model`), then, while the returned context is open, the
     invariant ops registered (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs there;
     the packed forward and the log-prob kernels take them) and the model's weight grids kept
     (``keep_weight_grids``: made once per weight version, shared by the engine's call and the training forwards)."""
-    check_model(model, attn_implementation, replay)
+    check_model(model, attn_implementation)
     with invariant_ops(next(model.parameters()).device), keep_weight_grids(list(model.parameters())):
         yield
 

@@ -31,6 +31,7 @@ import torch
 
 from fastgrpo.config import LoRAConfig, ModelConfig
 from fastgrpo.distributed import barrier, is_main_process
+from fastgrpo.kernels.batch_invariant import checkpoint_contexts
 from fastgrpo.models.attention import enable_packed_attention
 from fastgrpo.models.lora import adapter_base, apply_lora, is_adapter_dir
 from fastgrpo.models.moe import check_moe, enable_moe, freeze_routers, is_moe, tiny_moe_model
@@ -200,10 +201,13 @@ def enable_activation_checkpointing(model) -> None:
     It acts only in training mode with gradients enabled (the trainer's updates run under ``model.train()``); the
     checkpoint wraps the layer's ``forward``, so FSDP2's gather hooks stay outside it and the packed attention
     (``fastgrpo_varlen``) is recomputed like any other op. Dropout is 0 in these models, so the recompute is exact.
+    With ``numerics.batch_invariant`` the recompute runs on the invariant ops as the forward did
+    (``fastgrpo.kernels.batch_invariant.checkpoint_contexts``): the same values, the same saved tensors.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"train.activation_checkpointing: {type(model).__name__} does not support it")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                        "context_fn": checkpoint_contexts})
 
 
 def lm_head_params(model) -> tuple[torch.Tensor, torch.Tensor | None]:

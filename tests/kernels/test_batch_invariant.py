@@ -276,6 +276,59 @@ def test_attention_invariant_and_accurate(lengths, heads, D, dtype, pairs, produ
     assert ((packed.double() - ref).abs() <= bound + EPS[dtype] * ref.abs()).all()
 
 
+def _gradient_bounds(q, k, v, do, lengths, scale):
+    """Per entry of ``(dq, dk, dv)``, the sums of the magnitudes of the terms that make it (fp64, per sequence; GQA
+    by repeating the kv heads, then summing their gradients over the group): with ``P`` the probabilities, ``A_ij =
+    P_ij (Σ_d |do_id v_jd| + Σ_d |do_id o_id|)`` bounds ``|dS_ij|``; ``dq`` sums ``scale A_ij |k_j|``, ``dk``
+    ``scale A_ij |q_i|``, ``dv`` ``P_ij |do_i|``. A relative error ``δ`` in each ``P_ij`` (and in ``o``, and each
+    term's own rounding) moves an entry by at most ``δ`` times its bound."""
+    bounds, G, s = ([], [], []), q.shape[1] // k.shape[1], 0
+    for n in lengths:
+        qq, kk, vv, dd = (x[s : s + n].double().transpose(0, 1).abs() for x in (q, k, v, do))
+        kk, vv = kk.repeat_interleave(G, 0), vv.repeat_interleave(G, 0)
+        sc = (q[s : s + n].double().transpose(0, 1) @ k[s : s + n].double().transpose(0, 1).repeat_interleave(G, 0)
+              .transpose(1, 2) * scale).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        P = torch.softmax(sc, -1)  # [Hq, n, n]
+        A = P * (dd @ vv.transpose(1, 2) + (dd * (P @ vv)).sum(-1, keepdim=True))
+        for out, t in zip(bounds, (scale * A @ kk, scale * A.transpose(1, 2) @ qq, P.transpose(1, 2) @ dd)):
+            out.append((t if out is bounds[0] else t.unflatten(0, (-1, G)).sum(1)).transpose(0, 1))
+        s += n
+    return [torch.cat(b) for b in bounds]
+
+
+@settings(max_examples=6)
+@given(lengths=st.lists(st.integers(1, 150), min_size=1, max_size=4), heads=st.sampled_from([(1, 1), (4, 2), (6, 2)]),
+       D=st.sampled_from([4, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       pairs=st.sampled_from([ba.PAIRS_PER_CALL, 60]), seed=st.integers(0, 1000))
+def test_attention_gradients_accurate(lengths, heads, D, dtype, pairs, seed):
+    """The packed forward's gradients (PyTorch's CPU flash-attention backward fed the invariant forward's output and
+    log-sum-exp, in the forward's groups of sequences: ``PAIRS_PER_CALL`` small splits them) against fp64 autograd
+    of the reference attention, with a random upstream gradient. Bound per entry: ``δ`` times its terms' magnitudes
+    (:func:`_gradient_bounds`) plus its rounding to the dtype, where ``δ`` adds the probabilities' relative errors
+    (fp32 scores over ``D`` terms at their magnitude; the forward's log-sum-exp off by the q/k grids and the
+    probabilities' 2^-24 grid, ``L`` of them in a sum ≥ 1), the output's rounding, and fp32 sums of ``L + D``
+    terms."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k, v, do = (torch.randn(T, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv, Hq))
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    scale = D**-0.5
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ba, "PAIRS_PER_CALL", pairs)
+        grads = torch.autograd.grad(ba.varlen_attention(q, k, v, cu, scale), (q, k, v), do)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    refs = torch.autograd.grad(_attention_ref(qd, kd, vd, lengths, scale), (qd, kd, vd), do.double())
+    qa, ka = qd.detach().abs(), kd.detach().abs()
+    scores = scale * qa.sum(-1).amax() * ka.amax()
+    score_grid = scale * 2.0 ** -min(bi.product_bits(D), 24) * 2 * qa.amax() * ka.sum(-1).amax()
+    L = max(lengths)
+    delta = ((D + 2) * EPS32 * scores + 4 * score_grid + 2 * L * 2.0**-24 + EPS[dtype] + (L + D) * EPS32).item()
+    for got, ref, terms in zip(grads, refs, _gradient_bounds(q.detach(), k.detach(), v.detach(), do, lengths, scale)):
+        assert ((got.double() - ref).abs() <= 2 * delta * terms + EPS[dtype] * ref.abs() + 1e-30).all()
+
+
 @settings(max_examples=6)
 @given(B=st.integers(1, 3), blocks=st.integers(1, 3), first=st.integers(0, 2), G=st.sampled_from([1, 3]),
        D=st.sampled_from([3, 16]), seed=st.integers(0, 1000))
