@@ -365,21 +365,25 @@ class _VarlenAttention(torch.autograd.Function):
     on CPU PyTorch's flash-attention backward fed the invariant forward's output and log-sum-exp
     (:func:`flash_backward`); on CUDA the trainer's Triton kernel recomputed on the same inputs and differentiated
     (``fastgrpo.models.attention``'s dispatch; one more attention forward per layer). Saved for the backward besides
-    q, k, v: the output (the tensor the output projection saves as its input anyway) and the log-sum-exp, fp32
-    ``[T, Hq]`` (4 bytes a token and head: 1.1 MiB a layer for 24K tokens of the 1.5B's 12 heads)."""
+    q, k, v, on CPU: the output (the tensor the output projection saves as its input anyway) and the log-sum-exp,
+    fp32 ``[T, Hq]`` (4 bytes a token and head: 1.1 MiB a layer for 24K tokens of the 1.5B's 12 heads)."""
 
     @staticmethod
     def forward(ctx, q_THD, k_THD, v_THD, cu_seqlens, scale):
-        out_THD, lse_TH = invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale, with_lse=True)
-        ctx.save_for_backward(q_THD, k_THD, v_THD, cu_seqlens, out_THD, lse_TH)
+        if q_THD.device.type == "cpu":  # flash_backward's inputs
+            out_THD, lse_TH = invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale, with_lse=True)
+            ctx.save_for_backward(q_THD, k_THD, v_THD, cu_seqlens, out_THD, lse_TH)
+        else:
+            out_THD = invariant_varlen(q_THD, key_grid(k_THD), v_THD, cu_seqlens, scale)
+            ctx.save_for_backward(q_THD, k_THD, v_THD, cu_seqlens)
         ctx.scale = scale
         return out_THD
 
     @staticmethod
     def backward(ctx, do_THD):
-        q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
+        q, k, v, cu_seqlens, *out_lse = ctx.saved_tensors
         if q.device.type == "cpu":
-            return (*flash_backward(do_THD, q, k, v, out, lse, cu_seqlens, ctx.scale), None, None)
+            return (*flash_backward(do_THD, q, k, v, *out_lse, cu_seqlens, ctx.scale), None, None)
         with torch.enable_grad():
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -396,8 +400,10 @@ def flash_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
     instead of recomputing them: with ``P = exp(scale · q kᵀ − lse)``, ``dv = Pᵀ do``, ``dS = P ∘ (do vᵀ −
     rowsum(do ∘ out))``, ``dq = scale · dS k``, ``dk = scale · dSᵀ q`` (fp32 inside). The sequences go in the
     forward's groups (:func:`length_groups`), each padded to its longest: padding queries have ``do = 0`` and a
-    finite ``lse`` (0), so they add nothing; a real query never reads a padding key (causal). Memory: the group's
-    padded copies of q, k, v, out, do and the three gradients (``[B, L, H, D]`` each)."""
+    finite ``lse`` (0), so they add nothing; a real query never reads a padding key (causal). GQA: k and v copied
+    per query head and their gradients summed over each kv head's group (the private kernel takes ``Hq = Hkv``
+    everywhere; its own GQA support is recent). Memory: the group's padded copies of q, k, v, out, do and the three
+    gradients (``[B, L, Hq, D]`` each)."""
     dq_THD, dk_THD, dv_THD = (torch.zeros_like(x) for x in (q_THD, k_THD, v_THD))
     bounds = cu_seqlens.tolist()
     lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
@@ -409,8 +415,12 @@ def flash_backward(do_THD: torch.Tensor, q_THD: torch.Tensor, k_THD: torch.Tenso
         q, k, v, o, do = (_padded(x, start_B1, pos_BL, n_B1).transpose(1, 2)
                           for x in (q_THD, k_THD, v_THD, out_THD, do_THD))  # [B, H, L, D] views
         lse_BHL = _padded(lse_TH[..., None], start_B1, pos_BL, n_B1)[..., 0].transpose(1, 2)  # [B, Hq, L]
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        G = q.shape[1] // k.shape[1]  # each kv head's query heads, given their own copy: the kernel's GQA support
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # came later than the torch versions we take
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, o, lse_BHL, 0.0, True, scale=scale)
+        B, Hq, L, D = dk.shape
+        grads = dq, dk.view(B, Hq // G, G, L, D).sum(2), dv.view(B, Hq // G, G, L, D).sum(2)  # [B, Hkv, L, D]
         live_BL = pos_BL < n_B1
         rows = (start_B1 + pos_BL)[live_BL]
         for acc_THD, g_BHLD in zip((dq_THD, dk_THD, dv_THD), grads):
@@ -442,12 +452,25 @@ def length_groups(lengths: list[int], pairs: int) -> list[list[int]]:
     return groups
 
 
+def query_chunk(device: torch.device, L: int, Hkv: int, D: int, Hq: int) -> int:
+    """Queries per call of :func:`invariant_varlen` for a batch padded to ``L`` tokens (a multiple of
+    ``BIG_BLOCK`` past one big block): all of them when the ``L²`` pairs a head fit :func:`split_bounds`' pairs and a
+    row's fp64 temporaries over ``L`` keys fit its bytes (:func:`queries_per_row`: they grow with the query heads,
+    e.g. 28 of them at 2048 tokens count 1.8 GiB), else whole big blocks within both (at least one)."""
+    pairs = split_bounds(device)[0]
+    fit = queries_per_row(device, Hq, Hkv, L, D)
+    if L <= BIG_BLOCK or (L * L <= pairs and fit >= L):
+        return L
+    return max(BIG_BLOCK, min(pairs // L, fit) // BIG_BLOCK * BIG_BLOCK)
+
+
 def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
                      scale: float, with_lse: bool = False):
     """Causal attention of a packed batch (``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``k`` on its grid, sequence
     ``b`` at tokens ``[cu[b], cu[b + 1])``, positions restarting at 0): :func:`attention` on sequences of close
-    length padded into batches (shortest first), a sequence too long for one call in query chunks, at most
-    :func:`split_bounds`' query-key pairs a head per call. Each query's result is the one :func:`attention` gives it
+    length padded into batches (shortest first), a sequence too long for one call in query chunks
+    (:func:`query_chunk`: at most :func:`split_bounds`' query-key pairs a head and its chunk bytes a row per call;
+    empty sequences skipped). Each query's result is the one :func:`attention` gives it
     in any batch (the split only bounds memory). Returns ``[T, Hq, D]`` (``with_lse``: and each query's log-sum-exp,
     fp32 ``[T, Hq]``, :func:`attention`'s). One host read of ``cu_seqlens``."""
     out = torch.empty_like(q_THD)
@@ -457,11 +480,13 @@ def invariant_varlen(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tens
     dev = q_THD.device
     pairs = split_bounds(dev)[0]
     for group in length_groups(lengths, pairs):
+        if not lengths[group[-1]]:  # empty sequences: no token to attend
+            continue
         whole = KEY_BLOCK if lengths[group[-1]] <= BIG_BLOCK else BIG_BLOCK  # dense_blocks reads whole blocks
         L = -(-lengths[group[-1]] // whole) * whole
         start_B1 = torch.tensor([bounds[b] for b in group], device=dev)[:, None]
         n_B1 = torch.tensor([lengths[b] for b in group], device=dev)[:, None]
-        chunk = L if L * L <= pairs else max(BIG_BLOCK, pairs // L // BIG_BLOCK * BIG_BLOCK)
+        chunk = query_chunk(dev, L, *k_THD.shape[1:], q_THD.shape[1])
         for m0 in range(0, L, chunk):  # a sequence too long for one call: query chunks of whole big blocks
             m1 = min(L, m0 + chunk)
             kpos_BL = torch.arange(m1, device=dev).expand(len(group), m1)

@@ -40,7 +40,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 def check_model(model: torch.nn.Module, attn_implementation: str | None = None) -> None:
     """Refuse a model the batch-invariant mode cannot make invariant (module docstring); ``attn_implementation``:
-    the attention the forward must use (None: not checked, the engine sets its own for its calls)."""
+    the attention the trainer's forward must use (None: the engine's call, which sets its own attention and runs no
+    backward, so neither that nor the experts' implementation and the activation checkpointing are checked)."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("numerics.batch_invariant: a torch.compile'd model reorders its reductions; refused")
     param = next(model.parameters())
@@ -70,8 +71,8 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
     if attn_implementation is not None and is_moe(config) and experts != EXPERTS_IMPLEMENTATION:
         raise ValueError(f"numerics.batch_invariant: the model's experts are {experts!r}, not "
                          f"{EXPERTS_IMPLEMENTATION!r} (whose batch-invariant path the mode runs)")
-    recomputed = [m._gradient_checkpointing_func for m in model.modules()
-                  if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+    recomputed = [m._gradient_checkpointing_func for m in model.modules() if attn_implementation is not None
+                  and getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
     if any(getattr(f, "keywords", {}).get("context_fn") is not checkpoint_contexts for f in recomputed):
         # outside the mode the recompute saves other tensors than the forward (the backward raises) and an MoE
         # router could choose other experts at a near-tie

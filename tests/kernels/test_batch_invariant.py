@@ -433,3 +433,37 @@ def test_rows_per_call_fill_the_devices_bound(device, heads, L, M, D):
     # the 1.5B model's heads (12 / 2 x 128), one decode step of 256 rows at 4096 keys: calls a layer
     calls = -(-256 // ba.rows_per_call(dev, 12, 2, 4096, 1, 128))
     assert calls == (5 if device == "cuda" else 256)
+
+
+@settings(max_examples=30)
+@given(device=st.sampled_from(["cpu", "cuda"]), heads=st.sampled_from([(4, 2), (12, 2), (16, 8), (28, 4), (32, 8)]),
+       blocks=st.integers(1, 256), D=st.sampled_from([16, 64, 128]))
+def test_packed_calls_fit_the_devices_bounds(device, heads, blocks, D):
+    """A packed forward's query chunk (``query_chunk``) keeps a row's fp64 temporaries within the device's chunk bytes
+    and its pairs a head within the pairs bound, whatever the query heads (they grew with them: 28 heads at 2048
+    tokens counted 1.8 GiB against CUDA's 1 GiB), in whole big blocks (``dense_blocks`` reads whole blocks), or
+    the whole sequence when it fits."""
+    Hq, Hkv = heads
+    dev = torch.device(device)  # a device name only: no tensor is made on it
+    L = blocks * ba.BIG_BLOCK
+    pairs, _, chunk_bytes = ba.split_bounds(dev)
+    chunk = ba.query_chunk(dev, L, Hkv, D, Hq)
+    assert chunk == L or (chunk % ba.BIG_BLOCK == 0 and 0 < chunk < L)
+    if chunk > ba.BIG_BLOCK:  # one big block is the floor
+        assert 8 * Hkv * L * (2 * D + 2 * chunk * (Hq // Hkv)) <= chunk_bytes and chunk * L <= pairs
+    if chunk < L:  # no larger whole-block chunk would fit
+        bigger = chunk + ba.BIG_BLOCK
+        assert 8 * Hkv * L * (2 * D + 2 * bigger * (Hq // Hkv)) > chunk_bytes or bigger * L > pairs
+
+
+def test_empty_sequences_attend_to_nothing():
+    """Sequences of length 0 in a packed batch (a group of them alone) are skipped, forward and backward: the others'
+    outputs and gradients are those of the batch without them."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(300, h, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    # the two empty ones form a group of their own: 3 · 300² pairs exceed PAIRS_PER_CALL
+    with_empty, alone = torch.tensor([0, 0, 0, 300], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32)
+    outs = [ba.varlen_attention(q, k, v, cu, 8**-0.5) for cu in (with_empty, alone)]
+    assert torch.equal(outs[0], outs[1])
+    grads = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
