@@ -3,7 +3,8 @@
 # the whole script stays within 540 s (env 15 + ceilings 15 + gpu_tests 75 + micro 215 + generation 45 + moe 30
 # + multiturn 30 + vlm 25 + bitwise 40 + e2e 50; the MoE and VLM rows took their 65 s from the others, the
 # batch-invariant mode's bench row (bitwise) and its GPU tests (tests/test_bitwise_devices.py, 15 s more for
-# gpu_tests) their 55 s, none of it measured: no GPU in the sessions that added them).
+# gpu_tests) their 55 s, none of it measured: no GPU in the sessions that added them). The 540 s hold whatever a step
+# does: a step's limit is cut to what is left of them less its kill grace, and a step with nothing left is skipped.
 #
 #   bash bench/gpu_check.sh              # from the repository root, on a machine with a CUDA GPU
 #   bash bench/gpu_check.sh --dry-run    # anywhere: lay out the package, print each step and its limit, run none
@@ -46,16 +47,28 @@ record() {  # record NAME STATUS SECONDS
   summary+=("$(printf '%-28s %-9s %5ss' "$1" "$2" "$3")")
 }
 
+BUDGET=540  # the whole script's seconds: a step gets at most what is left of them, less its kill grace
+KILL_AFTER=5  # seconds between a step's TERM and its KILL
+
 step() {  # step NAME SECONDS CMD...: run one bounded step, record status and wall time
   local name=$1 limit=$2
   shift 2
   local t0=$SECONDS
+  local left=$((BUDGET - SECONDS - KILL_AFTER))
+  if [ "$dry_run" = 0 ] && [ "$limit" -gt "$left" ]; then  # earlier steps ran long: the budget still holds
+    limit=$left
+    if [ "$limit" -le 0 ]; then
+      echo "=== $name: skipped, the ${BUDGET}s budget is spent" | tee -a "$log"
+      record "$name" SKIPPED 0
+      return
+    fi
+  fi
   echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
   if [ "$dry_run" = 1 ]; then
     record "$name" dry-run 0
     return
   fi
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+  timeout --signal=TERM --kill-after=$KILL_AFTER "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   local status=ok
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status=TIMEOUT; elif [ "$rc" -ne 0 ]; then status="FAIL($rc)"; fi
