@@ -292,12 +292,12 @@ def small_blocks(pi_BHRL: torch.Tensor, v_BHLD: torch.Tensor, qpos_BM: torch.Ten
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (batched, exact products), ``a``'s rows zero-padded (then dropped) when a product has fewer than
-    ``BLAS_MIN_MACS`` multiply-adds, so that ATen takes its BLAS path: a row's exact result does not depend on the
-    rows beside it."""
+    """``a @ b`` (batched, exact products), on CPU ``a``'s rows zero-padded (then dropped) when a product has fewer
+    than ``BLAS_MIN_MACS`` multiply-adds, so that ATen takes its BLAS path: a row's exact result does not depend on the
+    rows beside it. CUDA has no such scalar path: no padding there."""
     rows, inner, cols = a.shape[-2], a.shape[-1], b.shape[-1]
     need = -(-BLAS_MIN_MACS // max(inner * cols, 1))
-    if rows >= need:
+    if rows >= need or a.device.type != "cpu":
         return torch.matmul(a, b)
     return torch.matmul(torch.nn.functional.pad(a, (0, 0, 0, need - rows)), b)[..., :rows, :]
 
