@@ -98,7 +98,8 @@ masters, optimizer state and the last step's gradients (zeroed at the next step)
 activations over one prefill chunk: the rank's prompt tokens of a generation batch, at most ``PREFILL_CHUNK_TOKENS``
 or the longest sequence) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
 per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size, sequences
-per rank)``, at full length (:func:`longest_sequence`).
+per rank)``, at full length (:func:`longest_sequence`). A pool set by ``rollout.max_total_tokens`` is allocated whole
+(sync or async): it is the cache, and it must fit beside generation's base (else the cure names the pool that does).
 Training peaks at its static part + activations + the loss workspace.
 Async GRPO (``grpo.async_grpo``) holds its generation session's page pool through the update: the KV cache is that
 pool (``rollout.max_total_tokens``; unset, the engine takes ``CUDA_MEMORY_FRACTION`` of what generation leaves
@@ -217,8 +218,14 @@ class MemoryPlan:
             0, self.usable - self.generation_base))
 
     @property
+    def user_pool(self) -> int:
+        """The KV page pool ``rollout.max_total_tokens`` sets (sync or async), 0 when unset or nothing generates: the
+        engine allocates it whole, so generation needs it beside its base."""
+        return self.cfg.rollout.max_total_tokens * self.kv_bytes_per_token if self.batch else 0
+
+    @property
     def kv_cache(self) -> int:
-        return self.session_pool or max(0, self.usable - self.generation_base)
+        return self.session_pool or self.user_pool or max(0, self.usable - self.generation_base)
 
     @property
     def kv_tokens(self) -> int:
@@ -230,7 +237,7 @@ class MemoryPlan:
 
     @property
     def generation_peak(self) -> int:
-        return self.generation_base + self.batch * self.seq_len * self.kv_bytes_per_token
+        return self.generation_base + (self.kv_pool or self.batch * self.seq_len * self.kv_bytes_per_token)
 
     @property
     def training_peak(self) -> int:
@@ -245,7 +252,13 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return (self.training_peak <= self.usable and self.scoring_peak <= self.usable
-                and self.kv_sequences >= self.batch and self.generation_base + self.session_pool <= self.usable)
+                and self.kv_sequences >= self.batch and self.generation_base + self.kv_pool <= self.usable)
+
+    @property
+    def kv_pool(self) -> int:
+        """The page pool generation allocates beside its base when one is set or held (0: the engine sizes it from
+        what is free, never past it)."""
+        return self.session_pool or self.user_pool
 
     def verdict(self) -> str:
         """``fits: ...`` or ``does not fit: ...`` with the cure."""
@@ -262,9 +275,16 @@ class MemoryPlan:
             cures.append(f"a smaller train.max_tokens_per_microbatch (the reward models' pass peaks at "
                          f"{self.scoring_peak / GIB:.1f} GiB)" + ("" if self.cfg.train.strategy == "fsdp2" or
                                                                  self.nproc == 1 else " or train.strategy=fsdp2"))
-        if self.kv_sequences < self.batch:
+        room = max(self.usable - self.generation_base, 0) // self.kv_bytes_per_token if self.batch else 0
+        if self.generation_base + self.kv_pool > self.usable:
+            pool = self.kv_pool // self.kv_bytes_per_token
+            cures.append(f"rollout.max_total_tokens<={room} (the KV pool of {pool} tokens does not fit beside "
+                         f"generation's {self.generation_base / GIB:.1f} GiB)")
+        elif self.kv_sequences < self.batch:
+            wanted = self.batch * self.seq_len
             cures.append(f"rollout.max_batch_size<={max(self.kv_sequences, 0)} (the KV cache holds "
                          f"{self.kv_sequences} sequences of {self.seq_len} tokens, the batch is {self.batch})"
+                         + (f" or rollout.max_total_tokens>={wanted}" if self.user_pool and wanted <= room else "")
                          + ("" if t.strategy == "fsdp2" or self.nproc == 1 else " or train.strategy=fsdp2"))
         return (f"does not fit: {self.nproc} x {gib:g} GiB (training peak {self.training_peak / GIB:.1f} GiB, usable "
                 f"{self.usable / GIB:.1f} GiB); cure: " + "; ".join(cures))
@@ -341,7 +361,8 @@ class MemoryPlan:
                 row("generation workspace", self.generation_workspace),
                 *([row("images (generation)", self.vision_generation, "kept tower output, a tower pass")]
                   if s.vision else []),
-                row("KV pool (async, kept in the update)" if self.session_pool else "KV cache the rest allows",
+                row("KV pool (async, kept in the update)" if self.session_pool else
+                    "KV pool (rollout.max_total_tokens)" if self.user_pool else "KV cache the rest allows",
                     self.kv_cache,
                     f"{self.kv_tokens} tokens at {self.kv_bytes_per_token} B/token = {self.kv_sequences} sequences of "
                     f"{self.seq_len} (decoding batch {self.batch})"),

@@ -13,12 +13,15 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from fastgrpo.kernels.varlen_attention import varlen_attention_unchecked
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastgrpo.config import load_config
 from fastgrpo.models import attention
@@ -442,3 +445,50 @@ def test_batch_invariant_mode_adds_its_grids_and_temporaries(tied):
     assert off.kv_cache - on.kv_cache == grids + gen and on.batch == 80
     rows = [[line for line in plan.lines() if "batch-invariant weight grids" in line] for plan in (off, on)]
     assert rows[0] == [] and "11.502 GiB" in rows[1][0]
+
+
+@settings(derandomize=True, max_examples=25, deadline=None)
+@given(gib=st.integers(40, 160), share=st.floats(0.0, 2.0), async_grpo=st.booleans())
+def test_a_set_kv_pool_must_fit_beside_generation(gib, share, async_grpo):
+    """``rollout.max_total_tokens`` set (sync or async; drawn as a share of the room generation leaves, 0 to 2x) is
+    the KV cache, allocated whole: the plan counts exactly that pool in the generation peak; when it overflows
+    generation's room the plan does not fit and its cure is the largest pool that does (that one fits beside
+    generation, one token more does not)."""
+    recipe = "deepscaler-1.5b-async" if async_grpo else "deepscaler-1.5b"
+
+    def plan_with(tokens: int):
+        overrides = [f"model.path={QWEN_1P5B}", f"rollout.max_total_tokens={tokens}"]
+        return memory_plan(load_config(recipe, overrides=overrides), 8, gib, shape=_QWEN_1P5B_SHAPE)
+
+    unset = plan_with(0)
+    per_token, room = unset.kv_bytes_per_token, unset.usable - unset.generation_base
+    assert unset.user_pool == 0 and (async_grpo or unset.kv_cache == max(0, room))
+    tokens = max(2, int(share * room / per_token))
+    plan = plan_with(tokens)
+    assert plan.generation_base == unset.generation_base
+    assert plan.kv_cache == plan.user_pool == tokens * per_token
+    assert plan.generation_peak == plan.generation_base + tokens * per_token
+    fits_beside = tokens * per_token <= room
+    assert plan.fits == (fits_beside and plan.kv_sequences >= plan.batch and plan.training_peak <= plan.usable
+                         and plan.scoring_peak <= plan.usable)
+    if not fits_beside:
+        cure = re.search(r"rollout\.max_total_tokens<=(\d+) \(the KV pool", plan.verdict())
+        assert cure, plan.verdict()
+        best = int(cure.group(1))
+        assert best * per_token <= room < (best + 1) * per_token
+
+
+_QWEN_1P5B_SHAPE = model_shape(load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}"]))
+
+
+def test_the_trainer_check_stops_a_kv_pool_the_gpu_cannot_hold(monkeypatch):
+    """The start-up check (CUDA) stops a run whose ``rollout.max_total_tokens`` pool does not fit beside generation
+    (the engine would allocate it whole and fail mid-run), naming the pool that fits; the same run unset passes."""
+    from types import SimpleNamespace
+
+    from fastgrpo.plan import check_fits
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=2**30))
+    check_fits(load_config("tiny"), 1, torch.device("cuda", 0))
+    with pytest.raises(SystemExit, match=r"does not fit: .*rollout\.max_total_tokens<=\d+ \(the KV pool of 40000000"):
+        check_fits(load_config("tiny", overrides=["rollout.max_total_tokens=40000000"]), 1, torch.device("cuda", 0))
