@@ -1163,8 +1163,6 @@ class Config:
         checks = [
             ("algorithm", self.algorithm, self.algorithm not in ("grpo", "distill"), "must be grpo or distill with "
              "numerics.batch_invariant (it makes the sampler's log-probs the trainer's)"),
-            ("train.strategy", self.train.strategy, self.train.strategy == "fsdp2", "fsdp2 is not supported with "
-             "numerics.batch_invariant"),
             ("model.lora.dropout", self.model.lora and self.model.lora.dropout,
              bool(self.model.lora and self.model.lora.dropout), "must be 0 with numerics.batch_invariant (the "
              "trainer's forward would not be the sampler's)")]

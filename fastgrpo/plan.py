@@ -107,14 +107,16 @@ free at the session's start) and the training peak adds it; the cure of a traini
 that leaves the update its room.
 A GPU keeps ``RESERVED_FRACTION`` for the CUDA context, allocator fragmentation and kernels' scratch.
 
-``numerics.batch_invariant`` (``fastgrpo.kernels.batch_invariant``; ddp or one GPU: the mode refuses fsdp2) keeps
-the policy's fp64 weight grids for the run, in both phases: ``8·(P − V·h)`` (``8·P`` with a tied head; the norms'
-and biases' few entries counted too), 11.5 GiB for DeepSeek-R1-Distill-Qwen-1.5B. Its fp64 temporaries, by reading
-the code (not measured on a GPU): the attention's, twice the bound ``CUDA_CHUNK_BYTES`` of a call's counted bytes
-(``rows_per_call``; a call's peak measured on CPU is 0.6x the count in a decode step, 1.5x in a packed forward's
-call), plus in generation the pages' K/V gathered for a chunk of rows (``c/8`` of the bound),
-the exact products of a prefill chunk's tokens (an input's fp64 grid and the fp64 product, ``8·n·(h + I)`` at the
-MLP's widest) and the LM head's fp64 product for the decoding batch (``8·batch·V``); in training the products of a
+``numerics.batch_invariant`` (``fastgrpo.kernels.batch_invariant``) keeps the policy's fp64 weight grids for the run,
+in both phases: ``8·(P − V·h)`` (``8·P`` with a tied head; the norms' and biases' few entries counted too), 11.5 GiB
+for DeepSeek-R1-Distill-Qwen-1.5B. Under fsdp2 the gathered weights are new tensors at each gather: their grids live
+for a generation call only (counted there, beside the gathered weights), and a training product makes its weight's
+grid (one at a time: ``8·h·I`` at the MLP's, 105 MiB at 1.5B), as the reference model's forward does. Its fp64
+temporaries, by reading the code (not measured on a GPU): the attention's, twice the bound ``CUDA_CHUNK_BYTES`` of a
+call's counted bytes (``rows_per_call``; a call's peak measured on CPU is 0.6x the count in a decode step, 1.5x in a
+packed forward's call), plus in generation the pages' K/V gathered for a chunk of rows (``c/8`` of the bound), the
+exact products of a prefill chunk's tokens (an input's fp64 grid and the fp64 product, ``8·n·(h + I)`` at the MLP's
+widest) and the LM head's fp64 product for the decoding batch (``8·batch·V``); in training the products of a
 micro-batch, ``8·T·(h + I)`` (the log-prob kernel's vocabulary tiles are bounded).
 """
 
@@ -352,9 +354,10 @@ class MemoryPlan:
             row("loss workspace (fused linear loss)", self.loss_workspace),
             *([row("images (update)", self.vision_train, "pixels, kept tower output, a tower pass")]
               if s.vision else []),
-            *([row("batch-invariant weight grids (fp64)", self.invariant_grids, "kept for the run"),
+            *([row("batch-invariant weight grids (fp64)", self.invariant_grids, "kept for the run" if
+                   self.invariant_grids else "fsdp2: made per generation call and per training product"),
                row("batch-invariant temporaries", self.invariant_training, "training forward; generation: "
-                   f"{self.invariant_generation / GIB:.3f} GiB")] if self.invariant_grids else []),
+                   f"{self.invariant_generation / GIB:.3f} GiB")] if self.cfg.numerics.batch_invariant else []),
         ]
         if self.batch:
             out += [
@@ -466,6 +469,10 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         products = 8 * (s.hidden + s.intermediate)
         inv_gen = 2 * CUDA_CHUNK_BYTES + c * CUDA_CHUNK_BYTES // 8 + prompt_tokens * products + 8 * batch * s.vocab
         inv_train = 2 * CUDA_CHUNK_BYTES + tokens * products
+        if fsdp or needs_ref:  # a product of a weight whose grid is not kept makes it (the widest: the MLP's)
+            inv_train += 8 * s.hidden * s.intermediate
+        if fsdp:  # the gathered weights' grids live for a generation call
+            inv_gen, grids = inv_gen + grids, 0
     return MemoryPlan(
         cfg=cfg, shape=s, nproc=nproc, gpu_bytes=int(gpu_memory_gib * GIB), checkpointing=ckpt, tokens=tokens,
         weights=c * (P - frozen_tower), base_shard=base_shard, adapter_params=p, masters=masters, optimizer=optimizer,

@@ -322,8 +322,12 @@ def keep_weight_grids(params):
     made again when its version counter has moved (every in-place write autograd tracks: torch's optimizers but the
     fused ones, ``copy_``, checkpoint loads; not writes through ``.data``). The trainer keeps its policy's for its
     run, so the engine's call and the training forwards of one weight version share them; an engine alone keeps them
-    for its call. Memory: an fp64 copy of each weight used in a product (2x its fp32 bytes)."""
-    ptrs = [p.untyped_storage().data_ptr() for p in params]
+    for its call. Memory: an fp64 copy of each weight used in a product (2x its fp32 bytes).
+
+    A parameter that is a tensor subclass holds no storage of its own and is skipped: FSDP2's sharded ``DTensor``
+    parameters, whose gathered copies are new tensors at each gather (the engine's call, inside the gather, keeps
+    those for the call; a training forward makes each weight's grid at its product)."""
+    ptrs = [p.untyped_storage().data_ptr() for p in params if _owns_storage(p)]
     for ptr in ptrs:
         _kept_storages[ptr] = _kept_storages.get(ptr, 0) + 1
     try:
@@ -340,9 +344,14 @@ def keep_weight_grids(params):
 def held_grid_bytes(params) -> int:
     """Bytes of the grids :func:`kept_grid` holds now for views of these parameters (made at a product while their
     scope is open; one a weight, of whichever version it was last made for)."""
-    ptrs = {p.untyped_storage().data_ptr() for p in params}
+    ptrs = {p.untyped_storage().data_ptr() for p in params if _owns_storage(p)}
     return sum(grid.numel() * grid.element_size() for _, b, grid in _kept_grids.values()
                if b.untyped_storage().data_ptr() in ptrs)
+
+
+def _owns_storage(p: torch.Tensor) -> bool:
+    """A plain tensor or parameter (not a subclass such as FSDP2's ``DTensor``, whose storage is not its data)."""
+    return type(p) in (torch.Tensor, torch.nn.Parameter)
 
 
 def kept_grid(b_KN: torch.Tensor) -> torch.Tensor | None:

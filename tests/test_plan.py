@@ -441,10 +441,19 @@ def test_batch_invariant_mode_adds_its_grids_and_temporaries(tied):
     prompt_tokens = min(math.ceil(on_cfg.grpo.prompts_per_gen_batch / 8) * 1024, max(PREFILL_CHUNK_TOKENS, 8192))
     gen = 2 * chunk + chunk // 4 + 8 * prompt_tokens * (h + inter) + 8 * on.batch * V
     assert on.generation_base - off.generation_base == grids + gen
-    assert on.training_peak - off.training_peak == grids + 2 * chunk + 8 * 32768 * (h + inter)
+    widest = 8 * h * inter  # the reference model's products (grpo.beta > 0) make their weights' grids, one at a time
+    assert on.training_peak - off.training_peak == grids + 2 * chunk + 8 * 32768 * (h + inter) + widest
     assert off.kv_cache - on.kv_cache == grids + gen and on.batch == 80
     rows = [[line for line in plan.lines() if "batch-invariant weight grids" in line] for plan in (off, on)]
     assert rows[0] == [] and "11.502 GiB" in rows[1][0]
+    # fsdp2: the gathered weights' grids for a generation call only; none kept through training
+    shard = [f"model.path={QWEN_1P5B}", "train.strategy=fsdp2"]
+    f_off = memory_plan(load_config("deepscaler-1.5b", overrides=shard), 8, 141, shape=s)
+    f_on = memory_plan(load_config("deepscaler-1.5b", overrides=[*shard, "numerics.batch_invariant=true"]), 8, 141,
+                       shape=s)
+    assert f_on.static == f_off.static and f_on.invariant_grids == 0
+    assert f_on.generation_base - f_off.generation_base == grids + gen
+    assert f_on.training_peak - f_off.training_peak == 2 * chunk + 8 * 32768 * (h + inter) + widest
 
 
 @settings(derandomize=True, max_examples=25, deadline=None)

@@ -88,7 +88,9 @@ def enable_batch_invariant(model: torch.nn.Module, attn_implementation: str):
     """The trainer's switch: the model checked (:func:`check_model`), then, while the returned context is open, the
     invariant ops registered (``fastgrpo.kernels.batch_invariant.invariant_ops``: the host's self-check runs there;
     the packed forward and the log-prob kernels take them) and the model's weight grids kept
-    (``keep_weight_grids``: made once per weight version, shared by the engine's call and the training forwards)."""
+    (``keep_weight_grids``: made once per weight version, shared by the engine's call and the training forwards;
+    under FSDP2 the parameters are shards, so none are kept here: the engine keeps the gathered weights' for its call,
+    and a training product makes its weight's)."""
     check_model(model, attn_implementation)
     with invariant_ops(next(model.parameters()).device), keep_weight_grids(list(model.parameters())):
         yield
