@@ -309,6 +309,23 @@ def test_refusals():
         GenerationEngine(torch.compile(model), eos_token_ids=[], batch_invariant=True)
     from fastgrpo.models.batch_invariant import check_model
 
+    def compile_layer(m):
+        m.model.layers[1] = torch.compile(m.model.layers[1])
+
+    def compile_forward(m):
+        m.model.forward = torch.compile(m.model.forward)
+
+    # compiled in place or in part: inductor's kernels replace the mode's ops in the trainer's forward
+    for compile_part, where in [(lambda m: m.model.compile(), "model"), (lambda m: m.model.layers[0].compile(),
+                                "model.layers.0"), (compile_layer, "model.layers.1"), (compile_forward, "model")]:
+        part = tiny_model("qwen2")
+        enable_packed_attention(part)
+        compile_part(part)
+        for check in (lambda m: check_model(m, "fastgrpo_varlen"),
+                      lambda m: GenerationEngine(m, eos_token_ids=[], batch_invariant=True)):
+            with pytest.raises(ValueError, match=f"{where} is torch.compile'd"):
+                check(part)
+
     with pytest.raises(ValueError, match="attention is 'sdpa'"):
         check_model(model, "fastgrpo_varlen")
     moe = tiny_model("qwen3_moe")  # transformers' eager experts: the trainer's loader sets fastgrpo's
@@ -414,6 +431,24 @@ def test_moe_grpo_update_on_the_engine_logprobs(tmp_path):
     assert m["moe/replay_mismatch"] == 0.0
     assert m["moe/no_replay_logp_difference/max"] == 0.0
     assert m["optimizer_steps"] == 1
+
+
+@needs_peft
+def test_lora_dropout_in_the_adapter_is_refused():
+    """LoRA dropout set in the adapter itself (a ``model.lora.path`` adapter's ``adapter_config.json``, which the
+    config's ``model.lora.dropout`` check cannot see) is refused by the trainer's check; the engine, which applies no
+    dropout, accepts it; an adapter without dropout passes both."""
+    from fastgrpo.models.batch_invariant import check_model
+
+    for dropout in (0.0, 0.3):
+        adapted = random_lora(tiny_model("qwen2"), 0, dropout=dropout)
+        enable_packed_attention(adapted)
+        GenerationEngine(adapted, eos_token_ids=[], batch_invariant=True)
+        if dropout:
+            with pytest.raises(ValueError, match="applies dropout in training"):
+                check_model(adapted, "fastgrpo_varlen")
+        else:
+            check_model(adapted, "fastgrpo_varlen")
 
 
 def test_config_refusals():

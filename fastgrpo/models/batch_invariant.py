@@ -18,11 +18,13 @@ reason:
 - another attention implementation than ``fastgrpo_varlen`` (an SDPA or flash kernel we do not own picks its
   reduction order by shape), an MoE model's experts on another implementation than ``fastgrpo_grouped`` (transformers'
   eager loop adds the experts' outputs into the tokens' rows in expert order, its ``grouped_mm`` by shape), a
-  ``torch.compile``d model (inductor fuses and reorders the reductions), fp64 weights (fp64 products are not exact
+  ``torch.compile``d model or submodule, wrapped, compiled in place or with a compiled ``forward`` (inductor fuses and
+  reorders the reductions and bypasses the mode's ops), fp64 weights (fp64 products are not exact
   on the grids), activation checkpointing whose recompute runs outside the mode (the model's own: the recompute's
   attention saves other tensors than the forward's, and an MoE router could choose other experts; fastgrpo's,
   ``fastgrpo.models.loading.enable_activation_checkpointing``, recomputes on the invariant ops);
-- LoRA dropout (the trainer's forward would not be the sampler's): refused by the config (``model.lora.dropout``).
+- LoRA dropout (the trainer's forward would not be the sampler's): refused by the config (``model.lora.dropout``)
+  and, for an adapter loaded with its own ``lora_dropout`` (``model.lora.path``), by the trainer's check.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
     """Refuse a model the batch-invariant mode cannot make invariant (module docstring); ``attn_implementation``:
     the attention the trainer's forward must use (None: the engine's call, which sets its own attention and runs no
     backward, so neither that nor the experts' implementation and the activation checkpointing are checked)."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        raise ValueError("numerics.batch_invariant: a torch.compile'd model reorders its reductions; refused")
+    compiled = next((name or "the model" for name, m in model.named_modules() if _compiled(m)), None)
+    if compiled is not None:
+        raise ValueError(f"numerics.batch_invariant: {compiled} is torch.compile'd (inductor reorders its reductions "
+                         "and bypasses the mode's ops); refused")
     param = next(model.parameters())
     if param.device.type not in ("cpu", "cuda"):
         raise ValueError(f"numerics.batch_invariant: a model on {param.device.type} is not supported (cpu, cuda)")
@@ -79,8 +83,19 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
         raise ValueError("numerics.batch_invariant: the model's activation checkpointing recomputes outside the mode; "
                          "enable it with fastgrpo.models.loading.enable_activation_checkpointing "
                          "(train.activation_checkpointing), whose recompute runs on the invariant ops")
+    dropout = next((name for name, m in model.named_modules() if attn_implementation is not None
+                    and any(isinstance(d, torch.nn.Dropout) and d.p > 0
+                            for d in getattr(getattr(m, "lora_dropout", None), "values", dict)())), None)
+    if dropout is not None:  # a loaded adapter's own config (model.lora.path): the config's check cannot see it
+        raise ValueError(f"numerics.batch_invariant: the LoRA layer {dropout} applies dropout in training (the "
+                         "trainer's forward would not be the sampler's); use an adapter with lora_dropout 0")
 
 
+def _compiled(m: torch.nn.Module) -> bool:
+    """``m`` runs through torch.compile: wrapped (``torch.compile(m)``), compiled in place (``m.compile()``) or its
+    ``forward`` replaced by a compiled function."""
+    return (isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None)
+            is not None or hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable"))
 
 
 @contextlib.contextmanager
