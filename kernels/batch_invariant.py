@@ -83,6 +83,7 @@ TILE_EXP_BITS = FP64_BITS - 11  # exp(z − m_c) ≤ 1 on a grid of 2^-42: 2048 
 INVARIANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # activations the overrides compute for
 FP32_EXPONENT = 0x7F800000  # the exponent field of an fp32's bits: 2^⌊log₂ |x|⌋ once the rest is cleared
 FP32_NORMAL = 0x00800000  # the bits of 2^-126, the smallest normal fp32
+FP32_TOP = 0x7F000000  # the bits of 2^127: a slice holding inf or NaN takes the top binade's grid (c stays finite)
 FULL_RATE_FP64 = ((6, 0), (7, 0), (8, 0), (9, 0), (10, 0))  # CUDA capabilities with fp64 at half fp32's rate or more
 
 _local = threading.local()  # .active (a forward on the invariant ops), .last_input (_shared_input_grid's entry)
@@ -101,12 +102,15 @@ def to_grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     """``x`` rounded onto a per-slice grid along ``dim`` (fp64): ``x̃ = u · round(x / u)`` (half to even) with the
     unit ``u = 2^(e − bits)``, ``2^(e−1) ≤ max|x| < 2^e`` over the slice (``e ≥ −125``: a slice below fp32's normal
     range takes that grid), so ``x̃ / u`` is an integer of at most ``bits`` bits (plus sign). ``x``: fp32, bf16 or
-    fp16.
+    fp16. A slice holding ±inf or NaN takes the grid of ``e = 128`` (fp32's top binade): those entries stay what they
+    are and the finite ones round onto it, as PyTorch's sums would keep an inf (an unbounded ``c`` made the whole
+    slice NaN).
 
     In seven passes: ``f = 2^(e−1)`` is ``max|x|``'s fp32 exponent bits (a mask), and adding then subtracting
     ``c = 1.5 · 2^52 · u`` rounds ``x`` (in fp64) to a multiple of ``u``: ``c + x`` lies in ``[2^52 u, 2^53 u)``,
     whose spacing is ``u``, and both steps are single correctly rounded fp64 operations (the second exact)."""
-    top = x.abs().amax(dim, keepdim=True).float().view(torch.int32).bitwise_and_(FP32_EXPONENT).clamp_(min=FP32_NORMAL)
+    top = x.abs().amax(dim, keepdim=True).float().view(torch.int32).bitwise_and_(FP32_EXPONENT).clamp_(
+        min=FP32_NORMAL, max=FP32_TOP)
     c = top.view(torch.float32).double().mul_(1.5 * 2.0 ** (FP64_BITS - bits))  # 1.5 · 2^52 · u, u = 2f · 2^-bits
     return x.double().add_(c).sub_(c)
 

@@ -167,6 +167,28 @@ def test_backward_runs_pytorchs_kernels():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@settings(max_examples=10)
+@given(n=st.integers(2, 300), at=st.integers(0, 299), special=st.sampled_from([math.inf, -math.inf, math.nan]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 1000))
+def test_a_non_finite_entry_stays_in_its_place(n, at, special, dtype, seed):
+    """A slice with one ±inf or NaN: that entry stays what it is and every other entry of the slice is finite (on
+    the top binade's grid, so 0 for these scales), as in PyTorch's own sums; a row of squares that overflows fp32
+    (``|x| > 1.8e19``) has an infinite mean, as ``torch.mean`` gives, so RMSNorm's ``rsqrt`` makes it 0, not NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2, n, generator=g) * 100).to(dtype)
+    x[0, at % n] = special
+    grid = bi.to_grid(x, -1, 23)
+    assert torch.equal(grid[0, at % n].isnan(), torch.tensor(math.isnan(special)))
+    if not math.isnan(special):
+        assert grid[0, at % n].item() == special
+    others = torch.arange(n) != at % n
+    assert torch.equal(grid[0, others], torch.zeros(n - 1, dtype=torch.float64))
+    assert torch.equal(grid[1], bi.to_grid(x[1:], -1, 23)[0])  # the other row keeps its own grid
+    sq = x[1:].float().pow(2)
+    sq[0, at % n] = torch.tensor(1e30).pow(2)  # overflows fp32 to inf, as a square of |x| > 1.8e19 does
+    assert bi.last_dim_mean(sq).item() == sq.mean().item() == math.inf
+
+
 @settings(max_examples=8)
 @given(M=st.integers(1, 40), n=st.integers(1, 3000), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 1000))
