@@ -305,6 +305,15 @@ def test_refusals():
             GenerationEngine(bad, eos_token_ids=[], batch_invariant=True)
     with pytest.raises(ValueError, match="fp64"):
         GenerationEngine(tiny_model("llama").double(), eos_token_ids=[], batch_invariant=True)
+    # sliding windows by the layers' types: a Qwen2 whose max_window_layers reaches its layer count has none
+    for window_from, sliding in [(1, True), (2, False)]:
+        qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=window_from)
+        for mode in (False, True):
+            if sliding:
+                with pytest.raises(ValueError, match="sliding-window attention"):
+                    GenerationEngine(qwen, eos_token_ids=[], batch_invariant=mode)
+            else:
+                GenerationEngine(qwen, eos_token_ids=[], batch_invariant=mode)
     with pytest.raises(ValueError, match="torch.compile"):
         GenerationEngine(torch.compile(model), eos_token_ids=[], batch_invariant=True)
     from fastgrpo.models.batch_invariant import check_model

@@ -108,7 +108,7 @@ from fastgrpo.engine.loop import CallSettings, Run
 from fastgrpo.engine.runner import PREFILL_CHUNK_TOKENS
 from fastgrpo.engine.sampling import Completion, SamplingParams, TurnHandler, TurnResult
 from fastgrpo.engine.vision import CallVision, prompt_images
-from fastgrpo.models.batch_invariant import check_model
+from fastgrpo.models.batch_invariant import check_model, has_sliding_window
 from fastgrpo.models.lora import check_modules, unwrap_peft
 from fastgrpo.models.vlm import VLM_MODEL_TYPES, ImageInputs, is_vlm, text_config, text_decoder
 
@@ -199,8 +199,7 @@ class GenerationEngine:
                 raise ValueError(f"model: unsupported structure, model.model has no {name!r}")
         if getattr(model, "lm_head", None) is None:
             raise ValueError("model: unsupported structure, no lm_head")
-        layer_types = getattr(config, "layer_types", None) or ()
-        if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
+        if has_sliding_window(config):
             raise ValueError("model: sliding-window attention layers are not supported")
         rope_type = getattr(inner.rotary_emb, "rope_type", "default")
         if not isinstance(rope_type, str) or "dynamic" in rope_type or "longrope" in rope_type:

@@ -59,8 +59,7 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
                          f"{', '.join(SUPPORTED_MODEL_TYPES)})")
     if getattr(config, "hidden_act", None) != "silu":
         raise ValueError(f"numerics.batch_invariant: activation {config.hidden_act!r} is not supported (silu)")
-    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in
-                                                          getattr(config, "layer_types", None) or ()):
+    if has_sliding_window(config):
         raise ValueError("numerics.batch_invariant: sliding-window attention layers are not supported")
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(f"numerics.batch_invariant: attention_dropout={config.attention_dropout} makes the trainer's "
@@ -89,6 +88,16 @@ def check_model(model: torch.nn.Module, attn_implementation: str | None = None) 
     if dropout is not None:  # a loaded adapter's own config (model.lora.path): the config's check cannot see it
         raise ValueError(f"numerics.batch_invariant: the LoRA layer {dropout} applies dropout in training (the "
                          "trainer's forward would not be the sampler's); use an adapter with lora_dropout 0")
+
+
+def has_sliding_window(config) -> bool:
+    """Whether a model's config gives any layer sliding-window attention (which neither the engine nor the mode runs):
+    its ``layer_types`` when it has them (a Qwen2 with ``use_sliding_window`` but ``max_window_layers`` at or past its
+    layer count has none), else the flag."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any(t != "full_attention" for t in layer_types)
+    return bool(getattr(config, "use_sliding_window", False))
 
 
 def _compiled(m: torch.nn.Module) -> bool:
