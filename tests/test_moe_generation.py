@@ -220,3 +220,14 @@ def test_cuda_graph_engine_runs_moe_layers_and_records_them(arch):
             check_record(model, p, c)
             torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced_logp(model, p, c.token_ids).cpu(),
                                        atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_an_moe_config_without_a_sparse_layer_is_refused_by_name(batch_invariant):
+    """A Qwen3-MoE config whose decoder_sparse_step / mlp_only_layers leave every layer dense: a clear error, not an
+    IndexError from the router lookup; one sparse layer left is accepted."""
+    dense = tiny_model("qwen3_moe", num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match="leave no sparse MoE block"):
+        GenerationEngine(dense, eos_token_ids=[], batch_invariant=batch_invariant)
+    GenerationEngine(tiny_model("qwen3_moe", num_hidden_layers=3, decoder_sparse_step=2, mlp_only_layers=[]),
+                     eos_token_ids=[], batch_invariant=batch_invariant)

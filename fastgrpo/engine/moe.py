@@ -56,6 +56,9 @@ class EngineMoE:
 
     def __init__(self, model: torch.nn.Module):
         blocks = [block for _, block in moe_blocks(model)]
+        if not blocks:
+            raise ValueError(f"model: a {model.config.model_type} config whose layers are all dense (its "
+                             "decoder_sparse_step / mlp_only_layers leave no sparse MoE block); set them to keep one")
         self.index = {block: i for i, block in enumerate(blocks)}
         router = blocks[0].gate
         self.num_layers, self.top_k, self.num_experts = len(blocks), router.top_k, router.num_experts
