@@ -98,8 +98,10 @@ masters, optimizer state and the last step's gradients (zeroed at the next step)
 activations over one prefill chunk: the rank's prompt tokens of a generation batch, at most ``PREFILL_CHUNK_TOKENS``
 or the longest sequence) and fp32 logits for the decoding batch; the rest is the KV cache: ``2·L·n_kv·d·c`` bytes
 per token (paged or not). It fits when the cache holds the decoding batch, ``min(rollout.max_batch_size, sequences
-per rank)``, at full length (:func:`longest_sequence`). A pool set by ``rollout.max_total_tokens`` is allocated whole
-(sync or async): it is the cache, and it must fit beside generation's base (else the cure names the pool that does).
+per rank)``, at full length (:func:`longest_sequence`). A pool set by ``rollout.max_total_tokens`` is the cache: a
+synchronous call allocates at most what its samples can fill (every sample of a generation batch at full length, in
+64-token pages, and a scratch page), an async session the whole pool; it must fit beside generation's base (else the
+cure names the largest pool that does, and the batch cure what that pool holds).
 Training peaks at its static part + activations + the loss workspace.
 Async GRPO (``grpo.async_grpo``) holds its generation session's page pool through the update: the KV cache is that
 pool (``rollout.max_total_tokens``; unset, the engine takes ``CUDA_MEMORY_FRACTION`` of what generation leaves
@@ -130,7 +132,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.config import Config, load_config, stage_settings
-from fastgrpo.engine.engine import CUDA_MEMORY_FRACTION, PREFILL_CHUNK_TOKENS
+from fastgrpo.engine.engine import CUDA_MEMORY_FRACTION, DEFAULT_PAGE_SIZE, PREFILL_CHUNK_TOKENS
 from fastgrpo.kernels.batch_invariant_attention import CUDA_CHUNK_BYTES
 from fastgrpo.models.vlm import image_token_range
 from fastgrpo.shapes import (
@@ -195,6 +197,8 @@ class MemoryPlan:
     """numerics.batch_invariant: generation's fp64 temporaries (module docstring)."""
     invariant_training: int = 0
     """numerics.batch_invariant: the training forward's fp64 temporaries (module docstring)."""
+    call_tokens: int = 0
+    """The most KV tokens a synchronous generation call can fill: its samples at full length in CUDA pages."""
 
     @property
     def usable(self) -> int:
@@ -221,9 +225,13 @@ class MemoryPlan:
 
     @property
     def user_pool(self) -> int:
-        """The KV page pool ``rollout.max_total_tokens`` sets (sync or async), 0 when unset or nothing generates: the
-        engine allocates it whole, so generation needs it beside its base."""
-        return self.cfg.rollout.max_total_tokens * self.kv_bytes_per_token if self.batch else 0
+        """The KV page pool ``rollout.max_total_tokens`` sets, 0 when unset or nothing generates (module docstring):
+        a session (async) allocates it whole; a synchronous call at most what its samples can fill
+        (``call_tokens``)."""
+        tokens = self.cfg.rollout.max_total_tokens
+        if not self.cfg.grpo.async_grpo.enabled:
+            tokens = min(tokens, self.call_tokens)
+        return tokens * self.kv_bytes_per_token if self.batch else 0
 
     @property
     def kv_cache(self) -> int:
@@ -254,7 +262,13 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return (self.training_peak <= self.usable and self.scoring_peak <= self.usable
-                and self.kv_sequences >= self.batch and self.generation_base + self.kv_pool <= self.usable)
+                and self.kv_sequences >= self.batch and self.generation_fits)
+
+    @property
+    def generation_fits(self) -> bool:
+        """Generation's base and the pool it allocates (set or held) fit the GPU (trivially when nothing
+        generates)."""
+        return not self.batch or self.generation_base + self.kv_pool <= self.usable
 
     @property
     def kv_pool(self) -> int:
@@ -277,19 +291,45 @@ class MemoryPlan:
             cures.append(f"a smaller train.max_tokens_per_microbatch (the reward models' pass peaks at "
                          f"{self.scoring_peak / GIB:.1f} GiB)" + ("" if self.cfg.train.strategy == "fsdp2" or
                                                                  self.nproc == 1 else " or train.strategy=fsdp2"))
-        room = max(self.usable - self.generation_base, 0) // self.kv_bytes_per_token if self.batch else 0
-        if self.generation_base + self.kv_pool > self.usable:
+        fsdp2 = "" if t.strategy == "fsdp2" or self.nproc == 1 else " or train.strategy=fsdp2"
+        room = self.pool_room
+        if self.batch and room < self.seq_len:  # generation's base alone leaves no sequence room
+            cures.append(f"a GPU with more memory, or fewer bytes in generation (its base is "
+                         f"{self.generation_base / GIB:.1f} GiB of {self.usable / GIB:.1f} usable: weights, "
+                         f"optimizer state, workspaces{', batch-invariant grids' if self.invariant_generation else ''})"
+                         + fsdp2)
+        elif not self.generation_fits:  # the pool set is larger than the room beside generation
             pool = self.kv_pool // self.kv_bytes_per_token
             cures.append(f"rollout.max_total_tokens<={room} (the KV pool of {pool} tokens does not fit beside "
                          f"generation's {self.generation_base / GIB:.1f} GiB)")
-        elif self.kv_sequences < self.batch:
+        held = min(self.kv_sequences, room // self.seq_len)  # what the cache holds once its pool fits
+        if self.batch and room >= self.seq_len and held < self.batch:
             wanted = self.batch * self.seq_len
-            cures.append(f"rollout.max_batch_size<={max(self.kv_sequences, 0)} (the KV cache holds "
-                         f"{self.kv_sequences} sequences of {self.seq_len} tokens, the batch is {self.batch})"
-                         + (f" or rollout.max_total_tokens>={wanted}" if self.user_pool and wanted <= room else "")
-                         + ("" if t.strategy == "fsdp2" or self.nproc == 1 else " or train.strategy=fsdp2"))
+            cures.append(f"rollout.max_batch_size<={held} (the KV cache holds {held} sequences of {self.seq_len} "
+                         f"tokens, the batch is {self.batch})"
+                         + (f" or rollout.max_total_tokens>={wanted}" if self.kv_pool and wanted <= room else "")
+                         + fsdp2)
         return (f"does not fit: {self.nproc} x {gib:g} GiB (training peak {self.training_peak / GIB:.1f} GiB, usable "
                 f"{self.usable / GIB:.1f} GiB); cure: " + "; ".join(cures))
+
+    @property
+    def pool_room(self) -> int:
+        """The largest KV pool, in tokens, that fits beside generation's base and (async, which holds it through the
+        update) beside the update: what a pool cure may name."""
+        spare = self.usable - self.generation_base
+        if self.session_pool:
+            spare = min(spare, self.usable - (self.training_peak - self.session_pool))
+        return max(spare, 0) // self.kv_bytes_per_token
+
+    def _invariant_rows(self, row) -> list[str]:
+        """numerics.batch_invariant's rows of :meth:`lines` (the grids kept for the run under ddp, made per generation
+        call and counted there under fsdp2)."""
+        kept = bool(self.invariant_grids)
+        return [row("batch-invariant weight grids (fp64)", self.invariant_grids, "kept for the run" if kept else
+                    "fsdp2: made per generation call and per training product"),
+                row("batch-invariant temporaries", self.invariant_training, "training forward; generation: "
+                    f"{self.invariant_generation / GIB:.3f} GiB" + ("" if kept else ", the gathered weights' grids "
+                                                                    "included"))]
 
     def _training_cure(self) -> str:
         room = self.usable - self.static - self.train_extra - self.loss_workspace - self.vision_train
@@ -302,10 +342,9 @@ class MemoryPlan:
             options.append(f"train.max_tokens_per_microbatch<={fit_tokens}")
         if self.cfg.train.strategy != "fsdp2" and self.nproc > 1:
             options.append("train.strategy=fsdp2")
-        if self.session_pool:  # async: the pool the update leaves room for
-            spare = self.usable - (self.training_peak - self.session_pool)
-            options.append(f"rollout.max_total_tokens<={max(spare, 0) // self.kv_bytes_per_token} (the async "
-                           "session's pool, held through the update)")
+        if self.session_pool:  # async: the pool the update (and generation) leaves room for
+            options.append(f"rollout.max_total_tokens<={self.pool_room} (the async session's pool, held through the "
+                           "update)")
         if not options:
             options.append("a GPU with more memory, or a shorter rollout.max_new_tokens")
         return " or ".join(options)
@@ -354,10 +393,7 @@ class MemoryPlan:
             row("loss workspace (fused linear loss)", self.loss_workspace),
             *([row("images (update)", self.vision_train, "pixels, kept tower output, a tower pass")]
               if s.vision else []),
-            *([row("batch-invariant weight grids (fp64)", self.invariant_grids, "kept for the run" if
-                   self.invariant_grids else "fsdp2: made per generation call and per training product"),
-               row("batch-invariant temporaries", self.invariant_training, "training forward; generation: "
-                   f"{self.invariant_generation / GIB:.3f} GiB")] if self.cfg.numerics.batch_invariant else []),
+            *(self._invariant_rows(row) if self.cfg.numerics.batch_invariant else []),
         ]
         if self.batch:
             out += [
@@ -433,6 +469,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         train_extra = c * (P - frozen_tower) + (c * trained if c < 4 else 0)  # weights; compute-dtype grads
     per_rank_seqs = max(1, g.prompts_per_gen_batch * g.num_generations // nproc)  # one generation batch
     batch = min(r.max_batch_size, per_rank_seqs) if generates else 0
+    page = DEFAULT_PAGE_SIZE[True]  # the engine's page on CUDA; a call's pool: its samples' pages and a scratch page
+    call_tokens = math.ceil(g.prompts_per_gen_batch / nproc) * g.num_generations * -(-seq_len // page) * page + page
     # the engine prefills in packed chunks of PREFILL_CHUNK_TOKENS (a longer prompt, or a preempted sample's
     # recompute up to seq_len tokens, alone)
     prompt_tokens = min(math.ceil(g.prompts_per_gen_batch / nproc) * cfg.data.max_prompt_tokens,
@@ -486,7 +524,8 @@ def memory_plan(cfg: Config, nproc: int, gpu_memory_gib: float, *, activation_ch
         generation_workspace=gen_ws,
         kv_bytes_per_token=2 * s.layers * s.kv_heads * s.head_dim * c, seq_len=seq_len, batch=batch,
         vision_tower=c * frozen_tower, vision_train=vision_train, vision_generation=vision_gen if generates else 0,
-        invariant_grids=grids, invariant_generation=inv_gen if generates else 0, invariant_training=inv_train)
+        invariant_grids=grids, invariant_generation=inv_gen if generates else 0, invariant_training=inv_train,
+        call_tokens=call_tokens)
 
 
 def longest_sequence(cfg: Config) -> int:

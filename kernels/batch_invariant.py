@@ -329,8 +329,10 @@ def keep_weight_grids(params):
     for its call. Memory: an fp64 copy of each weight used in a product (2x its fp32 bytes).
 
     A parameter that is a tensor subclass holds no storage of its own and is skipped: FSDP2's sharded ``DTensor``
-    parameters, whose gathered copies are new tensors at each gather (the engine's call, inside the gather, keeps
-    those for the call; a training forward makes each weight's grid at its product)."""
+    parameters. Their gathered weights are freed at each reshard and written again at the next gather, possibly at
+    the same address and with the same version counter (FSDP2 preserves it), so a scope over gathered weights must
+    close inside the gather that made them, as the engine's call does (``full_weights`` around ``generate`` and
+    around each session run); a training forward makes each gathered weight's grid at its product."""
     ptrs = [p.untyped_storage().data_ptr() for p in params if _owns_storage(p)]
     for ptr in ptrs:
         _kept_storages[ptr] = _kept_storages.get(ptr, 0) + 1

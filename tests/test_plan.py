@@ -413,7 +413,7 @@ def test_the_router_logits_of_the_aux_loss_count_in_every_algorithm(recipe):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_batch_invariant_mode_adds_its_grids_and_temporaries(tied):
-    """``numerics.batch_invariant`` on the 1.5B recipe (ddp: the mode refuses fsdp2): the static part grows by the
+    """``numerics.batch_invariant`` on the 1.5B recipe under ddp: the static part grows by the
     fp64 weight grids, 8 bytes an entry of every parameter of the meta model but an untied input embedding (11.5 GiB);
     generation by twice the attention's 1 GiB bound, the gathered pages' quarter of it (bf16), a prefill chunk's
     fp64 products ``8·n·(h + I)`` and the LM head's ``8·batch·V``; training by twice the bound and ``8·T·(h + I)``;
@@ -456,17 +456,20 @@ def test_batch_invariant_mode_adds_its_grids_and_temporaries(tied):
     assert f_on.training_peak - f_off.training_peak == 2 * chunk + 8 * 32768 * (h + inter) + widest
 
 
-@settings(derandomize=True, max_examples=25, deadline=None)
-@given(gib=st.integers(40, 160), share=st.floats(0.0, 2.0), async_grpo=st.booleans())
-def test_a_set_kv_pool_must_fit_beside_generation(gib, share, async_grpo):
-    """``rollout.max_total_tokens`` set (sync or async; drawn as a share of the room generation leaves, 0 to 2x) is
-    the KV cache, allocated whole: the plan counts exactly that pool in the generation peak; when it overflows
-    generation's room the plan does not fit and its cure is the largest pool that does (that one fits beside
-    generation, one token more does not)."""
+@settings(derandomize=True, max_examples=30, deadline=None)
+@given(gib=st.integers(40, 160), share=st.floats(0.0, 2.0), async_grpo=st.booleans(),
+       microbatch=st.sampled_from([32768, 49152]))
+def test_a_set_kv_pool_must_fit_beside_generation(gib, share, async_grpo, microbatch):
+    """``rollout.max_total_tokens`` set (drawn as a share of the room generation leaves, 0 to 2x) is the KV cache: an
+    async session allocates it whole, a synchronous call at most what its samples fill (``call_tokens``). The
+    generation peak counts exactly that pool; when it overflows generation's room the plan does not fit and its cure
+    is the largest pool that fits beside generation and (async) beside the update, and that pool, applied, fits
+    beside generation; a batch cure, when named, counts the sequences that pool holds."""
     recipe = "deepscaler-1.5b-async" if async_grpo else "deepscaler-1.5b"
 
     def plan_with(tokens: int):
-        overrides = [f"model.path={QWEN_1P5B}", f"rollout.max_total_tokens={tokens}"]
+        overrides = [f"model.path={QWEN_1P5B}", f"rollout.max_total_tokens={tokens}",
+                     f"train.max_tokens_per_microbatch={microbatch}"]
         return memory_plan(load_config(recipe, overrides=overrides), 8, gib, shape=_QWEN_1P5B_SHAPE)
 
     unset = plan_with(0)
@@ -474,30 +477,68 @@ def test_a_set_kv_pool_must_fit_beside_generation(gib, share, async_grpo):
     assert unset.user_pool == 0 and (async_grpo or unset.kv_cache == max(0, room))
     tokens = max(2, int(share * room / per_token))
     plan = plan_with(tokens)
+    pool = tokens if async_grpo else min(tokens, plan.call_tokens)
     assert plan.generation_base == unset.generation_base
-    assert plan.kv_cache == plan.user_pool == tokens * per_token
-    assert plan.generation_peak == plan.generation_base + tokens * per_token
-    fits_beside = tokens * per_token <= room
+    assert plan.kv_cache == plan.user_pool == pool * per_token
+    assert plan.generation_peak == plan.generation_base + pool * per_token
+    fits_beside = pool * per_token <= room
     assert plan.fits == (fits_beside and plan.kv_sequences >= plan.batch and plan.training_peak <= plan.usable
                          and plan.scoring_peak <= plan.usable)
+    update_room = plan.usable - (plan.training_peak - plan.session_pool)  # async: the update holds the pool
+    best = min(room, update_room if async_grpo else room) // per_token
+    assert plan.pool_room == max(best, 0)
+    verdict = plan.verdict()
     if not fits_beside:
-        cure = re.search(r"rollout\.max_total_tokens<=(\d+) \(the KV pool", plan.verdict())
-        assert cure, plan.verdict()
-        best = int(cure.group(1))
-        assert best * per_token <= room < (best + 1) * per_token
+        assert f"rollout.max_total_tokens<={best} (the KV pool" in verdict, verdict
+        assert plan_with(best).generation_fits
+    for wanted in re.findall(r"rollout\.max_total_tokens>=(\d+)", verdict):  # the batch's pool fits both phases
+        assert int(wanted) <= best
+    held = re.search(r"rollout\.max_batch_size<=(\d+)", verdict)
+    if held:
+        assert int(held.group(1)) == min(plan.kv_sequences, best // plan.seq_len) < plan.batch
 
 
 _QWEN_1P5B_SHAPE = model_shape(load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}"]))
 
 
+def test_a_synchronous_pool_counts_what_a_call_can_fill():
+    """A synchronous call allocates at most every sample of a generation batch at full length (CUDA's 64-token
+    pages, and a scratch page): a pool set far above that counts that much, and the async recipe's pool on a
+    synchronous run fits 8 x 48 GiB, where counting it whole refused it."""
+    cfg = load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}", "grpo.num_prompts_per_step=32",
+                                                    "rollout.max_total_tokens=1769472"])
+    plan = memory_plan(cfg, 8, 48, shape=_QWEN_1P5B_SHAPE)
+    g = cfg.grpo
+    seq = plan.seq_len
+    assert plan.call_tokens == -(-g.prompts_per_gen_batch // 8) * g.num_generations * -(-seq // 64) * 64 + 64
+    assert plan.user_pool == min(1769472, plan.call_tokens) * plan.kv_bytes_per_token
+    assert plan.fits, plan.verdict()
+
+
+def test_generation_base_alone_over_the_gpu_names_no_pool():
+    """When generation's base alone leaves no room for one sequence the cure is more memory (or fsdp2), never a
+    pool of 0 tokens; DPO and SFT, which do not generate, get no KV cure at all."""
+    gen = memory_plan(load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}"]), 1, 16,
+                      shape=_QWEN_1P5B_SHAPE)
+    assert not gen.fits and "a GPU with more memory" in gen.verdict()
+    assert "max_total_tokens<=0" not in gen.verdict() and "max_batch_size<=0" not in gen.verdict()
+    for recipe, gib in (("dpo-1.5b", 16), ("sft-1.5b", 8)):
+        plan = memory_plan(load_config(recipe, overrides=[f"model.path={QWEN_1P5B}"]), 1, gib, shape=_QWEN_1P5B_SHAPE)
+        assert plan.batch == 0 and plan.generation_fits
+        assert "max_total_tokens" not in plan.verdict() and "max_batch_size" not in plan.verdict()
+
+
 def test_the_trainer_check_stops_a_kv_pool_the_gpu_cannot_hold(monkeypatch):
-    """The start-up check (CUDA) stops a run whose ``rollout.max_total_tokens`` pool does not fit beside generation
-    (the engine would allocate it whole and fail mid-run), naming the pool that fits; the same run unset passes."""
+    """The start-up check (CUDA) stops an async run whose ``rollout.max_total_tokens`` pool (allocated whole) does
+    not fit beside generation, naming the pool that fits; the same run unset passes, and so does a synchronous run
+    with that pool (its call fills a few pages of it)."""
     from types import SimpleNamespace
 
     from fastgrpo.plan import check_fits
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=2**30))
-    check_fits(load_config("tiny"), 1, torch.device("cuda", 0))
+    check_fits(load_config("async-tiny"), 1, torch.device("cuda", 0))
+    check_fits(load_config("tiny", overrides=["rollout.max_total_tokens=40000000"]), 1, torch.device("cuda", 0))
     with pytest.raises(SystemExit, match=r"does not fit: .*rollout\.max_total_tokens<=\d+ \(the KV pool of 40000000"):
-        check_fits(load_config("tiny", overrides=["rollout.max_total_tokens=40000000"]), 1, torch.device("cuda", 0))
+        check_fits(load_config("async-tiny", overrides=["rollout.max_total_tokens=40000000"]), 1,
+                   torch.device("cuda", 0))
