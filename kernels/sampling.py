@@ -170,6 +170,10 @@ def inverse_cdf_sample(weights_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[tor
     # more than its arithmetic here (see the engine's decode step)
     bounds_SN = F.pad(sums[0] if len(sums) == 1 else torch.cat(sums, dim=1), (1, 0)).cumsum(1, dtype=torch.float64)
     total_S = bounds_SN[:, -1]
+    if not total_S.is_cuda and not torch.isfinite(total_S).all():  # on CPU a host check costs nothing
+        rows = (~torch.isfinite(total_S)).nonzero().flatten().tolist()
+        raise ValueError(f"sampling: non-finite weights (logits) in rows {rows[:8]}: the model's activations "
+                         "overflowed or are NaN")
     t_S = u_S * total_S
     i_S = _first_above(bounds_SN, t_S)  # block i − 1 is chosen: C[i − 1] <= t < C[i] (i >= 1: C[0] = 0 <= t)
     lo_hi_S2 = bounds_SN.gather(1, i_S[:, None] + torch.arange(-1, 1, device=i_S.device))  # its [C_lo, C_hi)

@@ -175,3 +175,22 @@ def test_inverse_cdf_sample_boundary_inside_a_block():
     w = torch.tensor([[1.0, 48.0, 0.0, 0.0, 15.0, 0.0, 0.0]])
     tok, _ = sampling.inverse_cdf_sample(w, torch.tensor([1 / 64], dtype=torch.float64))
     assert tok.tolist() == [1]
+
+
+@settings(max_examples=10)
+@given(S=st.integers(1, 6), V=st.integers(2, 3000), bad=st.sampled_from([float("nan"), float("inf")]),
+       seed=st.integers(0, 1000))
+def test_inverse_cdf_sample_names_non_finite_rows(S, V, bad, seed):
+    """A row whose weights hold a NaN or an inf (the logits of an overflowed model) raises a ValueError naming it,
+    instead of an out-of-range index; the finite rows alone still draw."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(S, V, generator=g)
+    row = seed % S
+    w[row, seed % V] = bad
+    u = torch.rand(S, generator=g, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"non-finite weights \(logits\) in rows \[{row}\]"):
+        sampling.inverse_cdf_sample(w, u)
+    keep = torch.arange(S) != row
+    if keep.any():
+        tokens, _ = sampling.inverse_cdf_sample(w[keep], u[keep])
+        assert ((tokens >= 0) & (tokens < V)).all()
