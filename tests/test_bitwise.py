@@ -16,14 +16,16 @@ The fast tier runs a few derandomized examples of each; ``-m slow`` runs a large
 
 import contextlib
 import importlib.util
+from unittest import mock
 
 import pytest
+import test_generation_fidelity
 import torch
 from fastgrpo.kernels.batch_invariant import invariant_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_generation import ARCHS, MOE_ARCH, random_prompts, tiny_model
-from test_generation_fidelity import cases, engine_for, run_turns, turn_cases
+from test_generation_fidelity import cases, draw_schedules, engine_for, run_turns, turn_cases
 from turn_script import CharTokenizer
 
 from fastgrpo.algorithms.batch import Sample, pack_microbatches
@@ -230,9 +232,9 @@ def test_moe_lora_engine_logprobs_and_routing_equal_the_trainers(case):
     check_bitwise(*case, adapt=attention_lora)
 
 
-def check_turns_bitwise(case, dtype, budget, device="cpu"):
+def check_turns_bitwise(case, dtype, budget, device="cpu", changes=None):
     arch, seed, lengths, params, script, schedules = case
-    model = tiny_model(arch, seed=seed % 5).to(device, dtype)
+    model = tiny_model(arch, seed=seed % 5, **(changes or {})).to(device, dtype)
     tokenizer = CharTokenizer(96, seed=seed)
     prompts = random_prompts(lengths, seed=seed)
     saved = torch.get_num_threads()
@@ -245,6 +247,7 @@ def check_turns_bitwise(case, dtype, budget, device="cpu"):
     differ, total = trainer_mismatches(model, prompts, runs[0], params.temperature or 1.0, budget, 1)
     assert total > 0 and differ == 0, f"{differ} of {total} sampled tokens differ from the trainer's log-prob"
     assert_same_runs(runs)
+    return prompts, runs[0]
 
 
 @settings(max_examples=3, deadline=None)
@@ -259,6 +262,48 @@ def test_multi_turn_logprobs_equal_the_trainers(case, dtype, budget):
        st.sampled_from([32, 4096]))
 def test_multi_turn_logprobs_equal_the_trainers_sweep(case, dtype, budget):
     check_turns_bitwise(case, dtype, budget)
+
+
+@st.composite
+def long_turn_cases(draw):
+    """Conversations past the attention's 64-key big blocks (the turn cases stop at 64 tokens): prompts at and around
+    a block's edge, turns resumed onto cached K/V beyond it (the pages' index-picked blocks, the row cache's kept value
+    grids made again when a resumed row is loaded anew), observations up to 40 tokens, tight page budgets."""
+    P = draw(st.integers(1, 2))
+    n = draw(st.integers(1, 2))
+    lengths = [draw(st.sampled_from([64, 65, 100])),  # a conversation past the first big block
+               *draw(st.lists(st.sampled_from([1, 30, 63, 64]), min_size=P - 1, max_size=P - 1))]
+    greedy = draw(st.booleans())
+    params = SamplingParams(
+        n=n, temperature=0.0 if greedy else draw(st.sampled_from([0.7, 1.0])),
+        max_new_tokens=draw(st.sampled_from([10, 30, 70])),
+        stop_token_ids=tuple(draw(st.lists(st.integers(0, 95), min_size=2, max_size=12, unique=True))),
+        max_turns=draw(st.integers(2, 4)), max_sequence_tokens=draw(st.sampled_from([None, 200])),
+        seed=draw(st.integers(0, 2**20)))
+    script = dict(seed=draw(st.integers(0, 2**16)), max_obs=draw(st.sampled_from([3, 15, 40])),
+                  finish_prob=draw(st.sampled_from([0.0, 0.2])), max_delay=draw(st.sampled_from([0, 2])),
+                  stop_strings=((), ()))
+    return (draw(st.sampled_from(sorted(ARCHS))), draw(st.integers(0, 2**16)), lengths, params, script,
+            draw_schedules(draw, P * n))
+
+
+def check_long_turns_bitwise(case, dtype, budget):
+    with mock.patch.object(test_generation_fidelity, "MAX_POS", 256):  # the harness's bound on a conversation: 64
+        prompts, runs = check_turns_bitwise(case, dtype, budget, changes=dict(max_position_embeddings=256))
+    assert max(len(p) + len(c.token_ids) for p, comps in zip(prompts, runs) for c in comps) > 64
+
+
+@settings(max_examples=2, deadline=None)
+@given(long_turn_cases(), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([64, 4096]))
+def test_long_multi_turn_logprobs_equal_the_trainers(case, dtype, budget):
+    check_long_turns_bitwise(case, dtype, budget)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None)
+@given(long_turn_cases(), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([64, 4096]))
+def test_long_multi_turn_logprobs_equal_the_trainers_sweep(case, dtype, budget):
+    check_long_turns_bitwise(case, dtype, budget)
 
 
 @settings(max_examples=3, deadline=None)
