@@ -345,6 +345,8 @@ def wrap_model(
       place to fp32 sharded parameters (the fp32 master weights) with ``param_dtype`` = its dtype (bf16 all-gather,
       forward and backward) and ``reduce_dtype=float32`` (see :mod:`fastgrpo.precision`); an fp32 model stays fp32.
       Frozen parameters (a LoRA base, ``fastgrpo.models.lora``) are not upcast: they stay sharded in the compute dtype.
+      Rank 0's values of the trainable parameters are broadcast first, as DDP copies them (fresh adapters or heads
+      differ per rank otherwise; the frozen weights are loaded alike everywhere).
       ``reshard_after_forward`` frees gathered layer weights after forward (ZeRO-3) or keeps them (ZeRO-2).
       Every forward all-gathers, so all ranks must run the same number of forwards per step.
     - ``"none"``: the model unchanged.
@@ -388,6 +390,9 @@ def wrap_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(state.device.type, (state.world_size,))
+    for p in model.parameters():  # rank 0's values everywhere, as DDP copies them: a fresh LoRA adapter or score
+        if p.requires_grad:  # head is drawn from each rank's own seed, and the shards would mix the draws
+            dist.broadcast(p.data, src=0)
     if mp_policy is None:
         low = {p.dtype for p in model.parameters() if p.is_floating_point()} - {torch.float32}
         if len(low) > 1:

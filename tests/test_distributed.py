@@ -266,7 +266,7 @@ def _worker(out_dir: Path) -> None:
     _accumulate(ddp, [ids_BT[:4]] if r == 0 else [ids_BT[4:6], ids_BT[6:]], tokens, state.world_size)
     report["ddp_accum_grad_maxdiff"] = _max_grad_diff(ddp, ref_grads)
 
-    torch.manual_seed(0)
+    torch.manual_seed(r)  # different weights on each rank: FSDP2 too must start from rank 0's (the sharded state)
     fsdp = D.wrap_model(Tiny(), state, "fsdp2")
     report["is_fsdp"] = D.is_fsdp(fsdp)
     _loss(fsdp, shard_BT).backward()
