@@ -287,7 +287,7 @@ class MemoryPlan:
         t = self.cfg.train
         if self.training_peak > self.usable:
             cures.append(self._training_cure())
-        if self.scoring_peak > self.usable:
+        if self.scoring_peak > self.usable and self.reward_pass:
             cures.append(f"a smaller train.max_tokens_per_microbatch (the reward models' pass peaks at "
                          f"{self.scoring_peak / GIB:.1f} GiB)" + ("" if self.cfg.train.strategy == "fsdp2" or
                                                                  self.nproc == 1 else " or train.strategy=fsdp2"))

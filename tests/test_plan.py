@@ -517,11 +517,13 @@ def test_a_synchronous_pool_counts_what_a_call_can_fill():
 
 def test_generation_base_alone_over_the_gpu_names_no_pool():
     """When generation's base alone leaves no room for one sequence the cure is more memory (or fsdp2), never a
-    pool of 0 tokens; DPO and SFT, which do not generate, get no KV cure at all."""
+    pool of 0 tokens, nor the reward models' pass of a run that has none; DPO and SFT, which do not generate, get no
+    KV cure at all."""
     gen = memory_plan(load_config("deepscaler-1.5b", overrides=[f"model.path={QWEN_1P5B}"]), 1, 16,
                       shape=_QWEN_1P5B_SHAPE)
     assert not gen.fits and "a GPU with more memory" in gen.verdict()
     assert "max_total_tokens<=0" not in gen.verdict() and "max_batch_size<=0" not in gen.verdict()
+    assert gen.reward_pass == 0 and "reward models' pass" not in gen.verdict()  # none to blame
     for recipe, gib in (("dpo-1.5b", 16), ("sft-1.5b", 8)):
         plan = memory_plan(load_config(recipe, overrides=[f"model.path={QWEN_1P5B}"]), 1, gib, shape=_QWEN_1P5B_SHAPE)
         assert plan.batch == 0 and plan.generation_fits
